@@ -1,0 +1,24 @@
+# The README's two commands: `make run` (setup + default job) and `make test` (setup + full suite).
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup run test lint format
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+run: setup
+	$(BIN)/molt sft
+
+test: setup lint
+	$(BIN)/pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .

@@ -1,0 +1,133 @@
+"""TOML / YAML config files -> the typed config tree, strictly.
+
+Unknown keys, wrong types and invalid values are errors naming the dotted key, the file and (where
+the format lets us find it) the line. Values are checked against the dataclass field types; nothing
+is silently converted except int -> float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from molt.config import ConfigError
+
+
+def _toml_lines(text: str) -> dict[str, int]:
+    """Dotted key -> 1-based line for a TOML document (tables and dotted keys)."""
+    where, table = {}, ""
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if m := re.match(r"\s*\[([^\[\]]+)\]\s*(#.*)?$", line):
+            table = m[1].strip().replace(" ", "")
+            where.setdefault(table, lineno)
+        elif m := re.match(r"\s*([A-Za-z0-9_.\-\"' ]+?)\s*=", line):
+            key = m[1].replace('"', "").replace("'", "").replace(" ", "")
+            where.setdefault(f"{table}.{key}" if table else key, lineno)
+    return where
+
+
+def _yaml_lines(node: yaml.Node | None, prefix: str = "", where: dict[str, int] | None = None) -> dict[str, int]:
+    where = {} if where is None else where
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = f"{prefix}{key_node.value}"
+            where[key] = key_node.start_mark.line + 1
+            _yaml_lines(value_node, key + ".", where)
+    return where
+
+
+def read_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """(mapping, dotted key -> line) of a .toml / .yaml / .yml file."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"--config: file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(text), _toml_lines(text)
+        if path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+            if not isinstance(data, dict):
+                raise ConfigError(f"{path}: top level must be a mapping of config groups")
+            return data, _yaml_lines(yaml.compose(text))
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot parse: {e}") from None
+    raise ConfigError(f"--config: {path} must end in .toml, .yaml or .yml")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """`value` checked against type `tp` (int accepted for float; lists for tuples)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for option in args:
+            try:
+                return coerce(value, option, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: must be one of {list(args)}, got {value!r}")
+        return value
+    if origin in (list, tuple) and isinstance(value, list | tuple):
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
+            return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+        item = args[0] if args else Any
+        return origin(coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict and isinstance(value, dict):
+        return dict(value)
+    if tp is type(None) and value is None:
+        return None
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(tp, type) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def build(cls: type, data: dict[str, Any], base: Any = None, prefix: str = "") -> Any:
+    """Instance of dataclass `cls` from nested `data`, starting from `base` (or the defaults)."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys: {names}"
+            raise ConfigError(f"{dotted}: unknown key{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{dotted}: expected a table of {tp.__name__} fields, got {value!r}")
+            values[key] = build(tp, value, getattr(base, key, None), f"{dotted}.")
+        else:
+            values[key] = coerce(value, tp, dotted)
+    return dataclasses.replace(base, **values) if base is not None else cls(**values)
+
+
+def load_config_file(cls: type, path: str | Path) -> Any:
+    """Config tree `cls` with the values of file `path`; errors name file, line and key."""
+    data, lines = read_file(path)
+    try:
+        return build(cls, data)
+    except ConfigError as e:
+        key = str(e).split(":", 1)[0]
+        line = lines.get(key) or lines.get(key.rsplit(".", 1)[0])
+        raise ConfigError(f"{path}{f':{line}' if line else ''}: {e}") from None

@@ -1,0 +1,1 @@
+"""Data: built-in tasks and chat datasets on disk."""

@@ -1,0 +1,126 @@
+"""Attention backends: where the model's keys and values go and whom each query may see.
+
+The model computes q/k/v and hands them to a backend, `attend(layer_idx, q, k, v) -> out`, prepared
+once per forward from the explicit positions. Two backends live here:
+
+- `PackedCausal`: training / scoring. Several samples may share one row ("packing"); `doc_ids`
+  says which sample each token belongs to, and a token sees only earlier tokens of its own sample.
+- `KVCache`: a contiguous per-row cache for incremental decoding (slot = position). The engine may
+  bring its own (block-based) cache implementing the same `prepare` / `attend` protocol.
+
+Nothing here knows about parallelism or RL.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class Attend(Protocol):
+    def __call__(
+        self, layer_idx: int, q_bhtd: torch.Tensor, k_bhtd: torch.Tensor, v_bhtd: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class Cache(Protocol):
+    def prepare(self, position_ids_bt: torch.Tensor) -> Attend: ...
+
+
+def sdpa(
+    q_bhtd: torch.Tensor,
+    k_bhsd: torch.Tensor,
+    v_bhsd: torch.Tensor,
+    mask_btts: torch.Tensor | None,
+    causal: bool,
+) -> torch.Tensor:
+    """Scaled dot-product attention with grouped-query heads (kv heads repeated to match q)."""
+    groups = q_bhtd.shape[1] // k_bhsd.shape[1]
+    if groups > 1:
+        k_bhsd = k_bhsd.repeat_interleave(groups, dim=1)
+        v_bhsd = v_bhsd.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q_bhtd, k_bhsd, v_bhsd, attn_mask=mask_btts, is_causal=causal)
+
+
+class PackedCausal:
+    """Causal attention within each packed sample; plain causal when `doc_ids_bt` is None."""
+
+    def __init__(self, doc_ids_bt: torch.Tensor | None = None):
+        self.mask_b1tt = None
+        if doc_ids_bt is not None:
+            t = doc_ids_bt.shape[1]
+            causal_tt = torch.ones(t, t, dtype=torch.bool, device=doc_ids_bt.device).tril()
+            same_doc_btt = doc_ids_bt[:, :, None] == doc_ids_bt[:, None, :]
+            self.mask_b1tt = (same_doc_btt & causal_tt)[:, None]
+
+    def __call__(
+        self, layer_idx: int, q_bhtd: torch.Tensor, k_bhtd: torch.Tensor, v_bhtd: torch.Tensor
+    ) -> torch.Tensor:
+        return sdpa(q_bhtd, k_bhtd, v_bhtd, self.mask_b1tt, causal=self.mask_b1tt is None)
+
+
+def doc_ids_from_lengths(lengths: list[list[int]], row_len: int, device: torch.device | None = None):
+    """doc ids [B, row_len] and restarting position ids for rows packed with samples of `lengths`.
+
+    Padding after the last sample of a row gets its own doc id (-1 - row) and position 0.
+    """
+    doc_ids = torch.full((len(lengths), row_len), -1, dtype=torch.long)
+    positions = torch.zeros((len(lengths), row_len), dtype=torch.long)
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for doc, n in enumerate(row_lengths):
+            doc_ids[row, start : start + n] = doc
+            positions[row, start : start + n] = torch.arange(n)
+            start += n
+        if start > row_len:
+            raise ValueError(f"row {row}: samples of total length {start} exceed row length {row_len}")
+    return doc_ids.to(device), positions.to(device)
+
+
+class KVCache:
+    """Preallocated contiguous KV cache [layers, B, kv_heads, max_len, head_dim]; slot = position.
+
+    A forward writes each new token's k/v at its position and attends to every slot at or before it,
+    so a row's state is just "what was written at positions < p" and needs no length bookkeeping.
+    Positions < 0 mark padding tokens: they write nothing and see only themselves.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        shape = (num_layers, batch, num_kv_heads, max_len + 1, head_dim)  # +1: scratch slot for padding
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    @classmethod
+    def for_model(cls, cfg, batch: int, max_len: int, dtype=torch.float32, device=None) -> KVCache:
+        """A cache sized for a TransformerConfig."""
+        return cls(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device)
+
+    def prepare(self, position_ids_bt: torch.Tensor) -> Attend:
+        if int(position_ids_bt.max()) >= self.max_len:
+            raise ValueError(f"position {int(position_ids_bt.max())} exceeds KV cache length {self.max_len}")
+        slots_bt = torch.where(position_ids_bt < 0, self.max_len, position_ids_bt)
+        key_pos_s = torch.arange(self.max_len + 1, device=position_ids_bt.device)
+        visible_bts = key_pos_s[None, None, :] <= position_ids_bt[:, :, None]
+        visible_bts[:, :, self.max_len] = position_ids_bt < 0  # padding sees only its scratch slot
+        mask_b1ts = visible_bts[:, None]
+        index_bhtd = slots_bt[:, None, :, None]
+
+        def attend(layer_idx: int, q_bhtd, k_bhtd, v_bhtd) -> torch.Tensor:
+            idx = index_bhtd.expand(-1, k_bhtd.shape[1], -1, k_bhtd.shape[3])
+            self.k[layer_idx].scatter_(2, idx, k_bhtd.to(self.k.dtype))
+            self.v[layer_idx].scatter_(2, idx, v_bhtd.to(self.v.dtype))
+            return sdpa(q_bhtd, self.k[layer_idx], self.v[layer_idx], mask_b1ts, causal=False)
+
+        return attend

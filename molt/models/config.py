@@ -1,0 +1,242 @@
+"""Architecture hyper-parameters of Molt's transformer family, and their mapping to HF `config.json`.
+
+One dataclass describes every supported model (Llama, Qwen2, Qwen3 dense, Qwen3-MoE). Each HF
+`model_type` is a registered `Family` that knows how to read and write its config keys; an unknown
+`model_type` or an unsupported feature is an error naming the key. Knows nothing of weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TransformerConfig:
+    """Shape and numerics of one decoder-only transformer (dense or sparse MoE)."""
+
+    model_type: str = "qwen3"
+    vocab_size: int = 512
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = True
+    # sparse MoE (Qwen3-MoE style); num_experts == 0 means dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    router_fp32: bool = True
+    # special token ids carried through to config.json
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
+            raise ValueError("num_experts_per_tok must be in [1, num_experts]")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ValueError("moe_intermediate_size must be > 0 when num_experts > 0")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` uses the sparse MoE block (Qwen3-MoE placement rule)."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        dense_mlp = 3 * h * self.intermediate_size
+        moe_mlp = self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
+        mlp = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in range(self.num_layers))
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * attn + mlp + emb
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one HF `model_type` maps onto TransformerConfig."""
+
+    architecture: str
+    read: Callable[[dict[str, Any]], dict[str, Any]]
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(model_type: str, architecture: str):
+    """Register the decorated config reader for `model_type`; all families share one writer."""
+
+    def wrap(read: Callable[[dict[str, Any]], dict[str, Any]]):
+        if model_type in FAMILIES:
+            raise ValueError(f"model family {model_type!r} registered twice")
+        FAMILIES[model_type] = Family(architecture, read)
+        return read
+
+    return wrap
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either transformers-5 `rope_parameters` or older `rope_theta`/`rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    scaling = params if params.get("rope_type", "default") != "default" else None
+    return theta, scaling
+
+
+def _read_common(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+    if hf.get("use_sliding_window"):
+        raise ValueError("config.json: use_sliding_window=true is not supported")
+    theta, scaling = _rope(hf)
+    heads = hf["num_attention_heads"]
+    return dict(
+        model_type=hf["model_type"],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+@register_family("llama", "LlamaForCausalLM")
+def _read_llama(hf: dict[str, Any]) -> dict[str, Any]:
+    bias = hf.get("attention_bias", False)
+    return _read_common(hf) | dict(qkv_bias=bias, o_bias=bias, mlp_bias=hf.get("mlp_bias", False), qk_norm=False)
+
+
+@register_family("qwen2", "Qwen2ForCausalLM")
+def _read_qwen2(hf: dict[str, Any]) -> dict[str, Any]:
+    return _read_common(hf) | dict(qkv_bias=True, o_bias=False, qk_norm=False)
+
+
+@register_family("qwen3", "Qwen3ForCausalLM")
+def _read_qwen3(hf: dict[str, Any]) -> dict[str, Any]:
+    bias = hf.get("attention_bias", False)
+    return _read_common(hf) | dict(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+@register_family("qwen3_moe", "Qwen3MoeForCausalLM")
+def _read_qwen3_moe(hf: dict[str, Any]) -> dict[str, Any]:
+    return _read_qwen3(hf) | dict(
+        num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0,
+        num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        norm_topk_prob=hf.get("norm_topk_prob", False),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        mlp_only_layers=list(hf.get("mlp_only_layers") or []),
+    )
+
+
+def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
+    """HF `config.json` dict for `cfg` (readable by transformers and vLLM)."""
+    rope = {"rope_type": "default"} | (cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
+    hf: dict[str, Any] = dict(
+        architectures=[FAMILIES[cfg.model_type].architecture],
+        model_type=cfg.model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,  # older transformers / vLLM read these two
+        rope_scaling=cfg.rope_scaling,
+        rope_parameters=rope,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_bias=cfg.qkv_bias,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id,
+        torch_dtype="float32",
+    )
+    if cfg.model_type == "llama":
+        hf["mlp_bias"] = cfg.mlp_bias
+    if cfg.num_experts:
+        hf |= dict(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=cfg.decoder_sparse_step,
+            mlp_only_layers=cfg.mlp_only_layers,
+        )
+    return hf
+
+
+def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> TransformerConfig:
+    """TransformerConfig from an HF config dict; unsupported `model_type` is an error naming `source`."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(f"{source}: model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
+    cfg = TransformerConfig(**FAMILIES[model_type].read(hf))
+    if cfg.qkv_bias != cfg.o_bias and model_type != "qwen2":
+        raise ValueError(f"{source}: attention_bias must apply to q/k/v/o alike for {model_type}")
+    return cfg
+
+
+# Built-in presets: random-weight models for tests and the default job (vocab sized for the built-in
+# tokenizer; `vocab_size` is overwritten with the real tokenizer size when a model is built).
+PRESETS: dict[str, TransformerConfig] = {
+    "tiny": TransformerConfig(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2),
+    "small": TransformerConfig(
+        hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64
+    ),
+    "tiny-moe": TransformerConfig(
+        model_type="qwen3_moe",
+        hidden_size=256,
+        intermediate_size=768,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=192,
+    ),
+}
+
+
+def preset(name: str, **overrides: Any) -> TransformerConfig:
+    """A copy of preset `name` with `overrides` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"model.preset={name!r} is unknown; choose one of {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

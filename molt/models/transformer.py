@@ -1,0 +1,160 @@
+"""Molt's one transformer: Llama / Qwen2 / Qwen3 dense and Qwen3-MoE from one `TransformerConfig`.
+
+The forward takes token ids and explicit position ids, plus either `doc_ids` (packed training rows:
+no attention across samples) or a `cache` (incremental decoding; see `attention.py`). Projections
+are fused (qkv, gate+up) for fewer, larger matmuls; `hf_io.py` maps them to HF names. The model
+knows nothing about parallelism, sampling or RL.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from molt.models.attention import Cache, PackedCausal
+from molt.models.config import TransformerConfig
+from molt.models.moe import SparseMoE
+from molt.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, scaled by a learned weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Grouped-query attention with optional q/k RMSNorm (per head) and q/k/v bias."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+
+    def forward(self, x_bth: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, layer_idx: int):
+        b, t, _ = x_bth.shape
+        d = self.head_dim
+        q, k, v = self.qkv_proj(x_bth).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q_bhtd = self.q_norm(q.view(b, t, -1, d)).transpose(1, 2)
+        k_bhtd = self.k_norm(k.view(b, t, -1, d)).transpose(1, 2)
+        v_bhtd = v.view(b, t, -1, d).transpose(1, 2)
+        q_bhtd, k_bhtd = apply_rope(q_bhtd, cos, sin), apply_rope(k_bhtd, cos, sin)
+        out_bhtd = attend(layer_idx, q_bhtd, k_bhtd, v_bhtd)
+        return self.o_proj(out_bhtd.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    """Dense gated MLP: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, inner: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: TransformerConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = SparseMoE(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                cfg.router_fp32,
+            )
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x_bth, cos, sin, attend):
+        x_bth = x_bth + self.self_attn(self.input_layernorm(x_bth), cos, sin, attend, self.layer_idx)
+        return x_bth + self.mlp(self.post_attention_layernorm(x_bth))
+
+
+class Transformer(nn.Module):
+    """Decoder-only causal LM. `forward` returns logits [B, T, V] (or final hidden states)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
+        self.reset_rope()
+
+    def reset_rope(self) -> None:
+        """(Re)compute the rotary inverse frequencies from the config."""
+        cfg = self.cfg
+        inv_freq, self.rope_scale = rope_inv_freq(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+        )
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+
+    def forward(
+        self,
+        input_ids_bt: torch.Tensor,
+        position_ids_bt: torch.Tensor | None = None,
+        *,
+        doc_ids_bt: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Logits for `input_ids_bt` at explicit positions (default 0..T-1 per row).
+
+        `doc_ids_bt` packs several samples per row (attention stays within a sample); `cache`
+        switches to incremental decoding (the cache decides what each query sees).
+        """
+        if position_ids_bt is None:
+            position_ids_bt = torch.arange(input_ids_bt.shape[1], device=input_ids_bt.device).expand_as(input_ids_bt)
+        if cache is not None and doc_ids_bt is not None:
+            raise ValueError("pass either doc_ids_bt (packed training) or cache (decoding), not both")
+        attend = cache.prepare(position_ids_bt) if cache is not None else PackedCausal(doc_ids_bt)
+        x_bth = self.embed_tokens(input_ids_bt)
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, position_ids_bt.clamp(min=0), x_bth.dtype)
+        for layer in self.layers:
+            x_bth = layer(x_bth, cos, sin, attend)
+        x_bth = self.norm(x_bth)
+        return x_bth if return_hidden else self.lm_head(x_bth)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> Transformer:
+        """Random init (normal(0, std) matrices, zero biases, unit norms) for models built from config."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=generator)
+        return self
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

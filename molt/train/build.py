@@ -1,0 +1,34 @@
+"""Build the policy's tokenizer and model from the `model` config group."""
+
+from __future__ import annotations
+
+import torch
+
+from molt.config import ModelConfig
+from molt.models import Transformer, from_pretrained, preset
+from molt.models.tokenizer import build_builtin_tokenizer, load_tokenizer
+
+
+def build_tokenizer(cfg: ModelConfig):
+    """The configured tokenizer folder, the model folder's tokenizer, or Molt's built-in one."""
+    if cfg.tokenizer:
+        return load_tokenizer(cfg.tokenizer)
+    if cfg.path:
+        return load_tokenizer(cfg.path)
+    return build_builtin_tokenizer()
+
+
+def build_model(cfg: ModelConfig, tokenizer, seed: int, device: str = "cpu") -> Transformer:
+    """A model loaded from `cfg.path`, or a preset sized to the tokenizer with seeded random weights."""
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.path:
+        return from_pretrained(cfg.path, dtype=dtype, device=device)
+    arch = preset(
+        cfg.preset,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Transformer(arch).init_weights(cfg.init_std, torch.Generator().manual_seed(seed))
+    return model.to(device=device, dtype=dtype)

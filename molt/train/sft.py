@@ -1,0 +1,165 @@
+"""`molt sft`: supervised fine-tuning on chat rows, loss on the assistant tokens the template marks.
+
+Samples are tokenized once (assistant spans derived from the chat template), packed into dense
+rows, and trained with a global token-mean cross-entropy: each step's gradient is the gradient of
+(sum of token losses) / (number of loss tokens in the step), however it is split into micro-batches.
+Writes metrics.jsonl and an HF checkpoint (model + tokenizer) that `transformers` loads.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from molt.config import Config
+from molt.data.chat import read_jsonl
+from molt.data.tasks import get_task
+from molt.log import RunDir
+from molt.models import Transformer, save_pretrained
+from molt.models.tokenizer import assistant_mask
+from molt.train.build import build_model, build_tokenizer
+from molt.train.optim import build_optimizer
+from molt.train.packing import PackedBatch, pack
+
+
+@dataclass
+class SftResult:
+    run_dir: str
+    checkpoint: str
+    eval_before: dict[str, float]
+    eval_after: dict[str, float]
+
+
+def sft_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(train, eval) conversations: from `data.path` (10% held out) or the task's demonstrations."""
+    if cfg.data.path:
+        rows = read_jsonl(cfg.data.path)
+        n_eval = min(cfg.data.num_eval, len(rows) // 10)
+        return rows[n_eval:], rows[:n_eval]
+    task, rng = get_task(cfg.data.task), random.Random(cfg.data.seed)
+    rows = task.rows(cfg.data.num_train + cfg.data.num_eval, cfg.data.seed)
+    convs = [{"messages": task.demonstration(r, rng), "tools": r.get("tools")} for r in rows]
+    return convs[cfg.data.num_eval :], convs[: cfg.data.num_eval]
+
+
+def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str) -> tuple[list, list]:
+    """Token ids and assistant masks per row; a too-long row or one without targets is an error."""
+    ids, masks = [], []
+    for i, row in enumerate(rows):
+        row_ids, row_mask = assistant_mask(tokenizer, row["messages"], tools=row.get("tools"))
+        if len(row_ids) > max_len:
+            raise ValueError(f"{source} row {i}: {len(row_ids)} tokens exceed data.max_len={max_len}")
+        if not any(row_mask):
+            raise ValueError(f"{source} row {i}: no assistant tokens to train on")
+        ids.append(row_ids)
+        masks.append(row_mask)
+    return ids, masks
+
+
+def token_losses(model: Transformer, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed masked cross-entropy, number of correct argmax predictions) of one packed batch."""
+    logits = model(batch.input_ids, batch.position_ids, doc_ids_bt=batch.doc_ids)
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="none")
+    mask = batch.loss_mask.flatten()
+    correct = ((logits.argmax(-1).flatten() == batch.targets.flatten()).float() * mask).sum()
+    return (nll * mask).sum(), correct
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, batches: list[PackedBatch]) -> dict[str, float]:
+    """Held-out loss per assistant token and next-token accuracy on those tokens."""
+    model.eval()
+    loss = correct = count = 0.0
+    for batch in batches:
+        batch_loss, batch_correct = token_losses(model, batch)
+        loss, correct, count = (
+            loss + float(batch_loss),
+            correct + float(batch_correct),
+            count + float(batch.loss_mask.sum()),
+        )
+    model.train()
+    return {"eval/loss": loss / max(count, 1), "eval/token_acc": correct / max(count, 1)}
+
+
+def train_step(model, opt, schedule, batches: list[PackedBatch], grad_clip: float) -> dict[str, float]:
+    """One optimizer step over micro-batches with a global token-mean denominator."""
+    denom = sum(float(b.loss_mask.sum()) for b in batches)
+    total = 0.0
+    for batch in batches:
+        loss_sum, _ = token_losses(model, batch)
+        (loss_sum / denom).backward()
+        total += float(loss_sum.detach())
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    finite = bool(torch.isfinite(norm))
+    if finite:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    lr = schedule.get_last_lr()[0]
+    schedule.step()
+    return {
+        "train/loss": total / denom,
+        "train/grad_norm": float(norm),
+        "train/lr": lr,
+        "train/skipped": int(not finite),
+    }
+
+
+def shuffled_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
+    """Endless batches of sample indices; each epoch is a fresh seeded permutation."""
+    rng, order, cursor = random.Random(seed), list(range(n)), n
+    while True:
+        picked: list[int] = []
+        while len(picked) < batch_size:
+            if cursor == n:
+                rng.shuffle(order)
+                cursor = 0
+            take = order[cursor : cursor + batch_size - len(picked)]
+            picked += take
+            cursor += len(take)
+        yield picked
+
+
+def run_sft(cfg: Config) -> SftResult:
+    """The `molt sft` command."""
+    torch.manual_seed(cfg.train.seed)
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
+    run = RunDir(cfg.log.run_dir, "sft", cfg)
+    tokenizer = build_tokenizer(cfg.model)
+    model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device)
+    train_rows, eval_rows = sft_rows(cfg)
+    source = cfg.data.path or f"task {cfg.data.task}"
+    ids, masks = tokenize_rows(tokenizer, train_rows, cfg.data.max_len, source)
+    eval_ids, eval_masks = tokenize_rows(tokenizer, eval_rows, cfg.data.max_len, source)
+    row_len, mb = cfg.data.max_len, cfg.train.micro_batch_tokens
+    eval_batches = [b.to(cfg.runtime.device) for b in pack(eval_ids, eval_masks, row_len, mb)] if eval_ids else []
+    run.print(f"model {model.num_params() / 1e6:.2f}M params, {len(ids)} train / {len(eval_ids)} eval samples")
+    opt, schedule = build_optimizer(model.parameters(), cfg.train)
+    before = evaluate(model, eval_batches) if eval_batches else {}
+    sampler = shuffled_batches(len(ids), cfg.train.batch_size, cfg.train.seed)
+    for step in range(cfg.train.max_steps):
+        t0 = time.perf_counter()
+        picked = next(sampler)
+        batches = pack([ids[i] for i in picked], [masks[i] for i in picked], row_len, mb)
+        metrics = train_step(model, opt, schedule, [b.to(cfg.runtime.device) for b in batches], cfg.train.grad_clip)
+        tokens = sum(b.num_tokens for b in batches)
+        dt = time.perf_counter() - t0
+        metrics |= {"step": step + 1, "train/tokens_per_s": tokens / dt, "time/step_s": dt}
+        run.log(metrics)
+        if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.max_steps:
+            run.print(
+                f"step {step + 1}/{cfg.train.max_steps} loss {metrics['train/loss']:.4f} "
+                f"lr {metrics['train/lr']:.2e} {metrics['train/tokens_per_s']:.0f} tok/s"
+            )
+    after = evaluate(model, eval_batches) if eval_batches else {}
+    if after:
+        run.log({"step": cfg.train.max_steps, **after})
+    ckpt = save_pretrained(model, run.path / "checkpoint", tokenizer=tokenizer)
+    run.print(f"eval before {before} -> after {after}; checkpoint: {ckpt}")
+    run.close()
+    return SftResult(str(run.path), str(ckpt), before, after)

@@ -1,0 +1,95 @@
+"""The config tree and its CLI: flags, files, overrides, and clear errors."""
+
+import pytest
+
+from molt.cli.config_file import load_config_file
+from molt.cli.main import main, parse_config
+from molt.config import Config, ConfigError
+
+
+def test_flags_set_fields():
+    cfg = parse_config(["--train.lr", "3e-4", "--model.preset", "small", "--train.betas", "0.8", "0.9"])
+    assert cfg.train.lr == 3e-4 and cfg.model.preset == "small" and cfg.train.betas == (0.8, 0.9)
+
+
+def test_file_then_flags_override(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nlr = 5e-4\nmax_steps = 70\n\n[data]\nmax_len = 128\n")
+    cfg = parse_config(["--config", str(path), "--train.lr", "1e-5"])
+    assert cfg.train.lr == 1e-5  # flag wins
+    assert cfg.train.max_steps == 70 and cfg.data.max_len == 128  # file applies
+    assert cfg.train.batch_size == Config().train.batch_size  # untouched default
+
+
+def test_yaml_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 2.0e-4\n  betas: [0.9, 0.99]\nmodel:\n  preset: tiny-moe\n")
+    cfg = load_config_file(Config, path)
+    assert cfg.train.lr == 2e-4 and cfg.train.betas == (0.9, 0.99) and cfg.model.preset == "tiny-moe"
+
+
+def test_unknown_key_in_file_names_key_file_and_line(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nlr = 5e-4\nlrr = 1.0\n")
+    with pytest.raises(ConfigError, match=r"run\.toml:3: train\.lrr: unknown key; did you mean 'train\.lr'"):
+        load_config_file(Config, path)
+
+
+def test_unknown_group_in_yaml(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 1.0e-3\ntrian:\n  lr: 1\n")
+    with pytest.raises(ConfigError, match=r"run\.yaml:3: trian: unknown key; did you mean 'train'"):
+        load_config_file(Config, path)
+
+
+def test_wrong_type_in_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nmax_steps = "ten"\n')
+    with pytest.raises(ConfigError, match=r"run\.toml:2: train\.max_steps: expected int, got str 'ten'"):
+        load_config_file(Config, path)
+
+
+def test_bool_is_not_an_int(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nmax_steps = true\n")
+    with pytest.raises(ConfigError, match="train.max_steps: expected int"):
+        load_config_file(Config, path)
+
+
+def test_wrong_type_flag_exits_with_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sft", "--train.lr", "fast"])
+    assert exit_info.value.code == 2
+    assert "--train.lr" in capsys.readouterr().err
+
+
+def test_unknown_flag_exits(capsys):
+    with pytest.raises(SystemExit):
+        main(["sft", "--train.lrr", "1"])
+    assert "train.lrr" in capsys.readouterr().err
+
+
+def test_invalid_value_and_combination(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["sft", "--train.lr=-1"])
+    assert "train.lr: must be > 0" in capsys.readouterr().err
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nmicro_batch_tokens = 64\n[data]\nmax_len = 128\n")
+    with pytest.raises(ConfigError, match=r"train\.micro_batch_tokens: \(64\) must be >= data\.max_len"):
+        load_config_file(Config, path)
+
+
+def test_literal_choice_checked(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\ndtype = "float16"\n')
+    with pytest.raises(ConfigError, match=r"model\.dtype: must be one of \['float32', 'bfloat16'\]"):
+        load_config_file(Config, path)
+
+
+def test_help_lists_commands_and_fields(capsys):
+    main(["--help"])
+    assert "sft" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["sft", "--help"])
+    out = capsys.readouterr().out
+    assert "--train.lr" in out and "Peak learning rate" in out

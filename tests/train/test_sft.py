@@ -1,0 +1,55 @@
+"""`molt sft` end to end: it learns, writes metrics, and its checkpoint loads in `transformers`."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from molt.cli.main import parse_config
+from molt.data.chat import read_jsonl
+from molt.models import from_pretrained
+from molt.train.sft import run_sft
+
+
+def test_sft_learns_and_checkpoint_loads_in_transformers(tmp_path):
+    cfg = parse_config(
+        ["--train.max_steps", "12", "--train.warmup_steps", "2", "--data.num_train", "200", "--data.num_eval", "40"]
+        + ["--train.batch_size", "16", "--log.run_dir", str(tmp_path / "run")]
+    )
+    result = run_sft(cfg)
+    assert result.eval_after["eval/loss"] < result.eval_before["eval/loss"] - 1.0
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines[:12]] == list(range(1, 13))
+    assert all("train/loss" in m and "train/tokens_per_s" in m for m in lines[:12])
+    assert (tmp_path / "run" / "config.yaml").exists()
+
+    ours = from_pretrained(result.checkpoint).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(result.checkpoint).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(result.checkpoint)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "12+30="}], add_generation_prompt=True, return_dict=False
+    )
+    ids = torch.tensor([list(ids["input_ids"] if isinstance(ids, dict) else ids)])
+    with torch.no_grad():
+        assert (ours(ids) - theirs(input_ids=ids).logits).abs().max() <= 1e-4
+
+
+def test_config_file_round_trips_from_run_dir(tmp_path):
+    cfg = parse_config(
+        ["--train.max_steps", "1", "--train.warmup_steps", "0", "--data.num_train", "8"]
+        + ["--data.num_eval", "0", "--log.run_dir", str(tmp_path / "run")]
+    )
+    run_sft(cfg)
+    again = parse_config(["--config", str(tmp_path / "run" / "config.yaml")])
+    assert again.train == cfg.train and again.data == cfg.data and again.model == cfg.model
+
+
+def test_malformed_dataset_line_names_file_and_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n\n{"messages": [}\n')
+    with pytest.raises(ValueError, match=r"data\.jsonl:3: invalid JSON"):
+        read_jsonl(path)
+    path.write_text('{"messages": [{"role": "robot", "content": "hi"}]}\n')
+    with pytest.raises(ValueError, match=r"data\.jsonl:1: messages\[0\] needs a 'role'"):
+        read_jsonl(path)
