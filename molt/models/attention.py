@@ -36,12 +36,9 @@ def sdpa(
     mask_btts: torch.Tensor | None,
     causal: bool,
 ) -> torch.Tensor:
-    """Scaled dot-product attention with grouped-query heads (kv heads repeated to match q)."""
-    groups = q_bhtd.shape[1] // k_bhsd.shape[1]
-    if groups > 1:
-        k_bhsd = k_bhsd.repeat_interleave(groups, dim=1)
-        v_bhsd = v_bhsd.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q_bhtd, k_bhsd, v_bhsd, attn_mask=mask_btts, is_causal=causal)
+    """Scaled dot-product attention with grouped-query heads (each kv head serves q_heads/kv_heads)."""
+    gqa = q_bhtd.shape[1] != k_bhsd.shape[1]
+    return F.scaled_dot_product_attention(q_bhtd, k_bhsd, v_bhsd, attn_mask=mask_btts, is_causal=causal, enable_gqa=gqa)
 
 
 class PackedCausal:
@@ -49,7 +46,7 @@ class PackedCausal:
 
     def __init__(self, doc_ids_bt: torch.Tensor | None = None):
         self.mask_b1tt = None
-        if doc_ids_bt is not None:
+        if doc_ids_bt is not None and not bool((doc_ids_bt == 0).all()):  # one sample per row: plain causal
             t = doc_ids_bt.shape[1]
             causal_tt = torch.ones(t, t, dtype=torch.bool, device=doc_ids_bt.device).tril()
             same_doc_btt = doc_ids_bt[:, :, None] == doc_ids_bt[:, None, :]

@@ -1,8 +1,8 @@
 """Hugging Face model folders in and out: `config.json` + `*.safetensors` (sharded or not).
 
-Molt fuses some projections (qkv, gate+up) and stacks MoE experts; `to_hf_state` / `from_hf_state`
-translate names and layouts with a few regex rules. Loading is strict: a missing or unexpected
-weight is an error listing the names. Saving is atomic (temp folder, then rename).
+Molt's parameter names are HF's without the `model.` prefix, except MoE experts, which Molt stacks
+into [E, ...] tensors; `to_hf_state` / `from_hf_state` translate with a few regex rules. Loading is
+strict: a missing or unexpected weight is an error listing the names. Saving is atomic (temp folder, then rename).
 """
 
 from __future__ import annotations
@@ -36,31 +36,11 @@ class Rule:
     join: Callable[[list[torch.Tensor], TransformerConfig], torch.Tensor]
 
 
-def _qkv_sizes(cfg: TransformerConfig) -> list[int]:
-    return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-
-
 def _experts(prefix: str, cfg: TransformerConfig, *projs: str) -> list[str]:
     return [f"{prefix}experts.{e}.{p}.weight" for e in range(cfg.num_experts) for p in projs]
 
 
-RULES: list[tuple[re.Pattern, Rule]] = [
-    (
-        re.compile(r"(layers\.\d+\.self_attn\.)qkv_proj\.(weight|bias)$"),
-        Rule(
-            lambda m, c: [f"{m[1]}{p}_proj.{m[2]}" for p in "qkv"],
-            lambda t, c: list(t.split(_qkv_sizes(c))),
-            lambda ts, c: torch.cat(ts),
-        ),
-    ),
-    (
-        re.compile(r"(layers\.\d+\.mlp\.)gate_up_proj\.(weight|bias)$"),
-        Rule(
-            lambda m, c: [f"{m[1]}gate_proj.{m[2]}", f"{m[1]}up_proj.{m[2]}"],
-            lambda t, c: list(t.chunk(2)),
-            lambda ts, c: torch.cat(ts),
-        ),
-    ),
+RULES: list[tuple[re.Pattern, Rule]] = [  # MoE experts: stacked in Molt, one tensor per expert in HF
     (
         re.compile(r"(layers\.\d+\.mlp\.)gate_up_proj$"),
         Rule(

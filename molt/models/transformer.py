@@ -1,9 +1,9 @@
 """Molt's one transformer: Llama / Qwen2 / Qwen3 dense and Qwen3-MoE from one `TransformerConfig`.
 
 The forward takes token ids and explicit position ids, plus either `doc_ids` (packed training rows:
-no attention across samples) or a `cache` (incremental decoding; see `attention.py`). Projections
-are fused (qkv, gate+up) for fewer, larger matmuls; `hf_io.py` maps them to HF names. The model
-knows nothing about parallelism, sampling or RL.
+no attention across samples) or a `cache` (incremental decoding; see `attention.py`). Parameter
+names follow HF's (fusing q/k/v or gate/up measured slower on CPU: the split's backward copies).
+The model knows nothing about parallelism, sampling or RL.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
@@ -47,26 +48,25 @@ class SelfAttention(nn.Module):
     def forward(self, x_bth: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, layer_idx: int):
         b, t, _ = x_bth.shape
         d = self.head_dim
-        q, k, v = self.qkv_proj(x_bth).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q_bhtd = self.q_norm(q.view(b, t, -1, d)).transpose(1, 2)
-        k_bhtd = self.k_norm(k.view(b, t, -1, d)).transpose(1, 2)
-        v_bhtd = v.view(b, t, -1, d).transpose(1, 2)
+        q_bhtd = self.q_norm(self.q_proj(x_bth).view(b, t, -1, d)).transpose(1, 2)
+        k_bhtd = self.k_norm(self.k_proj(x_bth).view(b, t, -1, d)).transpose(1, 2)
+        v_bhtd = self.v_proj(x_bth).view(b, t, -1, d).transpose(1, 2)
         q_bhtd, k_bhtd = apply_rope(q_bhtd, cos, sin), apply_rope(k_bhtd, cos, sin)
         out_bhtd = attend(layer_idx, q_bhtd, k_bhtd, v_bhtd)
         return self.o_proj(out_bhtd.transpose(1, 2).reshape(b, t, -1))
 
 
 class SwiGLU(nn.Module):
-    """Dense gated MLP: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+    """Dense gated MLP: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, hidden: int, inner: int, bias: bool):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=bias)
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
