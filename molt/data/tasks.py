@@ -16,6 +16,7 @@ Row = dict[str, Any]
 
 class Task(Protocol):
     name: str
+    env: str  # name of the built-in Env that runs it (molt/agents/builtin.py)
 
     def rows(self, n: int, seed: int) -> list[Row]: ...
 
@@ -51,6 +52,8 @@ def get_task(name: str) -> Task:
 class Arithmetic:
     """Single-turn sums and differences of two 1-2 digit numbers; the answer is the number alone."""
 
+    env = "single_turn"
+
     def rows(self, n: int, seed: int) -> list[Row]:
         rng = random.Random(seed)
         out = []
@@ -62,6 +65,60 @@ class Arithmetic:
 
     def demonstration(self, row: Row, rng: random.Random) -> list[dict[str, Any]]:
         return row["messages"] + [{"role": "assistant", "content": row["label"]}]
+
+    def grade(self, row: Row, text: str) -> float:
+        return float(text.strip() == row["label"])
+
+
+TOOL_CALL = "<tool_call>{}</tool_call>"
+
+
+def calculate(expression: str) -> str:
+    """The calculator tool: `a op b` with non-negative integers and op in + - *; else an error text."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d{1,6})\s*([+\-*])\s*(\d{1,6})\s*", expression)
+    if not m:
+        return "error"
+    a, op, b = int(m[1]), m[2], int(m[3])
+    return str(a + b if op == "+" else a - b if op == "-" else a * b)
+
+
+@register_task("calculator")
+class Calculator:
+    """Multi-turn tool use: products of a 2-digit and a 3-digit number, with a calculator tool.
+
+    The policy calls the tool as `<tool_call>347*29</tool_call>`, receives the result as a tool
+    message, then answers with the number. The tiny model cannot multiply in its head, so the
+    reward (exact final answer) needs the tool. Demonstrations are deliberately imperfect: some
+    answer without the tool (a guess) and some mistype an operand in the call.
+    """
+
+    env = "calculator"
+    demo_mix = (0.5, 0.25, 0.25)  # correct tool use, direct guess, mistyped tool call
+
+    def rows(self, n: int, seed: int) -> list[Row]:
+        rng = random.Random(seed)
+        out = []
+        for _ in range(n):
+            a, b = rng.randint(10, 99), rng.randint(100, 999)
+            out.append({"messages": [{"role": "user", "content": f"{a}*{b}="}], "label": str(a * b), "a": a, "b": b})
+        return out
+
+    def demonstration(self, row: Row, rng: random.Random) -> list[dict[str, Any]]:
+        kind = rng.choices(["tool", "guess", "typo"], weights=self.demo_mix)[0]
+        if kind == "guess":
+            guess = str(int(row["label"]) + rng.choice([-1, 1]) * rng.randint(1, 500))
+            return row["messages"] + [{"role": "assistant", "content": guess}]
+        a, b = row["a"], row["b"]
+        if kind == "typo":
+            b = b + rng.choice([-1, 1]) * rng.randint(1, 9)
+        value = calculate(f"{a}*{b}")
+        return row["messages"] + [
+            {"role": "assistant", "content": TOOL_CALL.format(f"{a}*{b}")},
+            {"role": "tool", "content": value},
+            {"role": "assistant", "content": value},
+        ]
 
     def grade(self, row: Row, text: str) -> float:
         return float(text.strip() == row["label"])

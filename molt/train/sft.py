@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from molt.config import Config
 from molt.data.chat import read_jsonl
 from molt.data.tasks import get_task
-from molt.log import RunDir
+from molt.log import RunDir, plot_metrics
 from molt.models import Transformer, save_pretrained
 from molt.models.tokenizer import assistant_mask
 from molt.train.build import build_model, build_tokenizer
@@ -160,6 +160,7 @@ def run_sft(cfg: Config) -> SftResult:
     if after:
         run.log({"step": cfg.train.max_steps, **after})
     ckpt = save_pretrained(model, run.path / "checkpoint", tokenizer=tokenizer)
-    run.print(f"eval before {before} -> after {after}; checkpoint: {ckpt}")
     run.close()
+    plot = plot_metrics(run.path, ["train/loss", "train/lr"])
+    run.print(f"eval before {before} -> after {after}; checkpoint: {ckpt}; plot: {plot}")
     return SftResult(str(run.path), str(ckpt), before, after)

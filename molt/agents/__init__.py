@@ -1,0 +1,1 @@
+"""Agents: the Env/Result contract, episode runners, built-in environments."""

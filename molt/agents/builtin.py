@@ -1,0 +1,62 @@
+"""Built-in environments for the built-in tasks (`molt/data/tasks.py`), registered by name."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from molt.agents.env import Env, Messages, Result
+from molt.data.tasks import calculate, get_task
+
+ENVS: dict[str, type[Env]] = {}
+
+
+def register_env(name: str):
+    def wrap(cls: type[Env]) -> type[Env]:
+        if name in ENVS:
+            raise ValueError(f"env {name!r} registered twice")
+        ENVS[name] = cls
+        return cls
+
+    return wrap
+
+
+class TaskEnv(Env):
+    """An Env bound to a built-in task (for its grader)."""
+
+    def __init__(self, task: str):
+        self.task = get_task(task)
+
+    async def reset(self, row: dict[str, Any]) -> Messages:
+        self.row = row
+        return list(row["messages"])
+
+
+@register_env("single_turn")
+class SingleTurnEnv(TaskEnv):
+    """One answer, graded by the task."""
+
+    async def step(self, action: str) -> Result:
+        score = self.task.grade(self.row, action)
+        return Result(reward=score, terminated=True, score=score)
+
+
+TOOL_CALL_RE = re.compile(r"\s*<tool_call>(.*?)</tool_call>\s*", re.S)
+
+
+@register_env("calculator")
+class CalculatorEnv(TaskEnv):
+    """A turn that is exactly one `<tool_call>expr</tool_call>` runs the calculator; any other ends it."""
+
+    async def step(self, action: str) -> Result:
+        call = TOOL_CALL_RE.fullmatch(action)
+        if call:
+            value = calculate(call[1])
+            return Result(reward=0.0, observation=[{"role": "tool", "content": value}], info={"tool_calls": 1})
+        score = self.task.grade(self.row, action)
+        return Result(reward=score, terminated=True, score=score)
+
+
+def env_for_task(task: str) -> Env:
+    """A fresh Env instance running built-in task `task`."""
+    return ENVS[get_task(task).env](task)

@@ -1,0 +1,83 @@
+"""The agent contract: `Env` (the framework owns the LLM loop) and the `Result` every agent returns.
+
+An `Env` is reset with a dataset row and stepped with the decoded text of each action; its
+`Result.observation` (text or chat messages) is appended to the context with loss mask 0. Agent
+classes are loaded from a file path or a dotted name. Nothing here knows engines or trainers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Messages = list[dict[str, Any]]
+
+
+@dataclass
+class Result:
+    """What one agent step (or a whole ChatAgent run) returns."""
+
+    reward: float
+    observation: str | Messages | None = None
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    score: float | None = None
+    images: list[Any] | None = None
+
+
+class Env:
+    """Base class of step environments. Override `step`; `reset` is optional.
+
+    `reset(row)` returns the first observation as chat messages (default: the row's `messages`).
+    `step(action)` gets the decoded text of the policy's turn and returns a `Result`; the episode
+    ends when it is `terminated` or `truncated` (or the framework's turn/context budget runs out).
+    """
+
+    async def reset(self, row: dict[str, Any]) -> Messages:
+        self.row = row
+        return list(row["messages"])
+
+    async def step(self, action: str) -> Result:
+        raise NotImplementedError
+
+
+def _load_module(spec: str):
+    path = Path(spec.split(":")[0])
+    if path.suffix == ".py":
+        if not path.exists():
+            raise FileNotFoundError(f"--rollout.agent: agent file {str(path)!r} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"molt_agent_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module
+        module_spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(spec.split(":")[0])
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(f"--rollout.agent: cannot import agent module {spec!r}: {e}") from None
+
+
+def load_agent(spec: str) -> type:
+    """Agent class from `file.py`, `file.py:Name`, `pkg.module` or `pkg.module:Name`.
+
+    Without `:Name` the module must define exactly one `Env` subclass (or a class named `Agent`).
+    """
+    module = _load_module(spec)
+    if ":" in spec:
+        name = spec.split(":", 1)[1]
+        if not hasattr(module, name):
+            raise AttributeError(f"--rollout.agent: {spec!r} has no attribute {name!r}")
+        return getattr(module, name)
+    if hasattr(module, "Agent"):
+        return module.Agent
+    own = [c for _, c in inspect.getmembers(module, inspect.isclass) if issubclass(c, Env) and c is not Env]
+    own = [c for c in own if c.__module__ == module.__name__]
+    if len(own) != 1:
+        raise ValueError(f"--rollout.agent: {spec!r} defines {len(own)} Env classes; name one with {spec}:Name")
+    return own[0]

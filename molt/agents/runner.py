@@ -1,0 +1,100 @@
+"""Runs one `Env` episode token-in/token-out and returns its Trajectory.
+
+The framework owns the LLM loop: the first observation is rendered with the chat template once;
+every later context is the exact accumulated ids (prompt, engine-generated ids, observation
+deltas). Observations are rendered as the template's *delta* after the previous turns, so earlier
+actions are never re-tokenized. Knows the engine interface (`generate`), not the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from molt.agents.env import Env, Messages, Result
+from molt.data.trajectory import Trajectory
+from molt.models.tokenizer import apply_chat_template, render_chat
+
+PROBE = "\x00molt-action\x00"  # stands for the real action text when rendering observation deltas
+
+
+class TemplateRewriteError(ValueError):
+    """The chat template re-renders earlier turns, so an observation cannot be appended as a delta."""
+
+
+@dataclass
+class EpisodeLimits:
+    """Framework budgets for one episode."""
+
+    max_turns: int = 4
+    max_len: int = 512
+    step_timeout_s: float = 30.0
+
+
+def observation_ids(tokenizer, history: Messages, observation: Messages, ended_with_eos: bool, tools=None) -> list[int]:
+    """Token ids to append after an action: the template's closing markup of that turn + the new turns.
+
+    `history` ends with the user/tool turn the action answered. The action itself is replaced by a
+    probe string, so the delta never depends on how the action's text would re-tokenize.
+    """
+    with_action = history + [{"role": "assistant", "content": PROBE}]
+    base = render_chat(tokenizer, with_action, tools=tools)
+    full = render_chat(tokenizer, with_action + observation, tools=tools, add_generation_prompt=True)
+    if not full.startswith(base):
+        raise TemplateRewriteError("the chat template re-renders earlier turns when a new one is added")
+    closing = base[base.rindex(PROBE) + len(PROBE) :]
+    eos = tokenizer.eos_token or ""
+    if ended_with_eos and eos and closing.startswith(eos):
+        closing = closing[len(eos) :]  # the engine already emitted it
+    return tokenizer(closing + full[len(base) :], add_special_tokens=False)["input_ids"]
+
+
+def _as_messages(observation: str | Messages) -> Messages:
+    return [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
+
+
+async def _step(env: Env, action: str, timeout_s: float) -> Result:
+    result = await asyncio.wait_for(env.step(action), timeout_s)
+    if not isinstance(result, Result):
+        raise TypeError(f"{type(env).__name__}.step returned {type(result).__name__}, expected molt.agents.Result")
+    return result
+
+
+async def run_episode(
+    engine, tokenizer, env: Env, row: dict[str, Any], sampling, limits: EpisodeLimits, **ids: int
+) -> Trajectory:
+    """One multi-turn episode; `ids` (group_id, rollout_id) go into the Trajectory.
+
+    The reward is the sum of the steps' rewards. The episode ends on terminated/truncated, after
+    `max_turns` actions, or when the context budget `max_len` is used up (then `truncated`).
+    """
+    messages = await asyncio.wait_for(env.reset(row), limits.step_timeout_s)
+    tools = row.get("tools")
+    traj = Trajectory(**ids)
+    traj.extend_prompt(apply_chat_template(tokenizer, messages, tools=tools, add_generation_prompt=True))
+    eos_id, result = tokenizer.eos_token_id, None
+    for turn in range(limits.max_turns):
+        room = limits.max_len - len(traj.tokens)
+        if room <= 0:
+            traj.truncated = True
+            break
+        turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room))
+        completion = await engine.generate(traj.tokens, turn_sampling)
+        traj.extend_action(list(completion.token_ids), list(completion.logprobs), list(completion.versions))
+        traj.finish_reason = completion.finish_reason
+        action = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        result = await _step(env, action, limits.step_timeout_s)
+        traj.reward += float(result.reward)
+        traj.info.update(result.info)
+        if result.terminated or result.truncated or result.observation is None or turn + 1 == limits.max_turns:
+            traj.truncated |= result.truncated or not result.terminated
+            break
+        observation = _as_messages(result.observation)
+        ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == eos_id
+        traj.extend_prompt(observation_ids(tokenizer, messages, observation, ended_with_eos, tools))
+        messages = messages + [{"role": "assistant", "content": action}] + observation
+    traj.score = result.score if result is not None and result.score is not None else traj.reward
+    traj.check()
+    return traj

@@ -1,0 +1,123 @@
+"""Env episodes: exact token accumulation, masks, budgets and agent failures (scripted engine)."""
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from molt.agents.builtin import env_for_task
+from molt.agents.env import Env, Result, load_agent
+from molt.agents.runner import EpisodeLimits, run_episode
+from molt.data.tasks import get_task
+from molt.models.tokenizer import apply_chat_template, build_builtin_tokenizer
+
+TOK = build_builtin_tokenizer()
+
+
+@dataclass
+class Sampling:
+    max_tokens: int = 64
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+
+@dataclass
+class ScriptedEngine:
+    """Isolates the runner: replies with fixed texts (+ eos) and records what it was asked and emitted."""
+
+    replies: list[str]
+    prompts: list[list[int]] = field(default_factory=list)
+    emitted: list[list[int]] = field(default_factory=list)
+
+    async def generate(self, prompt_ids, sampling):
+        self.prompts.append(list(prompt_ids))
+        ids = TOK(self.replies[len(self.emitted)], add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
+        ids = ids[: sampling.max_tokens]
+        self.emitted.append(ids)
+        finish = "stop" if ids[-1] == TOK.eos_token_id else "length"
+        return Completion(ids, [-0.5] * len(ids), [7] * len(ids), finish)
+
+
+def _run(engine, env, row, limits=None):
+    limits = limits or EpisodeLimits()
+    return asyncio.run(run_episode(engine, TOK, env, row, Sampling(), limits, rollout_id=3, group_id=1))
+
+
+def test_calculator_episode_is_token_exact():
+    row = get_task("calculator").rows(1, seed=5)[0]
+    engine = ScriptedEngine([f"<tool_call>{row['a']}*{row['b']}</tool_call>", row["label"]])
+    traj = _run(engine, env_for_task("calculator"), row)
+    assert traj.reward == 1.0 and traj.num_turns == 2 and not traj.truncated
+    # the masked-in tokens are exactly the engine's emitted ids, in order, and nothing else
+    masked = [t for t, m in zip(traj.tokens, traj.loss_mask, strict=True) if m]
+    assert masked == engine.emitted[0] + engine.emitted[1]
+    # each generate call saw exactly the accumulated ids
+    assert traj.tokens[: len(engine.prompts[1])] == engine.prompts[1]
+    assert engine.prompts[1][: len(engine.prompts[0]) + len(engine.emitted[0])] == engine.prompts[0] + engine.emitted[0]
+    # the whole sequence equals the template rendering of the conversation (independent check)
+    conversation = row["messages"] + [
+        {"role": "assistant", "content": f"<tool_call>{row['a']}*{row['b']}</tool_call>"},
+        {"role": "tool", "content": row["label"]},
+        {"role": "assistant", "content": row["label"]},
+    ]
+    assert traj.tokens == apply_chat_template(TOK, conversation)[: len(traj.tokens)]
+    assert traj.versions == [7 if m else -1 for m in traj.loss_mask]
+    assert traj.rollout_id == 3 and traj.group_id == 1
+
+
+def test_max_turns_truncates():
+    row = get_task("calculator").rows(1, seed=6)[0]
+    engine = ScriptedEngine(["<tool_call>1+1</tool_call>"] * 5)
+    traj = _run(engine, env_for_task("calculator"), row, EpisodeLimits(max_turns=2))
+    assert traj.num_turns == 2 and traj.truncated and traj.reward == 0.0
+
+
+def test_context_budget_clips_max_tokens():
+    row = get_task("arithmetic").rows(1, seed=7)[0]
+    prompt_len = len(apply_chat_template(TOK, row["messages"], add_generation_prompt=True))
+    engine = ScriptedEngine(["1234567890"])
+    traj = _run(engine, env_for_task("arithmetic"), row, EpisodeLimits(max_len=prompt_len + 4))
+    assert len(traj.tokens) == prompt_len + 4 and traj.finish_reason == "length"
+
+
+class NotAResult(Env):
+    async def step(self, action):
+        return 1.0
+
+
+def test_agent_returning_non_result_is_a_clear_error():
+    row = get_task("arithmetic").rows(1, seed=8)[0]
+    with pytest.raises(TypeError, match="NotAResult.step returned float, expected molt.agents.Result"):
+        _run(ScriptedEngine(["1"]), NotAResult(), row)
+
+
+class Slow(Env):
+    async def step(self, action):
+        await asyncio.sleep(10)
+        return Result(reward=1.0)
+
+
+def test_agent_timeout():
+    row = get_task("arithmetic").rows(1, seed=9)[0]
+    with pytest.raises(asyncio.TimeoutError):
+        _run(ScriptedEngine(["1"]), Slow(), row, EpisodeLimits(step_timeout_s=0.05))
+
+
+def test_load_agent_from_file_and_errors(tmp_path):
+    path = tmp_path / "my_agent.py"
+    path.write_text(
+        "from molt.agents.env import Env, Result\n\nclass Echo(Env):\n"
+        "    async def step(self, action):\n        return Result(reward=float(action == 'hi'))\n"
+    )
+    assert load_agent(str(path)).__name__ == "Echo"
+    assert load_agent(f"{path}:Echo").__name__ == "Echo"
+    with pytest.raises(FileNotFoundError, match="agent file .*missing.py.* does not exist"):
+        load_agent(str(tmp_path / "missing.py"))
+    with pytest.raises(ModuleNotFoundError, match="cannot import agent module"):
+        load_agent("no_such_pkg.agents")
