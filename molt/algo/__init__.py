@@ -1,0 +1,62 @@
+"""The algorithm library: pure, vectorised tensor functions, every variant registered by name.
+
+Imports only torch. Layout: padded [B, T] tensors per (micro-)batch with `mask_bt` = 1 on action
+tokens; per-sample tensors are [B]. See docs/algorithms.md for the formulas and their flags.
+"""
+
+from molt.algo.advantages import ESTIMATORS, AdvantageInputs, AdvantageParams, compute_advantages
+from molt.algo.aggregation import AGGREGATIONS, StepDenominators, aggregate, step_denominators
+from molt.algo.correction import IS_LEVELS, IS_MODES, ISCorrectionParams, is_correction
+from molt.algo.filtering import (
+    GROUP_FILTERS,
+    FilterParams,
+    clip_rewards,
+    filter_groups,
+    mask_truncated,
+    overlong_penalty,
+)
+from molt.algo.kl import (
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    kl_estimate,
+    make_kl_controller,
+)
+from molt.algo.objective import ObjectiveParams, PolicyBatch, policy_objective
+from molt.algo.policy_loss import POLICY_LOSSES, SurrogateParams, value_loss
+from molt.algo.registry import Registry
+
+__all__ = [
+    "AGGREGATIONS",
+    "ESTIMATORS",
+    "GROUP_FILTERS",
+    "IS_LEVELS",
+    "IS_MODES",
+    "KL_CONTROLLERS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "AdvantageInputs",
+    "AdvantageParams",
+    "FilterParams",
+    "FixedKLController",
+    "ISCorrectionParams",
+    "ObjectiveParams",
+    "PolicyBatch",
+    "Registry",
+    "StepDenominators",
+    "SurrogateParams",
+    "aggregate",
+    "clip_rewards",
+    "compute_advantages",
+    "filter_groups",
+    "is_correction",
+    "kl_estimate",
+    "make_kl_controller",
+    "mask_truncated",
+    "overlong_penalty",
+    "policy_objective",
+    "step_denominators",
+    "value_loss",
+]

@@ -1,0 +1,198 @@
+"""Advantage estimators: per-sample rewards (+ ids, per-token KL, values) -> per-token advantages.
+
+Call `compute_advantages(name, inputs, params)` once per optimizer step on the whole step batch
+(group statistics and whitening are step-global), before splitting into micro-batches. Every
+estimator is registered in `ESTIMATORS` with static info: `whiten` (its default), `needs` (the
+`AdvantageInputs` fields it requires) and `uses_kl` (whether it consumes `kl_bt` as a reward).
+
+Layout: `mask_bt` [B, T] is 1 on action tokens; `rewards_b`, `group_ids_b`, `rollout_ids_b` are
+[B]. Outputs are [B, T], zero off the mask. `returns_bt` are the un-whitened targets (the critic's
+regression target for `gae`); `advantages_bt` feed the policy loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from molt.algo.groups import RolloutGroups, rollout_groups
+from molt.algo.masked import (
+    last_action_index,
+    masked_mean,
+    masked_whiten,
+    next_action_index,
+    reverse_linear_scan,
+)
+from molt.algo.registry import Registry
+
+Metrics = dict[str, Tensor]
+
+
+@dataclass
+class AdvantageInputs:
+    """What an estimator may read; each estimator says which fields it needs."""
+
+    mask_bt: Tensor  # [B, T] 1 on action tokens
+    rewards_b: Tensor | None = None  # [B] outcome reward (segments of a rollout repeat it)
+    group_ids_b: Tensor | None = None  # [B] int, one id per prompt
+    rollout_ids_b: Tensor | None = None  # [B] int, one id per rollout; None = each sample its own
+    kl_bt: Tensor | None = None  # [B, T] per-token KL to the reference (e.g. k1 of old vs ref)
+    values_bt: Tensor | None = None  # [B, T] critic values at collection time (gae)
+
+
+@dataclass(frozen=True)
+class AdvantageParams:
+    gamma: float = 1.0  # discount per action token
+    lam: float = 1.0  # GAE lambda
+    kl_coef: float = 0.0  # beta for the KL-in-reward penalty (reinforce, gae, on_policy_distill)
+    std_eps: float = 1e-6  # grpo: a = (r - mean) / (std + std_eps)
+    whiten: bool | None = None  # None = the estimator's default (see ESTIMATORS.info(name))
+
+
+Estimator = Callable[[AdvantageInputs, AdvantageParams], tuple[Tensor, Tensor, Metrics]]
+ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+GROUPED = ("rewards_b", "group_ids_b")
+GroupAdvantage = Callable[[Tensor, RolloutGroups, AdvantageParams], Tensor]
+
+
+def compute_advantages(
+    name: str, inputs: AdvantageInputs, params: AdvantageParams | None = None
+) -> tuple[Tensor, Tensor, Metrics]:
+    """`(advantages_bt, returns_bt, metrics)` of the estimator registered as `name`."""
+    params = params or AdvantageParams()
+    estimator, info = ESTIMATORS.get(name), ESTIMATORS.info(name)
+    missing = [field for field in info["needs"] if getattr(inputs, field) is None]
+    if missing:
+        raise ValueError(f"estimator {name!r} needs {', '.join(missing)}")
+    if inputs.kl_bt is not None and params.kl_coef != 0 and not info["uses_kl"]:
+        raise ValueError(
+            f"estimator {name!r} ignores a per-token KL reward; add the KL as a loss term instead "
+            "(--algo.kl.use_loss) or pick reinforce / gae / on_policy_distill"
+        )
+    if inputs.rewards_b is not None and not bool(torch.isfinite(inputs.rewards_b).all()):
+        raise ValueError("non-finite rewards; drop them first (filtering.filter_groups with 'nonfinite')")
+    advantages_bt, returns_bt, metrics = estimator(inputs, params)
+    if info["whiten"] if params.whiten is None else params.whiten:
+        advantages_bt = masked_whiten(advantages_bt, inputs.mask_bt)
+    metrics["advantage_mean"] = masked_mean(advantages_bt, inputs.mask_bt)
+    centered_bt = advantages_bt - metrics["advantage_mean"]
+    metrics["advantage_std"] = masked_mean(centered_bt**2, inputs.mask_bt).sqrt()
+    metrics["return_mean"] = masked_mean(returns_bt, inputs.mask_bt)
+    return advantages_bt, returns_bt, {k: v.detach() for k, v in metrics.items()}
+
+
+# --- group (outcome) estimators: one scalar per rollout, broadcast to its action tokens ---------
+
+
+def _grouped_rewards(inputs: AdvantageInputs) -> tuple[RolloutGroups, Tensor, Metrics]:
+    groups = rollout_groups(inputs.group_ids_b, inputs.rollout_ids_b)
+    rewards_r = groups.per_rollout(inputs.rewards_b)
+    if bool((rewards_r[groups.sample_to_rollout_b] != inputs.rewards_b).any()):
+        raise ValueError("samples of one rollout (same rollout id) have different rewards")
+    _, std_g = groups.group_mean_std(rewards_r)
+    multi_g = groups.group_sizes_g > 1
+    group_std = (std_g * multi_g).sum() / multi_g.sum().clamp_min(1)
+    return groups, rewards_r, {"reward_mean": rewards_r.mean(), "group_reward_std": group_std}
+
+
+def _broadcast(values_r: Tensor, groups: RolloutGroups, mask_bt: Tensor) -> Tensor:
+    per_sample_b1 = values_r[groups.sample_to_rollout_b].unsqueeze(1)
+    return torch.where(mask_bt.bool(), per_sample_b1, 0.0)
+
+
+def _group_estimator(name: str, whiten: bool, advantage_r: GroupAdvantage) -> None:
+    """Register an outcome estimator from `advantage_r(rewards_r, groups, params) -> [R]`."""
+
+    @ESTIMATORS.register(name, whiten=whiten, needs=GROUPED, uses_kl=False)
+    def estimate(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
+        groups, rewards_r, metrics = _grouped_rewards(inputs)
+        advantages_bt = _broadcast(advantage_r(rewards_r, groups, params), groups, inputs.mask_bt)
+        return advantages_bt, advantages_bt, metrics
+
+    estimate.__name__ = estimate.__qualname__ = name
+    estimate.__doc__ = advantage_r.__doc__
+
+
+def grpo_r(rewards_r: Tensor, groups: RolloutGroups, params: AdvantageParams) -> Tensor:
+    """GRPO: (r - group mean) / (group sample std + std_eps); a group of one or all-equal -> 0."""
+    mean_g, std_g = groups.group_mean_std(rewards_r)
+    group_r = groups.rollout_to_group_r
+    return (rewards_r - mean_g[group_r]) / (std_g[group_r] + params.std_eps)
+
+
+def dr_grpo_r(rewards_r: Tensor, groups: RolloutGroups, params: AdvantageParams) -> Tensor:
+    """Dr. GRPO: r - group mean (no std division)."""
+    mean_g, _ = groups.group_mean_std(rewards_r)
+    return rewards_r - mean_g[groups.rollout_to_group_r]
+
+
+def reinforce_baseline_r(rewards_r: Tensor, groups: RolloutGroups, params: AdvantageParams) -> Tensor:
+    """REINFORCE++-baseline: r - group mean, then whitened over the batch (by default)."""
+    return dr_grpo_r(rewards_r, groups, params)
+
+
+def rloo_r(rewards_r: Tensor, groups: RolloutGroups, params: AdvantageParams) -> Tensor:
+    """RLOO: r - mean of the *other* rollouts of the group; a group of one keeps r (no baseline)."""
+    sizes_r = groups.group_sizes_g[groups.rollout_to_group_r].to(rewards_r.dtype)
+    others_sum_r = groups.group_sum(rewards_r)[groups.rollout_to_group_r] - rewards_r
+    return rewards_r - torch.where(sizes_r > 1, others_sum_r / (sizes_r - 1).clamp_min(1), 0.0)
+
+
+_group_estimator("grpo", whiten=False, advantage_r=grpo_r)
+_group_estimator("dr_grpo", whiten=False, advantage_r=dr_grpo_r)
+_group_estimator("rloo", whiten=False, advantage_r=rloo_r)
+_group_estimator("reinforce_baseline", whiten=True, advantage_r=reinforce_baseline_r)
+
+
+# --- token-level estimators: one row per sample (segments are not collapsed) ------------------
+
+
+def _token_rewards(inputs: AdvantageInputs, params: AdvantageParams) -> Tensor:
+    """-kl_coef * kl on every action token, plus the outcome reward on each row's last action token."""
+    mask = inputs.mask_bt.bool()
+    dtype = inputs.rewards_b.dtype if inputs.rewards_b is not None else inputs.kl_bt.dtype
+    rewards_bt = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    if inputs.rewards_b is not None:
+        last_b, has_action_b = last_action_index(mask)
+        outcome_b1 = torch.where(has_action_b, inputs.rewards_b.to(dtype), 0.0).unsqueeze(1)
+        rewards_bt.scatter_(1, last_b.unsqueeze(1), outcome_b1)
+    if inputs.kl_bt is not None:
+        rewards_bt = rewards_bt - params.kl_coef * inputs.kl_bt.to(dtype)
+    return torch.where(mask, rewards_bt, torch.zeros((), dtype=dtype, device=mask.device))
+
+
+@ESTIMATORS.register("reinforce", whiten=True, needs=("rewards_b",), uses_kl=True)
+def reinforce(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
+    """REINFORCE++: discounted return of the token rewards over action tokens; whitened by default."""
+    mask = inputs.mask_bt.bool()
+    rewards_bt = _token_rewards(inputs, params)
+    # Observation tokens are transparent: they carry the return unchanged and do not discount.
+    step_bt = torch.ones_like(rewards_bt).masked_fill(mask, params.gamma)
+    returns_bt = torch.where(mask, reverse_linear_scan(rewards_bt, step_bt), 0.0)
+    return returns_bt, returns_bt, {"reward_mean": inputs.rewards_b.mean()}
+
+
+@ESTIMATORS.register("gae", whiten=True, needs=("rewards_b", "values_bt"), uses_kl=True)
+def gae(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
+    """GAE(gamma, lambda) over action tokens, masked positions transparent; terminal after the last."""
+    mask = inputs.mask_bt.bool()
+    rewards_bt = _token_rewards(inputs, params)
+    values_bt = torch.where(mask, inputs.values_bt.to(rewards_bt.dtype), 0.0)
+    padded_values_bt = torch.nn.functional.pad(values_bt, (0, 1))  # index T = terminal value 0
+    next_values_bt = padded_values_bt.gather(1, next_action_index(mask))
+    deltas_bt = torch.where(mask, rewards_bt + params.gamma * next_values_bt - values_bt, 0.0)
+    step_bt = torch.ones_like(rewards_bt).masked_fill(mask, params.gamma * params.lam)
+    advantages_bt = torch.where(mask, reverse_linear_scan(deltas_bt, step_bt), 0.0)
+    returns_bt = torch.where(mask, advantages_bt + values_bt, 0.0)
+    return advantages_bt, returns_bt, {"reward_mean": inputs.rewards_b.mean()}
+
+
+@ESTIMATORS.register("on_policy_distill", whiten=False, needs=("kl_bt",), uses_kl=True)
+def on_policy_distill(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
+    """Per-token reverse KL to the teacher as the advantage: A_t = -kl_coef * kl_t (no reward)."""
+    mask = inputs.mask_bt.bool()
+    advantages_bt = torch.where(mask, -params.kl_coef * inputs.kl_bt, 0.0)
+    return advantages_bt, advantages_bt, {"distill_kl": masked_mean(inputs.kl_bt, mask)}

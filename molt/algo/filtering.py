@@ -1,0 +1,93 @@
+"""Sample selection and reward shaping before the estimator: group filters, overlong handling, clipping.
+
+`filter_groups` applies registered group filters (DAPO dynamic sampling) and returns a keep-mask
+per sample; whole groups are kept or dropped so n-sample groups stay intact, and each rollout
+counts once. The loop refills dropped groups and counts each drop under its filter's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from molt.algo.groups import RolloutGroups, rollout_groups
+from molt.algo.registry import Registry
+
+Metrics = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class FilterParams:
+    score_range: tuple[float, float] = (0.0, 1.0)  # score-range: keep groups whose mean is inside
+
+
+GroupFilter = Callable[[Tensor, RolloutGroups, FilterParams], Tensor]
+GROUP_FILTERS: Registry[GroupFilter] = Registry("group filter")
+
+
+@GROUP_FILTERS.register("nonfinite")
+def drop_nonfinite(scores_r: Tensor, groups: RolloutGroups, params: FilterParams) -> Tensor:
+    """Drop groups with any NaN/inf score."""
+    return groups.group_sum((~torch.isfinite(scores_r)).to(torch.float64)) > 0
+
+
+@GROUP_FILTERS.register("all-equal")
+def drop_all_equal(scores_r: Tensor, groups: RolloutGroups, params: FilterParams) -> Tensor:
+    """Drop groups whose scores are all equal (no learning signal for group baselines; a group of one)."""
+    return groups.group_reduce(scores_r, "amax") == groups.group_reduce(scores_r, "amin")
+
+
+@GROUP_FILTERS.register("score-range")
+def drop_out_of_range(scores_r: Tensor, groups: RolloutGroups, params: FilterParams) -> Tensor:
+    """Drop groups whose mean score lies outside `params.score_range` (inclusive)."""
+    low, high = params.score_range
+    mean_g = groups.group_sum(scores_r) / groups.group_sizes_g.to(scores_r.dtype)
+    return (mean_g < low) | (mean_g > high)
+
+
+def filter_groups(
+    scores_b: Tensor,
+    group_ids_b: Tensor,
+    rollout_ids_b: Tensor | None = None,
+    filters: Sequence[str] = ("nonfinite", "all-equal"),
+    params: FilterParams | None = None,
+) -> tuple[Tensor, Metrics]:
+    """`(keep_b, metrics)`: samples of groups no filter drops; `filter_<name>_frac` = groups it drops."""
+    params = params or FilterParams()
+    groups = rollout_groups(group_ids_b, rollout_ids_b)
+    scores_r = groups.per_rollout(scores_b)
+    dropped_g = torch.zeros(groups.num_groups, dtype=torch.bool, device=scores_b.device)
+    metrics: Metrics = {}
+    for name in filters:
+        drop_g = GROUP_FILTERS.get(name)(scores_r, groups, params)
+        metrics[f"filter_{name.replace('-', '_')}_frac"] = drop_g.to(torch.float32).mean()
+        dropped_g |= drop_g
+    metrics["filter_keep_frac"] = (~dropped_g).to(torch.float32).mean()
+    return ~dropped_g[groups.sample_to_group_b], metrics
+
+
+def overlong_penalty(lengths_b: Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> Tensor:
+    """DAPO soft overlong punishment (<= 0), added to the reward.
+
+    0 up to `max_len - buffer_len` tokens, then linear down to -factor at `max_len`, -factor beyond.
+    """
+    if not 0 < buffer_len <= max_len:
+        raise ValueError(f"need 0 < buffer_len <= max_len, got {buffer_len}, {max_len}")
+    excess_b = (max_len - buffer_len - lengths_b.to(torch.float32)) / buffer_len
+    return factor * excess_b.clamp(-1.0, 0.0)
+
+
+def mask_truncated(mask_bt: Tensor, truncated_b: Tensor) -> tuple[Tensor, Metrics]:
+    """DAPO overlong filtering: zero the loss mask of truncated samples (they stay in group statistics)."""
+    truncated_b1 = truncated_b.bool().unsqueeze(1)
+    new_mask_bt = torch.where(truncated_b1, torch.zeros_like(mask_bt), mask_bt)
+    return new_mask_bt, {"overlong_frac": truncated_b.to(torch.float32).mean()}
+
+
+def clip_rewards(rewards_b: Tensor, low: float = -10.0, high: float = 10.0) -> tuple[Tensor, Metrics]:
+    """Rewards clamped to [low, high]; `reward_clip_frac` = fraction changed (NaN passes through)."""
+    clipped_b = rewards_b.clamp(low, high)
+    return clipped_b, {"reward_clip_frac": ((rewards_b < low) | (rewards_b > high)).to(torch.float32).mean()}

@@ -1,0 +1,89 @@
+"""KL estimators (k1, k2, k3) between the policy and a reference, and KL-coefficient controllers.
+
+Estimators (Schulman, "Approximating KL divergence", 2020) act per token on the log-ratio
+`x = logp - base_logp` of tokens sampled from the policy: `k1 = x` (unbiased, can be negative),
+`k2 = x^2 / 2`, `k3 = exp(-x) - 1 + x` (unbiased, >= 0, low variance). `x` has NaN -> 0 and
++-inf -> +-30; k2 and k3 are clamped to [0, KL_CLAMP]; k1 is not clamped (distillation rewards
+stay uncapped). Used as a reward penalty (k1 recommended) or a loss term (k2/k3 recommended).
+
+Controllers hold the coefficient beta: `fixed`, or `adaptive` (Ziegler et al. 2019).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from molt.algo.masked import clamped_log_ratio
+from molt.algo.registry import Registry
+
+KL_CLAMP = 10.0
+
+KLEstimator = Callable[[Tensor], Tensor]
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+
+
+def kl_estimate(name: str, logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tensor) -> Tensor:
+    """Per-token KL(policy || base) estimate [B, T] with estimator `name`; zero off the mask."""
+    log_ratio_bt = clamped_log_ratio(logp_bt, base_logp_bt, mask_bt)
+    return torch.where(mask_bt.bool(), KL_ESTIMATORS.get(name)(log_ratio_bt), 0.0)
+
+
+@KL_ESTIMATORS.register("k1")
+def k1(log_ratio_bt: Tensor) -> Tensor:
+    """x: the plain log-ratio."""
+    return log_ratio_bt
+
+
+@KL_ESTIMATORS.register("k2")
+def k2(log_ratio_bt: Tensor) -> Tensor:
+    """x^2 / 2 (its gradient is the gradient of the true KL at the reference)."""
+    return (0.5 * log_ratio_bt**2).clamp(max=KL_CLAMP)
+
+
+@KL_ESTIMATORS.register("k3")
+def k3(log_ratio_bt: Tensor) -> Tensor:
+    """exp(-x) - 1 + x: unbiased and non-negative."""
+    return (torch.expm1(-log_ratio_bt) + log_ratio_bt).clamp(min=0.0, max=KL_CLAMP)
+
+
+KL_CONTROLLERS: Registry[Callable[..., object]] = Registry("KL controller")
+
+
+@KL_CONTROLLERS.register("fixed")
+@dataclass
+class FixedKLController:
+    """A constant coefficient."""
+
+    coef: float
+
+    def update(self, kl: float, num_samples: int) -> float:
+        return self.coef
+
+
+@KL_CONTROLLERS.register("adaptive")
+@dataclass
+class AdaptiveKLController:
+    """beta <- beta * (1 + clip(kl / target - 1, +-0.2) * num_samples / horizon) (Ziegler et al. 2019)."""
+
+    coef: float
+    target: float
+    horizon: int = 10000
+
+    def __post_init__(self) -> None:
+        if self.target <= 0 or self.horizon <= 0:
+            raise ValueError(f"adaptive KL needs target, horizon > 0, got {self.target}, {self.horizon}")
+
+    def update(self, kl: float, num_samples: int) -> float:
+        """Update from the measured KL of the last step over `num_samples` samples; new coef."""
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.coef *= 1.0 + error * num_samples / self.horizon
+        return self.coef
+
+
+def make_kl_controller(name: str, **kwargs: float) -> FixedKLController | AdaptiveKLController:
+    """A controller by name, e.g. `make_kl_controller("adaptive", coef=0.05, target=6.0)`."""
+    return KL_CONTROLLERS.get(name)(**kwargs)

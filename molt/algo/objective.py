@@ -1,0 +1,87 @@
+"""One micro-batch's training loss, composed from the registered pieces.
+
+    loss = agg(w * surrogate(logp, old, A))
+         + kl_loss_coef * token-mean(k(logp, ref)) - entropy_coef * token-mean(H)
+
+`w` is the train/rollout IS weight (`correction`), the surrogate is clipped against the proximal
+policy `old_logp_bt` (defaults to `logp_bt.detach()`, i.e. strictly on-policy), and every term
+uses the step denominators so micro-batch losses sum to the full-step loss. Knows nothing about
+models or the trainer: it takes [B, T] tensors and returns a scalar and metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from molt.algo.aggregation import AGGREGATIONS, StepDenominators, aggregate
+from molt.algo.correction import ISCorrectionParams, is_correction
+from molt.algo.kl import KL_ESTIMATORS, kl_estimate
+from molt.algo.masked import masked_mean
+from molt.algo.policy_loss import POLICY_LOSSES, SurrogateParams
+
+Metrics = dict[str, Tensor]
+
+
+@dataclass
+class PolicyBatch:
+    """One micro-batch, padded [B, T]; position t holds the log-prob of token t (0 off the mask is fine)."""
+
+    logp_bt: Tensor  # current policy, with grad
+    mask_bt: Tensor  # 1 on action tokens
+    advantages_bt: Tensor
+    old_logp_bt: Tensor | None = None  # proximal policy (trainer before the update); None = logp.detach()
+    rollout_logp_bt: Tensor | None = None  # behaviour policy (rollout engine)
+    ref_logp_bt: Tensor | None = None  # reference policy (KL loss)
+    entropy_bt: Tensor | None = None  # per-token entropy (with grad if entropy_coef != 0)
+    group_ids_b: Tensor | None = None  # prompt-mean-token-mean
+
+
+@dataclass(frozen=True)
+class ObjectiveParams:
+    policy_loss: str = "ppo"
+    loss_agg: str = "token-mean"
+    surrogate: SurrogateParams = field(default_factory=SurrogateParams)
+    is_correction: ISCorrectionParams = field(default_factory=ISCorrectionParams)
+    kl_estimator: str = "k3"
+    kl_loss_coef: float = 0.0  # > 0 adds the KL to the reference as a loss term
+    entropy_coef: float = 0.0
+    norm_len: float | None = None  # seq-mean-token-sum-norm constant
+
+    def __post_init__(self) -> None:
+        POLICY_LOSSES.get(self.policy_loss)
+        AGGREGATIONS.get(self.loss_agg)
+        KL_ESTIMATORS.get(self.kl_estimator)
+
+
+def policy_objective(
+    batch: PolicyBatch,
+    denoms: StepDenominators,
+    params: ObjectiveParams,
+) -> tuple[Tensor, Metrics]:
+    """`(loss, metrics)` for one micro-batch; call `.backward()` on each and step once per window."""
+    mask_bt = batch.mask_bt
+    old_logp_bt = batch.logp_bt.detach() if batch.old_logp_bt is None else batch.old_logp_bt
+    surrogate = POLICY_LOSSES.get(params.policy_loss)
+    loss_bt, metrics = surrogate(batch.logp_bt, old_logp_bt, batch.advantages_bt, mask_bt, params.surrogate)
+    if params.is_correction.level is not None and batch.rollout_logp_bt is None:
+        raise ValueError("IS correction needs rollout_logp_bt (the rollout engine's log-probs)")
+    if batch.rollout_logp_bt is not None:
+        rollout_logp_bt = batch.rollout_logp_bt
+        weight_bt, is_metrics = is_correction(old_logp_bt, rollout_logp_bt, mask_bt, params.is_correction)
+        loss_bt = loss_bt * weight_bt
+        metrics |= is_metrics
+    metrics["policy_loss"] = masked_mean(loss_bt.detach(), mask_bt)
+    group_ids_b, norm_len = batch.group_ids_b, params.norm_len
+    loss = aggregate(params.loss_agg, loss_bt, mask_bt, denoms, group_ids_b=group_ids_b, norm_len=norm_len)
+    if batch.ref_logp_bt is not None:
+        kl_bt = kl_estimate(params.kl_estimator, batch.logp_bt, batch.ref_logp_bt, mask_bt)
+        metrics["kl"] = masked_mean(kl_bt.detach(), mask_bt)
+        if params.kl_loss_coef:
+            loss = loss + params.kl_loss_coef * aggregate("token-mean", kl_bt, mask_bt, denoms)
+    if batch.entropy_bt is not None:
+        metrics["entropy"] = masked_mean(batch.entropy_bt.detach(), mask_bt)
+        if params.entropy_coef:
+            loss = loss - params.entropy_coef * aggregate("token-mean", batch.entropy_bt, mask_bt, denoms)
+    return loss, {name: value.detach() for name, value in metrics.items()}
