@@ -96,6 +96,8 @@ class TrainConfig:
     """Clip the global gradient norm to this value (0 disables)."""
     seed: int = 0
     """Seed for model init, data order and sampling."""
+    check_tokens: Literal["cheap", "exhaustive"] = "cheap"
+    """Token-exactness check per sample: hashes of engine actions, or full id comparison."""
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "train.lr", "must be > 0")
@@ -106,6 +108,141 @@ class TrainConfig:
         check(self.micro_batch_tokens > 0, "train.micro_batch_tokens", "must be > 0")
         check(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
         check(all(0 <= b < 1 for b in self.betas), "train.betas", "each beta must be in [0, 1)")
+
+
+@dataclass
+class RolloutConfig:
+    """How episodes are generated: agent, groups, sampling, budgets, and the staleness bound."""
+
+    agent: str = ""
+    """Agent class as `file.py[:Name]` or `pkg.module[:Name]`. Default: the task's built-in Env."""
+    prompts_per_step: int = 8
+    """Prompt groups per optimizer step (the batch is prompts_per_step x n_samples_per_prompt)."""
+    n_samples_per_prompt: int = 8
+    """Samples per prompt (a group; group baselines such as GRPO compare within it)."""
+    max_staleness: int = 1
+    """Max versions between the weights that sampled a token and the trainer step using it (0 = sync)."""
+    sync_mode: Literal["drain", "interrupt"] = "interrupt"
+    """Weight sync: `drain` waits for in-flight requests; `interrupt` swaps at a token boundary."""
+    temperature: float = 1.0
+    """Sampling temperature (also used by the trainer's log-probs)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    max_tokens: int = 32
+    """Max generated tokens per turn (clipped to the remaining context)."""
+    max_turns: int = 4
+    """Max policy turns per episode."""
+    max_len: int = 192
+    """Context budget per episode in tokens (prompt + actions + observations)."""
+    step_timeout_s: float = 30.0
+    """Timeout of one agent call (reset/step); a timeout fails that rollout only."""
+    max_failure_frac: float = 0.2
+    """Stop the run when more than this fraction of rollouts failed (after 20 rollouts)."""
+    filters: tuple[str, ...] = ("nonfinite", "all-equal")
+    """Group filters (dropped groups are refilled from new prompts): nonfinite, all-equal, score-range."""
+    max_in_flight: int = 0
+    """Episodes generating at once; 0 = one step's worth (prompts_per_step x n_samples_per_prompt)."""
+
+    def __post_init__(self) -> None:
+        check(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be > 0")
+        check(self.n_samples_per_prompt > 0, "rollout.n_samples_per_prompt", "must be > 0")
+        check(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
+        check(self.temperature > 0, "rollout.temperature", "must be > 0 for RL (log-probs need sampling)")
+        check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        check(self.max_tokens > 0 and self.max_turns > 0, "rollout.max_tokens", "max_tokens and max_turns must be > 0")
+        check(0 <= self.max_failure_frac <= 1, "rollout.max_failure_frac", "must be in [0, 1]")
+        check(self.max_in_flight >= 0, "rollout.max_in_flight", "must be >= 0")
+
+
+@dataclass
+class AlgoConfig:
+    """The RL objective: names resolve in molt/algo's registries (see docs/algorithms.md)."""
+
+    estimator: str = "grpo"
+    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_baseline, reinforce, gae, on_policy_distill."""
+    policy_loss: str = "ppo"
+    """Policy surrogate: ppo, gspo, cispo, pg."""
+    loss_agg: str = "token-mean"
+    """Loss aggregation with a global denominator per step (token-mean, seq-mean-token-mean, ...)."""
+    clip_low: float = 0.2
+    """PPO clip: ratio >= 1 - clip_low."""
+    clip_high: float = 0.28
+    """PPO clip: ratio <= 1 + clip_high (clip-higher when > clip_low)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 for negative advantages (0 = off)."""
+    whiten: bool | None = None
+    """Whiten advantages over the batch (None = the estimator's default)."""
+    is_level: str = "token"
+    """Train/rollout importance-sampling correction level: token, seq, geo, or none."""
+    is_mode: str = "trunc"
+    """IS correction mode: mask, clip, trunc."""
+    is_low: float = 0.5
+    """IS band low end."""
+    is_high: float = 2.0
+    """IS band high end."""
+    kl_coef: float = 0.0
+    """KL-to-reference loss coefficient (> 0 builds a frozen reference copy of the initial policy)."""
+    kl_estimator: str = "k3"
+    """KL estimator for the loss: k1, k2, k3."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+
+    def __post_init__(self) -> None:
+        from molt import algo
+
+        for key, registry in (
+            ("estimator", algo.ESTIMATORS),
+            ("policy_loss", algo.POLICY_LOSSES),
+            ("loss_agg", algo.AGGREGATIONS),
+            ("kl_estimator", algo.KL_ESTIMATORS),
+        ):
+            check(getattr(self, key) in registry, f"algo.{key}", f"unknown; choose one of {registry.names()}")
+        check(self.is_level == "none" or self.is_level in algo.IS_LEVELS, "algo.is_level", "token, seq, geo or none")
+        try:
+            self.objective()
+        except ValueError as e:
+            raise ConfigError(f"algo: {e}") from None
+
+    def objective(self):
+        """The algo library's ObjectiveParams for these settings."""
+        from molt import algo
+
+        level = None if self.is_level == "none" else self.is_level
+        return algo.ObjectiveParams(
+            policy_loss=self.policy_loss,
+            loss_agg=self.loss_agg,
+            surrogate=algo.SurrogateParams(self.clip_low, self.clip_high, self.dual_clip or None),
+            is_correction=algo.ISCorrectionParams(level, self.is_mode, self.is_low, self.is_high),
+            kl_estimator=self.kl_estimator,
+            kl_loss_coef=self.kl_coef,
+            entropy_coef=self.entropy_coef,
+        )
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during RL."""
+
+    every: int = 10
+    """Evaluate every N optimizer steps (and before the first and after the last); 0 = never."""
+    num_prompts: int = 100
+    """Held-out prompts per evaluation."""
+    n_samples: int = 4
+    """Samples per eval prompt (for pass@k, k <= n_samples)."""
+    temperature: float = 1.0
+    """Eval sampling temperature (0 = greedy)."""
+
+
+@dataclass
+class CkptConfig:
+    """Checkpoints and resume."""
+
+    every: int = 0
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    resume: str = ""
+    """Run directory to resume from (its latest checkpoint and trainer state)."""
 
 
 @dataclass
@@ -147,7 +284,11 @@ class Config:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
     log: LogConfig = field(default_factory=LogConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     config: str = ""

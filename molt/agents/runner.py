@@ -63,7 +63,14 @@ async def _step(env: Env, action: str, timeout_s: float) -> Result:
 
 
 async def run_episode(
-    engine, tokenizer, env: Env, row: dict[str, Any], sampling, limits: EpisodeLimits, **ids: int
+    engine,
+    tokenizer,
+    env: Env,
+    row: dict[str, Any],
+    sampling,
+    limits: EpisodeLimits,
+    keep_ids: bool = False,
+    **ids: int,
 ) -> Trajectory:
     """One multi-turn episode; `ids` (group_id, rollout_id) go into the Trajectory.
 
@@ -82,7 +89,7 @@ async def run_episode(
             break
         turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room))
         completion = await engine.generate(traj.tokens, turn_sampling)
-        traj.extend_action(list(completion.token_ids), list(completion.logprobs), list(completion.versions))
+        traj.extend_action(list(completion.token_ids), list(completion.logprobs), list(completion.versions), keep_ids)
         traj.finish_reason = completion.finish_reason
         action = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         result = await _step(env, action, limits.step_timeout_s)

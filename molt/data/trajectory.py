@@ -36,6 +36,8 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)
     images: list[Any] | None = None
     routing: Any = None
+    # one entry per engine action: (start, end, hash of the emitted ids, the ids themselves or None)
+    actions: list[tuple[int, int, int, list[int] | None]] = field(default_factory=list)
 
     def extend_prompt(self, ids: list[int]) -> None:
         """Append tokens the policy did not generate (prompt, observations): mask 0."""
@@ -44,10 +46,18 @@ class Trajectory:
         self.rollout_logprobs += [0.0] * len(ids)
         self.versions += [NOT_SAMPLED] * len(ids)
 
-    def extend_action(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        """Append engine-generated tokens with their sampling log-probs and versions: mask 1."""
+    def extend_action(
+        self, ids: list[int], logprobs: list[float], versions: list[int], keep_copy: bool = False
+    ) -> None:
+        """Append engine-generated tokens with their sampling log-probs and versions: mask 1.
+
+        The action's span and a hash of the emitted ids are recorded so the trainer can verify
+        that exactly these tokens, and only these, are trained (`keep_copy` keeps the ids too).
+        """
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError(f"action of {len(ids)} tokens has {len(logprobs)} logprobs, {len(versions)} versions")
+        start = len(self.tokens)
+        self.actions.append((start, start + len(ids), hash(tuple(ids)), list(ids) if keep_copy else None))
         self.tokens += ids
         self.loss_mask += [1] * len(ids)
         self.rollout_logprobs += [float(x) for x in logprobs]
@@ -77,4 +87,6 @@ class Trajectory:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        data = dict(data)
+        data["actions"] = [tuple(a) for a in data.get("actions", [])]
         return cls(**data)
