@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	touch $@
 
 run: setup
-	$(BIN)/molt sft
+	$(BIN)/molt train
 
 test: setup lint
 	$(BIN)/pytest -q

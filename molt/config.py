@@ -36,6 +36,10 @@ class ModelConfig:
     """Parameter dtype (use float32 on CPU: bf16 matmuls are slow there)."""
     init_std: float = 0.02
     """Standard deviation of the random init for presets."""
+    warmstart_steps: int = 150
+    """`molt train` on a preset: first `molt sft` this many steps on the task's demonstrations (cached)."""
+    warmstart_lr: float = 2e-3
+    """Learning rate of the warm-start SFT."""
 
     def __post_init__(self) -> None:
         from molt.models.config import PRESETS
@@ -52,7 +56,7 @@ class ModelConfig:
 class DataConfig:
     """Where prompts and demonstrations come from."""
 
-    task: str = "arithmetic"
+    task: str = "calculator"
     """Built-in task generating the data when `path` is empty."""
     path: str = ""
     """Chat dataset file (.jsonl with a `messages` list per line) instead of a built-in task."""
@@ -76,8 +80,8 @@ class DataConfig:
 class TrainConfig:
     """Optimisation: AdamW with warm-up + cosine decay, packing to a token budget."""
 
-    lr: float = 1e-3
-    """Peak learning rate."""
+    lr: float = 1e-4
+    """Peak learning rate (`molt sft` defaults to 2e-3)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of `lr` (cosine decay after warm-up)."""
     warmup_steps: int = 10
@@ -295,6 +299,11 @@ class Config:
     """TOML or YAML file with any of these fields (e.g. `[train]\\nlr = 3e-4`); flags override it."""
 
     def __post_init__(self) -> None:
+        check(
+            self.train.micro_batch_tokens >= self.rollout.max_len,
+            "train.micro_batch_tokens",
+            f"({self.train.micro_batch_tokens}) must be >= rollout.max_len ({self.rollout.max_len})",
+        )
         check(
             self.train.micro_batch_tokens >= self.data.max_len,
             "train.micro_batch_tokens",

@@ -87,7 +87,8 @@ async def run_episode(
         if room <= 0:
             traj.truncated = True
             break
-        turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room))
+        turn_seed = None if sampling.seed is None else sampling.seed * 64 + turn  # distinct, reproducible
+        turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room), seed=turn_seed)
         completion = await engine.generate(traj.tokens, turn_sampling)
         traj.extend_action(list(completion.token_ids), list(completion.logprobs), list(completion.versions), keep_ids)
         traj.finish_reason = completion.finish_reason

@@ -122,11 +122,11 @@ def build(cls: type, data: dict[str, Any], base: Any = None, prefix: str = "") -
     return dataclasses.replace(base, **values) if base is not None else cls(**values)
 
 
-def load_config_file(cls: type, path: str | Path) -> Any:
-    """Config tree `cls` with the values of file `path`; errors name file, line and key."""
+def load_config_file(cls: type, path: str | Path, base: Any = None) -> Any:
+    """Config tree `cls` (starting from `base`) with the values of file `path`; errors name file, line, key."""
     data, lines = read_file(path)
     try:
-        return build(cls, data)
+        return build(cls, data, base)
     except ConfigError as e:
         key = str(e).split(":", 1)[0]
         line = lines.get(key) or lines.get(key.rsplit(".", 1)[0])

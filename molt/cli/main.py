@@ -14,19 +14,29 @@ import tyro
 from molt.config import Config, ConfigError
 
 COMMANDS: dict[str, Callable[[Config], object]] = {}
+DEFAULTS: dict[str, dict] = {}
 
 
-def command(name: str):
-    """Register `fn(cfg)` as `molt <name>`."""
+def command(name: str, **defaults: dict):
+    """Register `fn(cfg)` as `molt <name>`; `defaults` ({"group": {"field": value}}) change its defaults."""
 
     def wrap(fn):
         COMMANDS[name] = fn
+        DEFAULTS[name] = defaults
         return fn
 
     return wrap
 
 
-@command("sft")
+@command("train")
+def train(cfg: Config) -> object:
+    """Asynchronous RL (default: warm-started tiny model, GRPO on the calculator tool-use task)."""
+    from molt.loop.run import run_train
+
+    return run_train(cfg)
+
+
+@command("sft", train={"lr": 2e-3, "max_steps": 150})
 def sft(cfg: Config) -> object:
     """Supervised fine-tuning on chat data (loss on assistant tokens); writes an HF checkpoint."""
     from molt.train.sft import run_sft
@@ -43,17 +53,27 @@ def _config_path(args: list[str]) -> str | None:
     return None
 
 
-def parse_config(args: list[str], prog: str = "molt") -> Config:
+def parse_config(args: list[str], prog: str = "molt", command_name: str = "train") -> Config:
     """Resolve the config: defaults <- `--config` file <- flags.
 
     A bad file raises ConfigError; bad flags (and checks failing after flags apply) make tyro print
     the error naming the flag and exit with code 2.
     """
-    from molt.cli.config_file import load_config_file
+    from molt.cli.config_file import build, load_config_file
 
     path = _config_path(args)
-    base = load_config_file(Config, path) if path else Config()
+    defaults = build(Config, DEFAULTS.get(command_name, {}))
+    base = load_config_file(Config, path, base=defaults) if path else defaults
     return tyro.cli(Config, args=args, default=base, prog=prog, use_underscores=True)
+
+
+def _resume_args(args: list[str]) -> list[str]:
+    """`--resume DIR` = `--ckpt.resume DIR` with the run's own config.yaml as the config file."""
+    args = ["--ckpt.resume" if a == "--resume" else a for a in args]
+    if "--ckpt.resume" in args and _config_path(args) is None:
+        run_dir = args[args.index("--ckpt.resume") + 1]
+        args = ["--config", f"{run_dir}/config.yaml", *args]
+    return args
 
 
 def _usage() -> str:
@@ -74,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"molt: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         raise SystemExit(2)
     try:
-        cfg = parse_config(rest, prog=f"molt {name}")
+        cfg = parse_config(_resume_args(rest), prog=f"molt {name}", command_name=name)
     except ConfigError as e:
         print(f"molt {name}: config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

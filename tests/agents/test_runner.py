@@ -17,6 +17,7 @@ TOK = build_builtin_tokenizer()
 @dataclass
 class Sampling:
     max_tokens: int = 64
+    seed: int | None = None
 
 
 @dataclass

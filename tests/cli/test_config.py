@@ -74,7 +74,7 @@ def test_invalid_value_and_combination(tmp_path, capsys):
         main(["sft", "--train.lr=-1"])
     assert "train.lr: must be > 0" in capsys.readouterr().err
     path = tmp_path / "run.toml"
-    path.write_text("[train]\nmicro_batch_tokens = 64\n[data]\nmax_len = 128\n")
+    path.write_text("[train]\nmicro_batch_tokens = 64\n[data]\nmax_len = 128\n[rollout]\nmax_len = 32\n")
     with pytest.raises(ConfigError, match=r"train\.micro_batch_tokens: \(64\) must be >= data\.max_len"):
         load_config_file(Config, path)
 
@@ -93,3 +93,16 @@ def test_help_lists_commands_and_fields(capsys):
         main(["sft", "--help"])
     out = capsys.readouterr().out
     assert "--train.lr" in out and "Peak learning rate" in out
+
+
+def test_impossible_rl_combination(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[rollout]\nmax_len = 8192\n")
+    with pytest.raises(ConfigError, match=r"train\.micro_batch_tokens: \(4096\) must be >= rollout\.max_len \(8192\)"):
+        load_config_file(Config, path)
+    path.write_text('[algo]\nestimator = "grpoo"\n')
+    with pytest.raises(ConfigError, match=r"run\.toml:2: algo\.estimator: unknown; choose one of"):
+        load_config_file(Config, path)
+    path.write_text('[algo]\nis_level = "geo"\nis_mode = "clip"\n')
+    with pytest.raises(ConfigError, match="does not support mode 'clip'"):
+        load_config_file(Config, path)

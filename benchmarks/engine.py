@@ -1,0 +1,177 @@
+"""Decode throughput and time-to-first-token: Molt's engine vs `transformers` generate() (and vLLM if present).
+
+For ~5M and ~20M parameter Qwen3-style models (same weights on every side, fp32, 2 threads),
+batches of 1, 8, 32 and 128 random prompts of 16-64 tokens each generate exactly 64 new tokens
+greedily. transformers runs one left-padded `generate()` with its KV cache; Molt submits the
+batch to `TorchEngine` at once (continuous batching, all requests concurrent). Reported:
+
+- tok/s: generated tokens / wall time of the whole batch (prefill included, as a user sees it);
+- TTFT: transformers = wall time of `generate(max_new_tokens=1)` on the batch; Molt = the mean
+  over requests of submission -> first token, in the full run;
+- %peak: achieved matmul FLOP/s of Molt's decode (2 x matmul parameters per token, attention
+  ignored) over the fp32 peak of one big matmul measured in this run.
+
+Run: `.venv/bin/python benchmarks/engine.py [--quick]` (writes benchmarks/results/engine.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from molt.engine import SamplingParams, TorchEngine
+from molt.models import from_pretrained
+
+CONFIGS = {
+    "5M": dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "20M": dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4
+    ),
+}
+VOCAB, NEW_TOKENS, BATCHES = 512, 64, (1, 8, 32, 128)
+
+
+def matmul_peak_gflops(n: int = 2048, iters: int = 10) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e9
+
+
+def random_prompts(batch: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 65, (batch,), generator=g).tolist()
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> float:
+    """Seconds for one left-padded batched greedy generate() of exactly `new_tokens` tokens."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :], mask[row, width - len(p) :] = torch.tensor(p), 1
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(
+            ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens
+        )
+    assert out.shape[1] == width + new_tokens
+    return time.perf_counter() - t0
+
+
+def molt_generate(engine: TorchEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(seconds for the whole batch, mean TTFT seconds) with every request submitted at once."""
+    sampling = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+
+    async def run():
+        return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+
+    t0 = time.perf_counter()
+    outs = asyncio.run(run())
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+    return elapsed, sum(o.metrics["ttft_s"] for o in outs) / len(outs)
+
+
+def vllm_generate(folder: str, prompts: list[list[int]], new_tokens: int) -> float | None:
+    try:
+        import vllm
+    except ImportError:
+        return None
+    llm = vllm.LLM(model=folder, dtype="float32", max_model_len=256, enforce_eager=True)
+    params = vllm.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(inputs[:1], params)
+    t0 = time.perf_counter()
+    llm.generate(inputs, params)
+    return time.perf_counter() - t0
+
+
+def bench_model(name: str, batches, peak: float) -> list[dict]:
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, max_position_embeddings=512, head_dim=64, **CONFIGS[name])
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
+    folder = tempfile.mkdtemp(prefix=f"molt-bench-{name}-")
+    hf.save_pretrained(folder)
+    molt = from_pretrained(folder).eval()
+    matmul_params = sum(p.numel() for n, p in molt.named_parameters() if p.dim() == 2 and "embed" not in n)
+    matmul_params += VOCAB * cfg.hidden_size  # the (tied) lm_head
+    rows = []
+    for batch in batches:
+        prompts = random_prompts(batch, seed=batch)
+        engine = TorchEngine(molt, num_slots=batch, max_seq_len=160, eos_token_ids=(), prefix_cache=False)
+        molt_generate(engine, random_prompts(min(batch, 8), seed=99), 8)  # warm-up
+        hf_generate(hf, prompts[:1], 4)
+        molt_s, molt_ttft = molt_generate(engine, prompts, NEW_TOKENS)
+        hf_s = hf_generate(hf, prompts, NEW_TOKENS)
+        hf_ttft = hf_generate(hf, prompts, 1)
+        vllm_s = vllm_generate(folder, prompts, NEW_TOKENS)
+        asyncio.run(engine.close())
+        tokens = batch * NEW_TOKENS
+        row = dict(
+            model=name, batch=batch, hf=tokens / hf_s, molt=tokens / molt_s, hf_ttft=hf_ttft, molt_ttft=molt_ttft
+        )
+        row["vllm"] = tokens / vllm_s if vllm_s else None
+        row["peak"] = row["molt"] * 2 * matmul_params / 1e9 / peak
+        rows.append(row)
+        print(_line(row), flush=True)
+    return rows
+
+
+def _line(r: dict) -> str:
+    vllm = f"{r['vllm']:.0f} | {r['molt'] / r['vllm']:.2f}x" if r["vllm"] else "n/a | n/a"
+    return (
+        f"| {r['model']} | {r['batch']} | {r['hf']:.0f} | {r['molt']:.0f} | **{r['molt'] / r['hf']:.2f}x** | {vllm} "
+        f"| {r['hf_ttft'] * 1e3:.1f} | {r['molt_ttft'] * 1e3:.1f} | {100 * r['peak']:.1f}% |"
+    )
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    quick = "--quick" in sys.argv
+    load_start = os.getloadavg()[0]
+    peak = matmul_peak_gflops()
+    header = (
+        "| model | batch | transformers tok/s | Molt tok/s | Molt / HF | vLLM tok/s | Molt / vLLM "
+        "| HF TTFT ms | Molt TTFT ms | Molt % fp32 peak |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    print(f"fp32 matmul peak: {peak:.0f} GFLOP/s (2 threads)\n{header}")
+    rows = []
+    for name in CONFIGS:
+        rows += bench_model(name, (1, 32) if quick else BATCHES, peak)
+    report = [
+        "# Engine decode benchmark",
+        "",
+        f"Generated by `benchmarks/engine.py` on {platform.processor() or platform.machine()},"
+        f" torch {torch.__version__}, transformers {transformers.__version__}, 2 threads, fp32;"
+        f" {NEW_TOKENS} new tokens per request, greedy,"
+        f" prompts of 16-64 random tokens; fp32 matmul peak measured in the same run: {peak:.0f} GFLOP/s.",
+        f"Load average (1 min) at the start / end of the run: {load_start:.2f} / {os.getloadavg()[0]:.2f}"
+        " (anything well above 0 means other processes shared the 2 cores and the numbers are noisy).",
+        "",
+        header,
+        *(_line(r) for r in rows),
+        "",
+        "tok/s counts generated tokens over the wall time of the whole batch (prefill included).",
+    ]
+    out = Path(__file__).parent / "results" / "engine.md"
+    out.write_text("\n".join(report) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The engine core: one synchronous step of continuous batching, plus the state it advances.
+
+A step: schedule, apply pending cache moves, prefill the scheduled chunks (one padded forward),
+copy shared prompt prefixes to sibling samples, decode every decoding row (one forward over a
+contiguous cache view), sample all rows at once, then append / stop / finish in Python.
+
+Single-threaded and free of asyncio: `TorchEngine` calls it from its worker thread. Requests
+enter as scheduler `Group`s and leave through each group's `on_done` callback (a list of
+`Completion`s, or the exception that failed them). Knows models, caches and sampling; nothing
+of agents or trainers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from molt.engine.cache import SlotCacheManager
+from molt.engine.interface import Completion, Weights
+from molt.engine.runner import ModelRunner
+from molt.engine.sampling import RowParams, sample
+from molt.engine.scheduler import Group, Scheduler
+from molt.engine.scheduler import Sequence as Seq
+from molt.engine.weights import load_weights
+from molt.models.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Scheduler + cache manager + model runner + sampler, advanced one step at a time."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        tokenizer=None,
+        num_slots: int,
+        max_seq_len: int,
+        max_num_batched_tokens: int,
+        prefix_cache: bool,
+        eos_token_ids: Sequence[int],
+        version: int = 0,
+    ):
+        self.model, self.tokenizer, self.version, self.max_seq_len = model, tokenizer, version, max_seq_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.manager = SlotCacheManager(num_slots, max_seq_len, prefix_cache)
+        self.scheduler = Scheduler(self.manager, max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_slots, max_seq_len)
+        self.groups: dict[str, Group] = {}
+        self.num_pending = 0
+        self.stats = dict(steps=0, prefill_tokens=0, decode_tokens=0, step_errors=0)
+
+    # ---- requests and commands -----------------------------------------------------------------
+    def add(self, group: Group) -> None:
+        if group.request_id in self.groups:
+            group.on_done(ValueError(f"request_id {group.request_id!r} is already in flight"))
+            return
+        self.groups[group.request_id] = group
+        self.num_pending += group.sampling.n
+        self.scheduler.add(group)
+
+    def abort(self, request_id: str) -> bool:
+        group = self.groups.get(request_id)
+        if group is None:
+            return False
+        self.scheduler.remove_group(group, "abort")
+        self._complete(group)
+        return True
+
+    def abort_all(self) -> None:
+        for request_id in list(self.groups):
+            self.abort(request_id)
+
+    def swap_weights(self, weights: Weights, version: int, recompute: bool) -> None:
+        """Load weights in place and set the version; `recompute` redoes the KV of running sequences."""
+        load_weights(self.model, weights)
+        self.version = version
+        if recompute:
+            self.scheduler.restart_all()
+        self.manager.clear_prefixes()
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step_safely(self, admit: bool = True) -> None:
+        """One step; a failure fails the requests that were running, never the engine."""
+        try:
+            self.step(admit)
+        except Exception as e:
+            log.exception("engine step failed; failing the running requests")
+            self.stats["step_errors"] += 1
+            for group in list(self.groups.values()):
+                if any(s in self.scheduler.running for s in group.seqs):
+                    self.scheduler.remove_group(group, "abort")
+                    self.groups.pop(group.request_id)
+                    self.num_pending -= group.sampling.n
+                    group.on_done(e)
+
+    def step(self, admit: bool = True) -> None:
+        plan = self.scheduler.schedule(admit)
+        self.runner.apply_moves(self.manager.take_moves())
+        rows: list[Seq] = []
+        logits: list[torch.Tensor] = []
+        if plan.prefill:
+            slot_of = self.manager.slot_of
+            chunks = [(slot_of(c.seq.seq_id), c.seq.tokens[c.start : c.end], c.start) for c in plan.prefill]
+            prefill_logits_rv = self.runner.prefill(chunks)
+            picks = []
+            for i, chunk in enumerate(plan.prefill):
+                samplers = self.scheduler.computed(chunk)
+                rows += samplers
+                picks += [i] * len(samplers)
+                self.stats["prefill_tokens"] += chunk.end - chunk.start
+            if picks:
+                logits.append(prefill_logits_rv[picks])
+            self.runner.apply_moves(self.manager.take_moves())
+        if plan.decode:
+            logits.append(self._decode(plan.decode))
+            rows += plan.decode
+        self.stats["steps"] += 1
+        if not rows:
+            return
+        token_ids, logprobs = sample(torch.cat(logits) if len(logits) > 1 else logits[0], self._row_params(rows))
+        for seq, token, logprob in zip(rows, token_ids, logprobs, strict=True):
+            self._append(seq, token, logprob)
+
+    def _decode(self, seqs: list[Seq]) -> torch.Tensor:
+        slots = [self.manager.slot_of(s.seq_id) for s in seqs]
+        width = slots[-1] + 1
+        token_ids, positions = [0] * width, [-1] * width
+        for seq, slot in zip(seqs, slots, strict=True):
+            token_ids[slot], positions[slot] = seq.tokens[-1], len(seq.tokens) - 1
+            seq.num_computed = len(seq.tokens)
+            self.manager.set_length(seq.seq_id, seq.num_computed)
+        logits_bv = self.runner.decode(token_ids, positions)
+        self.stats["decode_tokens"] += len(seqs)
+        return logits_bv if width == len(seqs) else logits_bv[slots]
+
+    def _row_params(self, rows: list[Seq]) -> RowParams:
+        sps = [s.sampling for s in rows]
+        return RowParams(
+            temperature=[sp.temperature for sp in sps],
+            top_p=[sp.top_p for sp in sps],
+            top_k=[max(sp.top_k, 0) for sp in sps],
+            seed=[s.seed for s in rows],
+            position=[len(s.tokens) for s in rows],
+            processed=[sp.logprob_mode == "processed" for sp in sps],
+            banned=[
+                (r, tuple(s.group.stop_ids))
+                for r, s in enumerate(rows)
+                if s.num_generated < s.sampling.min_tokens and s.group.stop_ids
+            ],
+        )
+
+    # ---- after sampling ------------------------------------------------------------------------
+    def _append(self, seq: Seq, token: int, logprob: float) -> None:
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.versions.append(self.version)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+        sp = seq.sampling
+        if seq.num_generated >= sp.min_tokens and (reason := self._stop_reason(seq, token)) is not None:
+            self._finish(seq, "stop", reason)
+        elif seq.num_generated >= sp.max_tokens or len(seq.tokens) >= self.max_seq_len:
+            self._finish(seq, "length")
+
+    def _stop_reason(self, seq: Seq, token: int) -> int | str | None:
+        if token in seq.group.stop_ids:
+            return token
+        stops = seq.sampling.stop
+        if stops:
+            window = 2 * max(len(s) for s in stops) + 4
+            text = self.tokenizer.decode(seq.tokens[max(seq.num_prompt, len(seq.tokens) - window) :])
+            return next((s for s in stops if s in text), None)
+        return None
+
+    def _finish(self, seq: Seq, reason: str, stop_reason: int | str | None = None) -> None:
+        self.scheduler.finish(seq, reason, stop_reason)
+        if seq.group.done:
+            self._complete(seq.group)
+
+    def _complete(self, group: Group) -> None:
+        self.groups.pop(group.request_id, None)
+        self.num_pending -= group.sampling.n
+        now = time.perf_counter()
+        group.on_done([_completion(group, seq, now) for seq in group.seqs])
+
+
+def _completion(group: Group, seq: Seq, now: float) -> Completion:
+    return Completion(
+        request_id=group.request_id,
+        token_ids=seq.tokens[seq.num_prompt :],
+        logprobs=list(seq.logprobs),
+        versions=list(seq.versions),
+        finish_reason=seq.finish_reason,
+        num_prompt_tokens=seq.num_prompt,
+        sample_index=seq.sample_index,
+        stop_reason=seq.stop_reason,
+        num_cached_tokens=seq.num_cached,
+        metrics=dict(ttft_s=(seq.first_token_at or now) - group.submitted_at, latency_s=now - group.submitted_at),
+    )

@@ -1,0 +1,156 @@
+"""The one async rollout-engine interface: request/response types and the abstract `Engine`.
+
+Everything above the engine (agent runners, the loop, the chat server) talks to this and only
+this. It is token-first: prompts are token ids and completions are the exact ids the engine
+sampled, each with its log-prob and the weight version that sampled it. Knows nothing of models,
+caches, agents or trainers.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+SyncMode = Literal["drain", "interrupt"]
+LogprobMode = Literal["scaled", "processed"]
+Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class ContextLengthError(ValueError):
+    """The request cannot fit the engine's context (prompt too long, or no room for one token)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request.
+
+    Log-probs (`logprob_mode`) of each sampled token are reported under:
+
+    - `"scaled"` (default): `log_softmax(logits / temperature)` over the whole vocabulary, i.e. the
+      exact function the trainer computes (temperature 0 counts as 1). top-k / top-p / min_tokens
+      restrict where the token is drawn from but do not renormalise this number.
+    - `"processed"`: the distribution actually sampled from: temperature applied, tokens outside
+      top-k / top-p (and stop tokens banned by min_tokens) removed, renormalised. Greedy gives 0.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1): off
+    max_tokens: int = 256
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded completion (needs a tokenizer)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprob_mode: LogprobMode = "scaled"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        problems = [
+            msg
+            for bad, msg in [
+                (self.n < 1, f"n must be >= 1, got {self.n}"),
+                (self.temperature < 0, f"temperature must be >= 0, got {self.temperature}"),
+                (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+                (self.top_k < -1, f"top_k must be >= 0 (0 or -1: off), got {self.top_k}"),
+                (self.max_tokens < 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+                (not 0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+                (self.logprob_mode not in ("scaled", "processed"), f"unknown logprob_mode {self.logprob_mode!r}"),
+                (any(not s for s in self.stop), "stop strings must be non-empty"),
+            ]
+            if bad
+        ]
+        if problems:
+            raise ValueError("SamplingParams: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Completion:
+    """One sample: the exact generated ids, their log-probs and the versions that sampled them."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    sample_index: int = 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_cached_tokens: int = 0  # prompt positions whose KV was reused rather than computed
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Engine(abc.ABC):
+    """An asynchronous, versioned rollout engine shared by many concurrent callers."""
+
+    version: int = 0
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+    ) -> Completion:
+        """One completion of `prompt_token_ids` (sampling.n must be 1; see `generate_group`)."""
+        sampling = sampling or SamplingParams()
+        if sampling.n != 1:
+            raise ValueError(f"generate() returns one completion; use generate_group() for n={sampling.n}")
+        (completion,) = await self.generate_group(
+            prompt_token_ids, sampling, request_id=request_id, session_id=session_id
+        )
+        return completion
+
+    @abc.abstractmethod
+    async def generate_group(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+    ) -> list[Completion]:
+        """`sampling.n` completions of one prompt, sharing its prefill; in sample order."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request; its completions finish with reason "abort". False if it was not found."""
+
+    @abc.abstractmethod
+    async def update_weights(self, weights: Weights, version: int, mode: SyncMode = "interrupt") -> None:
+        """Load new weights (Molt or HF names) in place and set `version`.
+
+        `drain`: finish the requests already running (new ones wait), then swap. `interrupt`: stop at
+        a token boundary, swap, continue the same requests; later tokens carry `version`.
+        """
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop generating at the next token boundary; requests stay queued and cached."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Continue after `pause`."""
+
+    @abc.abstractmethod
+    def num_pending(self) -> int:
+        """Sequences running or waiting (the router's load measure)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; pending requests are aborted."""

@@ -1,0 +1,111 @@
+"""Batched token sampling from logits: greedy, temperature, top-k, top-p, bans; with log-probs.
+
+One call samples every row of a step with a handful of tensor ops, whatever mix of per-row
+parameters the rows carry. Randomness is counter-based: the uniform number that picks row r's
+token is a hash of (the sample's seed, the token's position), then inverse-CDF sampling. So a
+seeded request gives the same tokens whichever other requests share its batch, and no
+per-request generator state exists. Knows nothing of models, caches or requests.
+
+Log-probs: see `SamplingParams` (`"scaled"` = trainer-side log_softmax(logits / T);
+`"processed"` = the renormalised distribution actually sampled from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """A 64-bit integer mix (SplitMix64 finaliser): well-spread bits from consecutive inputs."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def sample_seed(request_seed: int, sample_index: int) -> int:
+    """The seed of sample `sample_index` of a request seeded with `request_seed`."""
+    return splitmix64((request_seed & MASK64) ^ splitmix64(sample_index + 1))
+
+
+def uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) with 24 bits, fixed by (seed, position)."""
+    return (splitmix64(seed ^ splitmix64(position)) >> 40) / float(1 << 24)
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters of one batch (lists, one entry per logits row)."""
+
+    temperature: list[float]
+    top_p: list[float]
+    top_k: list[int]  # 0: off
+    seed: list[int]
+    position: list[int]  # index of the token being sampled in its sequence
+    processed: list[bool]  # report the "processed" log-prob instead of the "scaled" one
+    banned: list[tuple[int, Sequence[int]]]  # (row, token ids) not allowed this step (min_tokens)
+
+
+def _filtered(scaled_rv: torch.Tensor, top_p_r: torch.Tensor, top_k_r: torch.Tensor):
+    """(sorted masked logits, sort order): top-k then top-p (smallest set with mass >= p) per row."""
+    vocab = scaled_rv.shape[-1]
+    sorted_rv, order_rv = scaled_rv.sort(dim=-1, descending=True)
+    rank_v = torch.arange(vocab, device=scaled_rv.device)
+    keep_rv = rank_v[None, :] < torch.where(top_k_r > 0, top_k_r, vocab)[:, None]
+    probs_rv = torch.softmax(sorted_rv.masked_fill(~keep_rv, float("-inf")), dim=-1)
+    mass_before_rv = probs_rv.cumsum(dim=-1) - probs_rv
+    keep_rv &= (mass_before_rv < top_p_r[:, None]) | (top_p_r[:, None] >= 1.0)
+    keep_rv[:, 0] = True
+    return sorted_rv.masked_fill(~keep_rv, float("-inf")), order_rv
+
+
+def _inverse_cdf(logp_rv: torch.Tensor, u_r: torch.Tensor) -> torch.Tensor:
+    """Index j per row with cdf[j-1] <= u * total < cdf[j] (never a zero-probability entry)."""
+    cdf_rv = logp_rv.exp().double().cumsum(dim=-1)
+    target_r1 = (u_r * cdf_rv[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf_rv, target_r1, right=True).clamp(max=logp_rv.shape[-1] - 1).squeeze(-1)
+
+
+def sample(logits_rv: torch.Tensor, params: RowParams) -> tuple[list[int], list[float]]:
+    """(token id, log-prob) per row of `logits_rv` [R, V] (fp32)."""
+    device = logits_rv.device
+    logits_rv = logits_rv.float()
+    temp = torch.tensor(params.temperature, dtype=torch.float32, device=device)
+    greedy_r = temp == 0
+    scaled_rv = logits_rv / torch.where(greedy_r, 1.0, temp)[:, None]
+    masked_rv = scaled_rv
+    if params.banned:
+        masked_rv = scaled_rv.clone()
+        for row, ids in params.banned:
+            masked_rv[row, list(ids)] = float("-inf")
+    if bool(greedy_r.all()):
+        token_r = masked_rv.argmax(dim=-1)
+        processed_lp_r = torch.zeros_like(temp)
+    else:
+        u_r = torch.tensor(
+            [uniform(s, p) for s, p in zip(params.seed, params.position, strict=True)], dtype=torch.float64
+        )
+        top_p_r = torch.tensor(params.top_p, dtype=torch.float32, device=device)
+        top_k_r = torch.tensor(params.top_k, dtype=torch.long, device=device)
+        if bool(((top_p_r < 1) | (top_k_r > 0)).any()):
+            sorted_rv, order_rv = _filtered(masked_rv, top_p_r, top_k_r)
+            logp_sorted_rv = torch.log_softmax(sorted_rv, dim=-1)
+            j_r = _inverse_cdf(logp_sorted_rv, u_r.to(device))
+            token_r = order_rv.gather(1, j_r[:, None]).squeeze(1)
+            processed_lp_r = logp_sorted_rv.gather(1, j_r[:, None]).squeeze(1)
+        else:
+            logp_rv = torch.log_softmax(masked_rv, dim=-1)
+            token_r = _inverse_cdf(logp_rv, u_r.to(device))
+            processed_lp_r = logp_rv.gather(1, token_r[:, None]).squeeze(1)
+        token_r = torch.where(greedy_r, masked_rv.argmax(dim=-1), token_r)
+        processed_lp_r = torch.where(greedy_r, 0.0, processed_lp_r)
+    scaled_lp_r = torch.log_softmax(scaled_rv, dim=-1).gather(1, token_r[:, None]).squeeze(1)
+    if any(params.processed):
+        use_r = torch.tensor(params.processed, device=device)
+        scaled_lp_r = torch.where(use_r, processed_lp_r, scaled_lp_r)
+    return token_r.tolist(), scaled_lp_r.tolist()

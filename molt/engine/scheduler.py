@@ -1,0 +1,178 @@
+"""Continuous batching: which sequences run this step, how much of each prompt is prefilled, when one stops.
+
+A sequence's state is just `tokens` (prompt + generated) and `num_computed` (positions whose KV
+is in its cache slot). Each step a sequence computes `tokens[num_computed:]` (or a chunk of
+them) and, once it reaches the end, samples the next token from the last position's logits: a
+decode is the case of exactly one uncomputed token, a prefill the case of many, and recomputing
+the cache after a weight swap is simply `num_computed = 0`.
+
+`schedule()` admits waiting groups (all n samples of one prompt at once, when n slots are free)
+in FIFO order and splits the step's token budget: every decoding sequence gets its one token
+first, prefills share the rest (long prompts are chunked). Requests join and leave between steps.
+Plain Python: knows the cache manager, not tensors or models.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from molt.engine.cache import SlotCacheManager
+from molt.engine.interface import SamplingParams
+
+
+@dataclass(eq=False)
+class Group:
+    """One request: n sequences sampling from one prompt; resolved when all have finished."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    seeds: list[int]
+    on_done: Callable[[Group], None]
+    stop_ids: frozenset[int] = frozenset()  # stop token ids in force (request's + eos unless ignored)
+    submitted_at: float = 0.0
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample's evolving state."""
+
+    seq_id: int
+    group: Group
+    sample_index: int
+    tokens: list[int]
+    num_prompt: int
+    seed: int
+    num_computed: int = 0
+    num_cached: int = 0
+    waits_for: Sequence | None = None  # a sibling whose prefill this one will copy
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_token_at: float | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.group.sampling
+
+
+@dataclass
+class Chunk:
+    """Compute tokens[start:end] of `seq` this step; `samples` when end reaches the last token."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def samples(self) -> bool:
+        return self.end == len(self.seq.tokens)
+
+
+@dataclass
+class Plan:
+    prefill: list[Chunk]
+    decode: list[Sequence]  # ordered by slot
+
+
+class Scheduler:
+    """FIFO admission under slot capacity and a per-step token budget."""
+
+    def __init__(self, manager: SlotCacheManager, max_num_batched_tokens: int = 2048):
+        self.manager = manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Group] = deque()
+        self.running: list[Sequence] = []  # sequences holding a slot
+        self._ids = itertools.count()
+
+    def add(self, group: Group) -> None:
+        """Queue a request: creates its n sequences (they get slots when admitted)."""
+        for i, seed in enumerate(group.seeds):
+            group.seqs.append(Sequence(next(self._ids), group, i, list(group.prompt), len(group.prompt), seed))
+        self.waiting.append(group)
+
+    def num_pending(self) -> int:
+        return len(self.running) + sum(len(g.seqs) for g in self.waiting)
+
+    def has_work(self, admit: bool) -> bool:
+        return bool(self.running) or (admit and bool(self.waiting))
+
+    def schedule(self, admit: bool = True) -> Plan:
+        """This step's chunks and decodes; admits waiting groups when `admit`."""
+        budget = self.max_num_batched_tokens
+        decode, prefill = [], []
+        for seq in self.running:
+            if seq.waits_for is None and len(seq.tokens) - seq.num_computed == 1:
+                decode.append(seq)
+        budget -= len(decode)
+        for seq in self.running:
+            if budget > 0 and seq.waits_for is None and len(seq.tokens) - seq.num_computed > 1:
+                prefill.append(self._chunk(seq, budget))
+                budget -= prefill[-1].end - prefill[-1].start
+        while admit and budget > 0 and self.waiting and self.manager.num_free() >= len(self.waiting[0].seqs):
+            leader = self._admit(self.waiting.popleft())
+            prefill.append(self._chunk(leader, budget))
+            budget -= prefill[-1].end - prefill[-1].start
+        decode.sort(key=lambda s: self.manager.slot_of(s.seq_id))
+        return Plan(prefill, decode)
+
+    def _chunk(self, seq: Sequence, budget: int) -> Chunk:
+        return Chunk(seq, seq.num_computed, min(len(seq.tokens), seq.num_computed + budget))
+
+    def _admit(self, group: Group) -> Sequence:
+        leader, *siblings = group.seqs
+        _, reused = self.manager.allocate(leader.seq_id, leader.tokens)
+        leader.num_computed = leader.num_cached = reused
+        for seq in siblings:
+            self.manager.allocate(seq.seq_id)
+            seq.waits_for = leader
+        self.running += group.seqs
+        return leader
+
+    def computed(self, chunk: Chunk) -> list[Sequence]:
+        """Record a computed chunk; returns the sequences that sample from its last logits (leader first)."""
+        seq = chunk.seq
+        seq.num_computed = chunk.end
+        self.manager.set_length(seq.seq_id, chunk.end)
+        if not chunk.samples:
+            return []
+        followers = [s for s in self.running if s.waits_for is seq]
+        for s in followers:
+            self.manager.share(seq.seq_id, s.seq_id, chunk.end)
+            s.num_computed, s.num_cached, s.waits_for = chunk.end, chunk.end, None
+        return [seq, *followers]
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, cache: bool = True) -> None:
+        """Mark `seq` finished and free its slot (keeping its KV as a cached prefix when `cache`)."""
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+            self.manager.free(seq.seq_id, seq.tokens if cache else None)
+
+    def remove_group(self, group: Group, reason: str) -> None:
+        """Finish every unfinished sequence of `group` (abort / failure), waiting or running."""
+        if group in self.waiting:
+            self.waiting.remove(group)
+        for seq in group.seqs:
+            if seq.finish_reason is None:
+                self.finish(seq, reason, cache=False)
+
+    def restart_all(self) -> None:
+        """Forget all computed KV (weights changed): every running sequence recomputes from position 0."""
+        self.manager.reset_lengths()
+        self.manager.clear_prefixes()
+        for seq in self.running:
+            seq.num_computed = 0

@@ -1,0 +1,238 @@
+"""The built-in rollout engine: Molt's own model, continuous batching, versioned in-place weights.
+
+One worker thread owns the model, the cache and the scheduler and runs the step loop; asyncio
+callers (any number, any event loop) hand it requests and commands through a locked inbox and
+get results back with `call_soon_threadsafe`. Commands (abort, pause, weight swaps) run between
+steps, i.e. at token boundaries. The event loop never runs a model step, so it stays responsive.
+
+The step itself lives in `core.py`; this file owns only the thread, the inbox, pause and the two
+weight-sync modes. Knows models and the engine core; nothing of agents or trainers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+from molt.engine.core import EngineCore
+from molt.engine.interface import Completion, ContextLengthError, Engine, SamplingParams, SyncMode, Weights
+from molt.engine.sampling import sample_seed
+from molt.engine.scheduler import Group
+from molt.models.transformer import Transformer
+
+log = logging.getLogger(__name__)
+KV_POLICIES = ("recompute", "keep")
+
+
+class TorchEngine(Engine):
+    """Continuous-batching engine over a `Transformer` (CPU or CUDA: wherever the model lives).
+
+    `kv_on_update` (interrupt mode): "recompute" the KV of already-processed tokens under the new
+    weights (exact: later log-probs are those of the new weights), or "keep" the old KV (faster).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        tokenizer=None,
+        num_slots: int = 32,
+        max_seq_len: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        prefix_cache: bool = True,
+        kv_on_update: str = "recompute",
+        eos_token_ids: Sequence[int] | None = None,
+        version: int = 0,
+        seed: int | None = None,
+    ):
+        if kv_on_update not in KV_POLICIES:
+            raise ValueError(f"kv_on_update must be one of {KV_POLICIES}, got {kv_on_update!r}")
+        self.model, self.tokenizer, self.kv_on_update = model, tokenizer, kv_on_update
+        self.max_seq_len = max_seq_len or min(model.cfg.max_position_embeddings, 2048)
+        eos = _default_eos(model, tokenizer) if eos_token_ids is None else eos_token_ids
+        self.core = EngineCore(
+            model,
+            tokenizer=tokenizer,
+            num_slots=num_slots,
+            max_seq_len=self.max_seq_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            prefix_cache=prefix_cache,
+            eos_token_ids=eos,
+            version=version,
+        )
+        self.manager, self.stats = self.core.manager, self.core.stats
+        self._rng = random.Random(seed)
+        self._cv = threading.Condition()
+        self._inbox: list[Callable[[], None]] = []
+        self._drains: list[tuple[Weights, int, concurrent.futures.Future]] = []
+        self._paused = self._closed = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def version(self) -> int:
+        return self.core.version
+
+    # ---- caller side (any thread / event loop) -------------------------------------------------
+    async def generate_group(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+    ) -> list[Completion]:
+        sampling = sampling or SamplingParams()
+        prompt = self._validate(prompt_token_ids, sampling)
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def on_done(result) -> None:
+            with contextlib.suppress(RuntimeError):  # the caller's loop is gone
+                loop.call_soon_threadsafe(_settle, future, result)
+
+        base_seed = self._rng.getrandbits(63) if sampling.seed is None else sampling.seed
+        seeds = [sample_seed(base_seed, i) for i in range(sampling.n)]
+        stop_ids = frozenset(sampling.stop_token_ids) | (
+            frozenset() if sampling.ignore_eos else self.core.eos_token_ids
+        )
+        group = Group(request_id, prompt, sampling, seeds, on_done, stop_ids, time.perf_counter())
+        self._post(lambda: self.core.add(group))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._post(lambda: self.core.abort(request_id))
+            raise
+
+    def _validate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
+        prompt = [int(t) for t in prompt_token_ids]
+        vocab = self.model.cfg.vocab_size
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty")
+        if len(prompt) >= self.max_seq_len:
+            raise ContextLengthError(
+                f"prompt has {len(prompt)} tokens but the engine's context is max_seq_len={self.max_seq_len} "
+                "tokens, and at least one generated token must fit"
+            )
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if sampling.n > self.manager.num_slots:
+            raise ValueError(f"n={sampling.n} exceeds the engine's num_slots={self.manager.num_slots}")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer= to the engine")
+        return prompt
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._call(lambda: self.core.abort(request_id))
+
+    async def pause(self) -> None:
+        await self._call(lambda: setattr(self, "_paused", True))
+
+    async def resume(self) -> None:
+        await self._call(lambda: setattr(self, "_paused", False))
+
+    async def update_weights(self, weights: Weights, version: int, mode: SyncMode = "interrupt") -> None:
+        if mode not in ("drain", "interrupt"):
+            raise ValueError(f"mode must be 'drain' or 'interrupt', got {mode!r}")
+        if mode == "interrupt":
+            recompute = self.kv_on_update == "recompute"
+            await self._call(lambda: self.core.swap_weights(weights, version, recompute))
+            return
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(lambda: self._drains.append((weights, version, done)))
+        await asyncio.wrap_future(done)
+
+    def num_pending(self) -> int:
+        return self.core.num_pending
+
+    async def close(self) -> None:
+        if self._thread is None:
+            return
+        self._post(self._shutdown)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    def _post(self, fn: Callable[[], None]) -> None:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="molt-engine", daemon=True)
+                self._thread.start()
+            self._inbox.append(fn)
+            self._cv.notify()
+
+    async def _call(self, fn: Callable[[], object]):
+        """Run `fn` on the engine thread between steps; return its result."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+
+        self._post(run)
+        return await asyncio.wrap_future(done)
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._drain_ready() or self._runnable()):
+                    self._cv.wait()
+                inbox, self._inbox = self._inbox, []
+            for fn in inbox:
+                try:
+                    fn()
+                except Exception:  # a bad command must not kill the loop every caller waits on
+                    log.exception("engine command failed")
+            if self._closed:
+                return
+            if self._drain_ready():
+                self._finish_drains()
+            if self._runnable():
+                self.core.step_safely(admit=not self._drains)
+
+    def _drain_ready(self) -> bool:
+        return bool(self._drains) and not self.core.scheduler.running
+
+    def _runnable(self) -> bool:
+        return not self._paused and self.core.scheduler.has_work(admit=not self._drains)
+
+    def _finish_drains(self) -> None:
+        for weights, version, done in self._drains:
+            try:
+                self.core.swap_weights(weights, version, recompute=False)
+                done.set_result(None)
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+        self._drains = []
+
+    def _shutdown(self) -> None:
+        self.core.abort_all()
+        self._closed = True
+
+
+def _default_eos(model: Transformer, tokenizer) -> list[int]:
+    eos = model.cfg.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.append(tokenizer.eos_token_id)
+    return eos
+
+
+def _settle(future: asyncio.Future, result) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

@@ -1,0 +1,1 @@
+"""The asynchronous RL loop, its evaluation and checkpoints, and the `molt train` command."""

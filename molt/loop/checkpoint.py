@@ -1,0 +1,66 @@
+"""RL checkpoints: an HF policy folder plus the trainer and loop state beside it, written atomically.
+
+Layout: `<run>/checkpoints/step-<N>/` (config.json, model.safetensors, tokenizer files,
+trainer_state.pt) and `<run>/checkpoints/latest` naming the newest complete one. The pointer is
+written last, so a crash mid-save leaves the previous checkpoint as the one resumed from.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from molt.log import atomic_write_text
+from molt.loop.rl import LoopState
+from molt.models import save_pretrained
+
+
+def save_checkpoint(run_dir: Path, trainer, loop_state: LoopState, tokenizer) -> Path:
+    """Write step-<N>/ with weights and full training state; return its path."""
+    folder = save_pretrained(trainer.model, Path(run_dir) / "checkpoints" / f"step-{loop_state.step}", tokenizer)
+    state = {
+        "optimizer": trainer.opt.state_dict(),
+        "schedule": trainer.schedule.state_dict(),
+        "version": trainer.version,
+        "num_skipped_steps": trainer.num_skipped_steps,
+        "ref": trainer.ref.state_dict() if trainer.ref is not None else None,
+        "loop": dataclasses.asdict(loop_state),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+    }
+    tmp = folder / ".trainer_state.pt.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, folder / "trainer_state.pt")
+    atomic_write_text(Path(run_dir) / "checkpoints" / "latest", folder.name)
+    return folder
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
+    """The newest complete checkpoint folder of a run; a clear error if there is none."""
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.exists():
+        raise FileNotFoundError(f"ckpt.resume: {run_dir} has no checkpoints/latest (no checkpoint was completed)")
+    folder = pointer.parent / pointer.read_text().strip()
+    if not (folder / "trainer_state.pt").exists():
+        raise FileNotFoundError(f"ckpt.resume: {folder} has no trainer_state.pt")
+    return folder
+
+
+def load_training_state(folder: Path, trainer) -> LoopState:
+    """Restore optimizer, schedule, version, reference and RNG into `trainer`; return the loop state."""
+    state = torch.load(folder / "trainer_state.pt", weights_only=False)
+    trainer.opt.load_state_dict(state["optimizer"])
+    trainer.schedule.load_state_dict(state["schedule"])
+    trainer.version = state["version"]
+    trainer.num_skipped_steps = state["num_skipped_steps"]
+    if trainer.ref is not None and state["ref"] is not None:
+        trainer.ref.load_state_dict(state["ref"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    loop = LoopState(**state["loop"])
+    loop.drops = collections.defaultdict(int, loop.drops)
+    return loop

@@ -1,0 +1,287 @@
+"""The asynchronous RL loop: rollout -> bounded buffer -> train -> sync, plus eval and checkpoints.
+
+Named coroutines share one asyncio loop in one process. `rollout` keeps episodes in flight on the
+engine and admits a new prompt group only while it cannot end up older than `max_staleness`
+versions when trained; `train` takes complete groups, re-checks staleness (dropping stale groups
+with a counted reason), runs the trainer step in a worker thread, and `sync` pushes the weights
+to the engine. With `max_staleness 0` this is synchronous training on the same code path.
+Every sample is either trained on or dropped with a counted reason (`drop/<reason>`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import random
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from molt import algo
+from molt.agents.runner import EpisodeLimits, run_episode
+from molt.config import Config
+from molt.data.trajectory import Trajectory
+from molt.loop.evaluate import evaluate
+
+log = logging.getLogger("molt.loop")
+Group = list[Trajectory]
+
+
+@dataclass
+class LoopState:
+    """Everything a resumed run needs besides weights and optimizer: cursors, counters, buffer."""
+
+    step: int = 0
+    next_group: int = 0  # data cursor: index of the next prompt group to start
+    restart_groups: list[int] = field(default_factory=list)  # in flight at the checkpoint: rerun first
+    drops: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+    rollouts: int = 0
+    failures: int = 0
+    buffer: list[list[dict]] = field(default_factory=list)  # groups not yet trained (serialised)
+
+
+class AgentFailureRateError(RuntimeError):
+    pass
+
+
+class RLLoop:
+    """Drives one RL run; `make_env()` builds a fresh Env per episode."""
+
+    def __init__(self, cfg: Config, engine, trainer, tokenizer, make_env, train_rows, eval_rows, state=None):
+        self.cfg, self.engine, self.trainer, self.tokenizer = cfg, engine, trainer, tokenizer
+        self.make_env, self.train_rows, self.eval_rows = make_env, train_rows, eval_rows
+        self.state = state or LoopState()
+        ro = cfg.rollout
+        self.group_size, self.groups_per_step = ro.n_samples_per_prompt, ro.prompts_per_step
+        self.limits = EpisodeLimits(ro.max_turns, ro.max_len, ro.step_timeout_s)
+        self.sampling = self._sampling(ro.temperature)
+        self.buffer: asyncio.Queue[Group] = asyncio.Queue()
+        self.in_flight = asyncio.Semaphore(ro.max_in_flight or self.groups_per_step * self.group_size)
+        self.version_changed = asyncio.Condition()
+        # groups assigned to steps >= state.step: started and not dropped (in flight, buffered, or taken)
+        self.scheduled = len(self.state.buffer)
+        self.running: set[int] = set()
+        self.fatal: BaseException | None = None
+        self.filtered_in_a_row = 0
+        self.history: list[dict[str, Any]] = []
+        self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()
+
+    def _sampling(self, temperature: float):
+        from molt.engine import SamplingParams
+
+        ro = self.cfg.rollout
+        stop = tuple(t for t in {self.tokenizer.eos_token_id} if t is not None)
+        return SamplingParams(
+            temperature=temperature,
+            top_p=ro.top_p,
+            top_k=ro.top_k,
+            max_tokens=ro.max_tokens,
+            stop_token_ids=stop,
+            seed=0,
+        )
+
+    # ---- rollout ---------------------------------------------------------------------------------
+    def _may_start(self) -> bool:
+        """A group started now is trained at step `state.step + scheduled // P`; its tokens are sampled at
+        version >= engine.version, so it may start only if that difference is <= max_staleness."""
+        lands_at = self.state.step + self.scheduled // self.groups_per_step
+        return self.fatal is not None or lands_at - self.engine.version <= self.cfg.rollout.max_staleness
+
+    async def _notify(self) -> None:
+        async with self.version_changed:
+            self.version_changed.notify_all()
+
+    async def rollout(self) -> None:
+        """Keep prompt groups in flight; put complete, unfiltered groups in the buffer."""
+        tasks = self.group_tasks = set()
+        while True:
+            async with self.version_changed:
+                await self.version_changed.wait_for(self._may_start)
+            if self.fatal is not None:
+                raise self.fatal
+            if self.state.restart_groups:
+                group_index = self.state.restart_groups.pop(0)
+            else:
+                group_index, self.state.next_group = self.state.next_group, self.state.next_group + 1
+            self.scheduled += 1
+            self.running.add(group_index)
+            task = asyncio.create_task(self._group(group_index))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _group(self, group_index: int) -> None:
+        row = self.train_rows[group_index % len(self.train_rows)]
+        try:
+            group = await asyncio.gather(*(self._episode(row, group_index, k) for k in range(self.group_size)))
+            if any(t is None for t in group):
+                self._drop("agent_failure", self.group_size)
+            elif self._keep(group):
+                await self.buffer.put(group)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - surfaced by the rollout coroutine
+            self.fatal = e
+        finally:
+            self.running.discard(group_index)
+        await self._notify()
+
+    async def _episode(self, row: dict, group_index: int, k: int) -> Trajectory | None:
+        rollout_id = group_index * self.group_size + k
+        sampling = dataclasses.replace(self.sampling, seed=self.cfg.train.seed * 1_000_003 + rollout_id)
+        async with self.in_flight:
+            try:
+                traj = await run_episode(
+                    self.engine,
+                    self.tokenizer,
+                    self.make_env(),
+                    row,
+                    sampling,
+                    self.limits,
+                    keep_ids=self.cfg.train.check_tokens == "exhaustive",
+                    rollout_id=rollout_id,
+                    group_id=group_index,
+                )
+            except Exception as e:  # noqa: BLE001 - agent code fails this rollout only
+                self._count_failure(e)
+                return None
+        self.state.rollouts += 1
+        self.rollout_tokens += traj.num_action_tokens
+        return traj
+
+    def _count_failure(self, error: Exception) -> None:
+        self.state.rollouts += 1
+        self.state.failures += 1
+        log.warning("rollout failed:\n%s", "".join(traceback.format_exception(error)))
+        if self.state.rollouts >= 20 and self.state.failures / self.state.rollouts > self.cfg.rollout.max_failure_frac:
+            raise AgentFailureRateError(
+                f"{self.state.failures} of {self.state.rollouts} rollouts failed (rollout.max_failure_frac="
+                f"{self.cfg.rollout.max_failure_frac}); last error: {type(error).__name__}: {error}"
+            ) from error
+
+    def _keep(self, group: Group) -> bool:
+        scores = torch.tensor([t.score if t.score is not None else t.reward for t in group], dtype=torch.float32)
+        group_ids = torch.tensor([t.group_id for t in group])
+        keep, metrics = algo.filter_groups(scores, group_ids, filters=self.cfg.rollout.filters)
+        if bool(keep.all()):
+            self.filtered_in_a_row = 0
+            return True
+        reason = next((k[len("filter_") : -len("_frac")] for k, v in metrics.items() if float(v) > 0), "filter")
+        self._drop(f"filter_{reason}", len(group))
+        self.filtered_in_a_row += 1
+        if self.filtered_in_a_row > 50 * self.groups_per_step:
+            raise RuntimeError(
+                f"rollout.filters dropped {self.filtered_in_a_row} groups in a row (last: {reason}); the policy "
+                "gives every sample of a prompt the same score. Warm-start the model or set --rollout.filters"
+            )
+        return False
+
+    def _drop(self, reason: str, num_samples: int) -> None:
+        """Count a dropped group's samples; its slot in the schedule is refilled by a new prompt."""
+        self.state.drops[reason] += num_samples
+        self.scheduled -= 1
+
+    # ---- train + sync ----------------------------------------------------------------------------
+    async def _next_batch(self) -> list[Trajectory]:
+        """`prompts_per_step` groups from the buffer, none older than max_staleness."""
+        batch: list[Trajectory] = []
+        while len(batch) < self.groups_per_step * self.group_size:
+            group = await self.buffer.get()
+            oldest = min(t.min_version() for t in group)
+            if self.trainer.version - oldest > self.cfg.rollout.max_staleness:
+                self._drop("stale", len(group))
+                await self._notify()
+                continue
+            batch += group
+        return batch
+
+    async def sync(self) -> None:
+        """Push the trainer's weights to the engine under the new version."""
+        t0 = time.perf_counter()
+        weights = {k: v.detach() for k, v in self.trainer.model.state_dict().items()}
+        await self.engine.update_weights(weights, self.trainer.version, mode=self.cfg.rollout.sync_mode)
+        self.sync_s = time.perf_counter() - t0
+        await self._notify()
+
+    async def train(self, on_step) -> None:
+        """Optimizer steps until `train.max_steps`, with eval and checkpoints on schedule."""
+        while self.state.step < self.cfg.train.max_steps:
+            t0 = time.perf_counter()
+            batch = await self._next_batch()
+            metrics = await asyncio.to_thread(self.trainer.step, batch)
+            self.state.step += 1
+            self.scheduled -= self.groups_per_step
+            await self.sync()
+            metrics |= self._loop_metrics(t0)
+            if self._due(self.cfg.eval.every):
+                metrics |= await self.evaluate()
+            self.history.append(metrics)
+            on_step(metrics)
+
+    def _due(self, every: int) -> bool:
+        return every > 0 and (self.state.step % every == 0 or self.state.step == self.cfg.train.max_steps)
+
+    def _loop_metrics(self, t0: float) -> dict[str, Any]:
+        elapsed = time.perf_counter() - self.rollout_t0
+        drops = {f"drop/{k}": v for k, v in self.state.drops.items()}
+        return drops | {
+            "step": self.state.step,
+            "version": self.trainer.version,
+            "rollout/tokens_per_s": self.rollout_tokens / max(elapsed, 1e-9),
+            "rollout/rollouts": self.state.rollouts,
+            "rollout/failures": self.state.failures,
+            "rollout/buffer_groups": self.buffer.qsize(),
+            "time/step_s": time.perf_counter() - t0,
+            "time/sync_s": self.sync_s,
+        }
+
+    async def evaluate(self) -> dict[str, float]:
+        ev = self.cfg.eval
+        sampling = (
+            self._sampling(ev.temperature)
+            if ev.temperature > 0
+            else dataclasses.replace(self._sampling(1.0), temperature=0.0)
+        )
+        rows = self.eval_rows[: ev.num_prompts]
+        return await evaluate(
+            self.engine, self.tokenizer, self.make_env, rows, sampling, self.limits, ev.n_samples, seed=12345
+        )
+
+    async def run(self, on_step=lambda m: None) -> list[dict[str, Any]]:
+        """Run rollout and train concurrently until the last step; returns per-step metrics."""
+        for group in self.state.buffer:
+            await self.buffer.put([Trajectory.from_dict(t) for t in group])
+        self.state.buffer = []
+        self.sync_s = 0.0
+        producer = asyncio.create_task(self.rollout(), name="rollout")
+        trainer = asyncio.create_task(self.train(on_step), name="train")
+        done, _ = await asyncio.wait({producer, trainer}, return_when=asyncio.FIRST_COMPLETED)
+        producer.cancel()
+        trainer.cancel()
+        for task in getattr(self, "group_tasks", ()):
+            task.cancel()  # in-flight groups of steps that will not run; restarted on resume
+        await asyncio.gather(producer, trainer, *getattr(self, "group_tasks", ()), return_exceptions=True)
+        for task in done:
+            task.result()  # re-raise a failure of either coroutine
+        return self.history
+
+    def snapshot(self) -> LoopState:
+        """Loop state for a checkpoint: buffered groups are kept; in-flight ones restart on resume."""
+        buffered = list(self.buffer._queue)  # noqa: SLF001 - asyncio.Queue has no public peek
+        return dataclasses.replace(
+            self.state,
+            restart_groups=sorted(self.running) + list(self.state.restart_groups),
+            drops=dict(self.state.drops),
+            buffer=[[t.to_dict() for t in g] for g in buffered],
+        )
+
+
+def shuffled_rows(rows: list[dict], seed: int) -> list[dict]:
+    """A seeded permutation of `rows` (the order prompts are used in)."""
+    order = list(rows)
+    random.Random(seed).shuffle(order)
+    return order

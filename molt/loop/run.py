@@ -1,0 +1,189 @@
+"""`molt train`: warm start (cached SFT), then asynchronous RL with eval, checkpoints and a summary."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from molt.agents.builtin import env_for_task
+from molt.agents.env import load_agent
+from molt.config import Config
+from molt.data.chat import read_jsonl
+from molt.data.tasks import get_task
+from molt.log import RunDir, plot_metrics
+from molt.loop.checkpoint import latest_checkpoint, load_training_state, save_checkpoint
+from molt.loop.rl import RLLoop
+from molt.train.build import build_model, build_tokenizer
+from molt.train.trainer import Trainer
+
+
+@dataclass
+class TrainResult:
+    run_dir: str
+    checkpoint: str
+    eval_before: dict[str, float]
+    eval_after: dict[str, float]
+    history: list[dict[str, Any]]
+    seconds: float
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
+
+
+def warm_start(cfg: Config) -> str:
+    """Path of an SFT checkpoint of the preset on the task's demonstrations (trained once, then cached)."""
+    from molt.train.sft import run_sft
+
+    m = cfg.model
+    sft_cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(
+            cfg.train,
+            max_steps=m.warmstart_steps,
+            lr=m.warmstart_lr,
+            batch_size=32,
+            warmup_steps=min(10, m.warmstart_steps),
+        ),
+    )
+    key_fields = {"model": dataclasses.asdict(m), "data": dataclasses.asdict(cfg.data), "seed": cfg.train.seed}
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
+    folder = cache_root() / "warmstart" / key
+    if not (folder / "checkpoint" / "config.json").exists():
+        sft_cfg.log = dataclasses.replace(cfg.log, run_dir=str(folder))
+        run_sft(sft_cfg)
+    return str(folder / "checkpoint")
+
+
+def _rows(cfg: Config) -> tuple[list[dict], list[dict]]:
+    if cfg.data.path:
+        rows = read_jsonl(cfg.data.path)
+        n_eval = min(cfg.data.num_eval, len(rows) // 10)
+        return rows[n_eval:], rows[:n_eval]
+    rows = get_task(cfg.data.task).rows(cfg.data.num_train + cfg.data.num_eval, cfg.data.seed)
+    return rows[cfg.data.num_eval :], rows[: cfg.data.num_eval]
+
+
+def _env_factory(cfg: Config):
+    if cfg.rollout.agent:
+        agent_cls = load_agent(cfg.rollout.agent)
+        return agent_cls
+    get_task(cfg.data.task)
+    return lambda: env_for_task(cfg.data.task)
+
+
+def _policy(cfg: Config):
+    """(tokenizer, trainer model): resumed, loaded, or warm-started preset."""
+    if cfg.ckpt.resume:
+        folder = latest_checkpoint(cfg.ckpt.resume)
+        model_cfg = dataclasses.replace(cfg.model, path=str(folder), tokenizer="")
+    elif not cfg.model.path and cfg.model.warmstart_steps > 0:
+        model_cfg = dataclasses.replace(cfg.model, path=warm_start(cfg), tokenizer="")
+    else:
+        model_cfg = cfg.model
+    tokenizer = build_tokenizer(model_cfg)
+    return tokenizer, build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device)
+
+
+def _engine(cfg: Config, model, tokenizer, version: int):
+    from molt.engine import TorchEngine
+
+    slots = max(cfg.rollout.max_in_flight, cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt) * 2
+    return TorchEngine(
+        copy.deepcopy(model).eval(),
+        tokenizer=tokenizer,
+        num_slots=slots,
+        max_seq_len=cfg.rollout.max_len + 1,
+        version=version,
+    )
+
+
+class Progress:
+    """A live bar on a terminal, plain log lines otherwise."""
+
+    def __init__(self, run: RunDir, total: int, every: int):
+        self.run, self.total, self.every, self.t0 = run, total, every, time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="molt train", dynamic_ncols=True)
+
+    def __call__(self, m: dict[str, Any]) -> None:
+        self.run.log(m)
+        info = {"reward": f"{m['train/reward_mean']:.3f}", "tok/s": f"{m['rollout/tokens_per_s']:.0f}"}
+        if "eval/reward_mean" in m:
+            info["eval"] = f"{m['eval/reward_mean']:.3f}"
+        if self.bar is not None:
+            self.bar.set_postfix(info)
+            self.bar.update(1)
+        elif m["step"] % self.every == 0 or m["step"] == self.total:
+            eta = (time.perf_counter() - self.t0) / m["step"] * (self.total - m["step"])
+            self.run.print(
+                f"step {m['step']}/{self.total} " + " ".join(f"{k} {v}" for k, v in info.items()) + f" eta {eta:.0f}s"
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+async def _train_async(cfg: Config, run: RunDir) -> TrainResult:
+    t0 = time.perf_counter()
+    tokenizer, model = _policy(cfg)
+    trainer = Trainer(model, cfg)
+    state = load_training_state(latest_checkpoint(cfg.ckpt.resume), trainer) if cfg.ckpt.resume else None
+    engine = _engine(cfg, model, tokenizer, trainer.version)
+    train_rows, eval_rows = _rows(cfg)
+    loop = RLLoop(cfg, engine, trainer, tokenizer, _env_factory(cfg), train_rows, eval_rows, state)
+    progress = Progress(run, cfg.train.max_steps, cfg.log.every)
+    try:
+        before = await loop.evaluate() if cfg.eval.every and not cfg.ckpt.resume else {}
+        if before:
+            run.log({"step": loop.state.step, **before})
+
+        def on_step(metrics: dict[str, Any]) -> None:
+            progress(metrics)
+            if cfg.ckpt.every and loop.state.step % cfg.ckpt.every == 0:
+                save_checkpoint(run.path, trainer, loop.snapshot(), tokenizer)
+
+        history = await loop.run(on_step)
+        ckpt = save_checkpoint(run.path, trainer, loop.snapshot(), tokenizer)
+    finally:
+        progress.close()
+        await engine.close()
+    after = next((m for m in reversed(history) if "eval/reward_mean" in m), {})
+    after = {k: v for k, v in after.items() if k.startswith("eval/")}
+    return TrainResult(str(run.path), str(ckpt), before, after, history, time.perf_counter() - t0)
+
+
+def run_train(cfg: Config) -> TrainResult:
+    """The `molt train` command."""
+    torch.manual_seed(cfg.train.seed)
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
+    run = RunDir(cfg.log.run_dir or cfg.ckpt.resume, "train", cfg)
+    try:
+        result = asyncio.run(_train_async(cfg, run))
+    finally:
+        run.close()
+    plot = plot_metrics(run.path, ["train/reward_mean", "eval/reward_mean", "train/logprob_diff"])
+    last = result.history[-1] if result.history else {}
+    before, after = (r.get("eval/reward_mean", float("nan")) for r in (result.eval_before, result.eval_after))
+    run.print(
+        f"done in {result.seconds:.0f}s: eval reward {before:.3f} -> {after:.3f}; "
+        f"rollout {last.get('rollout/tokens_per_s', 0):.0f} tok/s, train {last.get('train/tokens_per_s', 0):.0f} tok/s"
+        f"\n  plot: {plot}\n  checkpoint: {result.checkpoint}"
+    )
+    return result

@@ -1,0 +1,125 @@
+"""Cache manager and scheduler bookkeeping, without a model: slots, moves, prefixes, capacity."""
+
+import random
+
+import pytest
+
+from molt.engine.cache import SCRATCH, Move, SlotCacheManager
+from molt.engine.interface import SamplingParams
+from molt.engine.scheduler import Group, Scheduler
+
+
+class FakeRows:
+    """Simulates the runner's physical rows: each row is a list of tokens 'written' there."""
+
+    def __init__(self, num_slots: int):
+        self.rows = {s: [] for s in [*range(num_slots), SCRATCH]}
+
+    def apply(self, moves: list[Move]) -> None:
+        for m in moves:
+            self.rows[m.dst] = list(self.rows[m.src][: m.length]) + self.rows[m.dst][m.length :]
+
+
+def test_allocate_is_contiguous_and_free_compacts():
+    mgr = SlotCacheManager(4, 16, prefix_cache=False)
+    assert [mgr.allocate(i)[0] for i in range(4)] == [0, 1, 2, 3]
+    assert mgr.allocate(99) is None  # full: the caller waits
+    mgr.set_length(3, 7)
+    mgr.free(1)
+    assert mgr.slot_of(3) == 1 and mgr.num_active == 3
+    assert mgr.take_moves() == [Move(3, 1, 7)]
+    mgr.check()
+    assert mgr.allocate(4) == (3, 0)
+    with pytest.raises(ValueError, match="already holds"):
+        mgr.allocate(4)
+
+
+def test_prefix_cache_reuse_keeps_last_prompt_token_uncomputed():
+    mgr = SlotCacheManager(2, 32)
+    mgr.allocate(0, [1, 2, 3])
+    mgr.set_length(0, 5)
+    mgr.free(0, [1, 2, 3, 4, 5, 6])  # 5 positions computed: tokens 1..5 are cached
+    assert mgr.num_cached_prefixes() == 1
+    assert mgr.allocate(1, [1, 2, 3, 4, 5, 6, 7]) == (0, 5)
+    assert mgr.num_cached_prefixes() == 0
+    mgr.free(1)
+    mgr.allocate(2, [1, 2, 3])
+    assert mgr.length_of(2) == 0  # the prefix was not cached again (free without tokens)
+    mgr.set_length(2, 3)
+    mgr.free(2, [1, 2, 3, 9])
+    assert mgr.allocate(3, [1, 2, 3]) == (0, 2)  # at most len(prompt) - 1 positions reused
+
+
+def test_share_copies_the_prompt_into_siblings():
+    mgr, rows = SlotCacheManager(3, 16), FakeRows(3)
+    for i in range(3):
+        mgr.allocate(i)
+    rows.rows[0] = list("prompt")
+    mgr.set_length(0, 6)
+    mgr.share(0, 1, 6)
+    mgr.share(0, 2, 6)
+    rows.apply(mgr.take_moves())
+    assert rows.rows[1] == rows.rows[2] == list("prompt")
+    with pytest.raises(ValueError, match="only 6 positions"):
+        mgr.share(0, 1, 7)
+
+
+def test_random_workload_never_corrupts_another_sequence():
+    """Every active and cached sequence's row always holds exactly its own tokens, across moves."""
+    rng = random.Random(0)
+    num_slots = 5
+    mgr, rows = SlotCacheManager(num_slots, 64), FakeRows(num_slots)
+    live: dict[int, list[str]] = {}
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.35 and mgr.num_free():
+            prompt = [f"p{rng.randrange(3)}", f"q{rng.randrange(2)}", f"s{step}"]
+            slot, reused = mgr.allocate(step, prompt)
+            rows.apply(mgr.take_moves())
+            assert rows.rows[slot][:reused] == prompt[:reused]  # a reused prefix is really there
+            rows.rows[slot] = prompt[:reused] + rows.rows[slot][reused:]
+            live[step] = list(prompt[:reused])
+        elif op < 0.75 and live:
+            seq = rng.choice(list(live))
+            live[seq].append(f"t{step}")
+            slot = mgr.slot_of(seq)
+            rows.rows[slot] = live[seq] + rows.rows[slot][len(live[seq]) :]
+            mgr.set_length(seq, len(live[seq]))
+        elif live:
+            seq = rng.choice(list(live))
+            tokens = live.pop(seq)
+            mgr.free(seq, tokens + ["next"] if rng.random() < 0.7 else None)
+            rows.apply(mgr.take_moves())
+        mgr.check()
+        for seq, tokens in live.items():
+            assert rows.rows[mgr.slot_of(seq)][: len(tokens)] == tokens
+        for slot, entry in mgr._cached.items():
+            assert tuple(rows.rows[slot][: len(entry.tokens)]) == entry.tokens
+
+
+def _group(request_id: str, prompt: list[int], n: int = 1) -> Group:
+    return Group(request_id, prompt, SamplingParams(n=n), [0] * n, lambda g: None)
+
+
+def test_scheduler_budget_chunks_and_waits_for_slots():
+    sched = Scheduler(SlotCacheManager(3, 64, prefix_cache=False), max_num_batched_tokens=8)
+    sched.add(_group("a", list(range(20))))
+    sched.add(_group("b", [1, 2], n=2))
+    sched.add(_group("c", [5]))
+    plan = sched.schedule()
+    assert [(c.seq.group.request_id, c.start, c.end) for c in plan.prefill] == [("a", 0, 8)]
+    sched.computed(plan.prefill[0])
+    plan = sched.schedule()
+    assert [(c.seq.group.request_id, c.start, c.end) for c in plan.prefill] == [("a", 8, 16)]
+    sched.computed(plan.prefill[0])
+    plan = sched.schedule()  # a finishes its prompt (4 tokens), b (n=2) is admitted with the rest
+    assert [(c.seq.group.request_id, c.start, c.end) for c in plan.prefill] == [("a", 16, 20), ("b", 0, 2)]
+    assert [len(sched.computed(c)) for c in plan.prefill] == [1, 2]  # b's sibling samples too
+    assert [g.request_id for g in sched.waiting] == ["c"]  # no slot left: c waits
+    for seq in sched.running:
+        seq.tokens.append(0)
+    plan = sched.schedule()
+    assert len(plan.decode) == 3 and not plan.prefill
+    sched.finish(sched.running[0], "stop")
+    plan = sched.schedule()
+    assert [c.seq.group.request_id for c in plan.prefill] == ["c"]

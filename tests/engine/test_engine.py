@@ -1,0 +1,162 @@
+"""The torch engine against references: `transformers` greedy generate, trainer-side log-probs, seeds.
+
+Random-weight tiny Qwen3 and Qwen3-MoE models are built by `transformers`, saved and loaded into
+Molt (as the trainer would), so the engine is checked against an independent implementation.
+"""
+
+import asyncio
+
+import pytest
+import torch
+from engine_refs import CONFIGS, prompts, random_hf, trainer_logprobs
+
+from molt.engine import ContextLengthError, SamplingParams, TorchEngine
+from molt.models import from_pretrained
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    hf = random_hf(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    return hf, from_pretrained(folder).eval()
+
+
+async def staggered(engine, requests, wait_steps=3):
+    """Submit each (prompt, sampling) after the engine has taken `wait_steps` more steps."""
+    tasks = []
+    for prompt, sampling in requests:
+        tasks.append(asyncio.create_task(engine.generate(prompt, sampling)))
+        start = engine.stats["steps"]
+        while engine.stats["steps"] < start + wait_steps and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.001)
+    return await asyncio.gather(*tasks)
+
+
+def test_greedy_matches_transformers_with_continuous_batching(pair):
+    hf, molt = pair
+    new_tokens = 12
+    ps = prompts([5, 23, 1, 40, 9, 17])
+    # 3 slots for 6 requests (some wait), a small token budget (long prompts are chunked), staggered arrival
+    engine = TorchEngine(molt, num_slots=3, max_seq_len=96, max_num_batched_tokens=16, eos_token_ids=())
+    greedy = SamplingParams(temperature=0, max_tokens=new_tokens)
+    outs = asyncio.run(staggered(engine, [(p, greedy) for p in ps]))
+    for p, out in zip(ps, outs, strict=True):
+        with torch.no_grad():
+            ids = torch.tensor([p])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens)
+        ref = ref[0, len(p) :]
+        assert out.token_ids == ref.tolist()
+        assert out.finish_reason == "length" and out.num_prompt_tokens == len(p)
+        assert out.versions == [0] * new_tokens
+    assert engine.manager.num_active == 0
+    asyncio.run(engine.close())
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_logprobs_match_trainer_forward(pair, temperature, top_p):
+    _, molt = pair
+    engine = TorchEngine(molt, num_slots=8, max_seq_len=96, eos_token_ids=())
+    ps = prompts([7, 30, 12], seed=1)
+    sampling = SamplingParams(n=2, temperature=temperature, top_p=top_p, max_tokens=16, seed=3)
+    processed = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=16, logprob_mode="processed")
+
+    async def run():
+        groups = await asyncio.gather(*[engine.generate_group(p, sampling) for p in ps])
+        return groups, await engine.generate(ps[0], processed)
+
+    groups, proc = asyncio.run(run())
+    for p, group in zip(ps, groups, strict=True):
+        assert group[0].token_ids != group[1].token_ids  # two samples, one prefill
+        assert group[1].num_cached_tokens == len(p)
+        for c in group:
+            diff = (torch.tensor(c.logprobs) - trainer_logprobs(molt, p, c, temperature)).abs().max()
+            assert diff <= 1e-5
+    # "processed": the renormalised nucleus the token was drawn from
+    ids = torch.tensor([ps[0] + proc.token_ids])
+    with torch.no_grad():
+        logits = molt(ids)[0, len(ps[0]) - 1 : -1] / temperature
+    probs_sorted, order = torch.softmax(logits, -1).sort(-1, descending=True)
+    keep = (probs_sorted.cumsum(-1) - probs_sorted) < top_p if top_p < 1 else torch.ones_like(probs_sorted, dtype=bool)
+    nucleus = torch.zeros_like(logits, dtype=bool).scatter(1, order, keep)
+    ref = torch.log_softmax(logits.masked_fill(~nucleus, float("-inf")), -1)
+    ref = ref.gather(1, torch.tensor(proc.token_ids)[:, None])[:, 0]
+    assert (torch.tensor(proc.logprobs) - ref).abs().max() <= 1e-5
+    asyncio.run(engine.close())
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(pair):
+    _, molt = pair
+    ps = prompts([6, 11, 25], seed=2)
+    seeded = SamplingParams(temperature=1.0, top_k=20, max_tokens=10, seed=42)
+
+    async def alone():
+        engine = TorchEngine(molt, num_slots=4, max_seq_len=64, eos_token_ids=())
+        return await engine.generate(ps[0], seeded)
+
+    async def crowded():
+        engine = TorchEngine(molt, num_slots=4, max_seq_len=64, eos_token_ids=())
+        others = [engine.generate(p, SamplingParams(max_tokens=10)) for p in ps[1:]]
+        outs = await asyncio.gather(*others, engine.generate(ps[0], seeded), engine.generate(ps[0], seeded))
+        return outs[-2:]
+
+    first = asyncio.run(alone())
+    again, twice = asyncio.run(crowded())
+    assert first.token_ids == again.token_ids == twice.token_ids
+    other_seed = asyncio.run(TorchEngine(molt, eos_token_ids=()).generate(ps[0], SamplingParams(max_tokens=10, seed=7)))
+    assert other_seed.token_ids != first.token_ids
+
+
+def test_stop_tokens_min_tokens_and_stop_strings(pair):
+    _, molt = pair
+    engine = TorchEngine(molt, num_slots=4, max_seq_len=64, eos_token_ids=())
+    p = prompts([8], seed=3)[0]
+    free = asyncio.run(engine.generate(p, SamplingParams(temperature=0, max_tokens=12)))
+    stop_at = free.token_ids[4]
+    first = free.token_ids.index(stop_at)
+    stopped = asyncio.run(engine.generate(p, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at])))
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
+    late = asyncio.run(
+        engine.generate(p, SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[stop_at]))
+    )
+    assert len(late.token_ids) >= 6 and stop_at not in late.token_ids[:6]
+
+    class CharTokenizer:  # id i decodes to chr(65 + i % 26)
+        eos_token_id = None
+
+        def decode(self, ids):
+            return "".join(chr(65 + i % 26) for i in ids)
+
+    text = CharTokenizer().decode(free.token_ids)
+    engine = TorchEngine(molt, tokenizer=CharTokenizer(), num_slots=2, max_seq_len=64, eos_token_ids=())
+    by_string = asyncio.run(engine.generate(p, SamplingParams(temperature=0, max_tokens=12, stop=[text[5:7]])))
+    assert by_string.finish_reason == "stop" and by_string.stop_reason == text[5:7]
+    assert by_string.token_ids == free.token_ids[: text.index(text[5:7]) + 2]
+
+
+def test_abort_frees_cache_and_too_long_fails_cleanly(pair):
+    _, molt = pair
+    engine = TorchEngine(molt, num_slots=2, max_seq_len=48, eos_token_ids=())
+
+    async def run():
+        long = asyncio.create_task(engine.generate(prompts([5])[0], SamplingParams(max_tokens=40), request_id="x"))
+        while engine.stats["decode_tokens"] < 3:
+            await asyncio.sleep(0.001)
+        assert await engine.abort("x") and not await engine.abort("nope")
+        aborted = await long
+        cancelled = asyncio.create_task(engine.generate(prompts([5])[0], SamplingParams(max_tokens=40)))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        with pytest.raises(ContextLengthError, match="max_seq_len=48"):
+            await engine.generate(list(range(48)), SamplingParams())
+        at_limit = await engine.generate(list(range(40)), SamplingParams(max_tokens=30))
+        return aborted, at_limit
+
+    aborted, at_limit = asyncio.run(run())
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 40
+    assert at_limit.finish_reason == "length" and at_limit.num_prompt_tokens + len(at_limit.token_ids) == 48
+    assert engine.manager.num_active == 0 and engine.num_pending() == 0
+    asyncio.run(engine.close())
