@@ -50,7 +50,7 @@ def get_task(name: str) -> Task:
 
 @register_task("arithmetic")
 class Arithmetic:
-    """Single-turn sums and differences of two 1-2 digit numbers; the answer is the number alone."""
+    """Single-turn sums of a 2-digit and a 1-digit number; the answer is the number alone."""
 
     env = "single_turn"
 
@@ -58,9 +58,8 @@ class Arithmetic:
         rng = random.Random(seed)
         out = []
         for _ in range(n):
-            a, b, op = rng.randint(0, 99), rng.randint(0, 99), rng.choice("+-")
-            value = a + b if op == "+" else a - b
-            out.append({"messages": [{"role": "user", "content": f"{a}{op}{b}="}], "label": str(value)})
+            a, b = rng.randint(10, 99), rng.randint(0, 9)
+            out.append({"messages": [{"role": "user", "content": f"{a}+{b}="}], "label": str(a + b)})
         return out
 
     def demonstration(self, row: Row, rng: random.Random) -> list[dict[str, Any]]:

@@ -57,7 +57,14 @@ def warm_start(cfg: Config) -> str:
             warmup_steps=min(10, m.warmstart_steps),
         ),
     )
-    key_fields = {"model": dataclasses.asdict(m), "data": dataclasses.asdict(cfg.data), "seed": cfg.train.seed}
+    sample = _rows(cfg)[0][:8]  # the data itself, so a changed task definition is not served stale
+    key_fields = {
+        "model": dataclasses.asdict(m),
+        "data": dataclasses.asdict(cfg.data),
+        "seed": cfg.train.seed,
+        "sample": sample,
+        "version": 1,
+    }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_root() / "warmstart" / key
     if not (folder / "checkpoint" / "config.json").exists():
