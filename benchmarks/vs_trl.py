@@ -30,9 +30,11 @@ from molt.loop.evaluate import evaluate
 from molt.loop.run import _rows, run_train, warm_start
 from molt.models import from_pretrained, load_tokenizer
 
-FLAGS = ["--data.task", "arithmetic", "--model.warmstart_steps", "300", "--rollout.max_turns", "1", "--rollout.max_tokens", "8",
-         "--rollout.prompts_per_step", "8", "--rollout.n_samples_per_prompt", "8", "--train.lr", "1e-4",
-         "--train.warmup_steps", "0", "--train.min_lr_ratio", "1.0", "--rollout.filters", "nonfinite"]  # fmt: skip
+FLAGS = [
+    "--data.task", "arithmetic", "--model.warmstart_steps", "300", "--rollout.max_turns", "1",
+    "--rollout.max_tokens", "8", "--rollout.prompts_per_step", "8", "--rollout.n_samples_per_prompt", "8",
+    "--train.lr", "1e-4", "--train.warmup_steps", "0", "--train.min_lr_ratio", "1.0", "--rollout.filters", "nonfinite",
+]  # fmt: skip
 
 
 def run_trl(checkpoint: str, rows: list[dict], steps: int, out_dir: str) -> float:

@@ -7,9 +7,9 @@ Molt's model. The output folder is written atomically and reused on later calls.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from molt.models.hf_io import atomic_folder
 
 
 def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -30,15 +30,7 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
         del config._pre_quantization_dtype
     plain = type(loaded)(config)  # a non-quantized twin that save_pretrained accepts
     plain.load_state_dict(loaded.state_dict())
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_folder(out_dir) as tmp:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

@@ -7,6 +7,7 @@ strict: a missing or unexpected weight is an error listing the names. Saving is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -158,25 +159,32 @@ def from_pretrained(
     return model
 
 
-def save_pretrained(
-    model: Transformer, folder: str | os.PathLike, tokenizer=None, max_shard_bytes: int = 4 << 30
-) -> Path:
-    """Write an HF model folder atomically (config.json, safetensors shards, tokenizer if given)."""
+@contextlib.contextmanager
+def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp folder beside `folder`; on success it replaces `folder`, on error it is removed."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
-        _write_shards(to_hf_state(model), tmp, max_shard_bytes)
-        if tokenizer is not None:
-            save_tokenizer(tokenizer, tmp)
+        yield tmp
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return folder
+
+
+def save_pretrained(
+    model: Transformer, folder: str | os.PathLike, tokenizer=None, max_shard_bytes: int = 4 << 30
+) -> Path:
+    """Write an HF model folder atomically (config.json, safetensors shards, tokenizer if given)."""
+    with atomic_folder(folder) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
+        _write_shards(to_hf_state(model), tmp, max_shard_bytes)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp)
+    return Path(folder)
 
 
 def _write_shards(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
