@@ -283,6 +283,40 @@ class RuntimeConfig:
 
 
 @dataclass
+class ChatConfig:
+    """The ChatAgent's loopback OpenAI/Anthropic-compatible chat server (also `molt serve`)."""
+
+    host: str = "127.0.0.1"
+    """Interface the chat server binds; loopback by default (another value exposes the policy)."""
+    port: int = 0
+    """Chat server port (0: any free port; `molt serve` defaults to 8000)."""
+    api_key: str = ""
+    """Key clients must send (Bearer or x-api-key). Empty: a random key per `molt train` run (agents get it
+    as ctx.api_key); `molt serve` then checks none."""
+    model_name: str = "molt"
+    """Model id the server reports (`/v1/models`, responses)."""
+    max_body_bytes: int = 4 << 20
+    """Largest accepted request body (larger: HTTP 413)."""
+    tool_parser: str = "auto"
+    """Tool-call parser: auto (from the chat template), molt, hermes, none."""
+    render_tools: bool = True
+    """Render a request's `tools` into the prompt via the chat template (off: the policy knows its tools)."""
+    max_len: int = 2048
+    """`molt serve`: context budget per request in tokens (training uses rollout.max_len)."""
+    max_tokens: int = 256
+    """`molt serve`: default max generated tokens when a request sets none."""
+
+    def __post_init__(self) -> None:
+        check(0 <= self.port < 65536, "chat.port", "must be in [0, 65535]")
+        check(self.max_body_bytes > 0, "chat.max_body_bytes", "must be > 0")
+        check(self.max_len > 1 and self.max_tokens > 0, "chat.max_len", "max_len must be > 1 and max_tokens > 0")
+        from molt.agents.chat.tool_parser import PARSERS
+
+        known = self.tool_parser == "auto" or self.tool_parser in PARSERS
+        check(known, "chat.tool_parser", f"unknown parser; use auto or one of {sorted(PARSERS)}")
+
+
+@dataclass
 class Config:
     """Molt's full configuration; `--config FILE` (TOML/YAML) sets any field, flags override it."""
 
@@ -295,6 +329,7 @@ class Config:
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     log: LogConfig = field(default_factory=LogConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
     config: str = ""
     """TOML or YAML file with any of these fields (e.g. `[train]\\nlr = 3e-4`); flags override it."""
 

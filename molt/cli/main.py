@@ -44,6 +44,14 @@ def sft(cfg: Config) -> object:
     return run_sft(cfg)
 
 
+@command("serve", chat={"port": 8000})
+def serve(cfg: Config) -> object:
+    """OpenAI/Anthropic-compatible chat server over a checkpoint: `molt serve CHECKPOINT` (= --model.path)."""
+    from molt.agents.chat.serve import run_serve
+
+    return run_serve(cfg)
+
+
 def _config_path(args: list[str]) -> str | None:
     for i, arg in enumerate(args):
         if arg == "--config" and i + 1 < len(args):
@@ -90,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         print(_usage())
         return
     name, rest = argv[0], argv[1:]
+    if name == "serve" and rest and not rest[0].startswith("-"):
+        rest = ["--model.path", *rest]  # `molt serve CHECKPOINT`
     if name not in COMMANDS:
         print(f"molt: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         raise SystemExit(2)

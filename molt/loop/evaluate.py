@@ -20,14 +20,25 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 async def evaluate(
-    engine, tokenizer, make_env: Callable, rows: list[dict], sampling, limits: EpisodeLimits, n: int, seed: int
+    engine,
+    tokenizer,
+    make_env: Callable,
+    rows: list[dict],
+    sampling,
+    limits: EpisodeLimits,
+    n: int,
+    seed: int,
+    episode: Callable = run_episode,
 ) -> dict[str, float]:
-    """Run `n` episodes per row; a sample is correct when its score is >= 1 (exact answer)."""
+    """Run `n` episodes per row; a sample is correct when its score is >= 1 (exact answer).
+
+    `episode` has `run_episode`'s signature (the loop passes one that also runs ChatAgents).
+    """
 
     async def one(i: int, row: dict, k: int):
         s = dataclasses.replace(sampling, seed=seed + i * n + k)
         try:
-            return await run_episode(engine, tokenizer, make_env(), row, s, limits, rollout_id=i * n + k, group_id=i)
+            return await episode(engine, tokenizer, make_env(), row, s, limits, rollout_id=i * n + k, group_id=i)
         except Exception:  # noqa: BLE001 - an agent failure scores 0 in eval
             return None
 

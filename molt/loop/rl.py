@@ -5,7 +5,8 @@ engine and admits a new prompt group only while it cannot end up older than `max
 versions when trained; `train` takes complete groups, re-checks staleness (dropping stale groups
 with a counted reason), runs the trainer step in a worker thread, and `sync` pushes the weights
 to the engine. With `max_staleness 0` this is synchronous training on the same code path.
-Every sample is either trained on or dropped with a counted reason (`drop/<reason>`).
+Every sample is either trained on or dropped with a counted reason (`drop/<reason>`). A ChatAgent
+rollout may yield several segments (sharing reward and rollout id); a group holds all of them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from molt import algo
+from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatAgent, ChatRunner
 from molt.agents.runner import EpisodeLimits, run_episode
 from molt.config import Config
 from molt.data.trajectory import Trajectory
@@ -70,6 +72,8 @@ class RLLoop:
         self.filtered_in_a_row = 0
         self.history: list[dict[str, Any]] = []
         self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()
+        options = {k: getattr(cfg.chat, k) for k in CHAT_SERVER_OPTIONS}  # the server starts on first use
+        self.chat = ChatRunner(engine, tokenizer, cfg.chat.api_key, **options)
 
     def _sampling(self, temperature: float):
         from molt.engine import SamplingParams
@@ -117,8 +121,9 @@ class RLLoop:
     async def _group(self, group_index: int) -> None:
         row = self.train_rows[group_index % len(self.train_rows)]
         try:
-            group = await asyncio.gather(*(self._episode(row, group_index, k) for k in range(self.group_size)))
-            if any(t is None for t in group):
+            rollouts = await asyncio.gather(*(self._episode(row, group_index, k) for k in range(self.group_size)))
+            group = [segment for segments in rollouts if segments is not None for segment in segments]
+            if any(segments is None for segments in rollouts):
                 self._drop("agent_failure", self.group_size)
             elif self._keep(group):
                 await self.buffer.put(group)
@@ -130,12 +135,18 @@ class RLLoop:
             self.running.discard(group_index)
         await self._notify()
 
-    async def _episode(self, row: dict, group_index: int, k: int) -> Trajectory | None:
+    async def _run_agent(self, engine, tokenizer, agent, row, sampling, limits, **kw) -> list[Trajectory]:
+        """One rollout of an Env (one segment) or a ChatAgent (one or more segments)."""
+        if isinstance(agent, ChatAgent):
+            return await self.chat.run(agent, row, sampling, limits, **kw)
+        return [await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)]
+
+    async def _episode(self, row: dict, group_index: int, k: int) -> list[Trajectory] | None:
         rollout_id = group_index * self.group_size + k
         sampling = dataclasses.replace(self.sampling, seed=self.cfg.train.seed * 1_000_003 + rollout_id)
         async with self.in_flight:
             try:
-                traj = await run_episode(
+                segments = await self._run_agent(
                     self.engine,
                     self.tokenizer,
                     self.make_env(),
@@ -150,8 +161,8 @@ class RLLoop:
                 self._count_failure(e)
                 return None
         self.state.rollouts += 1
-        self.rollout_tokens += traj.num_action_tokens
-        return traj
+        self.rollout_tokens += sum(s.num_action_tokens for s in segments)
+        return segments
 
     def _count_failure(self, error: Exception) -> None:
         self.state.rollouts += 1
@@ -165,8 +176,8 @@ class RLLoop:
 
     def _keep(self, group: Group) -> bool:
         scores = torch.tensor([t.score if t.score is not None else t.reward for t in group], dtype=torch.float32)
-        group_ids = torch.tensor([t.group_id for t in group])
-        keep, metrics = algo.filter_groups(scores, group_ids, filters=self.cfg.rollout.filters)
+        group_ids, rollout_ids = torch.tensor([t.group_id for t in group]), torch.tensor([t.rollout_id for t in group])
+        keep, metrics = algo.filter_groups(scores, group_ids, rollout_ids, filters=self.cfg.rollout.filters)
         if bool(keep.all()):
             self.filtered_in_a_row = 0
             return True
@@ -189,7 +200,8 @@ class RLLoop:
     async def _next_batch(self) -> list[Trajectory]:
         """`prompts_per_step` groups from the buffer, none older than max_staleness."""
         batch: list[Trajectory] = []
-        while len(batch) < self.groups_per_step * self.group_size:
+        num_groups = 0
+        while num_groups < self.groups_per_step:
             group = await self.buffer.get()
             oldest = min(t.min_version() for t in group)
             if self.trainer.version - oldest > self.cfg.rollout.max_staleness:
@@ -197,6 +209,7 @@ class RLLoop:
                 await self._notify()
                 continue
             batch += group
+            num_groups += 1
         return batch
 
     async def sync(self) -> None:
@@ -247,8 +260,12 @@ class RLLoop:
             else dataclasses.replace(self._sampling(1.0), temperature=0.0)
         )
         rows = self.eval_rows[: ev.num_prompts]
+
+        async def episode(*args, **kw) -> Trajectory:
+            return (await self._run_agent(*args, **kw))[-1]  # segments share reward and score
+
         return await evaluate(
-            self.engine, self.tokenizer, self.make_env, rows, sampling, self.limits, ev.n_samples, seed=12345
+            self.engine, self.tokenizer, self.make_env, rows, sampling, self.limits, ev.n_samples, 12345, episode
         )
 
     async def run(self, on_step=lambda m: None) -> list[dict[str, Any]]:

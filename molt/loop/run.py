@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from molt.agents.builtin import env_for_task
-from molt.agents.env import load_agent
+from molt.agents.chat.agent import load_agent_class
 from molt.config import Config
 from molt.data.chat import read_jsonl
 from molt.data.tasks import get_task
@@ -84,8 +84,7 @@ def _rows(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 def _env_factory(cfg: Config):
     if cfg.rollout.agent:
-        agent_cls = load_agent(cfg.rollout.agent)
-        return agent_cls
+        return load_agent_class(cfg.rollout.agent)  # an Env or a ChatAgent subclass
     get_task(cfg.data.task)
     return lambda: env_for_task(cfg.data.task)
 
@@ -169,6 +168,7 @@ async def _train_async(cfg: Config, run: RunDir) -> TrainResult:
         ckpt = save_checkpoint(run.path, trainer, loop.snapshot(), tokenizer)
     finally:
         progress.close()
+        await loop.chat.close()
         await engine.close()
     after = next((m for m in reversed(history) if "eval/reward_mean" in m), {})
     after = {k: v for k, v in after.items() if k.startswith("eval/")}

@@ -1,0 +1,149 @@
+"""`ChatAgent`: an ordinary async program that drives the policy through the OpenAI or Anthropic SDK.
+
+`ChatRunner` owns one chat server per runner process (started on first use, on the running loop)
+and turns one `ChatAgent.run(ctx)` into its trajectory segments: it opens a session, hands the
+agent a `ChatContext` pointing at it, waits for the `Result` (the whole run gets
+`step_timeout_s x max_turns`), closes the session and stamps every segment with the rollout's
+reward, score, ids and segment index. The agent must use async clients (`AsyncOpenAI`,
+`AsyncAnthropic`) or run sync ones in a thread: the server shares the agent's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from molt.agents.chat.server import ChatServer
+from molt.agents.env import Env, Messages, Result, _load_module
+from molt.agents.runner import EpisodeLimits
+from molt.data.trajectory import Trajectory
+
+# `chat` config fields that are ChatServer options in training (the rest only apply to `molt serve`)
+CHAT_SERVER_OPTIONS = ("host", "port", "model_name", "max_body_bytes", "tool_parser", "render_tools")
+
+
+@dataclass
+class ChatContext:
+    """What a ChatAgent run gets: where its session lives, and the dataset row."""
+
+    base_url: str  # OpenAI SDK base_url (ends in /v1)
+    session_url: str  # Anthropic SDK base_url (the SDK appends /v1/messages)
+    api_key: str
+    model: str
+    messages: Messages  # the row's chat messages
+    tools: list[dict[str, Any]] | None  # OpenAI function schemas from the row
+    label: Any
+    row: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)  # the rollout's settings (the server applies them)
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    session_id: str = ""
+
+
+class ChatAgent:
+    """Base class of chat agents: override `async run(ctx) -> Result`.
+
+    Every completion request on `ctx.base_url` / `ctx.session_url` is recorded token-exactly; the
+    returned `Result.reward` (and `score`, `info`, `truncated`) applies to all recorded segments.
+    """
+
+    async def run(self, ctx: ChatContext) -> Result:
+        raise NotImplementedError
+
+
+def load_agent_class(spec: str) -> type:
+    """`file.py[:Name]` or `pkg.module[:Name]`: the one Env or ChatAgent subclass it defines (or `Agent`)."""
+    module = _load_module(spec)
+    if ":" in spec:
+        name = spec.split(":", 1)[1]
+        if not hasattr(module, name):
+            raise AttributeError(f"--rollout.agent: {spec!r} has no attribute {name!r}")
+        return getattr(module, name)
+    if hasattr(module, "Agent"):
+        return module.Agent
+    own = [
+        c
+        for _, c in inspect.getmembers(module, inspect.isclass)
+        if issubclass(c, Env | ChatAgent) and c not in (Env, ChatAgent) and c.__module__ == module.__name__
+    ]
+    if len(own) != 1:
+        raise ValueError(f"--rollout.agent: {spec!r} defines {len(own)} Env/ChatAgent classes; name one with :Name")
+    return own[0]
+
+
+class ChatRunner:
+    """Runs ChatAgent episodes through one lazily started chat server."""
+
+    def __init__(self, engine, tokenizer, api_key: str = "", **server_options: Any):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.api_key = api_key or secrets.token_urlsafe(16)  # a training server always checks a key
+        self.server_options = server_options
+        self._server: asyncio.Task | None = None
+
+    async def server(self) -> ChatServer:
+        if self._server is None:
+            server = ChatServer(self.engine, self.tokenizer, api_key=self.api_key, **self.server_options)
+            self._server = asyncio.ensure_future(server.start())
+        return await self._server
+
+    async def close(self) -> None:
+        task, self._server = self._server, None
+        if task is None:
+            return
+        try:
+            server = await task
+        except Exception:  # noqa: BLE001 - it never started; the rollouts already reported why
+            return
+        await server.stop()
+
+    async def run(
+        self,
+        agent: ChatAgent,
+        row: dict[str, Any],
+        sampling,
+        limits: EpisodeLimits,
+        keep_ids: bool = False,
+        **ids: int,
+    ) -> list[Trajectory]:
+        """One ChatAgent rollout -> its segments (sharing reward and ids); raises if it made no request."""
+        server = await self.server()
+        session = server.open_session(sampling, max_len=limits.max_len, max_turns=limits.max_turns, keep_ids=keep_ids)
+        url = f"{server.url}/s/{session.id}"
+        ctx = ChatContext(
+            base_url=url + "/v1",
+            session_url=url,
+            api_key=self.api_key,
+            model=server.model_name,
+            messages=list(row["messages"]),
+            tools=row.get("tools"),
+            label=row.get("label"),
+            row=row,
+            sampling={"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens},
+            limits=limits,
+            session_id=session.id,
+        )
+        try:
+            result = await asyncio.wait_for(agent.run(ctx), limits.step_timeout_s * limits.max_turns)
+        finally:
+            segments = server.close_session(session.id)
+        return _stamp(agent, result, segments, session.truncated, ids)
+
+
+def _stamp(agent: ChatAgent, result: Result, segments: list[Trajectory], truncated: bool, ids: dict) -> list:
+    name = type(agent).__name__
+    if not isinstance(result, Result):
+        raise TypeError(f"{name}.run returned {type(result).__name__}, expected molt.agents.Result")
+    if not segments and truncated:
+        raise RuntimeError(f"{name}.run: no request fit the context budget (rollout.max_len); nothing was generated")
+    if not segments:
+        raise RuntimeError(f"{name}.run made no completion request on its session (nothing to train)")
+    score = result.score if result.score is not None else float(result.reward)
+    for i, seg in enumerate(segments):
+        seg.reward, seg.score, seg.info = float(result.reward), score, dict(result.info)
+        seg.segment, seg.num_segments = i, len(segments)
+        seg.group_id, seg.rollout_id = ids.get("group_id", 0), ids.get("rollout_id", 0)
+        seg.check()
+    segments[-1].truncated |= bool(result.truncated) or truncated
+    return segments

@@ -1,0 +1,85 @@
+"""The wire-independent chat request both decoders produce, and message fingerprints.
+
+Messages are canonical dicts the chat template renders: `role` (system/user/assistant/tool),
+`content` (a string, or a list of parts when not all text), and for assistant turns `tool_calls` in
+OpenAI form with `arguments` decoded to an object. A *fingerprint* is what decides whether a
+request extends the session's conversation: role, content and calls (name + arguments, compared
+as JSON values, so re-serialised arguments or `None` vs `""` content still match); call ids are
+left out, because templates do not render them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from molt.agents.chat.tool_parser import ToolCall
+
+Message = dict[str, Any]
+
+
+@dataclass
+class ChatRequest:
+    """One completion request, decoded from either wire."""
+
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    parse_tools: bool = True  # False for tool_choice "none"
+    stream: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # wire-specific options (e.g. include_usage)
+
+
+def text_content(content: Any) -> str | list[dict[str, Any]]:
+    """`None` -> "", all-text part lists -> their joined text, other lists kept as parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = [dict(p) for p in content]
+    if all(p.get("type") == "text" for p in parts):
+        return "".join(str(p.get("text") or "") for p in parts)
+    return parts
+
+
+def decode_arguments(arguments: Any) -> Any:
+    """Tool-call arguments as a JSON value (a string that is not JSON stays a string)."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def assistant_message(content: str, calls: list[ToolCall]) -> Message:
+    """The canonical assistant turn for a reply."""
+    message: Message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+        ]
+    return message
+
+
+def fingerprint(message: Message) -> str:
+    calls = [
+        [call["function"]["name"], decode_arguments(call["function"].get("arguments"))]
+        for call in message.get("tool_calls") or ()
+    ]
+    key = {"role": message["role"], "content": text_content(message.get("content")), "calls": calls}
+    return json.dumps(key, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def fingerprints(messages: list[Message]) -> list[str]:
+    return [fingerprint(m) for m in messages]
+
+
+def request_key(request: ChatRequest) -> str:
+    """Identity of a request for idempotent retries: its messages, tools and generation bounds."""
+    key = [fingerprints(request.messages), request.tools, request.max_tokens, list(request.stop)]
+    return json.dumps(key, sort_keys=True, ensure_ascii=False, default=str)

@@ -1,0 +1,77 @@
+"""`molt serve <checkpoint>`: the chat server over a checkpoint, with no training session.
+
+Every request to `/v1/chat/completions` or `/v1/messages` runs in its own implicit session (nothing
+is recorded); the request's `temperature` / `top_p` are honoured, unlike in training sessions.
+The checkpoint is a Hugging Face model folder or a run directory (its latest checkpoint). Like
+`molt/loop/run.py` this is a command: it builds the model, the engine and the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from pathlib import Path
+
+from molt.agents.chat.server import ChatServer
+from molt.config import Config, ConfigError
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A model folder as given, or a run directory's latest checkpoint."""
+    folder = Path(path)
+    pointer = folder / "checkpoints" / "latest"
+    if not (folder / "config.json").exists() and pointer.exists():
+        return str(pointer.parent / pointer.read_text().strip())
+    if not folder.is_dir():
+        raise ConfigError(f"model.path: checkpoint {path!r} is not a folder")
+    return str(folder)
+
+
+def build_server(cfg: Config) -> ChatServer:
+    """Model, engine and a serve-mode ChatServer (not started) from the config."""
+    from molt.engine import SamplingParams, TorchEngine
+    from molt.train.build import build_model, build_tokenizer
+
+    model_cfg = cfg.model
+    if model_cfg.path:
+        model_cfg = dataclasses.replace(model_cfg, path=resolve_checkpoint(model_cfg.path))
+    tokenizer = build_tokenizer(model_cfg)
+    model = build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device).eval()
+    chat = cfg.chat
+    engine = TorchEngine(model, tokenizer=tokenizer, num_slots=32, max_seq_len=chat.max_len + 1)
+    stop = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
+    sampling = SamplingParams(
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_tokens=chat.max_tokens, stop_token_ids=stop
+    )
+    return ChatServer(
+        engine,
+        tokenizer,
+        host=chat.host,
+        port=chat.port,
+        api_key=chat.api_key,
+        model_name=chat.model_name,
+        max_body_bytes=chat.max_body_bytes,
+        tool_parser=chat.tool_parser,
+        render_tools=chat.render_tools,
+        serve_sampling=sampling,
+        serve_max_len=chat.max_len,
+    )
+
+
+async def _serve(cfg: Config) -> None:
+    server = build_server(cfg)
+    await server.start()
+    source = cfg.model.path or f"preset {cfg.model.preset!r} with random weights"
+    print(f"molt serve: {source} at {server.url}  (OpenAI: {server.url}/v1, Anthropic: {server.url})", flush=True)
+    try:
+        await server._task  # noqa: SLF001 - serve until interrupted
+    finally:
+        await server.stop()
+        await server.engine.close()
+
+
+def run_serve(cfg: Config) -> None:
+    """The `molt serve` command (Ctrl+C stops it)."""
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(cfg))

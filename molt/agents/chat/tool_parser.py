@@ -1,0 +1,145 @@
+"""Tool-call parsers: the policy's raw action text -> (content, tool calls), one per chat-template family.
+
+A parser is a registered function `parse(text, tools) -> (content, calls)`. Calls are parsed only when
+the request offered `tools`, and only into functions it offered; anything malformed (bad JSON, an
+unknown function, an unclosed tag) comes back as plain text with no calls, never as an error. The
+trajectory always keeps the raw generated ids: parsing only shapes the reply to the agent.
+
+* `hermes` (Qwen2.5/Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
+* `molt` (the built-in ChatML template): hermes, plus the compact form `<tool_call>TEXT</tool_call>`
+  when the request offers exactly one function with exactly one parameter: TEXT is that argument
+  (the built-in calculator task's demonstrations call `<tool_call>347*29</tool_call>`).
+* `none`: never parses calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from molt.models.tokenizer import BUILTIN_CHAT_TEMPLATE
+
+TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+Tools = Sequence[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call; `arguments` is the decoded JSON object."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+Parser = Callable[[str, Tools], tuple[str, list[ToolCall]]]
+PARSERS: dict[str, Parser] = {}
+
+
+def register_parser(name: str):
+    """Register `parse(text, tools) -> (content, calls)` under `name` (`--chat.tool_parser name`)."""
+
+    def wrap(fn: Parser) -> Parser:
+        if name in PARSERS:
+            raise ValueError(f"tool parser {name!r} registered twice")
+        PARSERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def function_specs(tools: Tools) -> dict[str, dict[str, Any]]:
+    """Offered function name -> its JSON-schema `parameters` (OpenAI function-tool form)."""
+    specs = {}
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            params = fn.get("parameters")
+            specs[fn["name"]] = params if isinstance(params, dict) else {}
+    return specs
+
+
+def _json_call(body: str, specs: dict[str, dict[str, Any]]) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in specs:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return ToolCall(new_call_id(), obj["name"], args) if isinstance(args, dict) else None
+
+
+def _split_calls(text: str, tools: Tools, compact: bool) -> tuple[str, list[ToolCall]]:
+    specs = function_specs(tools)
+    blocks = list(TOOL_CALL_RE.finditer(text))
+    if not specs or not blocks:
+        return text, []
+    content = TOOL_CALL_RE.sub("", text)
+    if "<tool_call>" in content or "</tool_call>" in content:
+        return text, []  # an unclosed or stray tag: malformed
+    calls = []
+    for block in blocks:
+        call = _json_call(block[1].strip(), specs)
+        if call is None and compact:
+            call = _compact_call(block[1].strip(), specs)
+        if call is None:
+            return text, []
+        calls.append(call)
+    return content.strip(), calls
+
+
+def _compact_call(body: str, specs: dict[str, dict[str, Any]]) -> ToolCall | None:
+    if len(specs) != 1 or not body:
+        return None
+    ((name, params),) = specs.items()
+    props = params.get("properties") or {}
+    if len(props) != 1:
+        return None
+    return ToolCall(new_call_id(), name, {next(iter(props)): body})
+
+
+@register_parser("hermes")
+def parse_hermes(text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the rest is content."""
+    return _split_calls(text, tools, compact=False)
+
+
+@register_parser("molt")
+def parse_molt(text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
+    """Hermes blocks, or compact `<tool_call>ARG</tool_call>` calls of a sole one-parameter function."""
+    return _split_calls(text, tools, compact=True)
+
+
+@register_parser("none")
+def parse_none(text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
+    """Tool calls are not parsed; the agent sees the raw text."""
+    return text, []
+
+
+def get_parser(name: str, tokenizer=None) -> Parser:
+    """The parser `name`; "auto" picks by the tokenizer's chat template (built-in, hermes-style, none)."""
+    if name == "auto":
+        template = getattr(tokenizer, "chat_template", None) or ""
+        template = template if isinstance(template, str) else json.dumps(template)
+        name = "molt" if template == BUILTIN_CHAT_TEMPLATE else "hermes" if "<tool_call>" in template else "none"
+    if name not in PARSERS:
+        raise ValueError(f"chat.tool_parser: unknown parser {name!r}; choose auto or one of {sorted(PARSERS)}")
+    return PARSERS[name]

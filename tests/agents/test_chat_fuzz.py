@@ -1,0 +1,82 @@
+"""Fuzzing the chat server: random JSON bodies and message lists never give a 500 or corrupt a session."""
+
+import json
+
+import httpx
+import pytest
+from chat_support import ScriptedEngine, ServerThread, masked_ids
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+KEY = "fuzz"
+OK = {200, 400, 404, 413, 422}
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+roles = st.sampled_from(["system", "developer", "user", "assistant", "tool", "robot"])
+text = st.text(max_size=40) | st.sampled_from(["<tool_call>", "</tool_call>", "<|im_end|>", "\x00", "\ud800"])
+content = st.none() | text | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image"]), "text": text}))
+tool_call = st.fixed_dictionaries(
+    {"id": st.text(max_size=5), "function": st.fixed_dictionaries({"name": text, "arguments": text | json_values})}
+)
+openai_message = st.fixed_dictionaries(
+    {"role": roles, "content": content},
+    optional={"tool_calls": st.lists(tool_call, max_size=2), "tool_call_id": text},
+)
+openai_body = st.fixed_dictionaries(
+    {"messages": st.lists(openai_message, max_size=4)},
+    optional={
+        "model": text,
+        "max_tokens": st.integers(-2, 50),
+        "temperature": st.floats(-1, 3),
+        "stop": st.none() | text | st.lists(text, max_size=5),
+        "stream": st.booleans(),
+        "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": json_values}), max_size=2),
+        "n": st.integers(0, 2),
+    },
+)
+anthropic_block = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "image", "thinking"])},
+    optional={"text": text, "id": text, "name": text, "input": json_values, "tool_use_id": text, "content": content},
+)
+anthropic_body = st.fixed_dictionaries(
+    {
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": roles, "content": text | st.lists(anthropic_block)}), max_size=4
+        )
+    },
+    optional={"system": content, "max_tokens": st.integers(-1, 50), "stream": st.booleans(), "tools": json_values},
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    engine = ScriptedEngine(["fine", '<tool_call>{"name": "f", "arguments": {}}</tool_call>'])
+    server = ServerThread(engine, api_key=KEY, max_body_bytes=4000)
+    session = server.open(max_len=256)
+    with httpx.Client(base_url=server.session_url(session), headers={"x-api-key": KEY}, timeout=30) as client:
+        yield server, engine, session, client
+    server.stop()
+
+
+def _post(client, path, **kw):
+    response = client.post(path, **kw)
+    assert response.status_code in OK, (response.status_code, response.text)
+    return response
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=json_values | openai_body, anthropic=json_values | anthropic_body, raw=st.binary(max_size=64))
+def test_random_bodies_never_500_nor_corrupt_the_session(fuzz_server, body, anthropic, raw):
+    server, engine, session, client = fuzz_server
+    _post(client, "/v1/chat/completions", content=json.dumps(body))  # ascii escapes: lone surrogates travel
+    _post(client, "/v1/messages", content=json.dumps(anthropic))
+    _post(client, "/v1/chat/completions", content=raw)
+    # the session stays consistent: every segment is exactly the engine's emitted ids under mask 1
+    segments = session.sealed + ([session.current] if session.current else [])
+    assert [i for s in segments for i in masked_ids(s)] == [i for ids in engine.emitted for i in ids]
+    for s in segments:
+        s.check()

@@ -1,0 +1,164 @@
+"""The chat server through the real `openai` and `anthropic` SDKs: plain, streaming, tools, usage, errors."""
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+from chat_support import CALC_TOOL, TOK, ScriptedEngine, ServerThread, masked_ids
+
+KEY = "test-key"
+CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12*345"}}\n</tool_call>'
+ANTHROPIC_TOOL = {"name": "calculate", "description": "calc", "input_schema": CALC_TOOL["function"]["parameters"]}
+
+
+@pytest.fixture
+def served(request):
+    engine = ScriptedEngine(getattr(request, "param", ["hello there"]))
+    server = ServerThread(engine, api_key=KEY, max_body_bytes=20_000)
+    yield server, engine
+    server.stop()
+
+
+def _openai(server, session, key=KEY):
+    return openai.OpenAI(base_url=server.session_url(session) + "/v1", api_key=key, max_retries=0)
+
+
+def _anthropic(server, session, key=KEY):
+    return anthropic.Anthropic(base_url=server.session_url(session), api_key=key, max_retries=0)
+
+
+def test_openai_plain_and_streaming_with_usage(served):
+    server, engine = served
+    session = server.open()
+    client = _openai(server, session)
+    messages = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model="m", messages=messages)
+    assert reply.choices[0].message.content == "hello there" and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens == len(engine.prompts[0]) and reply.usage.completion_tokens == 12
+    messages += [{"role": "assistant", "content": "hello there"}, {"role": "user", "content": "more"}]
+    chunks = list(
+        client.chat.completions.create(
+            model="m", messages=messages, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "hello there" and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == len(engine.prompts[1])
+    assert [m.id for m in client.models.list()] == ["molt"]
+    (segment,) = server.server.close_session(session.id)
+    assert masked_ids(segment) == engine.emitted[0] + engine.emitted[1]
+
+
+@pytest.mark.parametrize("served", [[CALL, CALL, "4140"]], indirect=True)
+def test_openai_three_turn_tool_conversation_is_token_exact(served):
+    server, engine = served
+    session = server.open()
+    client = _openai(server, session)
+    messages = [{"role": "user", "content": "12*345="}]
+    for turn in range(3):
+        reply = client.chat.completions.create(model="m", messages=messages, tools=[CALC_TOOL], stream=turn == 1)
+        if turn == 1:  # rebuild the message from the stream, as SDK users do
+            chunks = list(reply)
+            call = chunks[1].choices[0].delta.tool_calls[0]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            message = {"role": "assistant", "tool_calls": [call.model_dump(exclude={"index"}, exclude_none=True)]}
+        else:
+            message = reply.choices[0].message.model_dump(exclude_none=True)
+            assert reply.choices[0].finish_reason == ("tool_calls" if turn == 0 else "stop")
+        messages.append(message)
+        for call in message.get("tool_calls", []):
+            assert json.loads(call["function"]["arguments"]) == {"expression": "12*345"}
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": "4140"})
+    assert messages[-1] == {"role": "assistant", "content": "4140"}
+    (segment,) = server.server.close_session(session.id)
+    assert masked_ids(segment) == engine.emitted[0] + engine.emitted[1] + engine.emitted[2]
+    starts = [start for start, _, _, _ in segment.actions]
+    assert [segment.tokens[:s] for s in starts] == engine.prompts  # each context: exact previous ids + delta
+
+
+@pytest.mark.parametrize("served", [[CALL, "4140"]], indirect=True)
+def test_anthropic_tool_use_plain_and_streaming(served):
+    server, engine = served
+    session = server.open()
+    client = _anthropic(server, session)
+    messages = [{"role": "user", "content": "12*345="}]
+    reply = client.messages.create(
+        model="m", max_tokens=100, system="be exact", messages=messages, tools=[ANTHROPIC_TOOL]
+    )
+    assert reply.stop_reason == "tool_use" and reply.usage.output_tokens == len(engine.emitted[0])
+    (block,) = reply.content
+    assert block.type == "tool_use" and block.input == {"expression": "12*345"}
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "4140"}]},
+    ]
+    with client.messages.stream(
+        model="m", max_tokens=100, system="be exact", messages=messages, tools=[ANTHROPIC_TOOL]
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].text == "4140" and final.stop_reason == "end_turn"
+    assert final.usage.input_tokens == len(engine.prompts[1]) and final.usage.output_tokens == 5
+    (segment,) = server.server.close_session(session.id)
+    assert masked_ids(segment) == engine.emitted[0] + engine.emitted[1]
+    assert "<tool_response>\n4140\n</tool_response>" in TOK.decode(segment.tokens)
+
+
+def test_idempotent_retry_does_not_duplicate_tokens(served):
+    server, engine = served
+    session = server.open()
+    client = _openai(server, session)
+    messages = [{"role": "user", "content": "hi"}]
+    first = client.chat.completions.create(model="m", messages=messages)
+    retry = client.chat.completions.create(model="m", messages=messages)
+    assert retry.choices[0].message.content == first.choices[0].message.content and len(engine.emitted) == 1
+    (segment,) = server.server.close_session(session.id)
+    assert masked_ids(segment) == engine.emitted[0] and segment.num_turns == 1
+
+
+def test_error_codes(served):
+    server, engine = served
+    session, other = server.open(), server.open()
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.AuthenticationError):
+        _openai(server, session, key="wrong").chat.completions.create(model="m", messages=messages)
+    with pytest.raises(anthropic.AuthenticationError):
+        _anthropic(server, session, key="wrong").messages.create(model="m", max_tokens=8, messages=messages)
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=f"{server.server.url}/s/nosuchsession/v1", api_key=KEY, max_retries=0).models.list()
+    with pytest.raises(openai.UnprocessableEntityError, match="n must be 1"):
+        _openai(server, session).chat.completions.create(model="m", messages=messages, n=2)
+    with pytest.raises(anthropic.UnprocessableEntityError):
+        _anthropic(server, session).messages.create(
+            model="m", max_tokens=8, messages=[{"role": "robot", "content": "x"}]
+        )
+    url, auth = server.session_url(session) + "/v1/chat/completions", {"authorization": f"Bearer {KEY}"}
+    assert httpx.post(url, content=b"{not json", headers=auth).status_code == 400
+    assert httpx.post(url, content=b"NaN", headers=auth).status_code == 400
+    assert httpx.post(url, json={"messages": []}, headers=auth).status_code == 422
+    assert (
+        httpx.post(url, json={"messages": [{"role": "user", "content": "x" * 30_000}]}, headers=auth).status_code == 413
+    )
+    assert httpx.post(url, json={"messages": messages}).status_code == 401
+    assert httpx.get(f"{server.server.url}/health").json()["status"] == "ok"
+    assert engine.emitted == []  # no failed request generated anything
+    _openai(server, other).chat.completions.create(model="m", messages=messages)
+    assert server.server.close_session(session.id) == []  # a request on `other` never touches `session`
+    with pytest.raises(openai.NotFoundError):  # finished session
+        _openai(server, session).chat.completions.create(model="m", messages=messages)
+    (segment,) = server.server.close_session(other.id)
+    assert masked_ids(segment) == engine.emitted[0]
+
+
+def test_engine_failure_is_503_and_a_retry_succeeds(served):
+    server, engine = served
+    engine.fail_next = 1
+    session = server.open()
+    client = _openai(server, session)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model="m", messages=messages)
+    assert client.chat.completions.create(model="m", messages=messages).choices[0].message.content == "hello there"
+    (segment,) = server.server.close_session(session.id)
+    assert masked_ids(segment) == engine.emitted[0] and segment.num_turns == 1

@@ -1,0 +1,155 @@
+"""Session capture without HTTP: extension deltas, segments on rewrite, idempotent retries, commit-after-success."""
+
+import asyncio
+import json
+
+import pytest
+from chat_support import CALC_TOOL, SAMPLING, TOK, ScriptedEngine, masked_ids
+
+from molt.agents.chat.messages import ChatRequest
+from molt.agents.chat.session import GenerationError, RequestError, Session, SessionClosed
+from molt.agents.chat.tool_parser import get_parser
+from molt.models.tokenizer import apply_chat_template
+
+CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12*345"}}\n</tool_call>'
+
+
+def _session(engine, **options):
+    options.setdefault("parser", get_parser("auto", TOK))
+    return Session("sid", engine, TOK, SAMPLING, max_len=options.pop("max_len", 1024), **options)
+
+
+def _turn(session, messages, **kw):
+    return asyncio.run(session.turn(ChatRequest(messages=messages, **kw)))
+
+
+def _assistant(reply):
+    message = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+            for c in reply.tool_calls
+        ]
+    return message
+
+
+def test_three_turn_tool_conversation_is_one_exact_segment():
+    engine = ScriptedEngine([CALL, CALL, "4140"])
+    session = _session(engine)
+    messages = [{"role": "user", "content": "12*345="}]
+    for _ in range(3):
+        reply = _turn(session, messages, tools=[CALC_TOOL])
+        messages.append(_assistant(reply))
+        for call in reply.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "4140"})
+    (segment,) = session.close()
+    assert reply.content == "4140" and reply.finish_reason == "stop"
+    assert masked_ids(segment) == engine.emitted[0] + engine.emitted[1] + engine.emitted[2]
+    assert segment.versions == [3 if m else -1 for m in segment.loss_mask] and segment.num_turns == 3
+    for k in range(2):  # each context is the previous one + its exact action + a rendered delta
+        assert engine.prompts[k + 1][: len(engine.prompts[k]) + len(engine.emitted[k])] == (
+            engine.prompts[k] + engine.emitted[k]
+        )
+    # the builtin template round-trips, so the segment equals an independent rendering of the conversation
+    assert segment.tokens == apply_chat_template(TOK, messages, tools=[CALC_TOOL])[: len(segment.tokens)]
+
+
+def test_rewrite_seals_the_segment_and_starts_a_new_one():
+    engine = ScriptedEngine(["first answer", "second answer"])
+    session = _session(engine)
+    first = [{"role": "user", "content": "long question"}]
+    reply = _turn(session, first)
+    compacted = [{"role": "user", "content": "summary: " + reply.content}, {"role": "user", "content": "go on"}]
+    _turn(session, compacted)
+    segments = session.close()
+    assert len(segments) == 2
+    assert [masked_ids(s) for s in segments] == engine.emitted
+    assert segments[1].tokens[: len(engine.prompts[1])] == engine.prompts[1]
+    assert engine.prompts[1] == apply_chat_template(TOK, compacted, add_generation_prompt=True)
+
+
+def test_changed_tools_start_a_new_segment():
+    engine = ScriptedEngine(["a", "b"])
+    session = _session(engine)
+    messages = [{"role": "user", "content": "q"}]
+    reply = _turn(session, messages)
+    _turn(session, messages + [_assistant(reply), {"role": "user", "content": "q2"}], tools=[CALC_TOOL])
+    assert len(session.close()) == 2
+
+
+def test_reserialised_history_still_extends():
+    engine = ScriptedEngine([CALL, "4140"])
+    session = _session(engine)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "12*345="}]}]
+    reply = _turn(session, messages, tools=[CALC_TOOL])
+    (call,) = reply.tool_calls
+    echoed = {  # content None instead of "", arguments re-serialised with other spacing, another call id
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "x", "type": "function", "function": {"name": "calculate", "arguments": '{"expression":"12*345"}'}}
+        ],
+    }
+    _turn(session, messages + [echoed, {"role": "tool", "tool_call_id": call.id, "content": "4140"}], tools=[CALC_TOOL])
+    (segment,) = session.close()
+    assert masked_ids(segment) == engine.emitted[0] + engine.emitted[1]
+
+
+def test_retry_is_idempotent_and_failed_generation_commits_nothing():
+    engine = ScriptedEngine(["hello"], fail_next=1)
+    session = _session(engine)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(GenerationError):
+        _turn(session, messages)
+    assert session.current is None and session.num_turns == 0
+    first, again = _turn(session, messages), _turn(session, messages)
+    assert again is first and len(engine.emitted) == 1
+    (segment,) = session.close()
+    assert masked_ids(segment) == engine.emitted[0]
+    with pytest.raises(SessionClosed):
+        _turn(session, messages)
+
+
+def test_budgets_answer_length_without_generating():
+    engine = ScriptedEngine(["x"])
+    session = _session(engine, max_len=8)
+    reply = _turn(session, [{"role": "user", "content": "a question longer than eight tokens"}])
+    assert (reply.finish_reason, reply.content, reply.num_completion_tokens) == ("length", "", 0)
+    assert engine.emitted == [] and session.close() == [] and session.truncated
+    session = _session(ScriptedEngine(["x"]), max_turns=1)
+    reply = _turn(session, [{"role": "user", "content": "q"}])
+    reply = _turn(session, [{"role": "user", "content": "q"}, _assistant(reply), {"role": "user", "content": "r"}])
+    assert reply.finish_reason == "length" and session.truncated and len(session.close()[0].actions) == 1
+
+
+def test_max_tokens_is_clipped_to_the_context_and_the_request():
+    engine = ScriptedEngine(["0123456789" * 3])
+    session = _session(engine, max_len=40)
+    prompt = apply_chat_template(TOK, [{"role": "user", "content": "q"}], add_generation_prompt=True)
+    reply = _turn(session, [{"role": "user", "content": "q"}], max_tokens=100)
+    assert reply.num_completion_tokens == 40 - len(prompt) and reply.finish_reason == "length"
+    reply = _turn(_session(ScriptedEngine(["0123456789"])), [{"role": "user", "content": "q"}], max_tokens=3)
+    assert reply.num_completion_tokens == 3
+
+
+def test_unrenderable_messages_are_a_request_error():
+    session = _session(ScriptedEngine(["x"]))
+    with pytest.raises(RequestError):
+        _turn(session, [])
+
+
+def test_tool_parsers():
+    molt, hermes = get_parser("molt"), get_parser("hermes")
+    assert hermes(CALL, [CALC_TOOL])[1][0].arguments == {"expression": "12*345"}
+    assert hermes("<tool_call>12*345</tool_call>", [CALC_TOOL]) == ("<tool_call>12*345</tool_call>", [])
+    content, (call,) = molt("<tool_call>12*345</tool_call>", [CALC_TOOL])
+    assert content == "" and call.name == "calculate" and call.arguments == {"expression": "12*345"}
+    for malformed in [
+        '<tool_call>{"name": "other", "arguments": {}}</tool_call>',
+        "<tool_call>{oops",
+        CALL + "</tool_call>",
+    ]:
+        assert hermes(malformed, [CALC_TOOL]) == (malformed, [])
+    assert hermes(CALL, []) == (CALL, [])  # no tools offered: never a call
+    assert json.loads(call.arguments_json) == call.arguments
+    assert get_parser("auto", TOK) is molt
