@@ -63,10 +63,10 @@ def _load_module(spec: str):
         raise ModuleNotFoundError(f"--rollout.agent: cannot import agent module {spec!r}: {e}") from None
 
 
-def load_agent(spec: str) -> type:
+def load_agent(spec: str, bases: tuple[type, ...] = (Env,)) -> type:
     """Agent class from `file.py`, `file.py:Name`, `pkg.module` or `pkg.module:Name`.
 
-    Without `:Name` the module must define exactly one `Env` subclass (or a class named `Agent`).
+    Without `:Name` the module must define exactly one subclass of `bases` (or a class named `Agent`).
     """
     module = _load_module(spec)
     if ":" in spec:
@@ -76,8 +76,12 @@ def load_agent(spec: str) -> type:
         return getattr(module, name)
     if hasattr(module, "Agent"):
         return module.Agent
-    own = [c for _, c in inspect.getmembers(module, inspect.isclass) if issubclass(c, Env) and c is not Env]
-    own = [c for c in own if c.__module__ == module.__name__]
+    own = [
+        c
+        for _, c in inspect.getmembers(module, inspect.isclass)
+        if issubclass(c, bases) and c not in bases and c.__module__ == module.__name__
+    ]
     if len(own) != 1:
-        raise ValueError(f"--rollout.agent: {spec!r} defines {len(own)} Env classes; name one with {spec}:Name")
+        kinds = "/".join(b.__name__ for b in bases)
+        raise ValueError(f"--rollout.agent: {spec!r} defines {len(own)} {kinds} classes; name one with {spec}:Name")
     return own[0]

@@ -11,13 +11,12 @@ reward, score, ids and segment index. The agent must use async clients (`AsyncOp
 from __future__ import annotations
 
 import asyncio
-import inspect
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from molt.agents.chat.server import ChatServer
-from molt.agents.env import Env, Messages, Result, _load_module
+from molt.agents.env import Env, Messages, Result, load_agent
 from molt.agents.runner import EpisodeLimits
 from molt.data.trajectory import Trajectory
 
@@ -55,22 +54,7 @@ class ChatAgent:
 
 def load_agent_class(spec: str) -> type:
     """`file.py[:Name]` or `pkg.module[:Name]`: the one Env or ChatAgent subclass it defines (or `Agent`)."""
-    module = _load_module(spec)
-    if ":" in spec:
-        name = spec.split(":", 1)[1]
-        if not hasattr(module, name):
-            raise AttributeError(f"--rollout.agent: {spec!r} has no attribute {name!r}")
-        return getattr(module, name)
-    if hasattr(module, "Agent"):
-        return module.Agent
-    own = [
-        c
-        for _, c in inspect.getmembers(module, inspect.isclass)
-        if issubclass(c, Env | ChatAgent) and c not in (Env, ChatAgent) and c.__module__ == module.__name__
-    ]
-    if len(own) != 1:
-        raise ValueError(f"--rollout.agent: {spec!r} defines {len(own)} Env/ChatAgent classes; name one with :Name")
-    return own[0]
+    return load_agent(spec, bases=(Env, ChatAgent))
 
 
 class ChatRunner:
