@@ -36,7 +36,7 @@ class ModelConfig:
     """Parameter dtype (use float32 on CPU: bf16 matmuls are slow there)."""
     init_std: float = 0.02
     """Standard deviation of the random init for presets."""
-    warmstart_steps: int = 150
+    warmstart_steps: int = 250
     """`molt train` on a preset: first `molt sft` this many steps on the task's demonstrations (cached)."""
     warmstart_lr: float = 2e-3
     """Learning rate of the warm-start SFT."""

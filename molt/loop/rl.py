@@ -15,7 +15,6 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import random
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -68,6 +67,7 @@ class RLLoop:
         # groups assigned to steps >= state.step: started and not dropped (in flight, buffered, or taken)
         self.scheduled = len(self.state.buffer)
         self.running: set[int] = set()
+        self.group_tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
         self.filtered_in_a_row = 0
         self.history: list[dict[str, Any]] = []
@@ -102,7 +102,7 @@ class RLLoop:
 
     async def rollout(self) -> None:
         """Keep prompt groups in flight; put complete, unfiltered groups in the buffer."""
-        tasks = self.group_tasks = set()
+        tasks = self.group_tasks
         while True:
             async with self.version_changed:
                 await self.version_changed.wait_for(self._may_start)
@@ -279,9 +279,9 @@ class RLLoop:
         done, _ = await asyncio.wait({producer, trainer}, return_when=asyncio.FIRST_COMPLETED)
         producer.cancel()
         trainer.cancel()
-        for task in getattr(self, "group_tasks", ()):
+        for task in self.group_tasks:
             task.cancel()  # in-flight groups of steps that will not run; restarted on resume
-        await asyncio.gather(producer, trainer, *getattr(self, "group_tasks", ()), return_exceptions=True)
+        await asyncio.gather(producer, trainer, *self.group_tasks, return_exceptions=True)
         for task in done:
             task.result()  # re-raise a failure of either coroutine
         return self.history
@@ -295,10 +295,3 @@ class RLLoop:
             drops=dict(self.state.drops),
             buffer=[[t.to_dict() for t in g] for g in buffered],
         )
-
-
-def shuffled_rows(rows: list[dict], seed: int) -> list[dict]:
-    """A seeded permutation of `rows` (the order prompts are used in)."""
-    order = list(rows)
-    random.Random(seed).shuffle(order)
-    return order
