@@ -1,8 +1,8 @@
 """The engine core: one synchronous step of continuous batching, plus the state it advances.
 
-A step: schedule, apply pending cache moves, prefill the scheduled chunks (one padded forward),
-copy shared prompt prefixes to sibling samples, decode every decoding row (one forward over a
-contiguous cache view), sample all rows at once, then append / stop / finish in Python.
+A step: schedule, apply pending cache moves, run ONE packed forward over every decoding row's
+token and the scheduled prefill chunks, copy shared prompt prefixes to sibling samples, sample
+all rows at once, then append / stop / finish in Python.
 
 Single-threaded and free of asyncio: `TorchEngine` calls it from its worker thread. Requests
 enter as scheduler `Group`s and leave through each group's `on_done` callback (a list of
@@ -101,42 +101,35 @@ class EngineCore:
     def step(self, admit: bool = True) -> None:
         plan = self.scheduler.schedule(admit)
         self.runner.apply_moves(self.manager.take_moves())
-        rows: list[Seq] = []
-        logits: list[torch.Tensor] = []
-        if plan.prefill:
-            slot_of = self.manager.slot_of
-            chunks = [(slot_of(c.seq.seq_id), c.seq.tokens[c.start : c.end], c.start) for c in plan.prefill]
-            prefill_logits_rv = self.runner.prefill(chunks)
-            picks = []
-            for i, chunk in enumerate(plan.prefill):
-                samplers = self.scheduler.computed(chunk)
-                rows += samplers
-                picks += [i] * len(samplers)
-                self.stats["prefill_tokens"] += chunk.end - chunk.start
-            if picks:
-                logits.append(prefill_logits_rv[picks])
-            self.runner.apply_moves(self.manager.take_moves())
-        if plan.decode:
-            logits.append(self._decode(plan.decode))
-            rows += plan.decode
+        slot_of, set_length = self.manager.slot_of, self.manager.set_length
+        decode = []
+        for seq in plan.decode:
+            seq.num_computed = len(seq.tokens)
+            set_length(seq.seq_id, seq.num_computed)
+            decode.append((slot_of(seq.seq_id), seq.tokens[-1], seq.num_computed - 1))
+        chunks = [(slot_of(c.seq.seq_id), c.seq.tokens[c.start : c.end], c.start) for c in plan.prefill]
+        sampled_chunks = [i for i, c in enumerate(plan.prefill) if c.samples]
+        self.stats["decode_tokens"] += len(decode)
         self.stats["steps"] += 1
+        if not decode and not chunks:
+            return
+        logits_rv = self.runner.forward(decode, chunks, sampled_chunks)  # decode rows, then sampling chunks
+        rows: list[Seq] = list(plan.decode)
+        picks = list(range(len(rows)))  # logits row of each sampled row
+        for chunk in plan.prefill:
+            samplers = self.scheduler.computed(chunk)  # the leader, then the siblings sharing its prompt
+            picks += [picks[-1] + 1 if picks else 0] * len(samplers)
+            rows += samplers
+            self.stats["prefill_tokens"] += chunk.end - chunk.start
+        self.runner.apply_moves(self.manager.take_moves())  # prompt KV shared with sibling samples
         if not rows:
             return
-        token_ids, logprobs = sample(torch.cat(logits) if len(logits) > 1 else logits[0], self._row_params(rows))
+        with torch.inference_mode():
+            if len(picks) > logits_rv.shape[0]:  # n > 1: siblings sample from their leader's logits
+                logits_rv = logits_rv[picks]
+            token_ids, logprobs = sample(logits_rv, self._row_params(rows))
         for seq, token, logprob in zip(rows, token_ids, logprobs, strict=True):
             self._append(seq, token, logprob)
-
-    def _decode(self, seqs: list[Seq]) -> torch.Tensor:
-        slots = [self.manager.slot_of(s.seq_id) for s in seqs]
-        width = slots[-1] + 1
-        token_ids, positions = [0] * width, [-1] * width
-        for seq, slot in zip(seqs, slots, strict=True):
-            token_ids[slot], positions[slot] = seq.tokens[-1], len(seq.tokens) - 1
-            seq.num_computed = len(seq.tokens)
-            self.manager.set_length(seq.seq_id, seq.num_computed)
-        logits_bv = self.runner.decode(token_ids, positions)
-        self.stats["decode_tokens"] += len(seqs)
-        return logits_bv if width == len(seqs) else logits_bv[slots]
 
     def _row_params(self, rows: list[Seq]) -> RowParams:
         sps = [s.sampling for s in rows]

@@ -1,19 +1,25 @@
 """The model runner: Molt's own `Transformer` over a preallocated slot KV cache.
 
-Owns the physical cache `k`/`v` [layers, num_slots + 1, kv_heads, max_seq_len + 1, head_dim]
-(one spare row for swaps, one spare position where padding tokens write) and two cache backends
-implementing the model's `prepare` / `attend` protocol:
+Owns the physical cache `k`/`v` [layers, num_slots + 1, kv_heads, max_seq_len, head_dim]
+(one spare row for swaps) and the cache backend the model calls (`MixedStep`, implementing the
+model's `prepare` / `attend` protocol). A step is ONE forward over a single packed row of tokens:
+first one decode token per decoding sequence, then the prefill chunks back to back, with no
+padding, so every linear layer runs one matmul over exactly the tokens of the step. Only
+attention needs to know whose token is whose:
 
-- `DecodeStep`: one token for each of rows 0..B-1 (the active slots are contiguous, see
-  `cache.py`), so every layer attends over a strided *view* of the cache with two batched
-  matmuls; the hot path has no gathers and no per-request Python.
-- `PrefillStep`: chunks of several tokens for arbitrary slots (gather, write, causal mask).
+- decode tokens attend over their slot's cache; when they occupy rows 0..D-1 (the usual case,
+  the active slots are contiguous, see `cache.py`) over a strided *view* of the cache, with no
+  gather;
+- prefill tokens are scattered into a padded [chunks, width] layout for causal attention over
+  their slot's cache and gathered back.
 
 The model is the trainer's model; the runner only decides where keys and values live. Knows
 nothing of requests, sampling or scheduling.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -39,57 +45,103 @@ def _additive_mask(visible: torch.Tensor) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-class DecodeStep:
-    """Cache backend for one decode token per row of rows [0, B); position -1 marks a filler row."""
+class MixedStep:
+    """Cache backend for one packed row: `num_decode` decode tokens, then prefill chunks.
 
-    def __init__(self, runner: ModelRunner, kv_len: int):
-        self.runner, self.kv_len = runner, kv_len
+    `decode_slots` / `chunk_slots` are the cache rows, `chunk_lens` the chunk lengths (positions
+    come from the position ids the model is called with), `kv_lens` the number of cache positions
+    the decode rows and the chunks attend over (the longest sequence of each, not the capacity).
+    """
+
+    def __init__(self, runner: ModelRunner, decode_slots, chunk_slots, chunk_lens, kv_lens: tuple[int, int]):
+        self.runner, self.decode_slots, self.kv_lens = runner, decode_slots, kv_lens
+        self.chunk_slots, self.chunk_lens = chunk_slots, chunk_lens
 
     def prepare(self, position_ids_bt: torch.Tensor):
         r = self.runner
-        pos_b = position_ids_bt[:, 0]
-        rows, kv_len = pos_b.shape[0], self.kv_len
-        write_b = torch.where(pos_b < 0, r.max_seq_len, pos_b)  # filler rows write the spare position
-        index_bk1d = write_b.view(rows, 1, 1, 1).expand(rows, r.kv_heads, 1, r.head_dim)
-        key_pos_s = torch.arange(kv_len, device=pos_b.device)
-        mask_b11s = _additive_mask(key_pos_s[None, :] <= pos_b.clamp(min=0)[:, None])[:, None, None]
+        pos_n = position_ids_bt[0]
+        num_decode = len(self.decode_slots)
+        slots_n = torch.tensor(
+            self.decode_slots + [s for s, n in zip(self.chunk_slots, self.chunk_lens, strict=True) for _ in range(n)],
+            dtype=torch.long,
+            device=pos_n.device,
+        )
+        # every new key/value is one row of the flattened cache [slots * kv_heads * max_seq_len, head_dim]
+        heads_k = torch.arange(r.kv_heads, device=pos_n.device)
+        write_nk = ((slots_n[:, None] * r.kv_heads + heads_k) * r.max_seq_len + pos_n[:, None]).view(-1)
+        decode = self._decode_attention(pos_n[:num_decode]) if num_decode else None
+        prefill = self._prefill_attention(pos_n[num_decode:], slots_n[num_decode:]) if self.chunk_slots else None
 
-        def attend(layer_idx: int, q_bhtd, k_bhtd, v_bhtd) -> torch.Tensor:
-            k_cache, v_cache = r.k[layer_idx, :rows], r.v[layer_idx, :rows]
-            k_cache.scatter_(2, index_bk1d, k_bhtd)
-            v_cache.scatter_(2, index_bk1d, v_bhtd)
-            return gqa_attention(q_bhtd, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], mask_b11s)
+        def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
+            k_cache, v_cache = r.k[layer_idx], r.v[layer_idx]
+            q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
+            k_cache.view(-1, r.head_dim).index_copy_(0, write_nk, k_nkd.reshape(-1, r.head_dim))
+            v_cache.view(-1, r.head_dim).index_copy_(0, write_nk, v_nkd.reshape(-1, r.head_dim))
+            outs = []
+            if decode is not None:
+                outs.append(decode(k_cache, v_cache, q_nhd[:num_decode]))
+            if prefill is not None:
+                outs.append(prefill(k_cache, v_cache, q_nhd[num_decode:]))
+            out_nhd = outs[0] if len(outs) == 1 else torch.cat(outs)
+            return out_nhd.transpose(0, 1)[None]
 
         return attend
 
+    def _decode_attention(self, pos_b: torch.Tensor):
+        """One query per decode row, over a view of cache rows 0..B-1 when those are the rows (else a gather).
 
-class PrefillStep:
-    """Cache backend for token chunks of arbitrary slots; padding positions are -1."""
+        Batched over (row, kv head) with the head group's queries stacked: two `bmm`s per layer.
+        """
+        slots, rows = self.decode_slots, len(self.decode_slots)
+        r, device, kv_len = self.runner, pos_b.device, self.kv_lens[0]
+        kv_heads, head_dim = r.kv_heads, r.head_dim
+        contiguous = slots[-1] == rows - 1
+        slots_b = None if contiguous else torch.tensor(slots, dtype=torch.long, device=device)
+        key_pos_s = torch.arange(kv_len, device=device)
+        mask_bs = _additive_mask(key_pos_s[None, :] <= pos_b[:, None])
+        mask_m1s = mask_bs[:, None].expand(rows, kv_heads, kv_len).reshape(rows * kv_heads, 1, kv_len)
+        scale = head_dim**-0.5
 
-    def __init__(self, runner: ModelRunner, slots_r: torch.Tensor, kv_len: int):
-        self.runner, self.slots_r, self.kv_len = runner, slots_r, kv_len
+        def attend(k_cache, v_cache, q_bhd) -> torch.Tensor:
+            keys, values = k_cache[:rows, :, :kv_len], v_cache[:rows, :, :kv_len]
+            if not contiguous:
+                keys = k_cache[:, :, :kv_len].index_select(0, slots_b)
+                values = v_cache[:, :, :kv_len].index_select(0, slots_b)
+            q_mgd = q_bhd.reshape(rows * kv_heads, -1, head_dim)
+            keys_msd = keys.reshape(rows * kv_heads, kv_len, head_dim)
+            scores_mgs = torch.baddbmm(mask_m1s, q_mgd, keys_msd.transpose(1, 2), alpha=scale)
+            out_mgd = torch.bmm(torch.softmax(scores_mgs, dim=-1), values.reshape(rows * kv_heads, kv_len, head_dim))
+            return out_mgd.view(q_bhd.shape)
 
-    def prepare(self, position_ids_bt: torch.Tensor):
-        r, slots_r, kv_len = self.runner, self.slots_r, self.kv_len
-        valid_bt = position_ids_bt >= 0
-        slots_n = slots_r[:, None].expand_as(position_ids_bt)[valid_bt]
-        pos_n = position_ids_bt[valid_bt]
-        key_pos_s = torch.arange(kv_len, device=position_ids_bt.device)
-        mask_b1ts = _additive_mask(key_pos_s[None, None, :] <= position_ids_bt.clamp(min=0)[:, :, None])[:, None]
+        return attend
 
-        def attend(layer_idx: int, q_bhtd, k_bhtd, v_bhtd) -> torch.Tensor:
-            k_cache, v_cache = r.k[layer_idx], r.v[layer_idx]
-            k_cache[slots_n, :, pos_n] = k_bhtd.transpose(1, 2)[valid_bt]
-            v_cache[slots_n, :, pos_n] = v_bhtd.transpose(1, 2)[valid_bt]
-            keys_bksd = k_cache[:, :, :kv_len].index_select(0, slots_r)
-            values_bksd = v_cache[:, :, :kv_len].index_select(0, slots_r)
-            return gqa_attention(q_bhtd, keys_bksd, values_bksd, mask_b1ts)
+    def _prefill_attention(self, pos_n: torch.Tensor, slots_n: torch.Tensor):
+        """Chunks scattered into a padded [R, T] layout, causal over their slot's cache, gathered back."""
+        device, kv_len = pos_n.device, self.kv_lens[1]
+        lens, width = self.chunk_lens, max(self.chunk_lens)
+        flat = [row * width + i for row, n in enumerate(lens) for i in range(n)]
+        flat_n = torch.tensor(flat, dtype=torch.long, device=device)
+        slots_r = torch.tensor(self.chunk_slots, dtype=torch.long, device=device)
+        pos_rt = torch.full((len(lens) * width,), -1, dtype=torch.long, device=device)
+        pos_rt[flat_n] = pos_n
+        pos_rt = pos_rt.view(len(lens), width)
+        key_pos_s = torch.arange(kv_len, device=device)
+        mask_r1ts = _additive_mask(key_pos_s[None, None, :] <= pos_rt.clamp(min=0)[:, :, None])[:, None]
+
+        def attend(k_cache, v_cache, q_nhd) -> torch.Tensor:
+            keys = k_cache[:, :, :kv_len].index_select(0, slots_r)
+            values = v_cache[:, :, :kv_len].index_select(0, slots_r)
+            q_pad = q_nhd.new_zeros(len(lens) * width, *q_nhd.shape[1:])
+            q_pad[flat_n] = q_nhd
+            q_rhtd = q_pad.view(len(lens), width, *q_nhd.shape[1:]).transpose(1, 2)
+            out_rhtd = gqa_attention(q_rhtd, keys, values, mask_r1ts)
+            return out_rhtd.transpose(1, 2).reshape(len(lens) * width, *q_nhd.shape[1:])[flat_n]
 
         return attend
 
 
 class ModelRunner:
-    """Runs decode and prefill forwards of `model` against the slot cache; applies cache moves."""
+    """Runs one packed decode + prefill forward of `model` against the slot cache; applies cache moves."""
 
     def __init__(self, model: Transformer, num_slots: int, max_seq_len: int):
         cfg = model.cfg
@@ -98,7 +150,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
-        shape = (cfg.num_layers, num_slots + 1, cfg.num_kv_heads, max_seq_len + 1, cfg.head_dim)
+        shape = (cfg.num_layers, num_slots + 1, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
@@ -106,29 +158,33 @@ class ModelRunner:
         return 2 * self.k.numel() * self.k.element_size()
 
     @torch.inference_mode()
-    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits [B, V] for one token per row 0..B-1 (position -1: filler row, output unused)."""
-        ids_b1 = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]
-        pos_b1 = torch.tensor(positions, dtype=torch.long, device=self.device)[:, None]
-        logits_b1v = self.model(ids_b1, pos_b1, cache=DecodeStep(self, max(positions) + 1))
-        return logits_b1v[:, 0]
+    def forward(
+        self,
+        decode: list[tuple[int, int, int]],
+        chunks: list[tuple[int, list[int], int]],
+        sampled_chunks: list[int],
+    ) -> torch.Tensor:
+        """Logits [D + S, V]: each (slot, token id, position) decode row, then each sampled chunk's last token.
 
-    @torch.inference_mode()
-    def prefill(self, chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """Logits [R, V] at the last token of each (slot, token ids, start position) chunk."""
-        width = max(len(ids) for _, ids, _ in chunks)
-        ids_rt = torch.zeros(len(chunks), width, dtype=torch.long)
-        pos_rt = torch.full((len(chunks), width), -1, dtype=torch.long)
-        for row, (_, ids, start) in enumerate(chunks):
-            ids_rt[row, : len(ids)] = torch.tensor(ids)
-            pos_rt[row, : len(ids)] = torch.arange(start, start + len(ids))
-        slots_r = torch.tensor([slot for slot, _, _ in chunks], dtype=torch.long, device=self.device)
-        kv_len = max(start + len(ids) for _, ids, start in chunks)
-        backend = PrefillStep(self, slots_r, kv_len)
-        hidden_rth = self.model(ids_rt.to(self.device), pos_rt.to(self.device), cache=backend, return_hidden=True)
-        last_r = torch.tensor([len(ids) - 1 for _, ids, _ in chunks], device=self.device)
-        hidden_rh = hidden_rth[torch.arange(len(chunks), device=self.device), last_r]
-        return self.model.lm_head(hidden_rh)
+        `chunks` are (slot, token ids, start position); `sampled_chunks` (increasing) indexes those
+        whose last token's logits are wanted. Decode slots must be in increasing order.
+        """
+        ids = [token for _, token, _ in decode]
+        positions = [pos for _, _, pos in decode]
+        for _, chunk_ids, start in chunks:
+            ids += chunk_ids
+            positions += range(start, start + len(chunk_ids))
+        ids_1n = torch.tensor([ids], dtype=torch.long, device=self.device)
+        pos_1n = torch.tensor([positions], dtype=torch.long, device=self.device)
+        kv_lens = (max(positions[: len(decode)], default=0) + 1, max((s + len(c) for _, c, s in chunks), default=0))
+        backend = MixedStep(
+            self, [s for s, _, _ in decode], [s for s, _, _ in chunks], [len(c) for _, c, _ in chunks], kv_lens
+        )
+        hidden_nh = self.model(ids_1n, pos_1n, cache=backend, return_hidden=True)[0]
+        if chunks:  # the lm head runs only where a token is sampled
+            ends = list(itertools.accumulate((len(c) for _, c, _ in chunks), initial=len(decode)))
+            hidden_nh = hidden_nh[list(range(len(decode))) + [ends[i + 1] - 1 for i in sampled_chunks]]
+        return self.model.lm_head(hidden_nh)
 
     @torch.inference_mode()
     def apply_moves(self, moves: list[Move]) -> None:

@@ -108,4 +108,6 @@ def sample(logits_rv: torch.Tensor, params: RowParams) -> tuple[list[int], list[
     if any(params.processed):
         use_r = torch.tensor(params.processed, device=device)
         scaled_lp_r = torch.where(use_r, processed_lp_r, scaled_lp_r)
-    return token_r.tolist(), scaled_lp_r.tolist()
+    # one device -> host transfer per step: ids (< 2**53) travel exactly as float64 beside the log-probs
+    token_f64, logprob_f64 = torch.stack((token_r.double(), scaled_lp_r.double())).tolist()
+    return [int(t) for t in token_f64], logprob_f64

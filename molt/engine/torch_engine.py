@@ -21,6 +21,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+import torch
+
 from molt.engine.core import EngineCore
 from molt.engine.interface import Completion, ContextLengthError, Engine, SamplingParams, SyncMode, Weights
 from molt.engine.sampling import sample_seed
@@ -36,6 +38,11 @@ class TorchEngine(Engine):
 
     `kv_on_update` (interrupt mode): "recompute" the KV of already-processed tokens under the new
     weights (exact: later log-probs are those of the new weights), or "keep" the old KV (faster).
+    `num_threads`: intra-op threads of the engine's worker thread (None: torch's setting). Each
+    thread that runs parallel torch ops owns an OpenMP pool; once two pools together exceed the
+    cores, libgomp stops spinning and every parallel op pays a wake-up (on 2 cores, decode ran ~2x
+    slower). Where another thread (a trainer, the caller) also runs torch ops, `num_threads=1`
+    avoids that at the price of a core.
     """
 
     def __init__(
@@ -51,6 +58,7 @@ class TorchEngine(Engine):
         eos_token_ids: Sequence[int] | None = None,
         version: int = 0,
         seed: int | None = None,
+        num_threads: int | None = None,
     ):
         if kv_on_update not in KV_POLICIES:
             raise ValueError(f"kv_on_update must be one of {KV_POLICIES}, got {kv_on_update!r}")
@@ -74,6 +82,7 @@ class TorchEngine(Engine):
         self._drains: list[tuple[Weights, int, concurrent.futures.Future]] = []
         self._paused = self._closed = False
         self._thread: threading.Thread | None = None
+        self.num_threads = num_threads
 
     @property
     def version(self) -> int:
@@ -184,6 +193,8 @@ class TorchEngine(Engine):
 
     # ---- engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)  # this thread's pool only (OpenMP pools are per thread)
         while True:
             with self._cv:
                 while not (self._inbox or self._drain_ready() or self._runnable()):
