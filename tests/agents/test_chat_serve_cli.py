@@ -1,0 +1,44 @@
+"""`molt serve CHECKPOINT` as a user runs it: a real process, a real port, the real OpenAI SDK."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import torch
+
+from molt.models import Transformer, build_builtin_tokenizer, preset, save_pretrained
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_molt_serve_checkpoint_answers_openai_sdk(tmp_path):
+    tokenizer = build_builtin_tokenizer()
+    cfg = preset("tiny", vocab_size=len(tokenizer), num_layers=1, eos_token_id=tokenizer.eos_token_id)
+    save_pretrained(Transformer(cfg).init_weights(0.02, torch.Generator().manual_seed(0)), tmp_path / "ckpt", tokenizer)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "molt.cli.main", "serve", str(tmp_path / "ckpt"), "--chat.port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(300):  # bounded wait for start-up
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(
+            model="molt", messages=[{"role": "user", "content": "1+2="}], max_tokens=5, temperature=0
+        )
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert reply.usage.completion_tokens >= 1 and reply.usage.prompt_tokens > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
