@@ -272,9 +272,11 @@ class RuntimeConfig:
     """Torch device for the model (cpu, cuda, cuda:1, ...)."""
     threads: int = 0
     """Torch intra-op threads; 0 keeps torch's default (all cores)."""
+    engine_threads: int = 0
+    """Intra-op threads of the built-in engine's worker thread; 0 = torch's default."""
 
     def __post_init__(self) -> None:
-        check(self.threads >= 0, "runtime.threads", "must be >= 0")
+        check(self.threads >= 0 and self.engine_threads >= 0, "runtime.threads", "thread counts must be >= 0")
         check(
             self.device.split(":")[0] in ("cpu", "cuda", "mps"),
             "runtime.device",

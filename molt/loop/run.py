@@ -111,6 +111,7 @@ def _engine(cfg: Config, model, tokenizer, version: int):
         tokenizer=tokenizer,
         num_slots=slots,
         max_seq_len=cfg.rollout.max_len + 1,
+        num_threads=cfg.runtime.engine_threads or None,
         version=version,
     )
 
