@@ -62,3 +62,17 @@ def test_pass_at_k_unbiased_estimator():
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
     assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # 1 - C(3,3)/C(5,3)
+
+
+def test_run_outputs_metrics_tensorboard_and_plot(tmp_path):
+    result = _run(tmp_path, "run", "--train.max_steps", "2")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([m["train/loss"] for m in result.history])
+    required = ["train/reward_mean", "train/staleness_mean", "train/staleness_max", "train/logprob_diff",
+                "train/is_filter_frac", "rollout/tokens_per_s", "train/tokens_per_s", "time/step_s"]  # fmt: skip
+    assert all(key in m for m in result.history for key in required)
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
