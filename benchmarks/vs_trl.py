@@ -24,10 +24,10 @@ import torch
 from molt.agents.builtin import env_for_task
 from molt.agents.runner import EpisodeLimits
 from molt.cli.main import parse_config
-from molt.data.tasks import get_task
+from molt.data.tasks import dataset_rows, get_task
 from molt.engine import SamplingParams, TorchEngine
 from molt.loop.evaluate import evaluate
-from molt.loop.run import _rows, run_train, warm_start
+from molt.loop.run import run_train, warm_start
 from molt.models import from_pretrained, load_tokenizer
 
 FLAGS = [
@@ -88,7 +88,7 @@ def main() -> None:
         cfg = parse_config([*FLAGS, "--train.max_steps", str(args.steps), "--eval.every", "0",
                             "--log.run_dir", os.path.join(tmp, "molt"), "--log.every", "1000"])  # fmt: skip
         start = warm_start(cfg)
-        train_rows, eval_rows = _rows(cfg)
+        train_rows, eval_rows = dataset_rows(cfg.data)
         eval_rows = eval_rows[:100]
         t0 = time.perf_counter()
         molt = run_train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=start)))

@@ -41,6 +41,18 @@ def register_task(name: str):
     return wrap
 
 
+def dataset_rows(data) -> tuple[list[Row], list[Row]]:
+    """(train, held-out) rows for a `DataConfig`: a .jsonl file (first 10% held out) or a built-in task."""
+    if data.path:
+        from molt.data.chat import read_jsonl
+
+        rows = read_jsonl(data.path)
+        n_eval = min(data.num_eval, len(rows) // 10)
+        return rows[n_eval:], rows[:n_eval]
+    rows = get_task(data.task).rows(data.num_train + data.num_eval, data.seed)
+    return rows[data.num_eval :], rows[: data.num_eval]
+
+
 def get_task(name: str) -> Task:
     """Instantiate built-in task `name`; unknown names are an error listing the choices."""
     if name not in TASKS:

@@ -19,8 +19,7 @@ import torch
 from molt.agents.builtin import env_for_task
 from molt.agents.chat.agent import load_agent_class
 from molt.config import Config
-from molt.data.chat import read_jsonl
-from molt.data.tasks import get_task
+from molt.data.tasks import dataset_rows, get_task
 from molt.log import RunDir, plot_metrics
 from molt.loop.checkpoint import latest_checkpoint, load_training_state, save_checkpoint
 from molt.loop.rl import RLLoop
@@ -57,7 +56,7 @@ def warm_start(cfg: Config) -> str:
             warmup_steps=min(10, m.warmstart_steps),
         ),
     )
-    sample = _rows(cfg)[0][:8]  # the data itself, so a changed task definition is not served stale
+    sample = dataset_rows(cfg.data)[0][:8]  # the data itself, so a changed task definition is not served stale
     key_fields = {
         "model": dataclasses.asdict(m),
         "data": dataclasses.asdict(cfg.data),
@@ -71,15 +70,6 @@ def warm_start(cfg: Config) -> str:
         sft_cfg.log = dataclasses.replace(cfg.log, run_dir=str(folder))
         run_sft(sft_cfg)
     return str(folder / "checkpoint")
-
-
-def _rows(cfg: Config) -> tuple[list[dict], list[dict]]:
-    if cfg.data.path:
-        rows = read_jsonl(cfg.data.path)
-        n_eval = min(cfg.data.num_eval, len(rows) // 10)
-        return rows[n_eval:], rows[:n_eval]
-    rows = get_task(cfg.data.task).rows(cfg.data.num_train + cfg.data.num_eval, cfg.data.seed)
-    return rows[cfg.data.num_eval :], rows[: cfg.data.num_eval]
 
 
 def _env_factory(cfg: Config):
@@ -152,7 +142,7 @@ async def _train_async(cfg: Config, run: RunDir) -> TrainResult:
     trainer = Trainer(model, cfg)
     state = load_training_state(latest_checkpoint(cfg.ckpt.resume), trainer) if cfg.ckpt.resume else None
     engine = _engine(cfg, model, tokenizer, trainer.version)
-    train_rows, eval_rows = _rows(cfg)
+    train_rows, eval_rows = dataset_rows(cfg.data)
     loop = RLLoop(cfg, engine, trainer, tokenizer, _env_factory(cfg), train_rows, eval_rows, state)
     progress = Progress(run, cfg.train.max_steps, cfg.log.every)
     try:

@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from molt.config import Config
-from molt.data.chat import read_jsonl
-from molt.data.tasks import get_task
+from molt.data.tasks import dataset_rows, get_task
 from molt.log import RunDir, plot_metrics
 from molt.models import Transformer, save_pretrained
 from molt.models.tokenizer import assistant_mask
@@ -37,14 +36,12 @@ class SftResult:
 
 def sft_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
     """(train, eval) conversations: from `data.path` (10% held out) or the task's demonstrations."""
+    train, held_out = dataset_rows(cfg.data)
     if cfg.data.path:
-        rows = read_jsonl(cfg.data.path)
-        n_eval = min(cfg.data.num_eval, len(rows) // 10)
-        return rows[n_eval:], rows[:n_eval]
+        return train, held_out
     task, rng = get_task(cfg.data.task), random.Random(cfg.data.seed)
-    rows = task.rows(cfg.data.num_train + cfg.data.num_eval, cfg.data.seed)
-    convs = [{"messages": task.demonstration(r, rng), "tools": r.get("tools")} for r in rows]
-    return convs[cfg.data.num_eval :], convs[: cfg.data.num_eval]
+    demos = [{"messages": task.demonstration(r, rng), "tools": r.get("tools")} for r in held_out + train]
+    return demos[len(held_out) :], demos[: len(held_out)]
 
 
 def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str) -> tuple[list, list]:

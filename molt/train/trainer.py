@@ -62,23 +62,27 @@ def _layout(packed: PackedBatch, trajs: list[Trajectory]) -> MicroBatch:
     width = packed.input_ids.shape[1]
     t_max = max(len(trajs[i].tokens) for i in order)
     gather = torch.zeros(len(order), t_max, dtype=torch.long)
-    mask = torch.zeros(len(order), t_max)
     b = 0
     for r, row in enumerate(packed.sample_index):
         start = 0
         for i in row:
             n = len(trajs[i].tokens)
             gather[b, 1:n] = torch.arange(r * width + start, r * width + start + n - 1) + 1  # +1: slot 0 is pad
-            mask[b, :n] = torch.tensor(trajs[i].loss_mask, dtype=torch.float32)
             start, b = start + n, b + 1
-    return MicroBatch(packed, order, gather, mask)
+    return MicroBatch(packed, order, gather, _padded([trajs[i].loss_mask for i in order]))
 
 
-def _per_sample(values: list[list[float]], mb: MicroBatch, dtype=torch.float32) -> torch.Tensor:
-    out = torch.zeros(mb.mask_bt.shape, dtype=dtype)
-    for b, i in enumerate(mb.samples):
-        out[b, : len(values[i])] = torch.tensor(values[i], dtype=dtype)
+def _padded(values: list[list[float]]) -> torch.Tensor:
+    """[B, T] float tensor of variable-length per-sample lists, zero-padded on the right."""
+    out = torch.zeros(len(values), max(map(len, values)))
+    for b, row in enumerate(values):
+        out[b, : len(row)] = torch.tensor(row, dtype=torch.float32)
     return out
+
+
+def _per_sample(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
+    """`values` (one list per trajectory of the step) for this micro-batch's samples, padded like its mask."""
+    return _padded([values[i] for i in mb.samples])
 
 
 def token_logprobs(model: Transformer, packed: PackedBatch, temperature: float) -> torch.Tensor:
@@ -112,12 +116,8 @@ class Trainer:
 
     def advantages(self, trajs: list[Trajectory]) -> tuple[list[list[float]], dict]:
         """Per-token advantages of every trajectory (computed once over the whole step batch)."""
-        t_max = max(len(t.tokens) for t in trajs)
-        mask_bt = torch.zeros(len(trajs), t_max)
-        for b, t in enumerate(trajs):
-            mask_bt[b, : len(t.tokens)] = torch.tensor(t.loss_mask, dtype=torch.float32)
         inputs = algo.AdvantageInputs(
-            mask_bt=mask_bt,
+            mask_bt=_padded([t.loss_mask for t in trajs]),
             rewards_b=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
             group_ids_b=torch.tensor([t.group_id for t in trajs]),
             rollout_ids_b=torch.tensor([t.rollout_id for t in trajs]),
@@ -166,7 +166,7 @@ class Trainer:
         packed = mb.packed.to(device)
         logp_bt = _unpack(token_logprobs(self.model, packed, temp), mb)
         mask_bt = mb.mask_bt.to(device)
-        rollout_logp_bt = _per_sample([trajs[i].rollout_logprobs for i in range(len(trajs))], mb).to(device)
+        rollout_logp_bt = _per_sample([t.rollout_logprobs for t in trajs], mb).to(device)
         ref_logp_bt = None
         if self.ref is not None:
             with torch.no_grad():
