@@ -254,11 +254,7 @@ class RLLoop:
 
     async def evaluate(self) -> dict[str, float]:
         ev = self.cfg.eval
-        sampling = (
-            self._sampling(ev.temperature)
-            if ev.temperature > 0
-            else dataclasses.replace(self._sampling(1.0), temperature=0.0)
-        )
+        sampling = self._sampling(ev.temperature)  # 0 = greedy
         rows = self.eval_rows[: ev.num_prompts]
 
         async def episode(*args, **kw) -> Trajectory:
