@@ -1,74 +1,106 @@
-"""The vLLM adapter (optional extra `molt[vllm]`): Molt's engine interface over vLLM's async engine.
+"""The vLLM adapter (optional extra `molt[vllm]`): Molt's engine interface over vLLM's `AsyncLLM`.
 
-Token ids in, token ids and per-token log-probs out (never text that would be re-tokenized).
-vLLM is imported lazily, so this module imports without it. Versions and weight sync are done
-here, independent of vLLM's internals:
+Token ids in, token ids and per-token log-probs out: vLLM runs with `skip_tokenizer_init`, so it never
+sees text; eos ids and stop strings are handled here (stop strings with Molt's tokenizer, like
+`TorchEngine`). vLLM is imported lazily, so this module imports without it. Each of the n samples of a
+request is its own vLLM request (the prompt's KV is shared through vLLM's prefix cache), seeded
+`seed + 1_000_003 * index`. Versions and weight sync are done here, independent of vLLM's internals:
 
-- every generated token records the adapter's `version` when its chunk was produced;
-- `interrupt`: in-flight requests are aborted at vLLM's next step (a token boundary), weights are
-  swapped, and each request resumes as a new vLLM request whose prompt is prompt + tokens so far
-  (vLLM's prefix cache recomputes or reuses the KV); later tokens carry the new version;
-- `drain`: new requests wait, in-flight ones finish, then the swap.
+- every generated token records the version of the weights its vLLM request ran under;
+- `interrupt`: running requests are aborted at vLLM's next step (a token boundary), the weights are
+  swapped, and each sample resumes as a new vLLM request whose prompt is prompt + tokens so far; the
+  prefix cache is reset, so its KV is recomputed under the new weights and later tokens carry the new
+  version with exactly the new policy's log-probs;
+- `drain`: new requests wait, running ones finish, then the swap.
 
-Weights reach the workers through `collective_rpc` and `MoltWorkerExtension.molt_load_weights`,
-which calls the vLLM model's own `load_weights` with HF-named tensors (Molt names are converted
-with `to_hf_state` by the caller). Log-probs are vLLM's (`logprobs_mode`, default "processed_logprobs"
-where the installed vLLM supports it); the trainer measures the mismatch (`train/logprob_diff`).
-Knows the engine interface and vLLM; nothing of agents or trainers.
+Weights reach the workers through `collective_rpc` -> `MoltWorkerExtension.molt_load_weights`, which
+calls the vLLM model's own `load_weights` with HF-named tensors (Molt names are translated by
+`molt.models.hf_io`'s rules). Before anything is sent, the names are checked against the checkpoint
+vLLM loaded: a missing or unknown weight is an error listing them. Log-probs are vLLM's
+`processed_logprobs`: `log_softmax(logits / T)` after vLLM's logits processors, renormalised over
+top-k / top-p when those are set (greedy: T = 1). Knows the engine interface and vLLM; nothing of
+agents or trainers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import glob
+import json
+import shutil
+import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
+from safetensors import safe_open
 
 from molt.engine.interface import Completion, ContextLengthError, Engine, SamplingParams, SyncMode, Weights
+from molt.models.hf_io import _rule_for, load_config, save_pretrained
+
+SEED_STRIDE = 1_000_003  # sample i of a seeded request uses seed + SEED_STRIDE * i (+ resubmission count)
 
 
 class MoltWorkerExtension:
     """Mixed into vLLM's workers (`worker_extension_cls`): in-place weight loading by RPC."""
 
-    def molt_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        self.model_runner.model.load_weights(weights=named_tensors)
-        return len(named_tensors)
-
-
-def _vllm_sampling(vllm, sp: SamplingParams, max_tokens: int, min_tokens: int, seed: int | None):
-    return vllm.SamplingParams(
-        n=1,
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k if sp.top_k > 0 else -1,
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        stop_token_ids=list(sp.stop_token_ids),
-        stop=list(sp.stop) or None,
-        include_stop_str_in_output=True,
-        ignore_eos=sp.ignore_eos,
-        seed=seed,
-        logprobs=0,  # the sampled token's log-prob only
-        detokenize=bool(sp.stop),
-    )
+    def molt_load_weights(self, payload: bytes) -> int:
+        """Load HF-named tensors (one safetensors blob) through vLLM's in-place reload, which also
+        redoes the per-layer post-processing (e.g. the CPU backend's packed GEMM weights)."""
+        named = safetensors.torch.load(payload)
+        self.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)
+        return len(named)
 
 
 class VLLMEngine(Engine):
     """Molt's `Engine` over `vllm.AsyncLLMEngine` (one replica; put several behind a `Router`)."""
 
-    def __init__(self, model: str, *, version: int = 0, max_model_len: int = 4096, **engine_args: Any):
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer=None,
+        eos_token_ids: Sequence[int] | None = None,
+        version: int = 0,
+        max_model_len: int = 4096,
+        **engine_args: Any,
+    ):
         import vllm  # lazy: optional dependency
 
-        self._vllm = vllm
-        args = dict(model=model, max_model_len=max_model_len, worker_extension_cls=f"{__name__}.MoltWorkerExtension")
+        self._vllm, self.tokenizer, self.folder = vllm, tokenizer, Path(model)
+        self.hf_names = _checkpoint_names(self.folder)
+        self.eos_token_ids = frozenset(_default_eos(self.folder, tokenizer) if eos_token_ids is None else eos_token_ids)
+        args = dict(
+            model=model,
+            max_model_len=max_model_len,
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.MoltWorkerExtension",
+        )
         self._engine = vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(**(args | engine_args)))
         self.version, self.max_model_len = version, max_model_len
-        self._running: dict[str, str] = {}  # our sample id -> current vLLM request id
+        self._running: dict[str, str] = {}  # sample id -> its current vLLM request id
+        self._aborted: set[str] = set()  # request ids aborted by the caller (not by a weight swap)
         self._open = asyncio.Event()
         self._open.set()
         self._interrupted = False
+        self._owned_folder: Path | None = None
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, *, num_slots: int = 64, **kwargs: Any) -> VLLMEngine:
+        """An engine over a Molt model: saved to a temporary HF folder (removed on `close`) that vLLM
+        loads; the KV cache is sized for `num_slots` sequences of `max_model_len` tokens."""
+        folder = Path(tempfile.mkdtemp(prefix="molt-vllm-"))
+        save_pretrained(model, folder, tokenizer=tokenizer)
+        c, max_len = model.cfg, kwargs.setdefault("max_model_len", 4096)
+        kv_bytes = num_slots * max_len * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+        kwargs = dict(dtype="float32", max_num_seqs=num_slots, kv_cache_memory_bytes=max(kv_bytes, 16 << 20)) | kwargs
+        engine = cls(str(folder), tokenizer=tokenizer, **kwargs)
+        engine._owned_folder = folder
+        return engine
 
     async def generate_group(
         self,
@@ -80,57 +112,96 @@ class VLLMEngine(Engine):
     ) -> list[Completion]:
         sampling = sampling or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty")
         if len(prompt) >= self.max_model_len:
-            raise ContextLengthError(f"prompt has {len(prompt)} tokens; max_model_len={self.max_model_len}")
+            raise ContextLengthError(
+                f"prompt has {len(prompt)} tokens but the engine's context is max_model_len={self.max_model_len} "
+                "tokens, and at least one generated token must fit"
+            )
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer= to the engine")
         request_id = request_id or uuid.uuid4().hex
-        samples = [self._sample(prompt, sampling, f"{request_id}-{i}", i) for i in range(sampling.n)]
-        completions = await asyncio.gather(*samples)
-        for c in completions:
-            c.request_id = request_id
-        return list(completions)
+        try:
+            samples = [self._sample(prompt, sampling, request_id, i) for i in range(sampling.n)]
+            return list(await asyncio.gather(*samples))
+        finally:
+            self._aborted.discard(request_id)
 
-    async def _sample(self, prompt: list[int], sp: SamplingParams, sample_id: str, index: int) -> Completion:
-        """One sample; resubmitted as a continuation whenever a weight swap interrupts it."""
+    async def _sample(self, prompt: list[int], sp: SamplingParams, request_id: str, index: int) -> Completion:
+        """One sample; resubmitted as a continuation whenever an `interrupt` weight swap aborts it."""
+        sample_id = f"{request_id}-{index}"
+        stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
         finish, stop_reason, part = None, None, 0
         while finish is None:
             await self._open.wait()
-            vllm_id = f"{sample_id}.{part}"
+            vllm_id, version = f"{sample_id}.{part}", self.version
+            budget = min(sp.max_tokens, self.max_model_len - len(prompt)) - len(tokens)
+            params = self._params(sp, stop_ids, budget, max(sp.min_tokens - len(tokens), 0), index, part)
+            if budget <= 0:
+                finish = "length"
+                break
             self._running[sample_id] = vllm_id
-            seed = None if sp.seed is None else sp.seed + 1_000_003 * index + part
-            params = _vllm_sampling(
-                self._vllm, sp, sp.max_tokens - len(tokens), max(sp.min_tokens - len(tokens), 0), seed
-            )
-            version, seen, out = self.version, 0, None
-            async for out in self._engine.generate({"prompt_token_ids": prompt + tokens}, params, vllm_id):
-                sample = out.outputs[0]
-                new_ids = list(sample.token_ids[seen:])
-                tokens += new_ids
-                logprobs += [_sampled_logprob(d, t) for d, t in zip(sample.logprobs[seen:], new_ids, strict=True)]
-                versions += [version] * len(new_ids)
-                seen = len(sample.token_ids)
-            self._running.pop(sample_id, None)
-            result = out.outputs[0] if out is not None else None
-            reason = result.finish_reason if result is not None else "abort"
-            if reason == "abort" and self._interrupted and len(tokens) < sp.max_tokens:
-                part += 1
-                continue
-            finish = "abort" if reason == "abort" else reason
-            stop_reason = result.stop_reason if result is not None else None
-        return Completion(sample_id, tokens, logprobs, versions, finish, len(prompt), index, stop_reason)
+            reason, stream = "abort", self._engine.generate({"prompt_token_ids": prompt + tokens}, params, vllm_id)
+            try:
+                async for out in stream:
+                    result = out.outputs[0]
+                    for token, position in zip(result.token_ids, result.logprobs or (), strict=True):
+                        tokens.append(token)
+                        logprobs.append(float(position[token].logprob))
+                        versions.append(version)
+                        if len(tokens) >= sp.min_tokens and (hit := self._stop_string(sp, tokens)):
+                            finish, stop_reason = "stop", hit
+                            break
+                    if finish is not None:
+                        break
+                    reason, stop_reason = result.finish_reason or reason, result.stop_reason
+            finally:
+                await stream.aclose()  # a stop string ended it early: aborts the vLLM request
+                self._running.pop(sample_id, None)
+            if finish is None and reason == "abort" and self._interrupted and request_id not in self._aborted:
+                part += 1  # aborted by a weight swap: continue under the new weights
+            elif finish is None:
+                finish = {"abort": "abort", "stop": "stop"}.get(reason, "length")
+        return Completion(request_id, tokens, logprobs, versions, finish, len(prompt), index, stop_reason)
+
+    def _params(self, sp: SamplingParams, stop_ids, max_tokens: int, min_tokens: int, index: int, part: int):
+        v = self._vllm
+        return v.SamplingParams(
+            n=1,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k if sp.top_k > 0 else -1,
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            stop_token_ids=sorted(stop_ids),
+            ignore_eos=True,  # eos ids are in stop_token_ids unless the request ignores them
+            seed=None if sp.seed is None else sp.seed + SEED_STRIDE * index + part,
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+            output_kind=v.sampling_params.RequestOutputKind.DELTA,
+        )
+
+    def _stop_string(self, sp: SamplingParams, tokens: list[int]) -> str | None:
+        if not sp.stop:
+            return None
+        window = 2 * max(len(s) for s in sp.stop) + 4
+        text = self.tokenizer.decode(tokens[-window:])
+        return next((s for s in sp.stop if s in text), None)
 
     async def abort(self, request_id: str) -> bool:
-        ids = [v for k, v in self._running.items() if k.rsplit("-", 1)[0] == request_id]
-        for sample_id in [k for k in self._running if k.rsplit("-", 1)[0] == request_id]:
-            self._running.pop(sample_id)
+        prefix = f"{request_id}-"
+        ids = [v for k, v in self._running.items() if k.startswith(prefix)]
         if ids:
+            self._aborted.add(request_id)
             await self._engine.abort(ids)
         return bool(ids)
 
     async def update_weights(self, weights: Weights, version: int, mode: SyncMode = "interrupt") -> None:
-        named = list(weights.items() if isinstance(weights, Mapping) else weights)
+        payload = safetensors.torch.save(self._hf_named(weights))  # bytes survive vLLM's RPC pickling
         self._open.clear()  # new requests (and continuations) wait for the swap
         try:
             if mode == "interrupt":
@@ -138,27 +209,58 @@ class VLLMEngine(Engine):
                 await self._engine.abort(list(self._running.values()))
             while self._running:
                 await asyncio.sleep(0.005)
-            await self._engine.collective_rpc("molt_load_weights", args=(named,))
+            await self._engine.collective_rpc("molt_load_weights", args=(payload,))
             await self._engine.reset_prefix_cache()
             self.version = version
         finally:
             self._interrupted = False
             self._open.set()
 
+    def _hf_named(self, weights: Weights) -> dict[str, torch.Tensor]:
+        """HF-named tensors (Molt names translated) checked against the checkpoint's names."""
+        cfg, named = None, {}
+        for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
+            if name.startswith(("model.", "lm_head.")):
+                named[name] = tensor.detach().contiguous()
+                continue
+            cfg = cfg or load_config(self.folder)
+            names, rule = _rule_for(name, cfg)
+            named.update((n, t.contiguous()) for n, t in zip(names, rule.split(tensor.detach(), cfg), strict=True))
+        if "lm_head.weight" not in self.hf_names:  # tied embeddings: the head is the embedding
+            named.pop("lm_head.weight", None)
+        missing, unknown = sorted(self.hf_names - named.keys()), sorted(named.keys() - self.hf_names)
+        if missing or unknown:
+            raise ValueError(f"update_weights: missing weights {missing}; unknown weights {unknown}")
+        return named
+
     async def pause(self) -> None:
-        self._open.clear()
+        await self._engine.pause_generation(mode="keep", clear_cache=False)
 
     async def resume(self) -> None:
-        self._open.set()
+        await self._engine.resume_generation()
 
     def num_pending(self) -> int:
         return len(self._running)
 
     async def close(self) -> None:
         self._engine.shutdown()
+        if self._owned_folder is not None:
+            shutil.rmtree(self._owned_folder, ignore_errors=True)
 
 
-def _sampled_logprob(position_logprobs: dict | None, token_id: int) -> float:
-    if not position_logprobs or token_id not in position_logprobs:
-        return float("nan")
-    return float(position_logprobs[token_id].logprob)
+def _checkpoint_names(folder: Path) -> set[str]:
+    names: set[str] = set()
+    for file in glob.glob(str(folder / "*.safetensors")):
+        with safe_open(file, "pt") as f:
+            names.update(n for n in f.keys() if not n.endswith("rotary_emb.inv_freq"))  # noqa: SIM118
+    if not names:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights (vLLM loads an HF model folder)")
+    return names
+
+
+def _default_eos(folder: Path, tokenizer) -> list[int]:
+    eos = json.loads((folder / "config.json").read_text()).get("eos_token_id")
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.append(tokenizer.eos_token_id)
+    return eos
