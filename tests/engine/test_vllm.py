@@ -76,7 +76,8 @@ def max_diff(model, prompt, completion, temperature, start=0, end=None) -> float
 def test_vllm_engine_matches_molt_and_swaps_weights(tmp_path, monkeypatch):
     from molt.engine.vllm import VLLMEngine
 
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"))
+    threads = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{min(os.cpu_count() or 1, 2) - 1}")  # 2 cores
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", threads)
     model_a, model_b = tiny_model(tmp_path / "a", seed=0), tiny_model(tmp_path / "b", seed=1)
     ps = prompts([5, 17, 30], seed=3)
     reference = TorchEngine(model_a, num_slots=8, max_seq_len=256, eos_token_ids=())
