@@ -264,8 +264,10 @@ def _checkpoint_names(folder: Path) -> set[str]:
 
 
 def _default_eos(folder: Path, tokenizer) -> list[int]:
-    eos = json.loads((folder / "config.json").read_text()).get("eos_token_id")
+    """eos ids of the config and tokenizer that the model can emit (vLLM rejects out-of-vocab stop ids)."""
+    config = json.loads((folder / "config.json").read_text())
+    eos = config.get("eos_token_id")
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)
-    return eos
+    return [e for e in eos if e < config.get("vocab_size", e + 1)]

@@ -16,7 +16,7 @@ import transformers
 from engine_refs import VOCAB, prompts, trainer_logprobs
 
 from molt.engine import ContextLengthError, SamplingParams, TorchEngine
-from molt.models import Transformer, from_pretrained
+from molt.models import Transformer, build_builtin_tokenizer, from_pretrained
 
 pytestmark = [
     pytest.mark.skipif(os.environ.get("MOLT_TEST_VLLM") != "1", reason="opt-in: set MOLT_TEST_VLLM=1 to run"),
@@ -88,7 +88,8 @@ def test_vllm_engine_matches_molt_and_swaps_weights(tmp_path, monkeypatch):
 
     expected = asyncio.run(molt_greedy())
     asyncio.run(reference.close())
-    engine = VLLMEngine.from_model(model_a, num_slots=8, max_model_len=256, enforce_eager=True)
+    tokenizer = build_builtin_tokenizer()  # ids < 97 are ASCII bytes: stop strings are plain text
+    engine = VLLMEngine.from_model(model_a, tokenizer, num_slots=8, max_model_len=256, enforce_eager=True)
     counts = observe_progress(engine)
     diffs: dict[str, float] = {}
 
@@ -107,11 +108,16 @@ def test_vllm_engine_matches_molt_and_swaps_weights(tmp_path, monkeypatch):
             assert [c.sample_index for c in group] == [0, 1, 2] and len({tuple(c.token_ids) for c in group}) > 1
             diffs[f"T={temperature}"] = max(max_diff(model_a, ps[1], c, temperature) for c in group)
 
-        # stop ids: the first greedy token that is new in the sequence ends it, and is kept
+        # stop ids: the first greedy token that is new in the sequence ends it, and is kept (also for strings)
         tokens = expected[2].token_ids
         k = next((i for i, t in enumerate(tokens) if t not in tokens[:i] and i >= 2), 0)
         stopped = await engine.generate(ps[2], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tokens[k]]))
         assert (stopped.token_ids, stopped.finish_reason, stopped.stop_reason) == (tokens[: k + 1], "stop", tokens[k])
+        # stop strings (matched with Molt's tokenizer): the token completing the first match ends it
+        text = tokenizer.decode(expected[1].token_ids)
+        k = next((i for i in range(2, 10) if text.find(text[i : i + 2]) == i), 0)
+        stopped = await engine.generate(ps[1], SamplingParams(temperature=0, max_tokens=12, stop=text[k : k + 2]))
+        assert (stopped.token_ids, stopped.stop_reason) == (expected[1].token_ids[: k + 2], text[k : k + 2])
         with pytest.raises(ContextLengthError):
             await engine.generate(list(range(VOCAB)) * 3, greedy)
 
