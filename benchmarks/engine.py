@@ -96,10 +96,13 @@ def vllm_generate(folder: str, prompts: list[list[int]], new_tokens: int) -> flo
     llm = vllm.LLM(model=folder, dtype="float32", max_model_len=256, enforce_eager=True)
     params = vllm.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(inputs[:1], params)
-    t0 = time.perf_counter()
-    llm.generate(inputs, params)
-    return time.perf_counter() - t0
+    try:
+        llm.generate(inputs[:1], params)
+        t0 = time.perf_counter()
+        llm.generate(inputs, params)
+        return time.perf_counter() - t0
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # else each batch leaves a vLLM engine process (and its KV cache)
 
 
 def bench_model(name: str, batches, peak: float) -> list[dict]:
