@@ -110,11 +110,13 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat_e, minlength=num_experts).tolist()
         x_sorted = x_nh[token_of]
         outputs = []
+        # unbind once: indexing [e] per expert would make backward add E full-size zero gradients per layer
+        gate_up_e, down_e = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         for e, x_e in enumerate(x_sorted.split(counts)):
             if x_e.shape[0] == 0:
                 continue
-            gate, up = F.linear(x_e, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            gate, up = F.linear(x_e, gate_up_e[e]).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate) * up, down_e[e]))
         y_sorted = torch.cat(outputs) if outputs else x_sorted[:0]
         combine_dtype = torch.float32 if self.fp32 else x_nh.dtype
         y_sorted = y_sorted.to(combine_dtype) * weights_nk.reshape(-1)[order, None].to(combine_dtype)
