@@ -39,6 +39,7 @@ from molt.models import Transformer, build_builtin_tokenizer, preset
 from molt.train.trainer import Trainer
 
 GROUPS, N, PROMPT_LEN, NEW_TOKENS, REPEATS = 8, 4, 32, 48, 5
+THREADS = 1  # one intra-op thread: on a shared 2-core machine two OpenMP threads stall each other badly
 
 
 def moe_models() -> dict[str, Transformer]:
@@ -60,7 +61,7 @@ def active_params(model: Transformer) -> int:
 def rollout(model: Transformer, record: bool) -> tuple[float, list[Trajectory]]:
     """(generated tokens/s, trajectories) for GROUPS x N samples."""
     engine = TorchEngine(copy.deepcopy(model).eval(), num_slots=GROUPS * N, max_seq_len=128, eos_token_ids=(),
-                         seed=0, record_routing=record)  # fmt: skip
+                         seed=0, record_routing=record, num_threads=THREADS)  # fmt: skip
     gen = torch.Generator().manual_seed(1)
     vocab = model.cfg.vocab_size
     prompts = [torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(GROUPS)]
@@ -147,7 +148,7 @@ def moe_section(repeats: int) -> tuple[list[str], dict[str, float]]:
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     load_start = os.getloadavg()[0]
     rows, cost = moe_section(2 if quick else REPEATS)
     summary = (
@@ -157,7 +158,8 @@ def main() -> None:
     print("\n".join(rows) + "\n" + summary)
     text = (
         "# MoE (and VLM) throughput\n\n"
-        f"torch {torch.__version__}, fp32, 2 threads, {GROUPS} prompts x {N} samples x {NEW_TOKENS} new tokens "
+        f"torch {torch.__version__}, fp32, {THREADS} thread(s), {GROUPS} prompts x {N} samples x {NEW_TOKENS} "
+        "new tokens "
         f"(prompt {PROMPT_LEN}); medians of {2 if quick else REPEATS} interleaved repeats. "
         f"Load average (1 min) at start / end: {load_start:.2f} / {os.getloadavg()[0]:.2f} "
         "(a shared 2-core machine: absolute numbers are noisy, ratios less so).\n\n"

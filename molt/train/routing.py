@@ -3,7 +3,8 @@
 `forward_routing` builds the explicit `Routing` a packed forward takes (replaying the recorded
 expert ids when `algo.routing_replay`); `routing_stats` turns what it recorded into step sums
 (agreement of the live router with the rollout's choice, expert load per layer) and the Switch
-load-balancing loss. Math lives in `molt/algo/routing.py`; nothing here knows the loop or engines.
+load-balancing loss; `freeze_routers` applies `train.freeze_router`. Math lives in
+`molt/algo/routing.py`; nothing here knows the loop or engines.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from molt import algo
-from molt.models import Routing
+from molt.config import Config, ConfigError
+from molt.models import Routing, Transformer
 from molt.train.packing import PackedBatch, collate_routing
 
 
@@ -68,3 +70,23 @@ def attach_routing(packs: list[PackedBatch], routings: list, lengths: list[int],
         return
     for packed in packs:
         packed.routing = collate_routing(routings, lengths, packed.sample_index, packed.input_ids.shape[1], shape_lk)
+
+
+def freeze_routers(model: Transformer, cfg: Config) -> set[str]:
+    """Check the MoE flags against the model; freeze (requires_grad off) and return the router names if asked."""
+    algo_cfg = cfg.algo
+    if not model.cfg.num_moe_layers():
+        for flag, on in [
+            ("algo.routing_replay", algo_cfg.routing_replay),
+            ("algo.moe_aux_coef", algo_cfg.moe_aux_coef > 0),
+            ("train.freeze_router", cfg.train.freeze_router),
+        ]:
+            if on:
+                raise ConfigError(f"{flag}: the model has no mixture-of-experts layers (num_experts = 0)")
+    if not cfg.train.freeze_router:
+        return set()
+    names = set(model.router_names())
+    for name, param in model.named_parameters():
+        if name in names:
+            param.requires_grad_(False)
+    return names

@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from molt import algo
-from molt.config import Config, ConfigError
+from molt.config import Config
 from molt.data.trajectory import Trajectory
 from molt.models import Transformer
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
-from molt.train.routing import attach_routing, forward_routing, routing_metrics, routing_stats
+from molt.train.routing import attach_routing, forward_routing, freeze_routers, routing_metrics, routing_stats
 
 
 class TokenMismatchError(RuntimeError):
@@ -99,33 +99,13 @@ def _unpack(logp_rw: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     return flat[mb.gather_bt.to(flat.device)]
 
 
-def _freeze_routers(model: Transformer, cfg: Config) -> set[str]:
-    """Check the MoE flags against the model; freeze (requires_grad off) and return the router names if asked."""
-    algo_cfg = cfg.algo
-    if not model.cfg.num_moe_layers():
-        for flag, on in [
-            ("algo.routing_replay", algo_cfg.routing_replay),
-            ("algo.moe_aux_coef", algo_cfg.moe_aux_coef > 0),
-            ("train.freeze_router", cfg.train.freeze_router),
-        ]:
-            if on:
-                raise ConfigError(f"{flag}: the model has no mixture-of-experts layers (num_experts = 0)")
-    if not cfg.train.freeze_router:
-        return set()
-    names = set(model.router_names())
-    for name, param in model.named_parameters():
-        if name in names:
-            param.requires_grad_(False)
-    return names
-
-
 class Trainer:
     """Owns the policy's training copy, its optimizer and version; `step` trains on one batch."""
 
     def __init__(self, model: Transformer, cfg: Config):
         self.model, self.cfg = model, cfg
         self.moe_shape = (model.cfg.num_moe_layers(), model.cfg.num_experts_per_tok)
-        self.frozen = _freeze_routers(model, cfg)
+        self.frozen = freeze_routers(model, cfg)
         self.opt, self.schedule = build_optimizer(model.parameters(), cfg.train)
         self.objective = cfg.algo.objective()
         self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
