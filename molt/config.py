@@ -41,6 +41,8 @@ class ModelConfig:
     """`molt train` on a preset: first `molt sft` this many steps on the task's demonstrations (cached)."""
     warmstart_lr: float = 2e-3
     """Learning rate of the warm-start SFT."""
+    router_fp32: bool = True
+    """MoE models: router matmul, softmax and the expert combine in fp32 whatever the parameter dtype."""
 
     def __post_init__(self) -> None:
         from molt.models.config import PRESETS
@@ -103,6 +105,8 @@ class TrainConfig:
     """Seed for model init, data order and sampling."""
     check_tokens: Literal["cheap", "exhaustive"] = "cheap"
     """Token-exactness check per sample: hashes of engine actions, or full id comparison."""
+    freeze_router: bool = False
+    """MoE models: keep the router (gate) weights fixed: not optimized, not sent to the engines."""
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "train.lr", "must be > 0")
@@ -193,6 +197,11 @@ class AlgoConfig:
     """KL estimator for the loss: k1, k2, k3."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
+    routing_replay: bool = False
+    """MoE models (R3): the trainer's forward uses the experts the rollout engine chose per token and
+    layer (gate values still come from the live router, which keeps learning). See docs/moe.md."""
+    moe_aux_coef: float = 0.0
+    """MoE models: coefficient of the Switch load-balancing loss (E * sum_e f_e * P_e, mean over layers)."""
 
     def __post_init__(self) -> None:
         from molt import algo
@@ -205,6 +214,7 @@ class AlgoConfig:
         ):
             check(getattr(self, key) in registry, f"algo.{key}", f"unknown; choose one of {registry.names()}")
         check(self.is_level == "none" or self.is_level in algo.IS_LEVELS, "algo.is_level", "token, seq, geo or none")
+        check(self.moe_aux_coef >= 0, "algo.moe_aux_coef", "must be >= 0")
         try:
             self.objective()
         except ValueError as e:
@@ -344,6 +354,15 @@ class Config:
     """TOML or YAML file with any of these fields (e.g. `[train]\\nlr = 3e-4`); flags override it."""
 
     def __post_init__(self) -> None:
+        from molt.models.config import PRESETS
+
+        if not self.model.path and self.model.preset in PRESETS and not PRESETS[self.model.preset].num_experts:
+            for key, on in [
+                ("algo.routing_replay", self.algo.routing_replay),
+                ("algo.moe_aux_coef", self.algo.moe_aux_coef > 0),
+                ("train.freeze_router", self.train.freeze_router),
+            ]:
+                check(not on, key, f"needs a mixture-of-experts model; model.preset {self.model.preset!r} is dense")
         check(
             self.train.micro_batch_tokens >= self.rollout.max_len,
             "train.micro_batch_tokens",

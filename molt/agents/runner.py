@@ -91,6 +91,7 @@ async def run_episode(
         turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room), seed=turn_seed)
         completion = await engine.generate(traj.tokens, turn_sampling)
         traj.extend_action(list(completion.token_ids), list(completion.logprobs), list(completion.versions), keep_ids)
+        traj.add_routing(getattr(completion, "routing", None))  # duck-typed engines may lack it
         traj.finish_reason = completion.finish_reason
         action = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         result = await _step(env, action, limits.step_timeout_s)

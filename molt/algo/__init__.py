@@ -26,6 +26,7 @@ from molt.algo.kl import (
 from molt.algo.objective import ObjectiveParams, PolicyBatch, policy_objective
 from molt.algo.policy_loss import POLICY_LOSSES, SurrogateParams, value_loss
 from molt.algo.registry import Registry
+from molt.algo.routing import expert_load, load_balance_loss, load_imbalance, routing_agreement
 
 __all__ = [
     "AGGREGATIONS",
@@ -50,13 +51,17 @@ __all__ = [
     "aggregate",
     "clip_rewards",
     "compute_advantages",
+    "expert_load",
     "filter_groups",
     "is_correction",
     "kl_estimate",
+    "load_balance_loss",
+    "load_imbalance",
     "make_kl_controller",
     "mask_truncated",
     "overlong_penalty",
     "policy_objective",
+    "routing_agreement",
     "step_denominators",
     "value_loss",
 ]

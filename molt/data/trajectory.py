@@ -35,7 +35,7 @@ class Trajectory:
     num_turns: int = 0
     info: dict[str, Any] = field(default_factory=dict)
     images: list[Any] | None = None
-    routing: Any = None
+    routing: Any = None  # MoE: int tensor [<= len(tokens), MoE layers, k] expert ids by position; -1 = none
     # one entry per engine action: (start, end, hash of the emitted ids, the ids themselves or None)
     actions: list[tuple[int, int, int, list[int] | None]] = field(default_factory=list)
 
@@ -64,6 +64,23 @@ class Trajectory:
         self.versions += [int(v) for v in versions]
         self.num_turns += 1
 
+    def add_routing(self, routing) -> None:
+        """Merge an engine's per-position expert ids [n, L, k] (-1 = no record) into `routing`.
+
+        An engine reports the routing of its whole context (prompt + generated), so a later turn's
+        record replaces an earlier one where it has one: each position keeps the routing of the last
+        forward that computed its KV in this rollout (identical unless the weights changed between).
+        """
+        if routing is None:
+            return
+        old = self.routing if self.routing is not None else routing[:0]
+        if old.shape[1:] != routing.shape[1:]:
+            raise ValueError(f"rollout {self.rollout_id}: routing shape {tuple(routing.shape[1:])} != {old.shape[1:]}")
+        merged = routing.new_full((max(len(old), len(routing)), *routing.shape[1:]), -1)
+        merged[: len(old)] = old
+        merged[: len(routing)] = routing.where(routing >= 0, merged[: len(routing)])
+        self.routing = merged
+
     @property
     def num_action_tokens(self) -> int:
         return sum(self.loss_mask)
@@ -78,6 +95,8 @@ class Trajectory:
         n = len(self.tokens)
         if not (len(self.loss_mask) == len(self.rollout_logprobs) == len(self.versions) == n):
             raise ValueError(f"rollout {self.rollout_id}: per-token lists are not aligned with {n} tokens")
+        if self.routing is not None and len(self.routing) > n:
+            raise ValueError(f"rollout {self.rollout_id}: routing has {len(self.routing)} positions for {n} tokens")
         for i, (m, v) in enumerate(zip(self.loss_mask, self.versions, strict=True)):
             if (m == 1) != (v != NOT_SAMPLED):
                 raise ValueError(f"rollout {self.rollout_id} token {i}: mask {m} but version {v}")

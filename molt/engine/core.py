@@ -44,12 +44,13 @@ class EngineCore:
         prefix_cache: bool,
         eos_token_ids: Sequence[int],
         version: int = 0,
+        record_routing: bool = True,
     ):
         self.model, self.tokenizer, self.version, self.max_seq_len = model, tokenizer, version, max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.manager = SlotCacheManager(num_slots, max_seq_len, prefix_cache)
         self.scheduler = Scheduler(self.manager, max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_slots, max_seq_len)
+        self.runner = ModelRunner(model, num_slots, max_seq_len, record_routing)
         self.groups: dict[str, Group] = {}
         self.num_pending = 0
         self.stats = dict(steps=0, prefill_tokens=0, decode_tokens=0, step_errors=0)
@@ -171,6 +172,10 @@ class EngineCore:
         return None
 
     def _finish(self, seq: Seq, reason: str, stop_reason: int | str | None = None) -> None:
+        if self.runner.routes is not None:  # read before the slot is freed (MoE routing capture)
+            self.runner.apply_moves(self.manager.take_moves())  # a finish this step may have moved it
+            slot = self.manager.slot_of(seq.seq_id)
+            seq.routing = self.runner.read_routing(slot, seq.num_computed, len(seq.tokens))
         self.scheduler.finish(seq, reason, stop_reason)
         if seq.group.done:
             self._complete(seq.group)
@@ -193,5 +198,6 @@ def _completion(group: Group, seq: Seq, now: float) -> Completion:
         sample_index=seq.sample_index,
         stop_reason=seq.stop_reason,
         num_cached_tokens=seq.num_cached,
+        routing=seq.routing,
         metrics=dict(ttft_s=(seq.first_token_at or now) - group.submitted_at, latency_s=now - group.submitted_at),
     )

@@ -89,6 +89,9 @@ class Completion:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = 0  # prompt positions whose KV was reused rather than computed
     metrics: dict[str, float] = field(default_factory=dict)
+    # MoE engines that capture routing: int tensor [num_prompt + num_generated, MoE layers, k] of the
+    # experts each position was computed with, by absolute position; -1 where none was recorded
+    routing: torch.Tensor | None = None
 
     @property
     def num_generated_tokens(self) -> int:

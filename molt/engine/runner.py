@@ -13,8 +13,10 @@ attention needs to know whose token is whose:
 - prefill tokens are scattered into a padded [chunks, width] layout for causal attention over
   their slot's cache and gathered back.
 
-The model is the trainer's model; the runner only decides where keys and values live. Knows
-nothing of requests, sampling or scheduling.
+The model is the trainer's model; the runner only decides where keys and values live. For MoE
+models it also keeps each computed token's expert ids in `routes`, laid out like the KV (slot,
+position) and moved with it, so a reused prefix or a sibling's shared prompt carries the routing
+its KV was computed under. Knows nothing of requests, sampling or scheduling.
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ import itertools
 import torch
 
 from molt.engine.cache import SCRATCH, Move
+from molt.models.moe import NO_ROUTE, Routing
 from molt.models.transformer import Transformer
+
+
+def routing_cache(cfg, num_slots: int, max_seq_len: int, device) -> torch.Tensor | None:
+    """[num_slots + 1, max_seq_len, MoE layers, k] int16 expert ids (None for a dense model)."""
+    if not cfg.num_moe_layers():
+        return None
+    shape = (num_slots + 1, max_seq_len, cfg.num_moe_layers(), cfg.num_experts_per_tok)
+    return torch.full(shape, NO_ROUTE, dtype=torch.int16, device=device)
 
 
 def gqa_attention(q_bhtd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, mask_b1ts: torch.Tensor):
@@ -143,7 +154,7 @@ class MixedStep:
 class ModelRunner:
     """Runs one packed decode + prefill forward of `model` against the slot cache; applies cache moves."""
 
-    def __init__(self, model: Transformer, num_slots: int, max_seq_len: int):
+    def __init__(self, model: Transformer, num_slots: int, max_seq_len: int, record_routing: bool = True):
         cfg = model.cfg
         self.model = model.eval()
         param = next(model.parameters())
@@ -153,6 +164,7 @@ class ModelRunner:
         shape = (cfg.num_layers, num_slots + 1, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.routes = routing_cache(cfg, num_slots, max_seq_len, self.device) if record_routing else None
 
     def cache_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
@@ -180,11 +192,29 @@ class ModelRunner:
         backend = MixedStep(
             self, [s for s, _, _ in decode], [s for s, _, _ in chunks], [len(c) for _, c, _ in chunks], kv_lens
         )
-        hidden_nh = self.model(ids_1n, pos_1n, cache=backend, return_hidden=True)[0]
+        routing = Routing() if self.routes is not None else None
+        hidden_nh = self.model(ids_1n, pos_1n, cache=backend, return_hidden=True, routing=routing)[0]
+        if routing is not None:
+            slots = [s for s, _, _ in decode] + [s for s, c, _ in chunks for _ in c]
+            self._record(routing, slots, positions)
         if chunks:  # the lm head runs only where a token is sampled
             ends = list(itertools.accumulate((len(c) for _, c, _ in chunks), initial=len(decode)))
             hidden_nh = hidden_nh[list(range(len(decode))) + [ends[i + 1] - 1 for i in sampled_chunks]]
         return self.model.lm_head(hidden_nh)
+
+    def _record(self, routing: Routing, slots: list[int], positions: list[int]) -> None:
+        """Store each computed token's experts next to its KV: routes[slot, position] = [L, k] ids."""
+        rows_n = torch.tensor(slots, device=self.device) * self.max_seq_len + torch.tensor(
+            positions, device=self.device
+        )
+        flat = self.routes.view(-1, *self.routes.shape[2:])
+        flat.index_copy_(0, rows_n, routing.chosen_nlk().to(flat.dtype))
+
+    def read_routing(self, slot: int, num_computed: int, length: int) -> torch.Tensor:
+        """[length, L, k] experts of a slot's computed positions (NO_ROUTE beyond `num_computed`), on CPU."""
+        out = torch.full((length, *self.routes.shape[2:]), NO_ROUTE, dtype=self.routes.dtype)
+        out[:num_computed] = self.routes[slot, :num_computed].cpu()
+        return out
 
     @torch.inference_mode()
     def apply_moves(self, moves: list[Move]) -> None:
@@ -196,3 +226,5 @@ class ModelRunner:
             dst = self.num_slots if move.dst == SCRATCH else move.dst
             self.k[:, dst, :, : move.length].copy_(self.k[:, src, :, : move.length])
             self.v[:, dst, :, : move.length].copy_(self.v[:, src, :, : move.length])
+            if self.routes is not None:  # routing travels with the KV it produced (prefix reuse, siblings)
+                self.routes[dst, : move.length].copy_(self.routes[src, : move.length])

@@ -18,6 +18,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from molt.engine.cache import SlotCacheManager
 from molt.engine.interface import SamplingParams
@@ -59,6 +60,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     first_token_at: float | None = None
+    routing: Any = None  # MoE: [len(tokens), layers, k] expert ids, read from the runner when it finishes
 
     @property
     def num_generated(self) -> int:

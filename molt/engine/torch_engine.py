@@ -42,7 +42,8 @@ class TorchEngine(Engine):
     thread that runs parallel torch ops owns an OpenMP pool; once two pools together exceed the
     cores, libgomp stops spinning and every parallel op pays a wake-up (on 2 cores, decode ran ~2x
     slower). Where another thread (a trainer, the caller) also runs torch ops, `num_threads=1`
-    avoids that at the price of a core.
+    avoids that at the price of a core. `record_routing` (MoE models): each completion carries the
+    experts every position was computed with (`Completion.routing`; see docs/moe.md).
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class TorchEngine(Engine):
         version: int = 0,
         seed: int | None = None,
         num_threads: int | None = None,
+        record_routing: bool = True,
     ):
         if kv_on_update not in KV_POLICIES:
             raise ValueError(f"kv_on_update must be one of {KV_POLICIES}, got {kv_on_update!r}")
@@ -74,6 +76,7 @@ class TorchEngine(Engine):
             prefix_cache=prefix_cache,
             eos_token_ids=eos,
             version=version,
+            record_routing=record_routing,
         )
         self.manager, self.stats = self.core.manager, self.core.stats
         self._rng = random.Random(seed)

@@ -41,6 +41,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
 
 
+def _model_key(m) -> dict[str, Any]:
+    """The model fields that name a cached warm start (router_fp32 only when off: older caches stay valid)."""
+    fields = dataclasses.asdict(m)
+    if fields.get("router_fp32", False):
+        del fields["router_fp32"]
+    return fields
+
+
 def warm_start(cfg: Config) -> str:
     """Path of an SFT checkpoint of the preset on the task's demonstrations (trained once, then cached)."""
     from molt.train.sft import run_sft
@@ -58,7 +66,7 @@ def warm_start(cfg: Config) -> str:
     )
     sample = dataset_rows(cfg.data)[0][:8]  # the data itself, so a changed task definition is not served stale
     key_fields = {
-        "model": dataclasses.asdict(m),
+        "model": _model_key(m),
         "data": dataclasses.asdict(cfg.data),
         "seed": cfg.train.seed,
         "sample": sample,

@@ -41,7 +41,7 @@ class TransformerConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
-    router_fp32: bool = True
+    router_fp32: bool = True  # router matmul/softmax and the expert combine in fp32 (not an HF key)
     # special token ids carried through to config.json
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -62,6 +62,9 @@ class TransformerConfig:
             and layer_idx not in self.mlp_only_layers
             and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
+
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""

@@ -1,28 +1,86 @@
 """Sparse mixture-of-experts MLP (Qwen3-MoE style): softmax router, top-k, batched expert weights.
 
-Routing is a pure function (`route`) so the engine can record expert choices and the trainer can
-replay them later. Experts are stored as stacked tensors [E, ...]; tokens are grouped by expert
-with one sort, then each expert with work runs two matmuls. No parallelism here.
+Routing is explicit: `route` is a pure function, and a forward may take a `Routing` object that
+replays given expert ids (R3: the trainer uses the experts the rollout engine chose) and records
+what each MoE layer did (the engine's capture, the trainer's agreement / load metrics). Experts
+are stored as stacked tensors [E, ...]; tokens are grouped by expert with one sort, then each
+expert with work runs two matmuls. No parallelism, no RL here.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+NO_ROUTE = -1  # a position without a recorded routing: it routes live
 
-def route(logits_ne: torch.Tensor, top_k: int, normalize: bool, fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [N, k], expert ids [N, k]): softmax over all experts, keep top-k, optionally renormalise."""
+
+def route(
+    logits_ne: torch.Tensor, top_k: int, normalize: bool, fp32: bool = True, replay_nk: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k], expert ids [N, k]): softmax over all experts, keep top-k, optionally renormalise.
+
+    With `replay_nk`, tokens whose replay row is not NO_ROUTE use those experts instead of their own
+    top-k; their weights are still the live router probabilities of those experts (so the router
+    keeps learning through them).
+    """
     probs_ne = F.softmax(logits_ne.float() if fp32 else logits_ne, dim=-1)
-    weights_nk, experts_nk = probs_ne.topk(top_k, dim=-1)
+    return select(probs_ne, top_k, normalize, replay_nk)[:2]
+
+
+def select(
+    probs_ne: torch.Tensor, top_k: int, normalize: bool, replay_nk: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights, experts used, the router's own top-k experts), all [N, k], from router probabilities."""
+    weights_nk, live_nk = probs_ne.topk(top_k, dim=-1)
+    experts_nk = live_nk
+    if replay_nk is not None:
+        experts_nk = torch.where(replay_nk[:, :1] >= 0, replay_nk.to(live_nk.dtype), live_nk)
+        weights_nk = probs_ne.gather(1, experts_nk)
     if normalize:
         weights_nk = weights_nk / weights_nk.sum(dim=-1, keepdim=True)
-    return weights_nk, experts_nk
+    return weights_nk, experts_nk, live_nk
+
+
+@dataclass
+class Routing:
+    """Routing input/output of one forward, passed explicitly to `Transformer.forward`.
+
+    `replay_nlk`: expert ids [N, L, k] to use per flattened token (N = B*T) and MoE layer (in layer
+    order); rows of NO_ROUTE route live. After the forward, per MoE layer: `chosen` [N, k] the
+    experts used, `live` [N, k] the router's own top-k, `probs` [N, E] the router probabilities
+    (with grad: load-balancing losses use them).
+    """
+
+    replay_nlk: torch.Tensor | None = None
+    chosen: list[torch.Tensor] = field(default_factory=list)
+    live: list[torch.Tensor] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+
+    def route(self, logits_ne: torch.Tensor, top_k: int, normalize: bool, fp32: bool):
+        """Route one MoE layer (the next in layer order) and record it; returns (weights, experts)."""
+        replay = None if self.replay_nlk is None else self.replay_nlk[:, len(self.chosen)]
+        probs_ne = F.softmax(logits_ne.float() if fp32 else logits_ne, dim=-1)
+        weights_nk, experts_nk, live_nk = select(probs_ne, top_k, normalize, replay)
+        self.chosen.append(experts_nk)
+        self.live.append(live_nk)
+        self.probs.append(probs_ne)
+        return weights_nk, experts_nk
+
+    def chosen_nlk(self) -> torch.Tensor:
+        """The experts used, [N, L, k] (L = MoE layers)."""
+        return torch.stack(self.chosen, dim=1)
 
 
 class SparseMoE(nn.Module):
-    """Router + E SwiGLU experts; each token is processed by its top-k experts, gate-weighted."""
+    """Router + E SwiGLU experts; each token is processed by its top-k experts, gate-weighted.
+
+    `fp32`: the router's matmul, softmax and the gate-weighted combine run in fp32 (whatever the
+    parameter dtype), so a bf16 model's expert choice is not decided by bf16 rounding.
+    """
 
     def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int, normalize: bool, fp32: bool):
         super().__init__()
@@ -31,9 +89,16 @@ class SparseMoE(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
 
-    def forward(self, x_bth: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_bth: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         x_nh = x_bth.reshape(-1, x_bth.shape[-1])
-        weights_nk, experts_nk = route(self.gate(x_nh), self.top_k, self.normalize, self.fp32)
+        if self.fp32 and x_nh.dtype != torch.float32:
+            logits_ne = F.linear(x_nh.float(), self.gate.weight.float())
+        else:
+            logits_ne = self.gate(x_nh)
+        if routing is None:
+            weights_nk, experts_nk = route(logits_ne, self.top_k, self.normalize, self.fp32)
+        else:
+            weights_nk, experts_nk = routing.route(logits_ne, self.top_k, self.normalize, self.fp32)
         return self.mix(x_nh, weights_nk, experts_nk).view_as(x_bth)
 
     def mix(self, x_nh: torch.Tensor, weights_nk: torch.Tensor, experts_nk: torch.Tensor) -> torch.Tensor:
@@ -45,11 +110,13 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat_e, minlength=num_experts).tolist()
         x_sorted = x_nh[token_of]
         outputs = []
+        # unbind once: indexing [e] per expert would make backward add E full-size zero gradients per layer
+        gate_up_e, down_e = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         for e, x_e in enumerate(x_sorted.split(counts)):
             if x_e.shape[0] == 0:
                 continue
-            gate, up = F.linear(x_e, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            gate, up = F.linear(x_e, gate_up_e[e]).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate) * up, down_e[e]))
         y_sorted = torch.cat(outputs) if outputs else x_sorted[:0]
         combine_dtype = torch.float32 if self.fp32 else x_nh.dtype
         y_sorted = y_sorted.to(combine_dtype) * weights_nk.reshape(-1)[order, None].to(combine_dtype)

@@ -14,7 +14,7 @@ from torch import nn
 
 from molt.models.attention import Cache, PackedCausal
 from molt.models.config import TransformerConfig
-from molt.models.moe import SparseMoE
+from molt.models.moe import Routing, SparseMoE
 from molt.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -90,9 +90,10 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x_bth, cos, sin, attend):
+    def forward(self, x_bth, cos, sin, attend, routing: Routing | None = None):
         x_bth = x_bth + self.self_attn(self.input_layernorm(x_bth), cos, sin, attend, self.layer_idx)
-        return x_bth + self.mlp(self.post_attention_layernorm(x_bth))
+        h_bth = self.post_attention_layernorm(x_bth)
+        return x_bth + (self.mlp(h_bth, routing) if isinstance(self.mlp, SparseMoE) else self.mlp(h_bth))
 
 
 class Transformer(nn.Module):
@@ -126,11 +127,13 @@ class Transformer(nn.Module):
         doc_ids_bt: torch.Tensor | None = None,
         cache: Cache | None = None,
         return_hidden: bool = False,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         """Logits for `input_ids_bt` at explicit positions (default 0..T-1 per row).
 
         `doc_ids_bt` packs several samples per row (attention stays within a sample); `cache`
-        switches to incremental decoding (the cache decides what each query sees).
+        switches to incremental decoding (the cache decides what each query sees). `routing`
+        (MoE models) replays given expert ids and records each MoE layer's choice (see `moe.py`).
         """
         if position_ids_bt is None:
             position_ids_bt = torch.arange(input_ids_bt.shape[1], device=input_ids_bt.device).expand_as(input_ids_bt)
@@ -140,7 +143,7 @@ class Transformer(nn.Module):
         x_bth = self.embed_tokens(input_ids_bt)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, position_ids_bt.clamp(min=0), x_bth.dtype)
         for layer in self.layers:
-            x_bth = layer(x_bth, cos, sin, attend)
+            x_bth = layer(x_bth, cos, sin, attend, routing)
         x_bth = self.norm(x_bth)
         return x_bth if return_hidden else self.lm_head(x_bth)
 
@@ -158,3 +161,7 @@ class Transformer(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def router_names(self) -> list[str]:
+        """Parameter names of the MoE routers (gate weights), in layer order."""
+        return [f"{name}.gate.weight" for name, m in self.named_modules() if isinstance(m, SparseMoE)]

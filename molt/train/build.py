@@ -6,6 +6,7 @@ import torch
 
 from molt.config import ModelConfig
 from molt.models import Transformer, from_pretrained, preset
+from molt.models.moe import SparseMoE
 from molt.models.tokenizer import build_builtin_tokenizer, load_tokenizer
 
 
@@ -22,13 +23,18 @@ def build_model(cfg: ModelConfig, tokenizer, seed: int, device: str = "cpu") -> 
     """A model loaded from `cfg.path`, or a preset sized to the tokenizer with seeded random weights."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.path:
-        return from_pretrained(cfg.path, dtype=dtype, device=device)
+        model = from_pretrained(cfg.path, dtype=dtype, device=device)
+        model.cfg.router_fp32 = cfg.router_fp32  # not an HF config key: the run's setting applies
+        for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
+            moe.fp32 = cfg.router_fp32
+        return model
     arch = preset(
         cfg.preset,
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        router_fp32=cfg.router_fp32,
     )
     model = Transformer(arch).init_weights(cfg.init_std, torch.Generator().manual_seed(seed))
     return model.to(device=device, dtype=dtype)

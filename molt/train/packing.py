@@ -25,6 +25,7 @@ class PackedBatch:
     targets: torch.Tensor
     loss_mask: torch.Tensor
     sample_index: list[list[int]]
+    routing: torch.Tensor | None = None  # MoE: [B, T, layers, k] recorded expert ids, -1 = route live
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +75,18 @@ def collate(samples: list[list[int]], masks: list[list[int]], rows: list[list[in
             start += n
         doc_ids[r, start:] = -1 - torch.arange(width - start)  # padding: each token alone
     return PackedBatch(input_ids, position_ids, doc_ids, targets, loss_mask, rows)
+
+
+def collate_routing(routings: list, lengths: list[int], rows: list[list[int]], width: int, shape_lk) -> torch.Tensor:
+    """[R, width, L, k] recorded expert ids laid out like `collate`'s rows; -1 where a sample has none."""
+    out = torch.full((len(rows), width, *shape_lk), -1, dtype=torch.int16)
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            if routings[i] is not None:
+                out[r, start : start + len(routings[i])] = routings[i]
+            start += lengths[i]
+    return out
 
 
 def pack(samples: list[list[int]], masks: list[list[int]], row_len: int, micro_batch_tokens: int) -> list[PackedBatch]:

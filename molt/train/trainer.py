@@ -21,6 +21,7 @@ from molt.data.trajectory import Trajectory
 from molt.models import Transformer
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
+from molt.train.routing import attach_routing, forward_routing, freeze_routers, routing_metrics, routing_stats
 
 
 class TokenMismatchError(RuntimeError):
@@ -85,9 +86,10 @@ def _per_sample(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
     return _padded([values[i] for i in mb.samples])
 
 
-def token_logprobs(model: Transformer, packed: PackedBatch, temperature: float) -> torch.Tensor:
-    """log p(target) at every packed position [R, W], under logits / temperature (fp32)."""
-    logits = model(packed.input_ids, packed.position_ids, doc_ids_bt=packed.doc_ids).float() / temperature
+def token_logprobs(model: Transformer, packed: PackedBatch, temperature: float, routing=None) -> torch.Tensor:
+    """log p(target) at every packed position [R, W], under logits / temperature (fp32); `routing`: MoE."""
+    logits = model(packed.input_ids, packed.position_ids, doc_ids_bt=packed.doc_ids, routing=routing)
+    logits = logits.float() / temperature
     targets = packed.targets.clamp(min=0)
     return -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
 
@@ -102,6 +104,8 @@ class Trainer:
 
     def __init__(self, model: Transformer, cfg: Config):
         self.model, self.cfg = model, cfg
+        self.moe_shape = (model.cfg.num_moe_layers(), model.cfg.num_experts_per_tok)
+        self.frozen = freeze_routers(model, cfg)
         self.opt, self.schedule = build_optimizer(model.parameters(), cfg.train)
         self.objective = cfg.algo.objective()
         self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
@@ -112,7 +116,14 @@ class Trainer:
         ids = [t.tokens for t in trajs]
         masks = [t.loss_mask for t in trajs]
         row_len = max(self.cfg.rollout.max_len, max(map(len, ids)))
-        return [_layout(p, trajs) for p in pack(ids, masks, row_len, self.cfg.train.micro_batch_tokens)] if ids else []
+        packs = pack(ids, masks, row_len, self.cfg.train.micro_batch_tokens) if ids else []
+        if self.moe_shape[0]:
+            attach_routing(packs, [t.routing for t in trajs], list(map(len, ids)), self.moe_shape)
+        return [_layout(p, trajs) for p in packs]
+
+    def sync_weights(self) -> dict[str, torch.Tensor]:
+        """The weights rollout engines need: all but frozen routers (`train.freeze_router`)."""
+        return {k: v.detach() for k, v in self.model.state_dict().items() if k not in self.frozen}
 
     def advantages(self, trajs: list[Trajectory]) -> tuple[list[list[float]], dict]:
         """Per-token advantages of every trajectory (computed once over the whole step batch)."""
@@ -134,6 +145,7 @@ class Trainer:
         mbs = self.micro_batches(trajs)
         denoms = algo.step_denominators([mb.mask_bt for mb in mbs], [self._group_ids(mb, trajs) for mb in mbs])
         sums: dict[str, float] = {}
+        self.step_tokens = sum(mb.packed.num_tokens for mb in mbs)
         for mb in mbs:
             self._backward(mb, trajs, advantages, denoms, sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip or float("inf"))
@@ -164,7 +176,8 @@ class Trainer:
     def _backward(self, mb: MicroBatch, trajs, advantages, denoms, sums: dict[str, float]) -> None:
         device, temp = self.cfg.runtime.device, self.cfg.rollout.temperature
         packed = mb.packed.to(device)
-        logp_bt = _unpack(token_logprobs(self.model, packed, temp), mb)
+        routing = forward_routing(packed, self.cfg.algo.routing_replay) if self.moe_shape[0] else None
+        logp_bt = _unpack(token_logprobs(self.model, packed, temp, routing), mb)
         mask_bt = mb.mask_bt.to(device)
         rollout_logp_bt = _per_sample([t.rollout_logprobs for t in trajs], mb).to(device)
         ref_logp_bt = None
@@ -180,6 +193,11 @@ class Trainer:
             group_ids_b=self._group_ids(mb, trajs).to(device),
         )
         loss, metrics = algo.policy_objective(batch, denoms, self.objective)
+        if routing is not None:  # Switch load-balancing loss, weighted by this micro-batch's share of tokens
+            aux = routing_stats(routing, packed, sums) * (packed.num_tokens / max(self.step_tokens, 1))
+            sums["moe_aux"] = sums.get("moe_aux", 0.0) + float(aux.detach())
+            if self.cfg.algo.moe_aux_coef > 0:
+                loss = loss + self.cfg.algo.moe_aux_coef * aux
         loss.backward()
         n = float(mask_bt.sum())
         diff = ((logp_bt.detach() - rollout_logp_bt).abs() * mask_bt).sum()
@@ -193,7 +211,7 @@ class Trainer:
         n = max(sums.get("tokens", 0.0), 1.0)
         staleness = [self.version - v for t in trajs for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
         out = {f"train/{k[2:]}": v / n for k, v in sums.items() if k.startswith("w_")}
-        out |= {f"train/{k}": float(v) for k, v in adv_metrics.items()}
+        out |= {f"train/{k}": float(v) for k, v in adv_metrics.items()} | routing_metrics(sums)
         rewards = [t.reward for t in trajs]
         return out | {
             "train/loss": sums.get("loss", 0.0),

@@ -184,6 +184,7 @@ class Session:
             self.current, self.tools = Trajectory(), tools
         self.current.extend_prompt(plan.new_ids)
         self.current.extend_action(ids, list(completion.logprobs), list(completion.versions), self.keep_ids)
+        self.current.add_routing(getattr(completion, "routing", None))
         self.current.finish_reason = completion.finish_reason
         self.num_turns += 1
         text = self.tokenizer.decode(ids, skip_special_tokens=True)

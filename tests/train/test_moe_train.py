@@ -1,0 +1,177 @@
+"""MoE in the trainer: routing replay (R3) against a bf16-like engine, agreement metric, freeze, aux loss.
+
+Rollouts come from the real `TorchEngine` (with routing capture); the "bf16-like" engine holds the
+trainer's weights rounded to bf16, as a bf16 rollout engine would, so some near-tie routing
+decisions flip between rollout and trainer.
+"""
+
+import asyncio
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from molt.cli.main import parse_config
+from molt.config import Config, ConfigError
+from molt.data.trajectory import Trajectory
+from molt.engine import SamplingParams, TorchEngine
+from molt.models import Transformer, preset
+from molt.train.packing import collate_routing
+from molt.train.routing import forward_routing
+from molt.train.trainer import Trainer, token_logprobs
+
+
+def _model(kind="moe", seed=0):
+    kw = dict(vocab_size=64, hidden_size=64, num_layers=2, head_dim=16)
+    arch = preset("tiny-moe", moe_intermediate_size=32, **kw) if kind == "moe" else preset("tiny", **kw)
+    return Transformer(arch).init_weights(0.1, torch.Generator().manual_seed(seed))
+
+
+def _bf16_like(model):
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def _rollouts(engine_model):
+    engine = TorchEngine(engine_model.eval(), num_slots=16, max_seq_len=64, eos_token_ids=(), seed=0)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 64, (8,), generator=gen).tolist() for _ in range(4)]
+
+    async def run():
+        groups = await asyncio.gather(*(engine.generate_group(p, SamplingParams(n=4, max_tokens=24)) for p in prompts))
+        await engine.close()
+        return groups
+
+    trajs = []
+    for g, (prompt, group) in enumerate(zip(prompts, asyncio.run(run()), strict=True)):
+        for c in group:
+            traj = Trajectory(group_id=g, rollout_id=len(trajs), reward=float(c.sample_index % 2))
+            traj.extend_prompt(prompt)
+            traj.extend_action(c.token_ids, c.logprobs, c.versions)
+            traj.add_routing(c.routing)
+            trajs.append(traj)
+    return trajs
+
+
+def _cfg(preset_name="tiny-moe", *flags):
+    base = ["--data.max_len", "64", "--rollout.max_len", "64", "--train.warmup_steps", "0"]
+    return parse_config([*base, "--model.preset", preset_name, "--train.lr", "1e-9", *flags])
+
+
+@pytest.fixture(scope="module")
+def moe_runs():
+    """Step metrics of the MoE trainer on equal-weight and bf16-like rollouts, live and replayed routing."""
+    model = _model()
+    out = {}
+    for label, engine_model in (("equal", copy.deepcopy(model)), ("bf16", _bf16_like(model))):
+        trajs = _rollouts(engine_model)
+        for replay in (False, True):
+            flags = ["--algo.routing_replay"] if replay else []
+            trainer = Trainer(copy.deepcopy(model), _cfg("tiny-moe", *flags))
+            out[label, replay] = (trainer, trajs, trainer.step(trajs))
+    return out
+
+
+def test_equal_weights_agree_on_every_token(moe_runs):
+    for replay in (False, True):
+        metrics = moe_runs["equal", replay][2]
+        assert metrics["moe/routing_agreement"] == 1.0
+        assert metrics["train/logprob_diff"] <= 1e-5
+        assert metrics["moe/recorded_frac"] > 0.9  # all but each sample's last token
+
+
+def test_bf16_like_engine_flips_routing_and_replay_removes_its_cost(moe_runs):
+    live, replayed = moe_runs["bf16", False][2], moe_runs["bf16", True][2]
+    assert live["moe/routing_agreement"] < 1.0
+    assert replayed["train/logprob_diff"] < 0.75 * live["train/logprob_diff"]
+    # the dense level: a dense model of the same shape under the same bf16-like rounding
+    dense = _model("dense")
+    dense_diff = Trainer(copy.deepcopy(dense), _cfg("tiny")).step(_rollouts(_bf16_like(dense)))["train/logprob_diff"]
+    assert replayed["train/logprob_diff"] <= 1.5 * dense_diff < live["train/logprob_diff"] * 1.5
+
+
+def test_replay_uses_the_engines_experts_on_every_recorded_token(moe_runs):
+    for replay in (True, False):
+        trainer, trajs, _ = moe_runs["bf16", replay]
+        same, total = 0, 0
+        for mb in trainer.micro_batches(trajs):
+            routing = forward_routing(mb.packed, replay)
+            with torch.no_grad():
+                token_logprobs(trainer.model, mb.packed, 1.0, routing)
+            recorded_nlk = mb.packed.routing.flatten(0, 1).long()
+            has = (mb.packed.doc_ids.flatten() >= 0) & (recorded_nlk[:, 0, 0] >= 0)
+            used_nlk = routing.chosen_nlk()
+            same += int((used_nlk[has] == recorded_nlk[has]).all(-1).all(-1).sum())
+            total += int(has.sum())
+        assert (same == total) == replay, (replay, same, total)
+
+
+def test_freeze_router_keeps_it_out_of_the_optimizer_and_the_sync():
+    model = _model()
+    trajs = _rollouts(copy.deepcopy(model))
+    trainer = Trainer(model, _cfg("tiny-moe", "--train.freeze_router", "--train.lr", "1e-2"))
+    names = model.router_names()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(2):
+        trainer.step(trajs)
+    after = model.state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in names)
+    assert not torch.equal(before["layers.0.mlp.gate_up_proj"], after["layers.0.mlp.gate_up_proj"])
+    routers = {id(model.get_parameter(n)) for n in names}
+    assert not routers & {id(p) for group in trainer.opt.param_groups for p in group["params"]}
+    synced = trainer.sync_weights()
+    assert not set(names) & set(synced) and "layers.0.mlp.gate_up_proj" in synced
+    assert set(Trainer(_model(), _cfg("tiny-moe")).sync_weights()) >= set(names)
+
+
+def test_aux_loss_pushes_the_router_toward_balance():
+    model = _model()
+    trajs = _rollouts(copy.deepcopy(model))
+    metrics = Trainer(copy.deepcopy(model), _cfg("tiny-moe")).step(trajs)
+    assert metrics["moe/aux_loss"] >= 1.0 and metrics["moe/load_cv"] > 0 and metrics["moe/load_max_over_mean"] > 1
+    grads = {}
+    for coef in ("0", "1"):
+        trainer = Trainer(copy.deepcopy(model), _cfg("tiny-moe", "--algo.moe_aux_coef", coef))
+        mb = trainer.micro_batches(trajs)[0]
+        trainer._backward(mb, trajs, trainer.advantages(trajs)[0], _denoms(trainer, trajs), {})
+        grads[coef] = trainer.model.get_parameter("layers.0.mlp.gate.weight").grad.clone()
+    assert not torch.allclose(grads["0"], grads["1"])
+
+
+def _denoms(trainer, trajs):
+    from molt import algo
+
+    mbs = trainer.micro_batches(trajs)
+    trainer.step_tokens = sum(mb.packed.num_tokens for mb in mbs)
+    return algo.step_denominators([mb.mask_bt for mb in mbs], [trainer._group_ids(mb, trajs) for mb in mbs])
+
+
+def test_moe_flags_on_a_dense_model_are_config_errors():
+    for group, key, value in (("algo", "routing_replay", True), ("train", "freeze_router", True),
+                              ("algo", "moe_aux_coef", 0.01)):  # fmt: skip
+        sub = dataclasses.replace(getattr(Config(), group), **{key: value})
+        with pytest.raises(ConfigError, match=f"{group}.{key}: needs a mixture-of-experts model"):
+            Config(**{group: sub})
+    cfg = _cfg("tiny-moe", "--algo.routing_replay")  # a loaded dense model is caught by the trainer
+    with pytest.raises(ConfigError, match="algo.routing_replay"):
+        Trainer(_model("dense"), cfg)
+
+
+def test_trajectory_routing_merges_by_position_and_packs_by_row():
+    traj = Trajectory()
+    traj.extend_prompt([1, 2, 3])
+    first = torch.tensor([[[0, 1]], [[2, 3]], [[-1, -1]]], dtype=torch.int16)  # [3 positions, 1 layer, k=2]
+    traj.add_routing(first)
+    traj.extend_action([4, 5], [0.0, 0.0], [0, 0])
+    later = torch.tensor([[[-1, -1]], [[4, 5]], [[6, 7]], [[1, 2]], [[-1, -1]]], dtype=torch.int16)
+    traj.add_routing(later)
+    assert traj.routing[:, 0].tolist() == [[0, 1], [4, 5], [6, 7], [1, 2], [-1, -1]]
+    traj.check()
+    assert torch.equal(Trajectory.from_dict(traj.to_dict()).routing, traj.routing)
+    packed = collate_routing([traj.routing, None], [5, 2], [[1, 0]], 8, (1, 2))
+    assert packed.shape == (1, 8, 1, 2)
+    assert (packed[0, :2] == -1).all() and torch.equal(packed[0, 2:7], traj.routing) and (packed[0, 7] == -1).all()
