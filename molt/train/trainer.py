@@ -19,6 +19,7 @@ from molt import algo
 from molt.config import Config
 from molt.data.trajectory import Trajectory
 from molt.models import Transformer
+from molt.train.images import trajectory_pixels
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
 
@@ -87,7 +88,8 @@ def _per_sample(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
 
 def token_logprobs(model: Transformer, packed: PackedBatch, temperature: float) -> torch.Tensor:
     """log p(target) at every packed position [R, W], under logits / temperature (fp32)."""
-    logits = model(packed.input_ids, packed.position_ids, doc_ids_bt=packed.doc_ids).float() / temperature
+    logits = model(packed.input_ids, packed.position_ids, doc_ids_bt=packed.doc_ids, pixel_values=packed.pixel_values)
+    logits = logits.float() / temperature
     targets = packed.targets.clamp(min=0)
     return -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
 
@@ -112,7 +114,9 @@ class Trainer:
         ids = [t.tokens for t in trajs]
         masks = [t.loss_mask for t in trajs]
         row_len = max(self.cfg.rollout.max_len, max(map(len, ids)))
-        return [_layout(p, trajs) for p in pack(ids, masks, row_len, self.cfg.train.micro_batch_tokens)] if ids else []
+        images = trajectory_pixels(trajs, self.model.cfg)
+        batches = pack(ids, masks, row_len, self.cfg.train.micro_batch_tokens, images) if ids else []
+        return [_layout(p, trajs) for p in batches]
 
     def advantages(self, trajs: list[Trajectory]) -> tuple[list[list[float]], dict]:
         """Per-token advantages of every trajectory (computed once over the whole step batch)."""
