@@ -39,6 +39,7 @@ from molt.agents.runner import TemplateRewriteError, observation_ids
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Completion, ContextLengthError, SamplingParams
 from molt.models.tokenizer import apply_chat_template
+from molt.models.vision import ImageError
 
 
 class SessionClosed(LookupError):
@@ -162,6 +163,8 @@ class Session:
                     pass  # the template re-renders history: start a new segment
             prompt = apply_chat_template(self.tokenizer, messages, tools=tools, add_generation_prompt=True)
             prompt, images = expand_images(self.engine, prompt, message_images(messages), 0)
+        except ImageError as e:
+            raise RequestError(str(e)) from e
         except (TemplateError, TypeError, KeyError, AttributeError, ValueError) as e:
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
         return _Plan(prompt, prompt, True, images)
