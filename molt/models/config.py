@@ -265,7 +265,15 @@ PRESETS: dict[str, TransformerConfig] = {
     ),
     # `image_token_id` is set from the tokenizer (its `<|image|>` token) when the model is built
     "tiny-vlm": TransformerConfig(
-        hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2, vision=VisionConfig()
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        vision=VisionConfig(
+            image_size=32, patch_size=8, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128
+        ),
     ),
 }
 
