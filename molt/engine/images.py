@@ -34,9 +34,12 @@ def check_request_images(cfg: TransformerConfig, prompt: list[int], images: Sequ
 
 @torch.inference_mode()
 def chunk_image_embeds(model: Transformer, chunks: list[tuple[list[int], int, int, list | None]]):
-    """Embedding rows [n, H] for the placeholder tokens of (tokens, start, end, images) chunks, in order."""
-    image_id = model.cfg.image_token_id
-    parts = []
+    """Embedding rows [n, H] for the placeholder tokens of (tokens, start, end, images) chunks, in order.
+
+    One vision forward over every image the step's chunks overlap (small batches are overhead-bound).
+    """
+    image_id, per = model.cfg.image_token_id, model.cfg.vision.tokens_per_image
+    needed, slices = [], []  # images to encode; per chunk, its rows in their flattened embeddings
     for tokens, start, end, images in chunks:
         if not images:
             continue
@@ -44,9 +47,11 @@ def chunk_image_embeds(model: Transformer, chunks: list[tuple[list[int], int, in
         inside = sum(t == image_id for t in tokens[start:end])
         if not inside:
             continue
-        per = model.cfg.vision.tokens_per_image
         first, last = before // per, (before + inside - 1) // per
-        embeds = model.vision(torch.stack(images[first : last + 1]).to(model.inv_freq.device)).flatten(0, 1)
-        offset = before - first * per
-        parts.append(embeds[offset : offset + inside])
-    return torch.cat(parts) if parts else None
+        offset = len(needed) * per + before - first * per
+        needed += images[first : last + 1]
+        slices.append(slice(offset, offset + inside))
+    if not needed:
+        return None
+    embeds = model.vision(torch.stack(needed).to(model.inv_freq.device)).flatten(0, 1)
+    return torch.cat([embeds[s] for s in slices])
