@@ -66,8 +66,7 @@ BUILTIN_CHAT_TEMPLATE = r"""
         {{- content -}}
     {%- elif content is iterable and content is not mapping -%}
         {%- for part in content -%}
-            {%- if part.type == 'text' -%}{{- part.text -}}
-            {%- elif part.type in ('image', 'image_url', 'input_image') -%}{{- '<|image|>' -}}{%- endif -%}
+            {%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}
         {%- endfor -%}
     {%- endif -%}
 {%- endmacro -%}
@@ -106,6 +105,15 @@ BUILTIN_CHAT_TEMPLATE = r"""
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
 """.strip()
+
+
+# The VLM variant (built-in tokenizer with `<|image|>`) also renders image parts as one placeholder each;
+# the text template stays byte-identical so saved text tokenizers are still recognised as built-in.
+BUILTIN_VLM_CHAT_TEMPLATE = BUILTIN_CHAT_TEMPLATE.replace(
+    "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}",
+    "{%- if part.type == 'text' -%}{{- part.text -}}"
+    "{%- elif part.type in ('image', 'image_url', 'input_image') -%}{{- '" + IMAGE_PLACEHOLDER + "' -}}{%- endif -%}",
+)
 
 
 class ChatTemplateError(ValueError):
@@ -195,7 +203,7 @@ def build_builtin_tokenizer(out_dir: str | Path | None = None, image_token: bool
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token=None,
-        chat_template=BUILTIN_CHAT_TEMPLATE,
+        chat_template=BUILTIN_VLM_CHAT_TEMPLATE if image_token else BUILTIN_CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 20,
     )
