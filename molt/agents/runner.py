@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from molt.agents.env import Env, Messages, Result
+from molt.agents.images import expand_images, message_images, with_images
 from molt.data.trajectory import Trajectory
 from molt.models.tokenizer import apply_chat_template, render_chat
 
@@ -62,6 +63,19 @@ async def _step(env: Env, action: str, timeout_s: float) -> Result:
     return result
 
 
+def _extend_prompt(traj: Trajectory, engine, ids: list[int], images: list, max_len: int) -> None:
+    """Append prompt/observation ids, expanding image placeholders and recording the images' pixels."""
+    ids, records = expand_images(engine, ids, images, len(traj.tokens), max_len)
+    traj.extend_prompt(ids)
+    if records:
+        traj.images = (traj.images or []) + records
+
+
+def trajectory_images(traj: Trajectory) -> dict[str, Any]:
+    """The `images=` argument of a generate call over `traj.tokens` (empty when it has no images)."""
+    return {"images": [r["pixels"] for r in traj.images]} if traj.images else {}
+
+
 async def run_episode(
     engine,
     tokenizer,
@@ -80,7 +94,8 @@ async def run_episode(
     messages = await asyncio.wait_for(env.reset(row), limits.step_timeout_s)
     tools = row.get("tools")
     traj = Trajectory(**ids)
-    traj.extend_prompt(apply_chat_template(tokenizer, messages, tools=tools, add_generation_prompt=True))
+    prompt = apply_chat_template(tokenizer, messages, tools=tools, add_generation_prompt=True)
+    _extend_prompt(traj, engine, prompt, message_images(messages), limits.max_len)
     eos_id, result = tokenizer.eos_token_id, None
     for turn in range(limits.max_turns):
         room = limits.max_len - len(traj.tokens)
@@ -89,7 +104,7 @@ async def run_episode(
             break
         turn_seed = None if sampling.seed is None else sampling.seed * 64 + turn  # distinct, reproducible
         turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room), seed=turn_seed)
-        completion = await engine.generate(traj.tokens, turn_sampling)
+        completion = await engine.generate(traj.tokens, turn_sampling, **trajectory_images(traj))
         traj.extend_action(list(completion.token_ids), list(completion.logprobs), list(completion.versions), keep_ids)
         traj.add_routing(getattr(completion, "routing", None))  # duck-typed engines may lack it
         traj.finish_reason = completion.finish_reason
@@ -100,9 +115,10 @@ async def run_episode(
         if result.terminated or result.truncated or result.observation is None or turn + 1 == limits.max_turns:
             traj.truncated |= result.truncated or not result.terminated
             break
-        observation = _as_messages(result.observation)
+        observation = with_images(_as_messages(result.observation), result.images)
         ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == eos_id
-        traj.extend_prompt(observation_ids(tokenizer, messages, observation, ended_with_eos, tools))
+        delta = observation_ids(tokenizer, messages, observation, ended_with_eos, tools)
+        _extend_prompt(traj, engine, delta, message_images(observation), limits.max_len)
         messages = messages + [{"role": "assistant", "content": action}] + observation
     traj.score = result.score if result is not None and result.score is not None else traj.reward
     traj.check()

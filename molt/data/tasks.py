@@ -133,3 +133,53 @@ class Calculator:
 
     def grade(self, row: Row, text: str) -> float:
         return float(text.strip() == row["label"])
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (40, 60, 230), "yellow": (230, 210, 30)}
+
+
+def shape_image(colour: str, rng: random.Random, size: int = 32) -> str:
+    """A PNG data URI: one filled square or disc of `colour` at a random place on a grey background."""
+    import base64
+    import io
+
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size), (128, 128, 128))
+    side = rng.randint(size // 3, size // 2)
+    x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+    draw = ImageDraw.Draw(image)
+    box = (x, y, x + side - 1, y + side - 1)
+    (draw.rectangle if rng.random() < 0.5 else draw.ellipse)(box, fill=COLOURS[colour])
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@register_task("shape_colour")
+class ShapeColour:
+    """Visual (needs a VLM, e.g. `--model.preset tiny-vlm`): name the colour of the shape in the image.
+
+    Rows hold the image as a PNG data URI in an image content part. Without looking, the reward is
+    1/4. Demonstrations are deliberately noisy (only `demo_correct` of them name the right colour),
+    so the warm start reads the image only partly and RL has a visual signal to learn from.
+    """
+
+    env = "single_turn"
+    demo_correct = 0.4
+
+    def rows(self, n: int, seed: int) -> list[Row]:
+        rng = random.Random(seed)
+        out = []
+        for _ in range(n):
+            colour = rng.choice(sorted(COLOURS))
+            content = [{"type": "image", "image": shape_image(colour, rng)}, {"type": "text", "text": "Colour?"}]
+            out.append({"messages": [{"role": "user", "content": content}], "label": colour})
+        return out
+
+    def demonstration(self, row: Row, rng: random.Random) -> list[dict[str, Any]]:
+        answer = row["label"] if rng.random() < self.demo_correct else rng.choice(sorted(COLOURS))
+        return row["messages"] + [{"role": "assistant", "content": answer}]
+
+    def grade(self, row: Row, text: str) -> float:
+        return float(text.strip() == row["label"])

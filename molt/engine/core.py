@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from molt.engine.cache import SlotCacheManager
+from molt.engine.images import chunk_image_embeds
 from molt.engine.interface import Completion, Weights
 from molt.engine.runner import ModelRunner
 from molt.engine.sampling import RowParams, sample
@@ -114,7 +115,12 @@ class EngineCore:
         self.stats["steps"] += 1
         if not decode and not chunks:
             return
-        logits_rv = self.runner.forward(decode, chunks, sampled_chunks)  # decode rows, then sampling chunks
+        images = None
+        if self.model.vision is not None:
+            images = chunk_image_embeds(
+                self.model, [(c.seq.tokens, c.start, c.end, c.seq.group.images) for c in plan.prefill]
+            )
+        logits_rv = self.runner.forward(decode, chunks, sampled_chunks, images)  # decode rows, then sampling chunks
         rows: list[Seq] = list(plan.decode)
         picks = list(range(len(rows)))  # logits row of each sampled row
         for chunk in plan.prefill:
@@ -145,8 +151,14 @@ class EngineCore:
                 (r, tuple(s.group.stop_ids))
                 for r, s in enumerate(rows)
                 if s.num_generated < s.sampling.min_tokens and s.group.stop_ids
-            ],
+            ]
+            + self._banned_images(len(rows)),
         )
+
+    def _banned_images(self, num_rows: int) -> list[tuple[int, tuple[int, ...]]]:
+        """A VLM never samples its image placeholder (a generated one would have no image)."""
+        image_id = self.model.cfg.image_token_id
+        return [] if image_id is None else [(r, (image_id,)) for r in range(num_rows)]
 
     # ---- after sampling ------------------------------------------------------------------------
     def _append(self, seq: Seq, token: int, logprob: float) -> None:

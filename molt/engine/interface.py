@@ -102,6 +102,8 @@ class Engine(abc.ABC):
     """An asynchronous, versioned rollout engine shared by many concurrent callers."""
 
     version: int = 0
+    vision = None  # the policy's VisionConfig (VLMs): image size and tokens per image
+    image_token_id: int | None = None
 
     async def generate(
         self,
@@ -110,13 +112,15 @@ class Engine(abc.ABC):
         *,
         request_id: str | None = None,
         session_id: str | None = None,
+        images: Sequence[torch.Tensor] | None = None,
     ) -> Completion:
         """One completion of `prompt_token_ids` (sampling.n must be 1; see `generate_group`)."""
         sampling = sampling or SamplingParams()
         if sampling.n != 1:
             raise ValueError(f"generate() returns one completion; use generate_group() for n={sampling.n}")
+        kw = {"images": images} if images else {}  # engines without image support need not take the argument
         (completion,) = await self.generate_group(
-            prompt_token_ids, sampling, request_id=request_id, session_id=session_id
+            prompt_token_ids, sampling, request_id=request_id, session_id=session_id, **kw
         )
         return completion
 
@@ -128,8 +132,12 @@ class Engine(abc.ABC):
         *,
         request_id: str | None = None,
         session_id: str | None = None,
+        images: Sequence[torch.Tensor] | None = None,
     ) -> list[Completion]:
-        """`sampling.n` completions of one prompt, sharing its prefill; in sample order."""
+        """`sampling.n` completions of one prompt, sharing its prefill; in sample order.
+
+        `images` (VLMs): uint8 pixel tensors [3, S, S], one per image placeholder run in the prompt, in order.
+        """
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> bool:

@@ -24,6 +24,7 @@ class Router(Engine):
     def __init__(self, engines: Sequence[Engine], max_sessions: int = 100_000):
         if not engines:
             raise ValueError("Router needs at least one engine")
+        self.vision, self.image_token_id = engines[0].vision, engines[0].image_token_id
         self.engines = list(engines)
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, int] = OrderedDict()
@@ -57,6 +58,7 @@ class Router(Engine):
         *,
         request_id: str | None = None,
         session_id: str | None = None,
+        images=None,
     ) -> list[Completion]:
         sampling = sampling or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
@@ -65,7 +67,11 @@ class Router(Engine):
         self._requests[request_id] = index
         try:
             return await self.engines[index].generate_group(
-                prompt_token_ids, sampling, request_id=request_id, session_id=session_id
+                prompt_token_ids,
+                sampling,
+                request_id=request_id,
+                session_id=session_id,
+                **({"images": images} if images else {}),
             )
         finally:
             self._in_flight[index] -= sampling.n

@@ -175,11 +175,13 @@ class ModelRunner:
         decode: list[tuple[int, int, int]],
         chunks: list[tuple[int, list[int], int]],
         sampled_chunks: list[int],
+        image_embeds_nh: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [D + S, V]: each (slot, token id, position) decode row, then each sampled chunk's last token.
 
         `chunks` are (slot, token ids, start position); `sampled_chunks` (increasing) indexes those
-        whose last token's logits are wanted. Decode slots must be in increasing order.
+        whose last token's logits are wanted. Decode slots must be in increasing order. `image_embeds_nh`:
+        one row per image placeholder token of the chunks, in order (VLMs).
         """
         ids = [token for _, token, _ in decode]
         positions = [pos for _, _, pos in decode]
@@ -193,7 +195,9 @@ class ModelRunner:
             self, [s for s, _, _ in decode], [s for s, _, _ in chunks], [len(c) for _, c, _ in chunks], kv_lens
         )
         routing = Routing() if self.routes is not None else None
-        hidden_nh = self.model(ids_1n, pos_1n, cache=backend, return_hidden=True, routing=routing)[0]
+        hidden_nh = self.model(
+            ids_1n, pos_1n, cache=backend, return_hidden=True, routing=routing, image_embeds_nh=image_embeds_nh
+        )[0]
         if routing is not None:
             slots = [s for s, _, _ in decode] + [s for s, c, _ in chunks for _ in c]
             self._record(routing, slots, positions)

@@ -36,6 +36,7 @@ class Group:
     stop_ids: frozenset[int] = frozenset()  # stop token ids in force (request's + eos unless ignored)
     submitted_at: float = 0.0
     seqs: list[Sequence] = field(default_factory=list)
+    images: list | None = None  # uint8 pixel tensors of the prompt's images (VLM), in placeholder order
 
     @property
     def done(self) -> bool:
@@ -136,7 +137,8 @@ class Scheduler:
 
     def _admit(self, group: Group) -> Sequence:
         leader, *siblings = group.seqs
-        _, reused = self.manager.allocate(leader.seq_id, leader.tokens)
+        # prefix reuse is keyed by token ids alone, so requests with images neither reuse nor leave KV
+        _, reused = self.manager.allocate(leader.seq_id, () if group.images else leader.tokens)
         leader.num_computed = leader.num_cached = reused
         for seq in siblings:
             self.manager.allocate(seq.seq_id)
@@ -162,7 +164,7 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq in self.running:
             self.running.remove(seq)
-            self.manager.free(seq.seq_id, seq.tokens if cache else None)
+            self.manager.free(seq.seq_id, seq.tokens if cache and not seq.group.images else None)
 
     def remove_group(self, group: Group, reason: str) -> None:
         """Finish every unfinished sequence of `group` (abort / failure), waiting or running."""

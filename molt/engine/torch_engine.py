@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from molt.engine.core import EngineCore
+from molt.engine.images import check_request_images
 from molt.engine.interface import Completion, ContextLengthError, Engine, SamplingParams, SyncMode, Weights
 from molt.engine.sampling import sample_seed
 from molt.engine.scheduler import Group
@@ -65,6 +66,7 @@ class TorchEngine(Engine):
         if kv_on_update not in KV_POLICIES:
             raise ValueError(f"kv_on_update must be one of {KV_POLICIES}, got {kv_on_update!r}")
         self.model, self.tokenizer, self.kv_on_update = model, tokenizer, kv_on_update
+        self.vision, self.image_token_id = model.cfg.vision, model.cfg.image_token_id
         self.max_seq_len = max_seq_len or min(model.cfg.max_position_embeddings, 2048)
         eos = _default_eos(model, tokenizer) if eos_token_ids is None else eos_token_ids
         self.core = EngineCore(
@@ -99,9 +101,11 @@ class TorchEngine(Engine):
         *,
         request_id: str | None = None,
         session_id: str | None = None,
+        images: Sequence[torch.Tensor] | None = None,
     ) -> list[Completion]:
         sampling = sampling or SamplingParams()
         prompt = self._validate(prompt_token_ids, sampling)
+        pixels = check_request_images(self.model.cfg, prompt, images)
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
@@ -115,7 +119,7 @@ class TorchEngine(Engine):
         stop_ids = frozenset(sampling.stop_token_ids) | (
             frozenset() if sampling.ignore_eos else self.core.eos_token_ids
         )
-        group = Group(request_id, prompt, sampling, seeds, on_done, stop_ids, time.perf_counter())
+        group = Group(request_id, prompt, sampling, seeds, on_done, stop_ids, time.perf_counter(), images=pixels)
         self._post(lambda: self.core.add(group))
         try:
             return await future

@@ -114,7 +114,10 @@ class VLLMEngine(Engine):
         *,
         request_id: str | None = None,
         session_id: str | None = None,
+        images=None,
     ) -> list[Completion]:
+        if images:
+            raise NotImplementedError("the vLLM adapter does not take images yet; use the built-in engine for VLMs")
         sampling = sampling or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:

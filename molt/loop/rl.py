@@ -122,9 +122,9 @@ class RLLoop:
         row = self.train_rows[group_index % len(self.train_rows)]
         try:
             rollouts = await asyncio.gather(*(self._episode(row, group_index, k) for k in range(self.group_size)))
-            group = [segment for segments in rollouts if segments is not None for segment in segments]
-            if any(segments is None for segments in rollouts):
-                self._drop("agent_failure", self.group_size)
+            group = [segment for segments in rollouts if isinstance(segments, list) for segment in segments]
+            if not all(isinstance(segments, list) for segments in rollouts):  # a failure, or a drop reason
+                self._drop(next((r for r in rollouts if isinstance(r, str)), "agent_failure"), self.group_size)
             elif self._keep(group):
                 await self.buffer.put(group)
         except asyncio.CancelledError:
@@ -141,7 +141,7 @@ class RLLoop:
             return await self.chat.run(agent, row, sampling, limits, **kw)
         return [await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)]
 
-    async def _episode(self, row: dict, group_index: int, k: int) -> list[Trajectory] | None:
+    async def _episode(self, row: dict, group_index: int, k: int) -> list[Trajectory] | str | None:
         rollout_id = group_index * self.group_size + k
         sampling = dataclasses.replace(self.sampling, seed=self.cfg.train.seed * 1_000_003 + rollout_id)
         async with self.in_flight:
@@ -158,6 +158,8 @@ class RLLoop:
                     group_id=group_index,
                 )
             except Exception as e:  # noqa: BLE001 - agent code fails this rollout only
+                if hasattr(e, "drop_reason"):  # e.g. an image that does not fit the context: dropped, not failed
+                    return e.drop_reason
                 self._count_failure(e)
                 return None
         self.state.rollouts += 1

@@ -14,6 +14,27 @@ from typing import Any
 
 
 @dataclass
+class VisionConfig:
+    """Shape of the vision tower: square RGB images -> patches -> encoder layers -> LM embeddings."""
+
+    image_size: int = 32
+    patch_size: int = 8
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    layer_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size or self.hidden_size % self.num_heads:
+            raise ValueError("vision_config: image_size must be a multiple of patch_size, hidden_size of num_heads")
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+@dataclass
 class TransformerConfig:
     """Shape and numerics of one decoder-only transformer (dense or sparse MoE)."""
 
@@ -46,8 +67,13 @@ class TransformerConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # vision tower (a VLM); images enter as embeddings at `image_token_id` placeholder positions
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.vision, dict):
+            self.vision = VisionConfig(**self.vision)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
@@ -203,6 +229,8 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
             decoder_sparse_step=cfg.decoder_sparse_step,
             mlp_only_layers=cfg.mlp_only_layers,
         )
+    if cfg.vision is not None:
+        hf |= dict(vision_config=dataclasses.asdict(cfg.vision), image_token_id=cfg.image_token_id)
     return hf
 
 
@@ -211,7 +239,10 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Transform
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"{source}: model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
-    cfg = TransformerConfig(**FAMILIES[model_type].read(hf))
+    vision = hf.get("vision_config")
+    cfg = TransformerConfig(
+        **FAMILIES[model_type].read(hf), vision=vision, image_token_id=hf.get("image_token_id") if vision else None
+    )
     if cfg.qkv_bias != cfg.o_bias and model_type != "qwen2":
         raise ValueError(f"{source}: attention_bias must apply to q/k/v/o alike for {model_type}")
     return cfg
@@ -234,6 +265,18 @@ PRESETS: dict[str, TransformerConfig] = {
         num_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=192,
+    ),
+    # `image_token_id` is set from the tokenizer (its `<|image|>` token) when the model is built
+    "tiny-vlm": TransformerConfig(
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        vision=VisionConfig(
+            image_size=32, patch_size=8, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128
+        ),
     ),
 }
 

@@ -50,6 +50,7 @@ BUILTIN_MARKUP_TOKENS = (
     "<think>",
     "</think>",
 )
+IMAGE_PLACEHOLDER = "<|image|>"  # one per image in rendered text; the VLM processor expands it
 NUM_BYTE_TOKENS = 256
 # Ids are fixed: byte b is id b, then the special tokens, then the markup tokens, in the order above.
 BUILTIN_TOKENIZER_VOCAB_SIZE = NUM_BYTE_TOKENS + len(BUILTIN_SPECIAL_TOKENS) + len(BUILTIN_MARKUP_TOKENS)
@@ -104,6 +105,15 @@ BUILTIN_CHAT_TEMPLATE = r"""
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
 """.strip()
+
+
+# The VLM variant (built-in tokenizer with `<|image|>`) also renders image parts as one placeholder each;
+# the text template stays byte-identical so saved text tokenizers are still recognised as built-in.
+BUILTIN_VLM_CHAT_TEMPLATE = BUILTIN_CHAT_TEMPLATE.replace(
+    "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}",
+    "{%- if part.type == 'text' -%}{{- part.text -}}"
+    "{%- elif part.type in ('image', 'image_url', 'input_image') -%}{{- '" + IMAGE_PLACEHOLDER + "' -}}{%- endif -%}",
+)
 
 
 class ChatTemplateError(ValueError):
@@ -165,7 +175,7 @@ def _byte_alphabet() -> list[str]:
     return alphabet
 
 
-def build_builtin_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
+def build_builtin_tokenizer(out_dir: str | Path | None = None, image_token: bool = False) -> PreTrainedTokenizerFast:
     """Build Molt's built-in tokenizer (and save it as an HF folder in `out_dir` if given).
 
     Byte-level BPE with no merges: every UTF-8 byte is one token (id = byte value), so any text
@@ -174,7 +184,8 @@ def build_builtin_tokenizer(out_dir: str | Path | None = None) -> PreTrainedToke
     is either huge (Unicode) or lossy; no merges because a tiny model learns bytes fine, and because
     then tokenization never merges across text boundaries. On top sit the ChatML control tokens
     (`<|endoftext|>` is pad, `<|im_end|>` eos) and atomic tool/reasoning markup tokens. Built from
-    constants only, so ids are identical on every machine and no download is needed.
+    constants only, so ids are identical on every machine and no download is needed. `image_token`
+    (VLMs) adds the special `<|image|>` placeholder as the last id; text ids are unchanged.
     """
     vocab = {char: byte for byte, char in enumerate(_byte_alphabet())}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -184,13 +195,15 @@ def build_builtin_tokenizer(out_dir: str | Path | None = None) -> PreTrainedToke
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BUILTIN_SPECIAL_TOKENS])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in BUILTIN_MARKUP_TOKENS])
     assert backend.get_vocab_size() == BUILTIN_TOKENIZER_VOCAB_SIZE
+    if image_token:
+        backend.add_special_tokens([AddedToken(IMAGE_PLACEHOLDER, special=True, normalized=False)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token=None,
-        chat_template=BUILTIN_CHAT_TEMPLATE,
+        chat_template=BUILTIN_VLM_CHAT_TEMPLATE if image_token else BUILTIN_CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 20,
     )

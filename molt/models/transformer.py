@@ -16,6 +16,7 @@ from molt.models.attention import Cache, PackedCausal
 from molt.models.config import TransformerConfig
 from molt.models.moe import Routing, SparseMoE
 from molt.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from molt.models.vision import VisionTower
 
 
 class RMSNorm(nn.Module):
@@ -108,6 +109,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.vision = VisionTower(cfg.vision, cfg.hidden_size) if cfg.vision is not None else None
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.reset_rope()
 
@@ -128,12 +130,16 @@ class Transformer(nn.Module):
         cache: Cache | None = None,
         return_hidden: bool = False,
         routing: Routing | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_embeds_nh: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for `input_ids_bt` at explicit positions (default 0..T-1 per row).
 
         `doc_ids_bt` packs several samples per row (attention stays within a sample); `cache`
         switches to incremental decoding (the cache decides what each query sees). `routing`
         (MoE models) replays given expert ids and records each MoE layer's choice (see `moe.py`).
+        A VLM takes its images as uint8 `pixel_values` [N, 3, S, S] (whole images, in placeholder order)
+        or as `image_embeds_nh`, one row per `image_token_id` position of `input_ids_bt` in row-major order.
         """
         if position_ids_bt is None:
             position_ids_bt = torch.arange(input_ids_bt.shape[1], device=input_ids_bt.device).expand_as(input_ids_bt)
@@ -141,11 +147,27 @@ class Transformer(nn.Module):
             raise ValueError("pass either doc_ids_bt (packed training) or cache (decoding), not both")
         attend = cache.prepare(position_ids_bt) if cache is not None else PackedCausal(doc_ids_bt)
         x_bth = self.embed_tokens(input_ids_bt)
+        if pixel_values is not None:
+            image_embeds_nh = self.vision(pixel_values).flatten(0, 1)
+        if image_embeds_nh is not None or self.cfg.image_token_id is not None:
+            x_bth = self._scatter_images(input_ids_bt, x_bth, image_embeds_nh)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, position_ids_bt.clamp(min=0), x_bth.dtype)
         for layer in self.layers:
             x_bth = layer(x_bth, cos, sin, attend, routing)
         x_bth = self.norm(x_bth)
         return x_bth if return_hidden else self.lm_head(x_bth)
+
+    def _scatter_images(self, ids_bt: torch.Tensor, x_bth: torch.Tensor, embeds_nh: torch.Tensor | None):
+        """Image embeddings written over the embeddings of the placeholder positions (counts must match)."""
+        if self.cfg.image_token_id is None:
+            raise ValueError("image embeddings given to a model without image_token_id (not a VLM)")
+        mask_bt = ids_bt == self.cfg.image_token_id
+        num_rows = 0 if embeds_nh is None else embeds_nh.shape[0]
+        if int(mask_bt.sum()) != num_rows:
+            raise ValueError(f"{int(mask_bt.sum())} image placeholder tokens but {num_rows} image embedding rows")
+        if embeds_nh is None:
+            return x_bth
+        return x_bth.masked_scatter(mask_bt[..., None], embeds_nh.to(x_bth.dtype))
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> Transformer:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from molt.config import ModelConfig
-from molt.models import Transformer, from_pretrained, preset
+from molt.models import PRESETS, Transformer, from_pretrained, preset
 from molt.models.moe import SparseMoE
-from molt.models.tokenizer import build_builtin_tokenizer, load_tokenizer
+from molt.models.tokenizer import IMAGE_PLACEHOLDER, build_builtin_tokenizer, load_tokenizer
 
 
 def build_tokenizer(cfg: ModelConfig):
@@ -16,7 +16,7 @@ def build_tokenizer(cfg: ModelConfig):
         return load_tokenizer(cfg.tokenizer)
     if cfg.path:
         return load_tokenizer(cfg.path)
-    return build_builtin_tokenizer()
+    return build_builtin_tokenizer(image_token=PRESETS[cfg.preset].vision is not None)
 
 
 def build_model(cfg: ModelConfig, tokenizer, seed: int, device: str = "cpu") -> Transformer:
@@ -36,5 +36,7 @@ def build_model(cfg: ModelConfig, tokenizer, seed: int, device: str = "cpu") -> 
         pad_token_id=tokenizer.pad_token_id,
         router_fp32=cfg.router_fp32,
     )
+    if arch.vision is not None:
+        arch.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
     model = Transformer(arch).init_weights(cfg.init_std, torch.Generator().manual_seed(seed))
     return model.to(device=device, dtype=dtype)

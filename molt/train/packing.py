@@ -26,6 +26,7 @@ class PackedBatch:
     loss_mask: torch.Tensor
     sample_index: list[list[int]]
     routing: torch.Tensor | None = None  # MoE: [B, T, layers, k] recorded expert ids, -1 = route live
+    pixel_values: torch.Tensor | None = None  # uint8 [N, 3, S, S]: the batch's images in placeholder order
 
     @property
     def num_tokens(self) -> int:
@@ -33,7 +34,7 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         move = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        return PackedBatch(**move, sample_index=self.sample_index)
+        return PackedBatch(**move, sample_index=self.sample_index)  # (pixel_values moves too when present)
 
 
 def first_fit_rows(lengths: list[int], row_len: int) -> list[list[int]]:
@@ -53,8 +54,11 @@ def first_fit_rows(lengths: list[int], row_len: int) -> list[list[int]]:
     return rows
 
 
-def collate(samples: list[list[int]], masks: list[list[int]], rows: list[list[int]]) -> PackedBatch:
-    """Tensors for `rows` (lists of sample indices); target at t is token t+1 of the same sample."""
+def collate(samples: list[list[int]], masks: list[list[int]], rows: list[list[int]], images=None) -> PackedBatch:
+    """Tensors for `rows` (lists of sample indices); target at t is token t+1 of the same sample.
+
+    `images` (VLMs): per sample, its pixel tensors in placeholder order; stacked in packed order.
+    """
     width = max(sum(len(samples[i]) for i in row) for row in rows)
     shape = (len(rows), width)
     input_ids = torch.zeros(shape, dtype=torch.long)
@@ -74,7 +78,9 @@ def collate(samples: list[list[int]], masks: list[list[int]], rows: list[list[in
             loss_mask[r, start : start + n - 1] = torch.tensor(mask[1:], dtype=torch.float32)
             start += n
         doc_ids[r, start:] = -1 - torch.arange(width - start)  # padding: each token alone
-    return PackedBatch(input_ids, position_ids, doc_ids, targets, loss_mask, rows)
+    pixels = [im for row in rows for i in row for im in images[i]] if images else []
+    pixel_values = torch.stack(pixels) if pixels else None
+    return PackedBatch(input_ids, position_ids, doc_ids, targets, loss_mask, rows, pixel_values=pixel_values)
 
 
 def collate_routing(routings: list, lengths: list[int], rows: list[list[int]], width: int, shape_lk) -> torch.Tensor:
@@ -89,8 +95,10 @@ def collate_routing(routings: list, lengths: list[int], rows: list[list[int]], w
     return out
 
 
-def pack(samples: list[list[int]], masks: list[list[int]], row_len: int, micro_batch_tokens: int) -> list[PackedBatch]:
-    """All samples packed into micro-batches of at most `micro_batch_tokens` tokens."""
+def pack(
+    samples: list[list[int]], masks: list[list[int]], row_len: int, micro_batch_tokens: int, images=None
+) -> list[PackedBatch]:
+    """All samples packed into micro-batches of at most `micro_batch_tokens` tokens (`images`: see `collate`)."""
     rows = first_fit_rows([len(s) for s in samples], row_len)
     per_batch = max(1, micro_batch_tokens // row_len)
-    return [collate(samples, masks, rows[i : i + per_batch]) for i in range(0, len(rows), per_batch)]
+    return [collate(samples, masks, rows[i : i + per_batch], images) for i in range(0, len(rows), per_batch)]

@@ -21,6 +21,7 @@ from molt.data.tasks import dataset_rows, get_task
 from molt.log import RunDir, plot_metrics
 from molt.models import Transformer, save_pretrained
 from molt.models.tokenizer import assistant_mask
+from molt.models.vision import expand_row_images
 from molt.train.build import build_model, build_tokenizer
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
@@ -44,23 +45,30 @@ def sft_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
     return demos[len(held_out) :], demos[: len(held_out)]
 
 
-def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str) -> tuple[list, list]:
-    """Token ids and assistant masks per row; a too-long row or one without targets is an error."""
-    ids, masks = [], []
+def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str, model_cfg=None) -> tuple[list, list, list]:
+    """Token ids, assistant masks and pixels per row (images expanded for a VLM `model_cfg`).
+
+    A too-long row, one without targets or with an unusable image is an error naming the row.
+    """
+    ids, masks, pixels = [], [], []
     for i, row in enumerate(rows):
         row_ids, row_mask = assistant_mask(tokenizer, row["messages"], tools=row.get("tools"))
+        row_ids, row_mask, row_pixels = expand_row_images(
+            row_ids, row_mask, row["messages"], model_cfg, f"{source} row {i}"
+        )
         if len(row_ids) > max_len:
             raise ValueError(f"{source} row {i}: {len(row_ids)} tokens exceed data.max_len={max_len}")
         if not any(row_mask):
             raise ValueError(f"{source} row {i}: no assistant tokens to train on")
         ids.append(row_ids)
         masks.append(row_mask)
-    return ids, masks
+        pixels.append(row_pixels)
+    return ids, masks, pixels
 
 
 def token_losses(model: Transformer, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed masked cross-entropy, number of correct argmax predictions) of one packed batch."""
-    logits = model(batch.input_ids, batch.position_ids, doc_ids_bt=batch.doc_ids)
+    logits = model(batch.input_ids, batch.position_ids, doc_ids_bt=batch.doc_ids, pixel_values=batch.pixel_values)
     nll = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="none")
     mask = batch.loss_mask.flatten()
     correct = ((logits.argmax(-1).flatten() == batch.targets.flatten()).float() * mask).sum()
@@ -131,10 +139,11 @@ def run_sft(cfg: Config) -> SftResult:
     model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device)
     train_rows, eval_rows = sft_rows(cfg)
     source = cfg.data.path or f"task {cfg.data.task}"
-    ids, masks = tokenize_rows(tokenizer, train_rows, cfg.data.max_len, source)
-    eval_ids, eval_masks = tokenize_rows(tokenizer, eval_rows, cfg.data.max_len, source)
+    ids, masks, pixels = tokenize_rows(tokenizer, train_rows, cfg.data.max_len, source, model.cfg)
+    eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, cfg.data.max_len, source, model.cfg)
     row_len, mb = cfg.data.max_len, cfg.train.micro_batch_tokens
-    eval_batches = [b.to(cfg.runtime.device) for b in pack(eval_ids, eval_masks, row_len, mb)] if eval_ids else []
+    eval_batches = pack(eval_ids, eval_masks, row_len, mb, eval_pixels) if eval_ids else []
+    eval_batches = [b.to(cfg.runtime.device) for b in eval_batches]
     run.print(f"model {model.num_params() / 1e6:.2f}M params, {len(ids)} train / {len(eval_ids)} eval samples")
     opt, schedule = build_optimizer(model.parameters(), cfg.train)
     before = evaluate(model, eval_batches) if eval_batches else {}
@@ -142,7 +151,7 @@ def run_sft(cfg: Config) -> SftResult:
     for step in range(cfg.train.max_steps):
         t0 = time.perf_counter()
         picked = next(sampler)
-        batches = pack([ids[i] for i in picked], [masks[i] for i in picked], row_len, mb)
+        batches = pack([ids[i] for i in picked], [masks[i] for i in picked], row_len, mb, [pixels[i] for i in picked])
         metrics = train_step(model, opt, schedule, [b.to(cfg.runtime.device) for b in batches], cfg.train.grad_clip)
         tokens = sum(b.num_tokens for b in batches)
         dt = time.perf_counter() - t0

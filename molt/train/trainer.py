@@ -19,6 +19,7 @@ from molt import algo
 from molt.config import Config
 from molt.data.trajectory import Trajectory
 from molt.models import Transformer
+from molt.train.images import trajectory_pixels
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
 from molt.train.routing import attach_routing, forward_routing, freeze_routers, routing_metrics, routing_stats
@@ -88,7 +89,13 @@ def _per_sample(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
 
 def token_logprobs(model: Transformer, packed: PackedBatch, temperature: float, routing=None) -> torch.Tensor:
     """log p(target) at every packed position [R, W], under logits / temperature (fp32); `routing`: MoE."""
-    logits = model(packed.input_ids, packed.position_ids, doc_ids_bt=packed.doc_ids, routing=routing)
+    logits = model(
+        packed.input_ids,
+        packed.position_ids,
+        doc_ids_bt=packed.doc_ids,
+        routing=routing,
+        pixel_values=packed.pixel_values,
+    )
     logits = logits.float() / temperature
     targets = packed.targets.clamp(min=0)
     return -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
@@ -116,7 +123,8 @@ class Trainer:
         ids = [t.tokens for t in trajs]
         masks = [t.loss_mask for t in trajs]
         row_len = max(self.cfg.rollout.max_len, max(map(len, ids)))
-        packs = pack(ids, masks, row_len, self.cfg.train.micro_batch_tokens) if ids else []
+        images = trajectory_pixels(trajs, self.model.cfg)
+        packs = pack(ids, masks, row_len, self.cfg.train.micro_batch_tokens, images) if ids else []
         if self.moe_shape[0]:
             attach_routing(packs, [t.routing for t in trajs], list(map(len, ids)), self.moe_shape)
         return [_layout(p, trajs) for p in packs]

@@ -34,10 +34,12 @@ from molt.agents.chat.messages import (
     request_key,
 )
 from molt.agents.chat.tool_parser import Parser, ToolCall, parse_none
+from molt.agents.images import expand_images, message_images
 from molt.agents.runner import TemplateRewriteError, observation_ids
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Completion, ContextLengthError, SamplingParams
 from molt.models.tokenizer import apply_chat_template
+from molt.models.vision import ImageError
 
 
 class SessionClosed(LookupError):
@@ -69,6 +71,7 @@ class _Plan:
     context: list[int]  # what the engine sees
     new_ids: list[int]  # the new segment's prompt, or the delta appended to the current segment
     new_segment: bool
+    images: list = dataclasses.field(default_factory=list)  # records of the images in new_ids (absolute starts)
 
 
 class Session:
@@ -131,7 +134,9 @@ class Session:
             return TurnReply("", [], "length", len(plan.context), 0)
         sampling = self._sampling(request, room)
         try:
-            completion = await self.engine.generate(plan.context, sampling, session_id=self.id)
+            images = ([] if plan.new_segment else self.current.images or []) + plan.images
+            kw = {"images": [r["pixels"] for r in images]} if images else {}
+            completion = await self.engine.generate(plan.context, sampling, session_id=self.id, **kw)
         except ContextLengthError:
             self.truncated = True
             return TurnReply("", [], "length", len(plan.context), 0)
@@ -151,13 +156,18 @@ class Session:
             if self.current is not None and tools == self.tools and fingerprints(messages[:n]) == self.history_fps:
                 try:
                     delta = observation_ids(self.tokenizer, self.history, messages[n:], self.ended_with_eos, tools)
-                    return _Plan(self.current.tokens + delta, delta, False)
+                    offset = len(self.current.tokens)
+                    delta, images = expand_images(self.engine, delta, message_images(messages[n:]), offset)
+                    return _Plan(self.current.tokens + delta, delta, False, images)
                 except TemplateRewriteError:
                     pass  # the template re-renders history: start a new segment
             prompt = apply_chat_template(self.tokenizer, messages, tools=tools, add_generation_prompt=True)
+            prompt, images = expand_images(self.engine, prompt, message_images(messages), 0)
+        except ImageError as e:
+            raise RequestError(str(e)) from e
         except (TemplateError, TypeError, KeyError, AttributeError, ValueError) as e:
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
-        return _Plan(prompt, prompt, True)
+        return _Plan(prompt, prompt, True, images)
 
     def _sampling(self, request: ChatRequest, room: int) -> SamplingParams:
         base = self.sampling
@@ -183,6 +193,8 @@ class Session:
                 self.sealed.append(self.current)
             self.current, self.tools = Trajectory(), tools
         self.current.extend_prompt(plan.new_ids)
+        if plan.images:
+            self.current.images = (self.current.images or []) + plan.images
         self.current.extend_action(ids, list(completion.logprobs), list(completion.versions), self.keep_ids)
         self.current.add_routing(getattr(completion, "routing", None))
         self.current.finish_reason = completion.finish_reason

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from molt.models.tokenizer import BUILTIN_CHAT_TEMPLATE
+from molt.models.tokenizer import BUILTIN_CHAT_TEMPLATE, BUILTIN_VLM_CHAT_TEMPLATE
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 Tools = Sequence[dict[str, Any]]
@@ -139,7 +139,8 @@ def get_parser(name: str, tokenizer=None) -> Parser:
     if name == "auto":
         template = getattr(tokenizer, "chat_template", None) or ""
         template = template if isinstance(template, str) else json.dumps(template)
-        name = "molt" if template == BUILTIN_CHAT_TEMPLATE else "hermes" if "<tool_call>" in template else "none"
+        builtin = template in (BUILTIN_CHAT_TEMPLATE, BUILTIN_VLM_CHAT_TEMPLATE)
+        name = "molt" if builtin else "hermes" if "<tool_call>" in template else "none"
     if name not in PARSERS:
         raise ValueError(f"chat.tool_parser: unknown parser {name!r}; choose auto or one of {sorted(PARSERS)}")
     return PARSERS[name]

@@ -3,7 +3,8 @@
 Decoding: top-level `system` becomes the first message; assistant `text` blocks are the content and
 `tool_use` blocks its tool calls; each user `tool_result` block becomes a `tool` message (in order,
 before the user's remaining text); `tools` (`input_schema`) become OpenAI function schemas so one
-template path renders both wires. Image and document blocks are refused (422): the policy is text-only.
+template path renders both wires. Base64 `image` blocks become image parts (for a VLM policy);
+document blocks are refused (422).
 Encoding: `text` and `tool_use` content blocks, `stop_reason` (end_turn, max_tokens, tool_use,
 stop_sequence) and `usage`; streaming sends the standard event sequence after the generation.
 """
@@ -33,13 +34,21 @@ class Block(_Model):
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None
     content: str | list[Block] | None = None
+    source: dict[str, Any] | None = None
 
     @field_validator("type")
     @classmethod
-    def _text_only(cls, kind: str) -> str:
-        if kind in ("image", "document"):
-            raise ValueError(f"{kind} blocks are not supported: the policy is text-only")
+    def _supported(cls, kind: str) -> str:
+        if kind == "document":
+            raise ValueError("document blocks are not supported")
         return kind
+
+    def image_part(self) -> dict[str, Any]:
+        """An `image` block as a canonical image part (base64 source -> data URI)."""
+        src = self.source or {}
+        if src.get("type") == "base64":
+            return {"type": "image", "image": f"data:{src.get('media_type', 'image/png')};base64,{src.get('data', '')}"}
+        return {"type": "image", "image": src.get("url", "")}
 
 
 class MessageIn(_Model):
@@ -103,8 +112,9 @@ def _messages(m: MessageIn) -> list[dict[str, Any]]:
         for b in m.content
         if b.type == "tool_result"
     ]
-    texts = [b for b in m.content if b.type == "text"]
-    return results + ([{"role": "user", "content": _text(texts)}] if texts or not results else [])
+    parts = [b.image_part() if b.type == "image" else {"type": "text", "text": b.text or ""} for b in m.content
+             if b.type in ("text", "image")]  # fmt: skip
+    return results + ([{"role": "user", "content": text_content(parts)}] if parts or not results else [])
 
 
 def decode(body: Any) -> ChatRequest:

@@ -1,6 +1,7 @@
 """OpenAI Chat Completions wire: request schema -> `ChatRequest`, `TurnReply` -> response / SSE chunks.
 
-Decoding: `developer` becomes `system`; content is a string or text parts; assistant `tool_calls`
+Decoding: `developer` becomes `system`; content is a string or text and `image_url` parts (data URIs,
+for a VLM policy; audio is refused with 422); assistant `tool_calls`
 arguments are decoded from their JSON string. `n` must be 1 (each sample is its own rollout).
 Encoding: one choice whose message carries `content` and parsed `tool_calls`; `usage` counts the
 engine's prompt (the whole context) and generated tokens. Streaming sends the reply as chunks
@@ -26,9 +27,21 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class ImageUrl(_Model):
+    url: str
+
+
 class ContentPart(_Model):
-    type: Literal["text"]  # the policy is text-only: image/audio parts are refused (422), not dropped
-    text: str
+    type: Literal["text", "image_url"]  # audio/file parts are refused (422), not dropped
+    text: str | None = None
+    image_url: ImageUrl | None = None
+
+    def canonical(self) -> dict[str, Any]:
+        if self.type == "image_url":
+            if self.image_url is None:
+                raise ValueError("an image_url part needs image_url.url")
+            return {"type": "image", "image": self.image_url.url}
+        return {"type": "text", "text": self.text or ""}
 
 
 class FunctionCall(_Model):
@@ -98,9 +111,7 @@ class CompletionRequest(_Model):
 
 def _message(m: MessageIn) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-    out["content"] = text_content(
-        [p.model_dump(exclude_none=True) for p in m.content] if isinstance(m.content, list) else m.content
-    )
+    out["content"] = text_content([p.canonical() for p in m.content] if isinstance(m.content, list) else m.content)
     if m.tool_calls:
         out["tool_calls"] = [
             {

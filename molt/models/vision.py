@@ -1,0 +1,188 @@
+"""The vision half of a VLM: images in (PIL / path / bytes / data URI) -> pixels -> LM-space embeddings.
+
+* The processor (`to_pixels`) decodes an image, converts it to RGB and resizes it to the tower's
+  square `image_size`: a uint8 [3, S, S] tensor. Those exact pixels are what the engine and the
+  trainer both see (they travel in the trajectory with a content hash, `pixel_hash`).
+* Every image becomes a fixed number of placeholder tokens (`tokens_per_image`, one per patch):
+  the chat template writes one `<|image|>` per image and `expand_image_tokens` repeats it.
+* `VisionTower`: patch embedding + pre-norm encoder layers + a 2-layer projector into the LM's
+  hidden size; the LM scatters its output rows into the placeholder positions.
+
+Knows nothing of engines, agents or training; model code free of parallelism.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from molt.models.config import VisionConfig
+
+
+class ImageError(ValueError):
+    """An image that cannot be used (missing file, undecodable bytes, unknown kind)."""
+
+
+# ------------------------------------------------------------------------------------------ processor
+
+
+def load_image(image: Any, where: str = "image"):
+    """A PIL image from a PIL image, file path, raw bytes, a `data:` URI or an HF `{"bytes"/"path"}` dict."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, dict):
+        image = image.get("bytes") or image.get("path")
+    if isinstance(image, str) and image.startswith("data:"):
+        try:
+            image = base64.b64decode(image.split(",", 1)[1], validate=True)
+        except (IndexError, binascii.Error):
+            raise ImageError(f"{where}: malformed base64 data URI") from None
+    if isinstance(image, (str, Path)):
+        if not Path(image).is_file():
+            raise ImageError(f"{where}: image file {str(image)!r} does not exist")
+        image = Path(image).read_bytes()
+    if not isinstance(image, (bytes, bytearray)):
+        raise ImageError(f"{where}: expected a PIL image, path, bytes or data URI, got {type(image).__name__}")
+    try:
+        loaded = Image.open(io.BytesIO(image))
+        loaded.load()
+        return loaded
+    except (UnidentifiedImageError, OSError) as e:
+        raise ImageError(f"{where}: cannot decode image bytes ({len(image)} bytes): {e}") from None
+
+
+def to_pixels(image: Any, size: int, where: str = "image") -> torch.Tensor:
+    """uint8 [3, size, size] RGB pixels of `image` (resized bilinearly); already-made pixels pass through."""
+    if isinstance(image, torch.Tensor):
+        if image.dtype != torch.uint8 or tuple(image.shape) != (3, size, size):
+            raise ImageError(f"{where}: pixel tensor must be uint8 [3, {size}, {size}], got {tuple(image.shape)}")
+        return image
+    from PIL import Image
+
+    rgb = load_image(image, where).convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
+    return torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(size, size, 3).permute(2, 0, 1).clone()
+
+
+def pixel_hash(pixels: torch.Tensor) -> str:
+    """Content hash of a pixel tensor (what the engine saw, checked again by the trainer)."""
+    return hashlib.sha256(pixels.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+
+
+def message_images(messages: list[dict[str, Any]]) -> list[Any]:
+    """Every image in chat `messages` (content parts), in the order the chat template renders placeholders."""
+    out = []
+    for message in messages:
+        for part in message.get("content") if isinstance(message.get("content"), list) else ():
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                value = part.get("image", part.get("image_url"))
+                out.append(value["url"] if isinstance(value, dict) and "url" in value else value)
+    return out
+
+
+def expand_image_tokens(ids: list[int], image_token_id: int, per_image: int) -> tuple[list[int], list[int]]:
+    """`ids` with each placeholder repeated `per_image` times, and the start position of each image."""
+    out, starts = [], []
+    for token in ids:
+        if token == image_token_id:
+            starts.append(len(out))
+            out += [token] * per_image
+        else:
+            out.append(token)
+    return out, starts
+
+
+def expand_row_images(ids: list[int], mask: list[int], messages: list, cfg, where: str) -> tuple[list, list, list]:
+    """(ids, mask, pixels) of a tokenized conversation with its images' placeholders expanded (SFT rows)."""
+    images = message_images(messages)
+    if cfg is None or cfg.vision is None:
+        if images:
+            raise ImageError(f"{where}: has {len(images)} image(s) but the model has no vision tower")
+        return ids, mask, []
+    per, image_id = cfg.vision.tokens_per_image, cfg.image_token_id
+    if sum(t == image_id for t in ids) != len(images):
+        raise ImageError(f"{where}: the chat template rendered a placeholder count different from {len(images)} images")
+    pixels = [to_pixels(im, cfg.vision.image_size, f"{where} image {k}") for k, im in enumerate(images)]
+    reps = [per if t == image_id else 1 for t in ids]
+    return (
+        [t for t, r in zip(ids, reps, strict=True) for _ in range(r)],
+        [m for m, r in zip(mask, reps, strict=True) for _ in range(r)],
+        pixels,
+    )
+
+
+def image_spans(ids: list[int], image_token_id: int, per_image: int, where: str = "prompt") -> list[int]:
+    """Start positions of the images in already-expanded `ids`; a run that is not whole images is an error."""
+    starts, i = [], 0
+    while i < len(ids):
+        if ids[i] != image_token_id:
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and ids[j] == image_token_id:
+            j += 1
+        if (j - i) % per_image:
+            raise ImageError(f"{where}: image placeholder run at {i} has {j - i} tokens, not a multiple of {per_image}")
+        starts += range(i, j, per_image)
+        i = j
+    return starts
+
+
+# ------------------------------------------------------------------------------------------ the tower
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm encoder layer: x + attn(norm(x)), then x + mlp(norm(x)) (bidirectional, GELU)."""
+
+    def __init__(self, vc: VisionConfig):
+        super().__init__()
+        self.num_heads = vc.num_heads
+        self.attn_norm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
+        self.qkv = nn.Linear(vc.hidden_size, 3 * vc.hidden_size)
+        self.proj = nn.Linear(vc.hidden_size, vc.hidden_size)
+        self.mlp_norm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
+        self.fc1 = nn.Linear(vc.hidden_size, vc.intermediate_size)
+        self.fc2 = nn.Linear(vc.intermediate_size, vc.hidden_size)
+
+    def forward(self, x_nph: torch.Tensor) -> torch.Tensor:
+        n, p, h = x_nph.shape
+        q, k, v = self.qkv(self.attn_norm(x_nph)).view(n, p, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, p, h)
+        x_nph = x_nph + self.proj(attn)
+        return x_nph + self.fc2(F.gelu(self.fc1(self.mlp_norm(x_nph))))
+
+
+class VisionTower(nn.Module):
+    """uint8 pixels [N, 3, S, S] -> embeddings [N, tokens_per_image, lm_hidden]."""
+
+    def __init__(self, vc: VisionConfig, lm_hidden: int):
+        super().__init__()
+        self.cfg = vc
+        self.patch_embed = nn.Linear(3 * vc.patch_size**2, vc.hidden_size)
+        self.pos_embed = nn.Parameter(torch.zeros(vc.tokens_per_image, vc.hidden_size))
+        self.layers = nn.ModuleList(VisionBlock(vc) for _ in range(vc.num_layers))
+        self.post_norm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
+        self.proj_in = nn.Linear(vc.hidden_size, lm_hidden)
+        self.proj_out = nn.Linear(lm_hidden, lm_hidden)
+
+    def forward(self, pixels_n3ss: torch.Tensor) -> torch.Tensor:
+        p = self.cfg.patch_size
+        dtype = self.patch_embed.weight.dtype
+        x = pixels_n3ss.to(dtype) / 127.5 - 1.0
+        patches = F.unfold(x, kernel_size=p, stride=p).transpose(1, 2)  # [N, P, 3*p*p], row-major patches
+        x_nph = self.patch_embed(patches) + self.pos_embed
+        for layer in self.layers:
+            x_nph = layer(x_nph)
+        return self.proj_out(F.gelu(self.proj_in(self.post_norm(x_nph))))

@@ -1,0 +1,73 @@
+"""The chat server with a VLM policy: OpenAI `image_url` and Anthropic image blocks, recorded with their pixels."""
+
+import base64
+import sys
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+from vlm_support import IMAGE_ID, PER_IMAGE, TOK, image, png_bytes, small_vlm
+
+from molt.engine import SamplingParams, TorchEngine
+from molt.models.vision import pixel_hash, to_pixels
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "agents"))
+from chat_support import ServerThread  # noqa: E402
+
+KEY = "k"
+RED, BLUE = png_bytes(image((230, 20, 20))), png_bytes(image((20, 20, 230)))
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.fixture
+def served():
+    engine = TorchEngine(small_vlm(), num_slots=4, max_seq_len=256, eos_token_ids=(TOK.eos_token_id,))
+    server = ServerThread(engine, tokenizer=TOK, api_key=KEY)
+    yield server
+    server.stop()
+
+
+def _hashes(*images: bytes) -> list[str]:
+    return [pixel_hash(to_pixels(im, 16)) for im in images]
+
+
+def _recorded(server, session):
+    (traj,) = server.server.close_session(session.id)
+    starts = [i for i, t in enumerate(traj.tokens) if t == IMAGE_ID and traj.tokens[i - 1] != IMAGE_ID]
+    assert [r["start"] for r in traj.images] == starts
+    assert all(traj.tokens[s : s + PER_IMAGE] == [IMAGE_ID] * PER_IMAGE for s in starts)
+    return traj
+
+
+def test_openai_image_url_turns_are_recorded_with_their_pixels(served):
+    session = served.open(SamplingParams(temperature=1.0, max_tokens=4, seed=0))
+    client = openai.OpenAI(base_url=served.session_url(session) + "/v1", api_key=KEY, max_retries=0)
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(RED)}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what?"}, part]}]
+    reply = client.chat.completions.create(model="m", messages=messages)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
+    messages += [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:;base64," + _b64(BLUE)}}]}
+    ]
+    client.chat.completions.create(model="m", messages=messages)
+    traj = _recorded(served, session)
+    assert [r["hash"] for r in traj.images] == _hashes(RED, BLUE) and traj.num_turns == 2
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    other = served.open()
+    with pytest.raises(openai.UnprocessableEntityError, match="image 0: cannot decode"):
+        openai.OpenAI(base_url=served.session_url(other) + "/v1", api_key=KEY, max_retries=0).chat.completions.create(
+            model="m", messages=bad
+        )
+
+
+def test_anthropic_image_blocks_are_recorded_with_their_pixels(served):
+    session = served.open(SamplingParams(temperature=1.0, max_tokens=4, seed=0))
+    client = anthropic.Anthropic(base_url=served.session_url(session), api_key=KEY, max_retries=0)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(BLUE)}}
+    client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [block]}])
+    traj = _recorded(served, session)
+    assert [r["hash"] for r in traj.images] == _hashes(BLUE)
