@@ -19,6 +19,7 @@ from molt import algo
 from molt.config import Config
 from molt.data.trajectory import Trajectory
 from molt.models import Transformer
+from molt.train import parallel
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
 
@@ -108,6 +109,10 @@ class Trainer:
         self.version = 0
         self.num_skipped_steps = 0
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The policy's current weights for the engines (Molt names)."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
     def micro_batches(self, trajs: list[Trajectory]) -> list[MicroBatch]:
         ids = [t.tokens for t in trajs]
         masks = [t.loss_mask for t in trajs]
@@ -126,17 +131,30 @@ class Trainer:
         adv_bt, _, metrics = algo.compute_advantages(self.cfg.algo.estimator, inputs, params)
         return [adv_bt[b, : len(t.tokens)].tolist() for b, t in enumerate(trajs)], metrics
 
-    def step(self, trajs: list[Trajectory]) -> dict[str, float]:
-        """One optimizer step on `trajs` (complete groups); returns scalar metrics."""
+    def step(self, trajs: list[Trajectory], shard: list[int] | None = None) -> dict[str, float]:
+        """One optimizer step on `trajs` (complete groups); returns scalar metrics.
+
+        Data parallel (`molt.train.parallel`): every rank gets the whole batch and trains on its `shard`
+        (indices of whole groups); denominators and metric sums are summed over the ranks."""
         t0 = time.perf_counter()
-        check_tokens(trajs, exhaustive=self.cfg.train.check_tokens == "exhaustive")
         advantages, adv_metrics = self.advantages(trajs)
+        if shard is not None:
+            trajs_all, trajs, advantages = trajs, [trajs[i] for i in shard], [advantages[i] for i in shard]
+        check_tokens(trajs, exhaustive=self.cfg.train.check_tokens == "exhaustive")
         mbs = self.micro_batches(trajs)
         denoms = algo.step_denominators([mb.mask_bt for mb in mbs], [self._group_ids(mb, trajs) for mb in mbs])
+        denoms = denoms.all_reduced(parallel.all_reduce_sum)
         sums: dict[str, float] = {}
         for mb in mbs:
             self._backward(mb, trajs, advantages, denoms, sums)
+        for _ in range(parallel.all_reduce_max(len(mbs)) - len(mbs)):  # FSDP collectives must line up
+            self._backward(mbs[-1], trajs, advantages, denoms, {}, scale=0.0)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip or float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if shard is not None:
+            keys = sorted(sums)
+            summed = parallel.all_reduce_sum(torch.tensor([sums[k] for k in keys] + [len(mbs)], dtype=torch.float64))
+            sums, trajs, mbs = dict(zip(keys, summed.tolist(), strict=False)), trajs_all, range(int(summed[-1]))
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             self.opt.step()
@@ -161,7 +179,7 @@ class Trainer:
     def _group_ids(mb: MicroBatch, trajs: list[Trajectory]) -> torch.Tensor:
         return torch.tensor([trajs[i].group_id for i in mb.samples])
 
-    def _backward(self, mb: MicroBatch, trajs, advantages, denoms, sums: dict[str, float]) -> None:
+    def _backward(self, mb: MicroBatch, trajs, advantages, denoms, sums: dict[str, float], scale=1.0) -> None:
         device, temp = self.cfg.runtime.device, self.cfg.rollout.temperature
         packed = mb.packed.to(device)
         logp_bt = _unpack(token_logprobs(self.model, packed, temp), mb)
@@ -180,7 +198,7 @@ class Trainer:
             group_ids_b=self._group_ids(mb, trajs).to(device),
         )
         loss, metrics = algo.policy_objective(batch, denoms, self.objective)
-        loss.backward()
+        (loss * scale if scale != 1.0 else loss).backward()
         n = float(mask_bt.sum())
         diff = ((logp_bt.detach() - rollout_logp_bt).abs() * mask_bt).sum()
         sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
