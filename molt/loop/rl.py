@@ -158,6 +158,8 @@ class RLLoop:
                     group_id=group_index,
                 )
             except Exception as e:  # noqa: BLE001 - agent code fails this rollout only
+                if getattr(e, "fatal_to_run", False):  # e.g. an engine replica that is gone for good
+                    raise
                 self._count_failure(e)
                 return None
         self.state.rollouts += 1

@@ -59,6 +59,7 @@ class RayRuntime:
         for e in self.engines:
             out[f"engine/{e.index}/requests"] = e.num_requests
             out[f"engine/{e.index}/restarts"] = e.num_restarts
+            out[f"engine/{e.index}/resent"] = e.num_resent  # calls re-sent after the replica died
         weights = self.trainer.last_weights
         if weights is not None and self.engines:
             push_s = max(e.sync_s for e in self.engines)

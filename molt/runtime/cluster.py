@@ -22,6 +22,8 @@ from molt.config import RuntimeConfig
 class ActorFailedError(RuntimeError):
     """A Ray actor raised or died; the message carries the actor's name and its traceback."""
 
+    fatal_to_run = True  # the loop stops on it instead of counting a failed rollout
+
 
 def connect(rt: RuntimeConfig) -> bool:
     """Join `rt.address`, or the cluster this process already joined, or start a local one.

@@ -9,8 +9,8 @@ parameters is an error listing them.
 Failure policy: Ray restarts a dead replica (up to `runtime.engine_restarts`); the first caller to
 see the death waits for the restart, re-sends the last synced weights and version, and every
 request that was in flight on it is sent again (same request id and seed), so no sample is lost
-and none mixes weights. Past the restart budget the error (with the actor's traceback) reaches the
-rollout, which counts it as a failed rollout. Knows Ray and the engine interface, not the loop.
+and none mixes weights. Past the restart budget the run stops with `ActorFailedError` (the actor's
+death cause included). Knows Ray and the engine interface, not the loop.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class RemoteEngine(Engine):
         self._version, self._epoch, self._lock = version, 0, asyncio.Lock()
         self._last: tuple[ChunkedWeights, int] | None = None
         self._pending = 0
-        self.num_requests = self.num_restarts = 0
+        self.num_requests = self.num_restarts = self.num_resent = 0
         self.sync_s = 0.0
 
     @classmethod
@@ -130,18 +130,27 @@ class RemoteEngine(Engine):
             try:
                 return await call()
             except ray.exceptions.RayActorError as e:
+                self.num_resent += 1
                 await self._recover(epoch, e)
 
     async def _recover(self, epoch: int, error: Exception) -> None:
         async with self._lock:
             if epoch != self._epoch:
                 return  # another caller already waited for the restart
-            try:
-                await self.actor.ready.remote()
-                if self._last is not None:
-                    await self.actor.update_weights.remote(self._last[0].refs, self._last[1], "interrupt")
-            except ray.exceptions.RayActorError as e:
-                raise ActorFailedError(f"engine replica {self.index} died and was not restarted:\n{error}") from e
+            deadline = time.monotonic() + 600
+            while True:
+                try:
+                    await self.actor.ready.remote()
+                    if self._last is not None:
+                        await self.actor.update_weights.remote(self._last[0].refs, self._last[1], "interrupt")
+                    break
+                except ray.exceptions.ActorUnavailableError:  # still restarting
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+                except ray.exceptions.RayActorError as e:
+                    msg = f"engine replica {self.index} died and was not restarted (runtime.engine_restarts)"
+                    raise ActorFailedError(f"{msg}:\n{error}") from e
             self._epoch += 1
             self.num_restarts += 1
 
