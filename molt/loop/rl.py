@@ -217,7 +217,7 @@ class RLLoop:
     async def sync(self) -> None:
         """Push the trainer's weights to the engine under the new version."""
         t0 = time.perf_counter()
-        weights = self.trainer.weights()
+        weights = await asyncio.to_thread(self.trainer.weights)  # may gather from remote ranks
         await self.engine.update_weights(weights, self.trainer.version, mode=self.cfg.rollout.sync_mode)
         self.sync_s = time.perf_counter() - t0
         await self._notify()

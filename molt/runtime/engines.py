@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
@@ -31,7 +33,7 @@ from molt.runtime.cluster import ActorFailedError
 
 @dataclass
 class ChunkedWeights(Mapping):
-    """Full weights as object-store chunks (each a {name: tensor} dict); read lazily as a Mapping."""
+    """Full weights as object-store chunks (each a {name: encoded tensor} dict); a lazy Mapping."""
 
     refs: list[Any]
     names: list[str]
@@ -41,7 +43,7 @@ class ChunkedWeights(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if self._cache is None:
-            self._cache = {k: v for chunk in ray.get(self.refs) for k, v in chunk.items()}
+            self._cache = {k: _decode(v) for chunk in ray.get(self.refs) for k, v in chunk.items()}
         return self._cache[name]
 
     def __iter__(self):
@@ -51,20 +53,32 @@ class ChunkedWeights(Mapping):
         return len(self.names)
 
 
+def _encode(tensor: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], np.ndarray]:
+    """Bytes as a numpy array: Ray stores it out of band and readers map it without a copy."""
+    return tensor.dtype, tuple(tensor.shape), tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def _decode(encoded: tuple[torch.dtype, tuple[int, ...], np.ndarray]) -> torch.Tensor:
+    dtype, shape, data = encoded
+    with warnings.catch_warnings():  # a read-only view of the object store; only ever copied from
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data).view(dtype).view(shape)
+
+
 def chunk_weights(weights: Weights, chunk_bytes: int) -> ChunkedWeights:
     """Put `weights` into the object store in chunks of about `chunk_bytes`."""
+    t0 = time.perf_counter()
     items = weights.items() if isinstance(weights, Mapping) else weights
     refs, names, chunk, size, total = [], [], {}, 0, 0
     for name, tensor in items:
-        tensor = tensor.detach().cpu()
-        chunk[name], size, total = tensor, size + tensor.nbytes, total + tensor.nbytes
+        chunk[name], size, total = _encode(tensor), size + tensor.nbytes, total + tensor.nbytes
         names.append(name)
         if size >= chunk_bytes:
             refs.append(ray.put(chunk))
             chunk, size = {}, 0
     if chunk:
         refs.append(ray.put(chunk))
-    return ChunkedWeights(refs, names, total)
+    return ChunkedWeights(refs, names, total, time.perf_counter() - t0)
 
 
 class EngineActor:
@@ -87,7 +101,7 @@ class EngineActor:
         return await self.engine.abort(request_id)
 
     async def update_weights(self, refs: list, version: int, mode: SyncMode) -> None:
-        weights = {k: v for chunk in await asyncio.gather(*refs) for k, v in chunk.items()}
+        weights = {k: _decode(v) for chunk in await asyncio.gather(*refs) for k, v in chunk.items()}
         missing = sorted(self.expected - set(weights))
         if missing:
             raise ValueError(f"update_weights: the sync misses {len(missing)} engine parameters: {missing}")

@@ -11,7 +11,6 @@ Knows Ray, the trainer and torch.distributed.checkpoint; nothing of engines or t
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
 
 import ray
@@ -22,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from molt.config import Config
 from molt.data.trajectory import Trajectory
 from molt.runtime.cluster import get
-from molt.runtime.engines import ChunkedWeights
+from molt.runtime.engines import ChunkedWeights, chunk_weights
 from molt.train import parallel
 
 
@@ -53,21 +52,12 @@ class TrainerRank:
 
     def weights(self, chunk_bytes: int) -> ChunkedWeights | None:
         """Gather full tensors (a collective); rank 0 puts them in the object store in chunks."""
-        t0 = time.perf_counter()
-        refs, names, chunk, size, total = [], [], {}, 0, 0
-        for name, tensor in parallel.full_tensors(self.model):
-            if self.rank != 0:
-                continue
-            chunk[name], size, total = tensor, size + tensor.nbytes, total + tensor.nbytes
-            names.append(name)
-            if size >= chunk_bytes:
-                refs.append(ray.put(chunk))
-                chunk, size = {}, 0
-        if self.rank != 0:
-            return None
-        if chunk:
-            refs.append(ray.put(chunk))
-        return ChunkedWeights(refs, names, total, time.perf_counter() - t0)
+        items = parallel.full_tensors(self.model)
+        if self.rank == 0:
+            return chunk_weights(items, chunk_bytes)
+        for _ in items:  # take part in every gather
+            pass
+        return None
 
     def save(self, folder: str, tokenizer) -> dict:
         """Sharded model+optimizer under `folder/dcp` (all ranks); the HF policy folder from rank 0."""
