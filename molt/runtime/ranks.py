@@ -108,6 +108,8 @@ class RayTrainer:
 
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
         shards = parallel.split_by_tokens(trajs, len(self.ranks))
+        if not all(shards):
+            raise ValueError(f"a step needs >= {len(self.ranks)} groups, one per trainer rank")
         batch = ray.put(trajs)
         results = get([r.step.remote(batch, s) for r, s in zip(self.ranks, shards, strict=True)], "trainer step")
         self.version += 1
