@@ -104,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["RAY_AUTH_MODE"] = "disabled"
     env = {"env_vars": {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, runtime_env=env)
+    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False, runtime_env=env)
     load_before = os.getloadavg()[0]
     if args.sync_only:
         print(weight_sync(args.preset, 2, args.reps), f"load {load_before:.1f}")

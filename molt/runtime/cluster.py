@@ -37,7 +37,7 @@ def connect(rt: RuntimeConfig) -> bool:
         ray.init(address=rt.address, runtime_env=env, log_to_driver=True)
     else:
         num_cpus = rt.num_cpus or int((rt.engines + rt.trainer_ranks) * max(rt.cpus_per_actor, 1) + 1)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
     return True
 
 

@@ -16,7 +16,7 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     env = {"env_vars": {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
-    ray.init(num_cpus=8, include_dashboard=False, runtime_env=env, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, runtime_env=env, log_to_driver=False)
     yield ray
     ray.shutdown()
 
