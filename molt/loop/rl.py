@@ -160,6 +160,8 @@ class RLLoop:
             except Exception as e:  # noqa: BLE001 - agent code fails this rollout only
                 if hasattr(e, "drop_reason"):  # e.g. an image that does not fit the context: dropped, not failed
                     return e.drop_reason
+                if getattr(e, "fatal_to_run", False):  # e.g. an engine replica that is gone for good
+                    raise
                 self._count_failure(e)
                 return None
         self.state.rollouts += 1
@@ -217,7 +219,7 @@ class RLLoop:
     async def sync(self) -> None:
         """Push the trainer's weights to the engine under the new version."""
         t0 = time.perf_counter()
-        weights = self.trainer.sync_weights()  # frozen routers are not sent
+        weights = await asyncio.to_thread(self.trainer.weights)  # may gather from remote ranks; no frozen routers
         await self.engine.update_weights(weights, self.trainer.version, mode=self.cfg.rollout.sync_mode)
         self.sync_s = time.perf_counter() - t0
         await self._notify()

@@ -151,9 +151,23 @@ class Progress:
 async def _train_async(cfg: Config, run: RunDir) -> TrainResult:
     t0 = time.perf_counter()
     tokenizer, model = _policy(cfg)
-    trainer = Trainer(model, cfg)
-    state = load_training_state(latest_checkpoint(cfg.ckpt.resume), trainer) if cfg.ckpt.resume else None
-    engine = _engine(cfg, model, tokenizer, trainer.version)
+    runtime = None
+    if cfg.runtime.backend == "ray":
+        from molt.runtime.backend import RayRuntime
+
+        runtime = RayRuntime(cfg, model)
+    try:
+        trainer = runtime.trainer if runtime else Trainer(model, cfg)
+        state = load_training_state(latest_checkpoint(cfg.ckpt.resume), trainer) if cfg.ckpt.resume else None
+        engine = (
+            runtime.start_engines(tokenizer, trainer.version)
+            if runtime
+            else _engine(cfg, model, tokenizer, trainer.version)
+        )
+    except BaseException:
+        if runtime:
+            runtime.shutdown()
+        raise
     train_rows, eval_rows = dataset_rows(cfg.data)
     loop = RLLoop(cfg, engine, trainer, tokenizer, _env_factory(cfg), train_rows, eval_rows, state)
     progress = Progress(run, cfg.train.max_steps, cfg.log.every)
@@ -163,6 +177,7 @@ async def _train_async(cfg: Config, run: RunDir) -> TrainResult:
             run.log({"step": loop.state.step, **before})
 
         def on_step(metrics: dict[str, Any]) -> None:
+            metrics |= runtime.metrics() if runtime else {}
             progress(metrics)
             if cfg.ckpt.every and loop.state.step % cfg.ckpt.every == 0:
                 save_checkpoint(run.path, trainer, loop.snapshot(), tokenizer)
@@ -172,7 +187,7 @@ async def _train_async(cfg: Config, run: RunDir) -> TrainResult:
     finally:
         progress.close()
         await loop.chat.close()
-        await engine.close()
+        await (runtime.close() if runtime else engine.close())
     after = next((m for m in reversed(history) if "eval/reward_mean" in m), {})
     after = {k: v for k, v in after.items() if k.startswith("eval/")}
     return TrainResult(str(run.path), str(ckpt), before, after, history, time.perf_counter() - t0)

@@ -19,6 +19,7 @@ from molt import algo
 from molt.config import Config
 from molt.data.trajectory import Trajectory
 from molt.models import Transformer
+from molt.train import parallel
 from molt.train.images import trajectory_pixels
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
@@ -119,6 +120,10 @@ class Trainer:
         self.version = 0
         self.num_skipped_steps = 0
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weights rollout engines need (Molt names): all but frozen routers (`train.freeze_router`)."""
+        return {k: v.detach() for k, v in self.model.state_dict().items() if k not in self.frozen}
+
     def micro_batches(self, trajs: list[Trajectory]) -> list[MicroBatch]:
         ids = [t.tokens for t in trajs]
         masks = [t.loss_mask for t in trajs]
@@ -128,10 +133,6 @@ class Trainer:
         if self.moe_shape[0]:
             attach_routing(packs, [t.routing for t in trajs], list(map(len, ids)), self.moe_shape)
         return [_layout(p, trajs) for p in packs]
-
-    def sync_weights(self) -> dict[str, torch.Tensor]:
-        """The weights rollout engines need: all but frozen routers (`train.freeze_router`)."""
-        return {k: v.detach() for k, v in self.model.state_dict().items() if k not in self.frozen}
 
     def advantages(self, trajs: list[Trajectory]) -> tuple[list[list[float]], dict]:
         """Per-token advantages of every trajectory (computed once over the whole step batch)."""
@@ -145,18 +146,31 @@ class Trainer:
         adv_bt, _, metrics = algo.compute_advantages(self.cfg.algo.estimator, inputs, params)
         return [adv_bt[b, : len(t.tokens)].tolist() for b, t in enumerate(trajs)], metrics
 
-    def step(self, trajs: list[Trajectory]) -> dict[str, float]:
-        """One optimizer step on `trajs` (complete groups); returns scalar metrics."""
+    def step(self, trajs: list[Trajectory], shard: list[int] | None = None) -> dict[str, float]:
+        """One optimizer step on `trajs` (complete groups); returns scalar metrics.
+
+        Data parallel (`molt.train.parallel`): every rank gets the whole batch and trains on its `shard`
+        (indices of whole groups); denominators and metric sums are summed over the ranks."""
         t0 = time.perf_counter()
-        check_tokens(trajs, exhaustive=self.cfg.train.check_tokens == "exhaustive")
         advantages, adv_metrics = self.advantages(trajs)
+        if shard is not None:
+            trajs_all, trajs, advantages = trajs, [trajs[i] for i in shard], [advantages[i] for i in shard]
+        check_tokens(trajs, exhaustive=self.cfg.train.check_tokens == "exhaustive")
         mbs = self.micro_batches(trajs)
         denoms = algo.step_denominators([mb.mask_bt for mb in mbs], [self._group_ids(mb, trajs) for mb in mbs])
+        denoms = denoms.all_reduced(parallel.all_reduce_sum)
         sums: dict[str, float] = {}
         self.step_tokens = sum(mb.packed.num_tokens for mb in mbs)
         for mb in mbs:
             self._backward(mb, trajs, advantages, denoms, sums)
+        for _ in range(parallel.all_reduce_max(len(mbs)) - len(mbs)):  # FSDP collectives must line up
+            self._backward(mbs[-1], trajs, advantages, denoms, {}, scale=0.0)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip or float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if shard is not None:
+            keys = sorted(sums)
+            summed = parallel.all_reduce_sum(torch.tensor([sums[k] for k in keys] + [len(mbs)], dtype=torch.float64))
+            sums, trajs, mbs = dict(zip(keys, summed.tolist(), strict=False)), trajs_all, range(int(summed[-1]))
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             self.opt.step()
@@ -181,7 +195,7 @@ class Trainer:
     def _group_ids(mb: MicroBatch, trajs: list[Trajectory]) -> torch.Tensor:
         return torch.tensor([trajs[i].group_id for i in mb.samples])
 
-    def _backward(self, mb: MicroBatch, trajs, advantages, denoms, sums: dict[str, float]) -> None:
+    def _backward(self, mb: MicroBatch, trajs, advantages, denoms, sums: dict[str, float], scale=1.0) -> None:
         device, temp = self.cfg.runtime.device, self.cfg.rollout.temperature
         packed = mb.packed.to(device)
         routing = forward_routing(packed, self.cfg.algo.routing_replay) if self.moe_shape[0] else None
@@ -206,7 +220,7 @@ class Trainer:
             sums["moe_aux"] = sums.get("moe_aux", 0.0) + float(aux.detach())
             if self.cfg.algo.moe_aux_coef > 0:
                 loss = loss + self.cfg.algo.moe_aux_coef * aux
-        loss.backward()
+        (loss * scale if scale != 1.0 else loss).backward()
         n = float(mask_bt.sum())
         diff = ((logp_bt.detach() - rollout_logp_bt).abs() * mask_bt).sum()
         sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())

@@ -123,9 +123,9 @@ def test_freeze_router_keeps_it_out_of_the_optimizer_and_the_sync():
     assert not torch.equal(before["layers.0.mlp.gate_up_proj"], after["layers.0.mlp.gate_up_proj"])
     routers = {id(model.get_parameter(n)) for n in names}
     assert not routers & {id(p) for group in trainer.opt.param_groups for p in group["params"]}
-    synced = trainer.sync_weights()
+    synced = trainer.weights()
     assert not set(names) & set(synced) and "layers.0.mlp.gate_up_proj" in synced
-    assert set(Trainer(_model(), _cfg("tiny-moe")).sync_weights()) >= set(names)
+    assert set(Trainer(_model(), _cfg("tiny-moe")).weights()) >= set(names)
 
 
 def test_aux_loss_pushes_the_router_toward_balance():

@@ -1,0 +1,84 @@
+"""`--runtime.backend ray`: engine replicas and trainer ranks as actors in one placement group.
+
+`RayRuntime` gives the loop what the local backend gives it: one `Engine` (a `Router` over
+`RemoteEngine` replicas) and one trainer (`RayTrainer`), plus per-step runtime metrics (requests
+per replica, restarts, weight-sync bytes, seconds and GB/s). Agent runners and the chat server stay
+in the driver's asyncio loop: they only await engine calls. `shutdown()` kills every actor and
+frees the placement group; it runs on normal exit, on errors and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ray
+
+from molt.config import Config
+from molt.engine.router import Router
+from molt.runtime import cluster
+from molt.runtime.engines import RemoteEngine
+from molt.runtime.ranks import RayTrainer, spawn_rank
+
+
+class RayRuntime:
+    """Builds the trainer ranks first (a resume loads their shards), then the engine replicas."""
+
+    def __init__(self, cfg: Config, model):
+        rt = cfg.runtime
+        self.cfg, self.started = cfg, cluster.connect(rt)
+        self.placement = cluster.Placement(rt, rt.engines + rt.trainer_ranks)
+        self.engines: list[RemoteEngine] = []
+        self.router: Router | None = None
+        self.model_ref = ray.put(model)
+        options = [self.placement.options(rt.engines + r, f"molt-rank-{r}") for r in range(rt.trainer_ranks)]
+        self.ranks = [spawn_rank(cfg, self.model_ref, r, rt.trainer_ranks, o) for r, o in enumerate(options)]
+        try:
+            self.trainer = RayTrainer(cfg, self.ranks)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def start_engines(self, tokenizer, version: int) -> Router:
+        """`runtime.engines` replicas holding the driver's model at `version`, behind one router."""
+        cfg, rt = self.cfg, self.cfg.runtime
+        slots = max(cfg.rollout.max_in_flight, cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt) * 2
+        kwargs = dict(num_slots=slots, max_seq_len=cfg.rollout.max_len + 1, version=version,
+                      num_threads=rt.engine_threads or 1)  # fmt: skip
+        args = (self.model_ref, tokenizer, kwargs, rt.engine_threads or 1, rt.device)
+        for i in range(rt.engines):
+            options = self.placement.options(i, f"molt-engine-{i}", max_restarts=rt.engine_restarts)
+            self.engines.append(RemoteEngine.spawn(i, options, args, version, rt.sync_chunk_mb << 20))
+        cluster.get([e.actor.ready.remote() for e in self.engines], "engine start")
+        self.router = Router(self.engines)
+        return self.router
+
+    def metrics(self) -> dict[str, Any]:
+        """Per-replica load and the last weight sync, for the step's metrics."""
+        out: dict[str, Any] = {}
+        for e in self.engines:
+            out[f"engine/{e.index}/requests"] = e.num_requests
+            out[f"engine/{e.index}/restarts"] = e.num_restarts
+            out[f"engine/{e.index}/resent"] = e.num_resent  # calls re-sent after the replica died
+        weights = self.trainer.last_weights
+        if weights is not None and self.engines:
+            push_s = max(e.sync_s for e in self.engines)
+            out |= {
+                "sync/gb": weights.num_bytes / 1e9,
+                "sync/gather_s": weights.gather_s,
+                "sync/push_s": push_s,
+                "sync/gb_per_s": weights.num_bytes * len(self.engines) / 1e9 / max(push_s, 1e-9),
+            }
+        return out
+
+    async def close(self) -> None:
+        if self.router is not None:
+            await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Kill this run's actors and placement group; end the Ray connection if this run started it."""
+        cluster.kill([e.actor for e in self.engines] + self.ranks)
+        self.placement.remove()
+        if self.started:
+            ray.shutdown()

@@ -1,0 +1,84 @@
+"""Ray cluster and placement: join or start a cluster, reserve one bundle per actor, surface failures.
+
+A local cluster (no `runtime.address`) advertises enough logical CPUs for every actor, so a small
+machine oversubscribes its cores rather than hanging on a placement group it can never fill.
+Knows Ray and the `runtime` config group; nothing of models, engines or trainers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from molt.config import RuntimeConfig
+
+
+class ActorFailedError(RuntimeError):
+    """A Ray actor raised or died; the message carries the actor's name and its traceback."""
+
+    fatal_to_run = True  # the loop stops on it instead of counting a failed rollout
+
+
+def connect(rt: RuntimeConfig) -> bool:
+    """Join `rt.address`, or the cluster this process already joined, or start a local one.
+
+    Returns True when this call started the connection (so `disconnect` should end it)."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    env = {"env_vars": {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
+    if rt.address:
+        ray.init(address=rt.address, runtime_env=env, log_to_driver=True)
+    else:
+        num_cpus = rt.num_cpus or int((rt.engines + rt.trainer_ranks) * max(rt.cpus_per_actor, 1) + 1)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+    return True
+
+
+class Placement:
+    """One placement group with a bundle per actor (engines first, then trainer ranks)."""
+
+    def __init__(self, rt: RuntimeConfig, num_actors: int, timeout_s: float = 120.0):
+        bundle = {"CPU": rt.cpus_per_actor} | ({"GPU": rt.gpus_per_actor} if rt.gpus_per_actor else {})
+        self.group = placement_group([dict(bundle) for _ in range(num_actors)], strategy="PACK")
+        self.rt = rt
+        if not self.group.wait(timeout_seconds=timeout_s):
+            remove_placement_group(self.group)
+            raise ActorFailedError(
+                f"runtime: the cluster cannot place {num_actors} actors of {bundle} (resources: "
+                f"{ray.cluster_resources()}); lower runtime.engines/trainer_ranks or *_per_actor"
+            )
+
+    def options(self, index: int, name: str, **kw: Any) -> dict[str, Any]:
+        """Ray actor options pinning an actor to bundle `index`."""
+        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
+        return dict(
+            num_cpus=self.rt.cpus_per_actor,
+            num_gpus=self.rt.gpus_per_actor,
+            scheduling_strategy=strategy,
+            name=name,
+            **kw,
+        )
+
+    def remove(self) -> None:
+        remove_placement_group(self.group)
+
+
+def get(refs, what: str):
+    """`ray.get` whose failures name what failed and include the actor's traceback."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayError as e:
+        raise ActorFailedError(f"{what} failed:\n{e}") from e
+
+
+def kill(actors: Sequence[Any]) -> None:
+    for actor in actors:
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(actor, no_restart=True)

@@ -1,0 +1,84 @@
+"""Data parallelism for the trainer: process group, FSDP2 wrapping, batch split, full-weight gather.
+
+`parallelize()` applies `fully_shard` to a built model from the outside (each decoder layer, then
+the root), so the model code stays free of parallelism. Each rank's loss already divides by the
+step's global denominators (all-reduced in `Trainer.step`), so the ranks' gradients must be
+summed, not averaged: the FSDP gradient divide factor is set to 1. Knows torch.distributed and
+the model's layer list; nothing of Ray, engines or the loop.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from molt.data.trajectory import Trajectory
+
+
+def init_process_group(rank: int, world_size: int, address: str, port: int, device: str = "cpu") -> None:
+    """Join the trainer group: gloo on CPU, NCCL on CUDA."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(minutes=10),
+    )
+
+
+def parallelize(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard `model` over the default process group with FSDP2 (fp32 params, summed gradients)."""
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    return model
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the trainer ranks (a no-op without a process group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def all_reduce_max(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def split_by_tokens(trajs: list[Trajectory], num_ranks: int) -> list[list[int]]:
+    """Indices of `trajs` per rank: whole groups, largest first onto the rank with the fewest tokens.
+
+    Groups stay on one rank (per-prompt loss modes need a group's tokens in one place). Every rank
+    gets at least one group when there are enough groups; ranks without data still step (they run
+    an empty forward so the collectives line up).
+    """
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(trajs):
+        groups.setdefault(t.group_id, []).append(i)
+    sizes = {g: sum(len(trajs[i].tokens) for i in idx) for g, idx in groups.items()}
+    shards: list[list[int]] = [[] for _ in range(num_ranks)]
+    load = [0] * num_ranks
+    for g in sorted(groups, key=lambda g: (-sizes[g], g)):
+        r = min(range(num_ranks), key=lambda r: (load[r], r))
+        shards[r] += groups[g]
+        load[r] += sizes[g]
+    return [sorted(s) for s in shards]
+
+
+def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full CPU tensor) for every entry of the state dict; collective: every rank must iterate."""
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        yield name, full.detach().cpu()

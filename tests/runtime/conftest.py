@@ -1,0 +1,44 @@
+"""One local Ray cluster per test session (ray.init costs seconds and ~600 MB), and small helpers."""
+
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from molt.data.trajectory import Trajectory
+from molt.models import Transformer, preset
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    env = {"env_vars": {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
+    ray.init(address="local", num_cpus=8, include_dashboard=False, runtime_env=env, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def small_model(seed=0):
+    cfg = preset("tiny", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, head_dim=16)
+    return Transformer(cfg).init_weights(0.05, torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def batch(model, num_groups=4, n=4, seed=0):
+    """Complete groups of random engine-like trajectories with their true rollout log-probs."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(num_groups):
+        for k in range(n):
+            traj = Trajectory(group_id=g, rollout_id=g * n + k, reward=float(rng.random() < 0.5))
+            traj.extend_prompt([rng.randrange(64) for _ in range(rng.randint(3, 9 + 8 * g))])
+            ids = [rng.randrange(64) for _ in range(rng.randint(2, 7))]
+            traj.extend_action(ids, [0.0] * len(ids), [0] * len(ids))
+            logits = model(torch.tensor([traj.tokens]))[0]
+            lp = F.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(traj.tokens[1:])[:, None])[:, 0]
+            traj.rollout_logprobs = [x if m else 0.0 for x, m in zip([0.0, *lp.tolist()], traj.loss_mask, strict=True)]
+            out.append(traj)
+    return out

@@ -1,0 +1,41 @@
+"""An engine replica actor behind `RemoteEngine`: chunked weight sync, missing parameters, a dead replica."""
+
+import asyncio
+
+import pytest
+import torch
+from conftest import small_model  # noqa: I001 - tests/runtime/conftest.py
+
+from molt.engine import SamplingParams
+from molt.runtime.cluster import ActorFailedError
+
+pytestmark = pytest.mark.slow
+
+
+def test_chunked_sync_then_missing_names_then_dead_replica_stops_the_run(ray_cluster):
+    from molt.runtime.engines import RemoteEngine, chunk_weights
+
+    ray = ray_cluster
+    model = small_model()
+    args = (ray.put(model), None, {"num_slots": 4, "max_seq_len": 64}, 1, "cpu")
+    engine = RemoteEngine.spawn(0, {"num_cpus": 1, "max_restarts": 0}, args, version=0, chunk_bytes=1 << 14)
+    sampling = SamplingParams(max_tokens=4, seed=1)
+
+    async def scenario():
+        first = await engine.generate([1, 2, 3], sampling)
+        new = {k: v + 0.01 for k, v in model.state_dict().items()}
+        chunked = chunk_weights(new, 1 << 14)
+        assert len(chunked.refs) > 1 and sorted(chunked) == sorted(new)
+        await engine.update_weights(chunked, version=1)
+        second = await engine.generate([1, 2, 3], sampling)
+        assert engine.version == 1 and set(second.versions) == {1} and second.logprobs != first.logprobs
+        partial = {k: v for k, v in new.items() if k != "norm.weight"}
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"misses 1 engine parameters: \['norm.weight'\]"):
+            await engine.update_weights(partial, version=2)
+        ray.kill(engine.actor, no_restart=True)
+        with pytest.raises(ActorFailedError, match="engine replica 0 died") as info:
+            await engine.generate([1, 2, 3], sampling)
+        assert info.value.fatal_to_run  # the loop stops the run on it
+
+    asyncio.run(scenario())
+    assert torch.equal(model.norm.weight, small_model().norm.weight)  # the driver's copy is untouched

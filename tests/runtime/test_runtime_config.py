@@ -1,0 +1,20 @@
+"""Runtime flags are checked at start-up, naming the key."""
+
+import pytest
+
+from molt.cli.main import parse_config
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--runtime.engines", "2"], "runtime.backend: runtime.engines/trainer_ranks/address need"),
+        (["--runtime.backend", "ray", "--runtime.trainer_ranks", "3", "--rollout.prompts_per_step", "2"],
+         "runtime.trainer_ranks: (3) must be <= rollout.prompts_per_step"),
+        (["--runtime.backend", "ray", "--runtime.engines", "0"], "runtime.engines: engines and trainer_ranks"),
+    ],
+)  # fmt: skip
+def test_bad_runtime_flags_name_the_key(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(flags)
+    assert message in " ".join(capsys.readouterr().err.split())
