@@ -26,6 +26,7 @@ from molt.agents.runner import EpisodeLimits
 from molt.cli.main import parse_config
 from molt.data.tasks import dataset_rows, get_task
 from molt.engine import SamplingParams, TorchEngine
+from molt.engine.torch_engine import on_fresh_thread
 from molt.loop.evaluate import evaluate
 from molt.loop.run import run_train, warm_start
 from molt.models import from_pretrained, load_tokenizer
@@ -35,6 +36,7 @@ FLAGS = [
     "--rollout.max_tokens", "8", "--rollout.prompts_per_step", "8", "--rollout.n_samples_per_prompt", "8",
     "--train.lr", "1e-4", "--train.warmup_steps", "0", "--train.min_lr_ratio", "1.0", "--rollout.filters", "nonfinite",
 ]  # fmt: skip
+THREADS = 2
 
 
 def run_trl(checkpoint: str, rows: list[dict], steps: int, out_dir: str) -> float:
@@ -69,7 +71,9 @@ def run_trl(checkpoint: str, rows: list[dict], steps: int, out_dir: str) -> floa
 
 async def _eval(folder: str, rows: list[dict]) -> float:
     tokenizer = load_tokenizer(folder)
-    engine = TorchEngine(from_pretrained(folder).eval(), tokenizer=tokenizer, num_slots=64, max_seq_len=128)
+    engine = TorchEngine(
+        from_pretrained(folder).eval(), tokenizer=tokenizer, num_slots=64, max_seq_len=128, num_threads=THREADS
+    )
     sampling = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=0)
     try:
         metrics = await evaluate(engine, tokenizer, lambda: env_for_task("arithmetic"), rows, sampling,
@@ -83,18 +87,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # compute runs on threads whose OpenMP pool is the only one (see TorchEngine)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = parse_config([*FLAGS, "--train.max_steps", str(args.steps), "--eval.every", "0",
-                            "--log.run_dir", os.path.join(tmp, "molt"), "--log.every", "1000"])  # fmt: skip
-        start = warm_start(cfg)
+                            "--runtime.threads", str(THREADS), "--log.run_dir", os.path.join(tmp, "molt"),
+                            "--log.every", "1000"])  # fmt: skip
+        start = on_fresh_thread(warm_start, cfg, threads=THREADS)
         train_rows, eval_rows = dataset_rows(cfg.data)
         eval_rows = eval_rows[:100]
         t0 = time.perf_counter()
         molt = run_train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=start)))
         molt_s = sum(m["time/step_s"] for m in molt.history)
         wall_molt = time.perf_counter() - t0
-        trl_s = run_trl(start, train_rows, args.steps, os.path.join(tmp, "trl"))
+        trl_s = on_fresh_thread(run_trl, start, train_rows, args.steps, os.path.join(tmp, "trl"), threads=THREADS)
         rewards = {
             name: asyncio.run(_eval(folder, eval_rows))
             for name, folder in (("start", start), ("molt", molt.checkpoint), ("trl", os.path.join(tmp, "trl")))

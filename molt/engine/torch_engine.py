@@ -5,6 +5,13 @@ callers (any number, any event loop) hand it requests and commands through a loc
 get results back with `call_soon_threadsafe`. Commands (abort, pause, weight swaps) run between
 steps, i.e. at token boundaries. The event loop never runs a model step, so it stays responsive.
 
+One compute thread: every thread that runs parallel torch ops owns an OpenMP pool, and once the
+pools of a process together hold more threads than there are cores, libgomp stops spinning and
+every parallel op pays a futex wake-up (on 2 cores, decode ran ~2x slower and a trainer step
+~2.7x). So other model compute of the process (the RL trainer step) runs here too, as a command
+between steps (`run_on_engine_thread`), and the caller's thread keeps torch at 1 thread
+(`molt train` does; `on_fresh_thread` runs set-up compute on a thread whose pool dies with it).
+
 The step itself lives in `core.py`; this file owns only the thread, the inbox, pause and the two
 weight-sync modes. Knows models and the engine core; nothing of agents or trainers.
 """
@@ -39,12 +46,11 @@ class TorchEngine(Engine):
 
     `kv_on_update` (interrupt mode): "recompute" the KV of already-processed tokens under the new
     weights (exact: later log-probs are those of the new weights), or "keep" the old KV (faster).
-    `num_threads`: intra-op threads of the engine's worker thread (None: torch's setting). Each
-    thread that runs parallel torch ops owns an OpenMP pool; once two pools together exceed the
-    cores, libgomp stops spinning and every parallel op pays a wake-up (on 2 cores, decode ran ~2x
-    slower). Where another thread (a trainer, the caller) also runs torch ops, `num_threads=1`
-    avoids that at the price of a core. `record_routing` (MoE models): each completion carries the
-    experts every position was computed with (`Completion.routing`; see docs/moe.md).
+    `num_threads`: intra-op threads of the engine's worker thread (None: the constructing thread's
+    torch setting). See the module docstring for why the engine thread should be the only thread
+    with more than one. `record_routing` (MoE models):
+    each completion carries the experts every position was computed with (`Completion.routing`;
+    see docs/moe.md).
     """
 
     def __init__(
@@ -87,7 +93,7 @@ class TorchEngine(Engine):
         self._drains: list[tuple[Weights, int, concurrent.futures.Future]] = []
         self._paused = self._closed = False
         self._thread: threading.Thread | None = None
-        self.num_threads = num_threads
+        self.num_threads = num_threads or torch.get_num_threads()
 
     @property
     def version(self) -> int:
@@ -165,6 +171,10 @@ class TorchEngine(Engine):
         self._post(lambda: self._drains.append((weights, version, done)))
         await asyncio.wrap_future(done)
 
+    async def run_on_engine_thread(self, fn: Callable[..., object], *args):
+        """`fn(*args)` on the engine's thread between two steps (the one compute thread); returns its result."""
+        return await self._call(lambda: fn(*args))
+
     def num_pending(self) -> int:
         return self.core.num_pending
 
@@ -200,8 +210,7 @@ class TorchEngine(Engine):
 
     # ---- engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
-        if self.num_threads is not None:
-            torch.set_num_threads(self.num_threads)  # this thread's pool only (OpenMP pools are per thread)
+        torch.set_num_threads(self.num_threads)  # this thread's pool (OpenMP pools are per thread)
         while True:
             with self._cv:
                 while not (self._inbox or self._drain_ready() or self._runnable()):
@@ -237,6 +246,17 @@ class TorchEngine(Engine):
     def _shutdown(self) -> None:
         self.core.abort_all()
         self._closed = True
+
+
+def on_fresh_thread(fn: Callable[..., object], *args, threads: int):
+    """`fn(*args)` on a new thread with `threads` torch threads; its OpenMP pool ends with the thread."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(with_threads, threads, fn, *args).result()
+
+
+def with_threads(threads: int, fn: Callable[..., object], *args):
+    torch.set_num_threads(threads)
+    return fn(*args)
 
 
 def _default_eos(model: Transformer, tokenizer) -> list[int]:

@@ -3,8 +3,8 @@
 Named coroutines share one asyncio loop in one process. `rollout` keeps episodes in flight on the
 engine and admits a new prompt group only while it cannot end up older than `max_staleness`
 versions when trained; `train` takes complete groups, re-checks staleness (dropping stale groups
-with a counted reason), runs the trainer step in a worker thread, and `sync` pushes the weights
-to the engine. With `max_staleness 0` this is synchronous training on the same code path.
+with a counted reason), runs the trainer step on the engine's thread (between engine steps), and
+`sync` pushes the weights to the engine. With `max_staleness 0` this is synchronous training on the same code path.
 Every sample is either trained on or dropped with a counted reason (`drop/<reason>`). A ChatAgent
 rollout may yield several segments (sharing reward and rollout id); a group holds all of them.
 """
@@ -15,6 +15,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatAgent, ChatRunner
 from molt.agents.runner import EpisodeLimits, run_episode
 from molt.config import Config
 from molt.data.trajectory import Trajectory
+from molt.engine.torch_engine import with_threads
 from molt.loop.evaluate import evaluate
 
 log = logging.getLogger("molt.loop")
@@ -229,7 +231,7 @@ class RLLoop:
         while self.state.step < self.cfg.train.max_steps:
             t0 = time.perf_counter()
             batch = await self._next_batch()
-            metrics = await asyncio.to_thread(self.trainer.step, batch)
+            metrics = await self._compute(self.trainer.step, batch)
             self.state.step += 1
             self.scheduled -= self.groups_per_step
             await self.sync()
@@ -238,6 +240,15 @@ class RLLoop:
                 metrics |= await self.evaluate()
             self.history.append(metrics)
             on_step(metrics)
+
+    async def _compute(self, fn, *args):
+        """Model compute off the event loop: on the engine's thread when it has one (one OpenMP pool for the
+        process, see `TorchEngine`), else on a worker thread with `runtime.threads` torch threads."""
+        on_engine = getattr(self.engine, "run_on_engine_thread", None)
+        if on_engine is not None:
+            return await on_engine(fn, *args)
+        threads = self.cfg.runtime.threads or os.cpu_count() or 1
+        return await asyncio.to_thread(with_threads, threads, fn, *args)
 
     def _due(self, every: int) -> bool:
         return every > 0 and (self.state.step % every == 0 or self.state.step == self.cfg.train.max_steps)

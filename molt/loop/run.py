@@ -20,6 +20,7 @@ from molt.agents.builtin import env_for_task
 from molt.agents.chat.agent import load_agent_class
 from molt.config import Config
 from molt.data.tasks import dataset_rows, get_task
+from molt.engine.torch_engine import on_fresh_thread
 from molt.log import RunDir, plot_metrics
 from molt.loop.checkpoint import latest_checkpoint, load_training_state, save_checkpoint
 from molt.loop.rl import RLLoop
@@ -100,7 +101,7 @@ def _policy(cfg: Config):
     return tokenizer, build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device)
 
 
-def _engine(cfg: Config, model, tokenizer, version: int):
+def _engine(cfg: Config, model, tokenizer, version: int, threads: int):
     from molt.engine import TorchEngine
 
     slots = max(cfg.rollout.max_in_flight, cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt) * 2
@@ -113,7 +114,7 @@ def _engine(cfg: Config, model, tokenizer, version: int):
         tokenizer=tokenizer,
         num_slots=slots,
         max_seq_len=cfg.rollout.max_len + 1,
-        num_threads=cfg.runtime.engine_threads or None,
+        num_threads=cfg.runtime.engine_threads or threads,
         version=version,
     )
 
@@ -148,9 +149,9 @@ class Progress:
             self.bar.close()
 
 
-async def _train_async(cfg: Config, run: RunDir) -> TrainResult:
+async def _train_async(cfg: Config, run: RunDir, threads: int) -> TrainResult:
     t0 = time.perf_counter()
-    tokenizer, model = _policy(cfg)
+    tokenizer, model = on_fresh_thread(_policy, cfg, threads=threads)  # warm start, model build
     runtime = None
     if cfg.runtime.backend == "ray":
         from molt.runtime.backend import RayRuntime
@@ -162,7 +163,7 @@ async def _train_async(cfg: Config, run: RunDir) -> TrainResult:
         engine = (
             runtime.start_engines(tokenizer, trainer.version)
             if runtime
-            else _engine(cfg, model, tokenizer, trainer.version)
+            else _engine(cfg, model, tokenizer, trainer.version, threads)
         )
     except BaseException:
         if runtime:
@@ -196,13 +197,14 @@ async def _train_async(cfg: Config, run: RunDir) -> TrainResult:
 def run_train(cfg: Config) -> TrainResult:
     """The `molt train` command."""
     torch.manual_seed(cfg.train.seed)
-    if cfg.runtime.threads:
-        torch.set_num_threads(cfg.runtime.threads)
+    threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
+    torch.set_num_threads(1)  # this thread runs asyncio only; model compute runs on the engine's thread
     run = RunDir(cfg.log.run_dir or cfg.ckpt.resume, "train", cfg)
     try:
-        result = asyncio.run(_train_async(cfg, run))
+        result = asyncio.run(_train_async(cfg, run, threads))
     finally:
         run.close()
+        torch.set_num_threads(main_threads)
     plot = plot_metrics(run.path, ["train/reward_mean", "eval/reward_mean", "train/logprob_diff"])
     last = result.history[-1] if result.history else {}
     before, after = (r.get("eval/reward_mean", float("nan")) for r in (result.eval_before, result.eval_after))

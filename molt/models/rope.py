@@ -95,14 +95,16 @@ def rope_inv_freq(
 def rope_cos_sin(
     inv_freq: torch.Tensor, scale: float, position_ids_bt: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [B, 1, T, D] for explicit positions, computed in fp32."""
+    """cos/sin tables [B, T, 1, D] for explicit positions, computed in fp32; the sin table's first half
+    is negated (rotate-half's sign folded in, see `apply_rope`)."""
     freqs_btf = position_ids_bt.float()[..., None] * inv_freq.float()
     emb_btd = torch.cat((freqs_btf, freqs_btf), dim=-1)
-    return (emb_btd.cos() * scale).to(dtype)[:, None], (emb_btd.sin() * scale).to(dtype)[:, None]
+    sign_d = torch.ones(emb_btd.shape[-1], device=emb_btd.device)
+    sign_d[: emb_btd.shape[-1] // 2] = -1
+    return (emb_btd.cos() * scale).to(dtype)[:, :, None], (emb_btd.sin() * (scale * sign_d)).to(dtype)[:, :, None]
 
 
-def apply_rope(x_bhtd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of the head dimension (the HF / Llama layout)."""
-    half = x_bhtd.shape[-1] // 2
-    rotated = torch.cat((-x_bhtd[..., half:], x_bhtd[..., :half]), dim=-1)
-    return x_bhtd * cos + rotated * sin
+def apply_rope(x_bthd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of the head dimension (the HF / Llama layout): x*cos + rotate_half(x)*sin,
+    where rotate_half(x) = (-x2, x1) = roll(x) * sign, the sign being folded into `sin`. Three ops."""
+    return torch.addcmul(x_bthd * cos, x_bthd.roll(x_bthd.shape[-1] // 2, dims=-1), sin)

@@ -28,6 +28,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op (bitwise equal to the lines below in fp32)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -49,11 +51,11 @@ class SelfAttention(nn.Module):
     def forward(self, x_bth: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, layer_idx: int):
         b, t, _ = x_bth.shape
         d = self.head_dim
-        q_bhtd = self.q_norm(self.q_proj(x_bth).view(b, t, -1, d)).transpose(1, 2)
-        k_bhtd = self.k_norm(self.k_proj(x_bth).view(b, t, -1, d)).transpose(1, 2)
-        v_bhtd = self.v_proj(x_bth).view(b, t, -1, d).transpose(1, 2)
-        q_bhtd, k_bhtd = apply_rope(q_bhtd, cos, sin), apply_rope(k_bhtd, cos, sin)
-        out_bhtd = attend(layer_idx, q_bhtd, k_bhtd, v_bhtd)
+        # norm and rope in [B, T, H, D]: the backend gets transposed views of contiguous tensors
+        q_bthd = apply_rope(self.q_norm(self.q_proj(x_bth).view(b, t, -1, d)), cos, sin)
+        k_bthd = apply_rope(self.k_norm(self.k_proj(x_bth).view(b, t, -1, d)), cos, sin)
+        v_bthd = self.v_proj(x_bth).view(b, t, -1, d)
+        out_bhtd = attend(layer_idx, q_bthd.transpose(1, 2), k_bthd.transpose(1, 2), v_bthd.transpose(1, 2))
         return self.o_proj(out_bhtd.transpose(1, 2).reshape(b, t, -1))
 
 
