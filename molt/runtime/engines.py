@@ -175,7 +175,10 @@ class RemoteEngine(Engine):
         *,
         request_id: str | None = None,
         session_id: str | None = None,
+        images=None,
     ) -> list[Completion]:
+        if images:  # a clear refusal instead of a TypeError deep in the router
+            raise NotImplementedError("Ray engine replicas do not take images yet; run VLMs on the local backend")
         sampling = sampling or SamplingParams()
         prompt = list(prompt_token_ids)
         self.num_requests += 1
