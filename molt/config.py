@@ -107,6 +107,8 @@ class TrainConfig:
     """Token-exactness check per sample: hashes of engine actions, or full id comparison."""
     freeze_router: bool = False
     """MoE models: keep the router (gate) weights fixed: not optimized, not sent to the engines."""
+    share_prefix: bool = True
+    """Lay a group's common prompt out once in the packed forward (exact: same log-probs and gradients)."""
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "train.lr", "must be > 0")

@@ -84,6 +84,7 @@ class EngineCore:
         if recompute:
             self.scheduler.restart_all()
         self.manager.clear_prefixes()
+        self.scheduler.forget_computed_prompts()
 
     # ---- the step ------------------------------------------------------------------------------
     def step_safely(self, admit: bool = True) -> None:

@@ -9,6 +9,9 @@ the cache after a weight swap is simply `num_computed = 0`.
 `schedule()` admits waiting groups (all n samples of one prompt at once, when n slots are free)
 in FIFO order and splits the step's token budget: every decoding sequence gets its one token
 first, prefills share the rest (long prompts are chunked). Requests join and leave between steps.
+The n samples of a request share one prefill, and so do requests for the same prompt (e.g. a GRPO
+group sent as n separate episodes): one admitted while that prompt is being prefilled waits for it,
+one admitted while a sequence holding it runs copies its KV and computes only the last token.
 Plain Python: knows the cache manager, not tensors or models.
 """
 
@@ -55,7 +58,8 @@ class Sequence:
     seed: int
     num_computed: int = 0
     num_cached: int = 0
-    waits_for: Sequence | None = None  # a sibling whose prefill this one will copy
+    waits_for: Sequence | None = None  # a sequence whose first `wait_len` computed positions this one copies
+    wait_len: int = 0
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -99,6 +103,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Group] = deque()
         self.running: list[Sequence] = []  # sequences holding a slot
+        self.owners: dict[tuple[int, ...], Sequence] = {}  # prompt -> a running sequence that computes/holds it
         self._ids = itertools.count()
 
     def add(self, group: Group) -> None:
@@ -127,44 +132,76 @@ class Scheduler:
                 budget -= prefill[-1].end - prefill[-1].start
         while admit and budget > 0 and self.waiting and self.manager.num_free() >= len(self.waiting[0].seqs):
             leader = self._admit(self.waiting.popleft())
-            prefill.append(self._chunk(leader, budget))
-            budget -= prefill[-1].end - prefill[-1].start
+            if leader is not None:
+                prefill.append(self._chunk(leader, budget))
+                budget -= prefill[-1].end - prefill[-1].start
         decode.sort(key=lambda s: self.manager.slot_of(s.seq_id))
         return Plan(prefill, decode)
 
     def _chunk(self, seq: Sequence, budget: int) -> Chunk:
         return Chunk(seq, seq.num_computed, min(len(seq.tokens), seq.num_computed + budget))
 
-    def _admit(self, group: Group) -> Sequence:
-        leader, *siblings = group.seqs
+    def _admit(self, group: Group) -> Sequence | None:
+        """Give the group's sequences slots; returns the one to prefill (None: it joins a pending prefill)."""
         # prefix reuse is keyed by token ids alone, so requests with images neither reuse nor leave KV
-        _, reused = self.manager.allocate(leader.seq_id, () if group.images else leader.tokens)
-        leader.num_computed = leader.num_cached = reused
+        key = None if group.images else tuple(group.prompt)
+        owner = self.owners.get(key) if key is not None else None
+        leader, *siblings = group.seqs
+        if owner is not None and owner.num_computed < len(owner.group.prompt):
+            leader, siblings = owner, group.seqs  # wait for the pending prefill of the same prompt
+        else:
+            _, reused = self.manager.allocate(leader.seq_id, () if group.images else leader.tokens)
+            live = len(leader.tokens) - 1 if owner is not None else 0
+            if live > reused and self.manager.length_of(owner.seq_id) >= live:
+                self.manager.share(owner.seq_id, leader.seq_id, live)  # a running copy of the prompt
+                reused = live
+            leader.num_computed = leader.num_cached = reused
+            if key is not None:
+                self.owners[key] = leader
         for seq in siblings:
             self.manager.allocate(seq.seq_id)
-            seq.waits_for = leader
+            seq.waits_for, seq.wait_len = leader, len(seq.tokens)
         self.running += group.seqs
-        return leader
+        return None if leader not in group.seqs else leader
 
     def computed(self, chunk: Chunk) -> list[Sequence]:
         """Record a computed chunk; returns the sequences that sample from its last logits (leader first)."""
         seq = chunk.seq
         seq.num_computed = chunk.end
         self.manager.set_length(seq.seq_id, chunk.end)
+        released = [s for s in self.running if s.waits_for is seq and s.wait_len <= chunk.end]
+        for s in released:
+            self.manager.share(seq.seq_id, s.seq_id, s.wait_len)
+            s.num_computed, s.num_cached, s.waits_for = s.wait_len, s.wait_len, None
         if not chunk.samples:
             return []
-        followers = [s for s in self.running if s.waits_for is seq]
-        for s in followers:
-            self.manager.share(seq.seq_id, s.seq_id, chunk.end)
-            s.num_computed, s.num_cached, s.waits_for = chunk.end, chunk.end, None
-        return [seq, *followers]
+        return [seq, *(s for s in released if s.wait_len == chunk.end == len(s.tokens))]
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, cache: bool = True) -> None:
         """Mark `seq` finished and free its slot (keeping its KV as a cached prefix when `cache`)."""
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self._disown(seq)
         if seq in self.running:
             self.running.remove(seq)
             self.manager.free(seq.seq_id, seq.tokens if cache and not seq.group.images else None)
+
+    def _disown(self, seq: Sequence) -> None:
+        """`seq` stops: it no longer holds its prompt for others; if it was aborted while others waited
+        for its prefill, the first of them prefills itself and leads the rest."""
+        key = tuple(seq.group.prompt)
+        if self.owners.get(key) is seq:
+            del self.owners[key]
+        waiting = [s for s in self.running if s.waits_for is seq and s.finish_reason is None]
+        if waiting:
+            heir = waiting[0]
+            heir.waits_for, heir.num_computed = None, 0
+            for s in waiting[1:]:
+                s.waits_for = heir
+            self.owners[key] = heir
+
+    def forget_computed_prompts(self) -> None:
+        """New weights: KV computed under the old ones is not shared with new requests (as the prefix cache)."""
+        self.owners = {k: s for k, s in self.owners.items() if s.num_computed < len(s.group.prompt)}
 
     def remove_group(self, group: Group, reason: str) -> None:
         """Finish every unfinished sequence of `group` (abort / failure), waiting or running."""
@@ -175,8 +212,15 @@ class Scheduler:
                 self.finish(seq, reason, cache=False)
 
     def restart_all(self) -> None:
-        """Forget all computed KV (weights changed): every running sequence recomputes from position 0."""
+        """Forget all computed KV (weights changed): every running sequence recomputes from position 0,
+        the prompt once per distinct prompt (the others copy it, then compute their own tokens)."""
         self.manager.reset_lengths()
         self.manager.clear_prefixes()
+        leaders: dict[tuple[int, ...], Sequence] = {}
         for seq in self.running:
             seq.num_computed = 0
+            if seq.waits_for is not None or seq.group.images:
+                continue
+            leader = leaders.setdefault(tuple(seq.group.prompt), seq)
+            if leader is not seq:
+                seq.waits_for, seq.wait_len = leader, min(len(seq.group.prompt), len(seq.tokens) - 1)

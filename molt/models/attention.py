@@ -4,7 +4,8 @@ The model computes q/k/v and hands them to a backend, `attend(layer_idx, q, k, v
 once per forward from the explicit positions. Two backends live here:
 
 - `PackedCausal`: training / scoring. Several samples may share one row ("packing"); `doc_ids`
-  says which sample each token belongs to, and a token sees only earlier tokens of its own sample.
+  says which sample each token belongs to, and a token sees only earlier tokens of its own sample
+  (and, with `parent_ids`, of the shared prefix its sample continues).
 - `KVCache`: a contiguous per-row cache for incremental decoding (slot = position). The engine may
   bring its own (block-based) cache implementing the same `prepare` / `attend` protocol.
 
@@ -42,15 +43,20 @@ def sdpa(
 
 
 class PackedCausal:
-    """Causal attention within each packed sample; plain causal when `doc_ids_bt` is None."""
+    """Causal attention within each packed sample; plain causal when `doc_ids_bt` is None.
 
-    def __init__(self, doc_ids_bt: torch.Tensor | None = None):
+    `parent_ids_bt`: per token, a doc id whose (earlier) tokens it also sees, e.g. a prompt shared by a
+    group's samples; a token's own doc id means none."""
+
+    def __init__(self, doc_ids_bt: torch.Tensor | None = None, parent_ids_bt: torch.Tensor | None = None):
         self.mask_b1tt = None
         if doc_ids_bt is not None and not bool((doc_ids_bt == 0).all()):  # one sample per row: plain causal
             t = doc_ids_bt.shape[1]
             causal_tt = torch.ones(t, t, dtype=torch.bool, device=doc_ids_bt.device).tril()
-            same_doc_btt = doc_ids_bt[:, :, None] == doc_ids_bt[:, None, :]
-            self.mask_b1tt = (same_doc_btt & causal_tt)[:, None]
+            visible_btt = doc_ids_bt[:, :, None] == doc_ids_bt[:, None, :]
+            if parent_ids_bt is not None:
+                visible_btt |= parent_ids_bt[:, :, None] == doc_ids_bt[:, None, :]
+            self.mask_b1tt = (visible_btt & causal_tt)[:, None]
 
     def __call__(
         self, layer_idx: int, q_bhtd: torch.Tensor, k_bhtd: torch.Tensor, v_bhtd: torch.Tensor

@@ -129,6 +129,7 @@ class Transformer(nn.Module):
         position_ids_bt: torch.Tensor | None = None,
         *,
         doc_ids_bt: torch.Tensor | None = None,
+        parent_ids_bt: torch.Tensor | None = None,
         cache: Cache | None = None,
         return_hidden: bool = False,
         routing: Routing | None = None,
@@ -137,7 +138,8 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits for `input_ids_bt` at explicit positions (default 0..T-1 per row).
 
-        `doc_ids_bt` packs several samples per row (attention stays within a sample); `cache`
+        `doc_ids_bt` packs several samples per row (attention stays within a sample, plus the shared
+        prefix named by `parent_ids_bt`, see `PackedCausal`); `cache`
         switches to incremental decoding (the cache decides what each query sees). `routing`
         (MoE models) replays given expert ids and records each MoE layer's choice (see `moe.py`).
         A VLM takes its images as uint8 `pixel_values` [N, 3, S, S] (whole images, in placeholder order)
@@ -147,7 +149,7 @@ class Transformer(nn.Module):
             position_ids_bt = torch.arange(input_ids_bt.shape[1], device=input_ids_bt.device).expand_as(input_ids_bt)
         if cache is not None and doc_ids_bt is not None:
             raise ValueError("pass either doc_ids_bt (packed training) or cache (decoding), not both")
-        attend = cache.prepare(position_ids_bt) if cache is not None else PackedCausal(doc_ids_bt)
+        attend = cache.prepare(position_ids_bt) if cache is not None else PackedCausal(doc_ids_bt, parent_ids_bt)
         x_bth = self.embed_tokens(input_ids_bt)
         if pixel_values is not None:
             image_embeds_nh = self.vision(pixel_values).flatten(0, 1)

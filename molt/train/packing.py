@@ -3,38 +3,65 @@
 Samples are placed into rows of at most `row_len` tokens by first-fit decreasing; rows are grouped
 into micro-batches of at most `micro_batch_tokens`. Each packed batch carries per-sample positions
 and doc ids so attention never crosses samples, and shifted targets with the loss mask of the
-*predicted* token. Plain Python + torch, no model.
+*predicted* token.
+
+Prefix sharing: samples of one group (GRPO's n samples of a prompt) start with the same prompt.
+With `groups`, such a prefix is laid out once and each sample keeps only its own tail (a "piece"
+starting at the prefix length, positions continuing from there) whose tokens also see the prefix
+(`parent_ids`). Only tokens no loss target depends on per sample are shared, so every log-prob
+and gradient equals the unshared layout's; a group of 8 short answers to one long prompt trains
+on a fraction of the tokens. Plain Python + torch, no model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 IGNORE = -100
+MIN_SHARED = 4  # shorter common prefixes are not worth a wider attention mask
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens [start, end) of sample `sample`; a `shared` piece is the prefix the next pieces of its unit see."""
+
+    sample: int
+    start: int
+    end: int
+    shared: bool = False
+
+    def __len__(self) -> int:
+        return self.end - self.start
 
 
 @dataclass
 class PackedBatch:
-    """One micro-batch: [B, T] tensors; `sample_index` maps (row, slot) back to input samples."""
+    """One micro-batch: [B, T] tensors; `rows` says which pieces of which samples sit where."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     doc_ids: torch.Tensor
     targets: torch.Tensor
     loss_mask: torch.Tensor
-    sample_index: list[list[int]]
+    rows: list[list[Piece]] = field(default_factory=list)
     routing: torch.Tensor | None = None  # MoE: [B, T, layers, k] recorded expert ids, -1 = route live
     pixel_values: torch.Tensor | None = None  # uint8 [N, 3, S, S]: the batch's images in placeholder order
+    parent_ids: torch.Tensor | None = None  # [B, T] doc id of the shared prefix a token also sees (own id: none)
 
     @property
     def num_tokens(self) -> int:
         return int((self.doc_ids >= 0).sum())
 
+    @property
+    def sample_index(self) -> list[list[int]]:
+        """The samples (their own, unshared pieces) of each row, in row order."""
+        return [[p.sample for p in row if not p.shared] for row in self.rows]
+
     def to(self, device: torch.device | str) -> PackedBatch:
         move = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        return PackedBatch(**move, sample_index=self.sample_index)  # (pixel_values moves too when present)
+        return PackedBatch(**move, rows=self.rows)  # (pixel_values, parent_ids move too when present)
 
 
 def first_fit_rows(lengths: list[int], row_len: int) -> list[list[int]]:
@@ -54,51 +81,123 @@ def first_fit_rows(lengths: list[int], row_len: int) -> list[list[int]]:
     return rows
 
 
-def collate(samples: list[list[int]], masks: list[list[int]], rows: list[list[int]], images=None) -> PackedBatch:
-    """Tensors for `rows` (lists of sample indices); target at t is token t+1 of the same sample.
+def shared_prefix_len(samples: list[list[int]], masks: list[list[int]]) -> int:
+    """Tokens [0, S) every sample has in common and whose next-token targets (tokens 1..S) are all masked out."""
+    first = samples[0]
+    limit = min(len(s) for s in samples) - 1  # every sample keeps at least one token of its own
+    for m in masks:
+        loss_at = next((t for t in range(1, len(m)) if m[t]), len(m))
+        limit = min(limit, loss_at - 1)
+    n = 0
+    while n < limit and all(s[n] == first[n] for s in samples):
+        n += 1
+    return n
 
-    `images` (VLMs): per sample, its pixel tensors in placeholder order; stacked in packed order.
+
+def share_units(samples, masks, groups, row_len: int) -> list[list[Piece]]:
+    """Units to pack: a group's shared prefix followed by its samples' own pieces (as many as fit a row),
+    or a whole sample. `groups[i]` is sample i's group key (None: never shared)."""
+    by_group: dict = {}
+    units: list[list[Piece]] = []
+    for i, key in enumerate(groups if groups is not None else [None] * len(samples)):
+        if key is None:
+            units.append([Piece(i, 0, len(samples[i]))])
+        else:
+            by_group.setdefault(key, []).append(i)
+    for members in by_group.values():
+        shared = shared_prefix_len([samples[i] for i in members], [masks[i] for i in members])
+        if shared < MIN_SHARED or len(members) < 2:
+            units += [[Piece(i, 0, len(samples[i]))] for i in members]
+            continue
+        unit: list[Piece] = []
+        for i in members:
+            own = Piece(i, shared, len(samples[i]))
+            if not unit or sum(map(len, unit)) + len(own) > row_len:
+                units += [_closed(unit, samples)] if unit else []
+                unit = [Piece(i, 0, shared, shared=True)]
+            unit.append(own)
+        units.append(_closed(unit, samples))
+    return units
+
+
+def _closed(unit: list[Piece], samples) -> list[Piece]:
+    """A finished unit; one that holds a single sample is that sample, unshared."""
+    i = unit[1].sample
+    return unit if len(unit) > 2 else [Piece(i, 0, len(samples[i]))]
+
+
+def placements(rows: list[list[Piece]]) -> list[tuple[int, int, Piece]]:
+    """(row, column of its first token, piece) of every piece of `rows`."""
+    out = []
+    for r, row in enumerate(rows):
+        offset = 0
+        for p in row:
+            out.append((r, offset, p))
+            offset += len(p)
+    return out
+
+
+def collate(samples: list[list[int]], masks: list[list[int]], rows: list[list[Piece]], images=None) -> PackedBatch:
+    """Tensors for `rows` (lists of pieces); the target at t is token t+1 of the same sample.
+
+    `images` (VLMs, unshared samples only): per sample, its pixel tensors in placeholder order.
     """
-    width = max(sum(len(samples[i]) for i in row) for row in rows)
+    width = max(sum(map(len, row)) for row in rows)
     shape = (len(rows), width)
     input_ids = torch.zeros(shape, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
     doc_ids = torch.full(shape, -1, dtype=torch.long)
     targets = torch.full(shape, IGNORE, dtype=torch.long)
     loss_mask = torch.zeros(shape, dtype=torch.float32)
+    parent_ids = torch.full(shape, -1, dtype=torch.long)
     for r, row in enumerate(rows):
-        start = 0
-        for doc, i in enumerate(row):
-            ids, mask, n = samples[i], masks[i], len(samples[i])
-            span = slice(start, start + n)
-            input_ids[r, span] = torch.tensor(ids)
-            position_ids[r, span] = torch.arange(n)
+        start, prefix_doc = 0, -1
+        for doc, p in enumerate(row):
+            ids, mask = samples[p.sample], masks[p.sample]
+            span = slice(start, start + len(p))
+            input_ids[r, span] = torch.tensor(ids[p.start : p.end])
+            position_ids[r, span] = torch.arange(p.start, p.end)
             doc_ids[r, span] = doc
-            targets[r, start : start + n - 1] = torch.tensor(ids[1:])
-            loss_mask[r, start : start + n - 1] = torch.tensor(mask[1:], dtype=torch.float32)
-            start += n
+            prefix_doc = doc if p.shared else prefix_doc if p.start else doc
+            parent_ids[r, span] = prefix_doc
+            if not p.shared:
+                targets[r, start : start + len(p) - 1] = torch.tensor(ids[p.start + 1 : p.end])
+                loss_mask[r, start : start + len(p) - 1] = torch.tensor(mask[p.start + 1 : p.end], dtype=torch.float32)
+            start += len(p)
         doc_ids[r, start:] = -1 - torch.arange(width - start)  # padding: each token alone
-    pixels = [im for row in rows for i in row for im in images[i]] if images else []
-    pixel_values = torch.stack(pixels) if pixels else None
-    return PackedBatch(input_ids, position_ids, doc_ids, targets, loss_mask, rows, pixel_values=pixel_values)
+        parent_ids[r, start:] = doc_ids[r, start:]
+    pixels = [im for row in rows for p in row for im in images[p.sample]] if images else []
+    sharing = any(p.shared for row in rows for p in row)
+    return PackedBatch(input_ids, position_ids, doc_ids, targets, loss_mask, rows,
+                       pixel_values=torch.stack(pixels) if pixels else None,
+                       parent_ids=parent_ids if sharing else None)  # fmt: skip
 
 
-def collate_routing(routings: list, lengths: list[int], rows: list[list[int]], width: int, shape_lk) -> torch.Tensor:
+def collate_routing(routings: list, rows: list[list[Piece]], width: int, shape_lk) -> torch.Tensor:
     """[R, width, L, k] recorded expert ids laid out like `collate`'s rows; -1 where a sample has none."""
     out = torch.full((len(rows), width, *shape_lk), -1, dtype=torch.int16)
-    for r, row in enumerate(rows):
-        start = 0
-        for i in row:
-            if routings[i] is not None:
-                out[r, start : start + len(routings[i])] = routings[i]
-            start += lengths[i]
+    for r, offset, p in placements(rows):
+        if routings[p.sample] is not None:
+            out[r, offset : offset + len(p)] = routings[p.sample][p.start : p.end]
     return out
 
 
 def pack(
-    samples: list[list[int]], masks: list[list[int]], row_len: int, micro_batch_tokens: int, images=None
+    samples: list[list[int]],
+    masks: list[list[int]],
+    row_len: int,
+    micro_batch_tokens: int,
+    images=None,
+    groups: list | None = None,
 ) -> list[PackedBatch]:
-    """All samples packed into micro-batches of at most `micro_batch_tokens` tokens (`images`: see `collate`)."""
-    rows = first_fit_rows([len(s) for s in samples], row_len)
+    """All samples packed into micro-batches of at most `micro_batch_tokens` tokens (`images`: see `collate`;
+    `groups`: per sample a key whose samples may share their common prefix, None = never)."""
+    for i, s in enumerate(samples):
+        if len(s) > row_len:
+            raise ValueError(f"sample {i} has {len(s)} tokens, more than the row length {row_len}")
+    if groups is not None and images:  # a sample's images stay with its whole, unshared token span
+        groups = [None if images[i] else key for i, key in enumerate(groups)]
+    units = share_units(samples, masks, groups, row_len)
+    rows = [[p for u in row for p in units[u]] for row in first_fit_rows([sum(map(len, u)) for u in units], row_len)]
     per_batch = max(1, micro_batch_tokens // row_len)
     return [collate(samples, masks, rows[i : i + per_batch], images) for i in range(0, len(rows), per_batch)]

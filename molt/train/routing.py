@@ -64,12 +64,12 @@ def routing_metrics(sums: dict) -> dict[str, float]:
     return out
 
 
-def attach_routing(packs: list[PackedBatch], routings: list, lengths: list[int], shape_lk: tuple[int, int]) -> None:
+def attach_routing(packs: list[PackedBatch], routings: list, shape_lk: tuple[int, int]) -> None:
     """Lay each sample's recorded routing out like its packed tokens (`packed.routing`), if any was recorded."""
     if all(r is None for r in routings):
         return
     for packed in packs:
-        packed.routing = collate_routing(routings, lengths, packed.sample_index, packed.input_ids.shape[1], shape_lk)
+        packed.routing = collate_routing(routings, packed.rows, packed.input_ids.shape[1], shape_lk)
 
 
 def freeze_routers(model: Transformer, cfg: Config) -> set[str]:

@@ -22,7 +22,7 @@ from molt.models import Transformer
 from molt.train import parallel
 from molt.train.images import trajectory_pixels
 from molt.train.optim import build_optimizer
-from molt.train.packing import PackedBatch, pack
+from molt.train.packing import PackedBatch, pack, placements
 from molt.train.routing import attach_routing, forward_routing, freeze_routers, routing_metrics, routing_stats
 
 
@@ -61,17 +61,12 @@ class MicroBatch:
 
 def _layout(packed: PackedBatch, trajs: list[Trajectory]) -> MicroBatch:
     """Index map from padded per-sample positions to the packed rows (token t comes from row pos t-1)."""
-    order = [i for row in packed.sample_index for i in row]
     width = packed.input_ids.shape[1]
-    t_max = max(len(trajs[i].tokens) for i in order)
-    gather = torch.zeros(len(order), t_max, dtype=torch.long)
-    b = 0
-    for r, row in enumerate(packed.sample_index):
-        start = 0
-        for i in row:
-            n = len(trajs[i].tokens)
-            gather[b, 1:n] = torch.arange(r * width + start, r * width + start + n - 1) + 1  # +1: slot 0 is pad
-            start, b = start + n, b + 1
+    own = [(r * width + offset, p) for r, offset, p in placements(packed.rows) if not p.shared]
+    order = [p.sample for _, p in own]
+    gather = torch.zeros(len(order), max(len(trajs[i].tokens) for i in order), dtype=torch.long)
+    for b, (base, p) in enumerate(own):  # token t of p's sample is predicted at column base + t-1 - p.start
+        gather[b, p.start + 1 : p.end] = torch.arange(base, base + len(p) - 1) + 1  # +1: slot 0 is pad
     return MicroBatch(packed, order, gather, _padded([trajs[i].loss_mask for i in order]))
 
 
@@ -94,6 +89,7 @@ def token_logprobs(model: Transformer, packed: PackedBatch, temperature: float, 
         packed.input_ids,
         packed.position_ids,
         doc_ids_bt=packed.doc_ids,
+        parent_ids_bt=packed.parent_ids,
         routing=routing,
         pixel_values=packed.pixel_values,
     )
@@ -129,9 +125,10 @@ class Trainer:
         masks = [t.loss_mask for t in trajs]
         row_len = max(self.cfg.rollout.max_len, max(map(len, ids)))
         images = trajectory_pixels(trajs, self.model.cfg)
-        packs = pack(ids, masks, row_len, self.cfg.train.micro_batch_tokens, images) if ids else []
+        groups = [t.group_id for t in trajs] if self.cfg.train.share_prefix else None
+        packs = pack(ids, masks, row_len, self.cfg.train.micro_batch_tokens, images, groups) if ids else []
         if self.moe_shape[0]:
-            attach_routing(packs, [t.routing for t in trajs], list(map(len, ids)), self.moe_shape)
+            attach_routing(packs, [t.routing for t in trajs], self.moe_shape)
         return [_layout(p, trajs) for p in packs]
 
     def advantages(self, trajs: list[Trajectory]) -> tuple[list[list[float]], dict]:
@@ -243,5 +240,6 @@ class Trainer:
             "train/staleness_max": max(staleness, default=0),
             "train/num_samples": len(trajs),
             "train/num_micro_batches": len(mbs),
+            "train/packed_tokens": self.step_tokens,  # forward positions (shared prompts counted once)
             "train/action_tokens": sums.get("tokens", 0.0),
         }

@@ -123,3 +123,44 @@ def test_scheduler_budget_chunks_and_waits_for_slots():
     sched.finish(sched.running[0], "stop")
     plan = sched.schedule()
     assert [c.seq.group.request_id for c in plan.prefill] == ["c"]
+
+
+def test_requests_with_one_prompt_share_its_prefill_or_copy_a_running_one():
+    sched = Scheduler(SlotCacheManager(6, 64, prefix_cache=False), max_num_batched_tokens=8)
+    prompt = list(range(12))
+    for name in "abc":
+        sched.add(_group(name, prompt))
+    sched.add(_group("d", [1, 2, 3], n=2))
+    plan = sched.schedule()  # only a's prompt is computed (chunked); b, c wait for it; d is a new prompt
+    assert [(c.seq.group.request_id, c.start, c.end) for c in plan.prefill] == [("a", 0, 8)]
+    sched.remove_group(sched.running[0].group, "abort")  # the leader goes: b takes over from position 0
+    plan = sched.schedule()
+    assert [(c.seq.group.request_id, c.start, c.end) for c in plan.prefill] == [("b", 0, 8)]
+    sched.computed(plan.prefill[0])
+    plan = sched.schedule()
+    assert [(c.seq.group.request_id, c.start, c.end) for c in plan.prefill] == [("b", 8, 12), ("d", 0, 3)]
+    samplers = [[s.group.request_id for s in sched.computed(c)] for c in plan.prefill]
+    assert samplers == [["b", "c"], ["d", "d"]]  # c samples from b's logits with its own seed and params
+    assert sched.running[1].num_cached == 12 and sched.owners[tuple(prompt)].group.request_id == "b"
+    sched.manager.take_moves()
+    sched.add(_group("e", prompt))  # b holds the prompt's KV: e copies it and computes the last token only
+    plan = sched.schedule()
+    assert [(c.seq.group.request_id, c.start, c.end) for c in plan.prefill] == [("e", 11, 12)]
+    assert [m.length for m in sched.manager.take_moves()] == [11]
+
+
+def test_restart_recomputes_a_shared_prompt_once_then_each_tail():
+    sched = Scheduler(SlotCacheManager(4, 64, prefix_cache=False), max_num_batched_tokens=64)
+    prompt = list(range(10))
+    sched.add(_group("a", prompt, n=3))
+    (chunk,) = sched.schedule().prefill
+    for i, seq in enumerate(sched.computed(chunk)):  # three samples, then two more tokens each
+        seq.tokens += [100 + i] if i else [100, 101, 102]
+    sched.restart_all()  # new weights: the leader recomputes all 12 of its tokens, the others wait
+    (chunk,) = sched.schedule().prefill
+    assert (chunk.seq.sample_index, chunk.start, chunk.end) == (0, 0, 13)
+    sched.manager.take_moves()
+    assert sched.computed(chunk) == [chunk.seq]
+    assert [m.length for m in sched.manager.take_moves()] == [10, 10]  # the prompt, copied to both
+    plan = sched.schedule()  # each copy computes its own token: one decode row each
+    assert [(s.sample_index, s.num_computed) for s in plan.decode] == [(1, 10), (2, 10)]

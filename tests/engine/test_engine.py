@@ -85,6 +85,25 @@ def test_logprobs_match_trainer_forward(pair, temperature, top_p):
     asyncio.run(engine.close())
 
 
+def test_separate_requests_for_one_prompt_share_its_prefill(pair):
+    _, molt = pair
+    engine = TorchEngine(molt, num_slots=8, max_seq_len=96, eos_token_ids=())
+    p = prompts([20], seed=4)[0]
+    samplings = [SamplingParams(temperature=t, max_tokens=6, seed=s) for t, s in ((1.0, 1), (0.7, 2), (1.0, 3))]
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, sp) for sp in samplings])
+
+    outs = asyncio.run(run())
+    assert engine.stats["prefill_tokens"] <= len(p) + 2 and sorted(o.num_cached_tokens for o in outs)[1:] >= [19, 19]
+    for out, sp in zip(outs, samplings, strict=True):
+        diff = (torch.tensor(out.logprobs) - trainer_logprobs(molt, p, out, sp.temperature)).abs().max()
+        assert diff <= 1e-5
+    alone = asyncio.run(TorchEngine(molt, num_slots=8, max_seq_len=96, eos_token_ids=()).generate(p, samplings[2]))
+    assert alone.token_ids == outs[2].token_ids
+    asyncio.run(engine.close())
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(pair):
     _, molt = pair
     ps = prompts([6, 11, 25], seed=2)

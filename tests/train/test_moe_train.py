@@ -17,7 +17,7 @@ from molt.config import Config, ConfigError
 from molt.data.trajectory import Trajectory
 from molt.engine import SamplingParams, TorchEngine
 from molt.models import Transformer, preset
-from molt.train.packing import collate_routing
+from molt.train.packing import Piece, collate_routing
 from molt.train.routing import forward_routing
 from molt.train.trainer import Trainer, token_logprobs
 
@@ -172,6 +172,6 @@ def test_trajectory_routing_merges_by_position_and_packs_by_row():
     assert traj.routing[:, 0].tolist() == [[0, 1], [4, 5], [6, 7], [1, 2], [-1, -1]]
     traj.check()
     assert torch.equal(Trajectory.from_dict(traj.to_dict()).routing, traj.routing)
-    packed = collate_routing([traj.routing, None], [5, 2], [[1, 0]], 8, (1, 2))
+    packed = collate_routing([traj.routing, None], [[Piece(1, 0, 2), Piece(0, 0, 5)]], 8, (1, 2))
     assert packed.shape == (1, 8, 1, 2)
     assert (packed[0, :2] == -1).all() and torch.equal(packed[0, 2:7], traj.routing) and (packed[0, 7] == -1).all()

@@ -1,8 +1,9 @@
-"""Packing: every token placed once, no cross-sample targets, budgets respected."""
+"""Packing: every token placed once, no cross-sample targets, budgets respected, shared prompts."""
 
 import pytest
+import torch
 
-from molt.train.packing import IGNORE, first_fit_rows, pack
+from molt.train.packing import IGNORE, first_fit_rows, pack, shared_prefix_len
 
 
 def test_first_fit_rows_places_every_sample_within_row_len():
@@ -44,3 +45,31 @@ def test_micro_batches_respect_token_budget():
     for b in batches:  # padding is never a target and never in the loss
         pad = b.doc_ids < 0
         assert (b.targets[pad] == IGNORE).all() and (b.loss_mask[pad] == 0).all()
+
+
+def test_shared_prefix_stops_before_the_first_predicted_loss_token_and_at_divergence():
+    assert shared_prefix_len([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]], [[0, 0, 0, 1, 1], [0, 0, 0, 0, 1]]) == 2
+    assert shared_prefix_len([[1, 2, 9, 4], [1, 2, 3, 4]], [[0, 0, 0, 1], [0, 0, 0, 1]]) == 2
+    assert shared_prefix_len([[1, 2, 3], [1, 2, 3, 4]], [[0, 0, 0], [0, 0, 0, 1]]) == 2  # each keeps a token
+
+
+def test_group_shares_its_prompt_once_and_tails_see_it():
+    prompt = [7, 8, 9, 10, 11, 12]
+    samples = [prompt + [1, 2], prompt + [3], prompt + [4, 5, 6], [20, 21, 22]]
+    masks = [[0] * 6 + [1] * (len(s) - 6) for s in samples[:3]] + [[0, 1, 1]]
+    (batch,) = pack(samples, masks, row_len=32, micro_batch_tokens=64, groups=[0, 0, 0, None])
+    assert batch.num_tokens == 5 + 3 * 1 + 6 + 3  # prefix of 5, each tail starts at the last prompt token
+    shared = [(r, p) for r, row in enumerate(batch.rows) for p in row if p.shared]
+    assert len(shared) == 1 and (shared[0][1].start, shared[0][1].end) == (0, 5)
+    assert sorted(i for row in batch.sample_index for i in row) == [0, 1, 2, 3]
+    assert float(batch.loss_mask.sum()) == sum(sum(m[1:]) for m in masks)
+    tails = batch.position_ids[batch.parent_ids != batch.doc_ids]
+    assert tails.min() == 5  # tail positions continue after the prefix
+
+
+def test_samples_with_images_are_never_shared():
+    samples = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 8]]
+    masks = [[0] * 6 + [1]] * 2
+    images = [[torch.zeros(3, 2, 2, dtype=torch.uint8)], []]
+    (batch,) = pack(samples, masks, row_len=32, micro_batch_tokens=64, images=images, groups=[0, 0])
+    assert batch.num_tokens == 14 and batch.parent_ids is None and batch.pixel_values.shape[0] == 1

@@ -25,13 +25,15 @@ def _true_logprobs(model, tokens, temperature):
     return [0.0] + lp.tolist()
 
 
-def _trajs(model, num_groups=3, n=4, temperature=1.0, version=0, seed=0):
+def _trajs(model, num_groups=3, n=4, temperature=1.0, version=0, seed=0, same_prompt=False):
     rng = random.Random(seed)
     out = []
     for g in range(num_groups):
+        prompt_rng = random.Random(seed * 1000 + g)
+        prompt = [prompt_rng.randrange(64) for _ in range(prompt_rng.randint(5, 12))]
         for k in range(n):
             traj = Trajectory(group_id=g, rollout_id=g * n + k, reward=float(rng.random() < 0.5))
-            traj.extend_prompt([rng.randrange(64) for _ in range(rng.randint(3, 9))])
+            traj.extend_prompt(prompt if same_prompt else [rng.randrange(64) for _ in range(rng.randint(3, 9))])
             for _turn in range(rng.randint(1, 2)):
                 ids = [rng.randrange(64) for _ in range(rng.randint(2, 7))]
                 traj.extend_action(ids, [0.0] * len(ids), [version] * len(ids), keep_copy=True)
@@ -61,18 +63,34 @@ def test_temperature_is_applied_like_the_engine():
     assert trainer.step(_trajs(model, temperature=0.7))["train/logprob_diff"] <= 1e-5
 
 
+def _sgd_update(base, trajs, *flags):
+    """Parameters after one plain-SGD step (update == gradient; Adam's would hide differences), and metrics."""
+    model = copy.deepcopy(base)
+    trainer = Trainer(model, _cfg("--train.grad_clip", "0", *flags))
+    trainer.opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    metrics = trainer.step(trajs)
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), metrics
+
+
 def test_micro_batch_split_does_not_change_the_update():
     base = _model()
     trajs = _trajs(base)
-    params = []
-    for budget in ("64", "4096"):
-        model = copy.deepcopy(base)
-        trainer = Trainer(model, _cfg("--train.micro_batch_tokens", budget, "--train.grad_clip", "0"))
-        trainer.opt = torch.optim.SGD(model.parameters(), lr=1.0)  # update == gradient (Adam's would hide it)
-        trainer.step(trajs)
-        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    params = [_sgd_update(base, trajs, "--train.micro_batch_tokens", budget)[0] for budget in ("64", "4096")]
     assert (params[0] - params[1]).abs().max() <= 1e-6
     assert (params[0] - torch.cat([p.flatten() for p in base.parameters()])).abs().max() > 1e-5  # it moved
+
+
+def test_shared_prompt_prefix_gives_the_same_logprobs_and_update_on_fewer_tokens():
+    base = _model()
+    trajs = _trajs(base, n=5, same_prompt=True)
+    trainer = Trainer(copy.deepcopy(base), _cfg())
+    shared = sum(mb.packed.num_tokens for mb in trainer.micro_batches(trajs))
+    assert shared < sum(len(t.tokens) for t in trajs) - 2 * 3 * 4  # each group's prompt laid out once
+    (new, on), (old, off) = (
+        _sgd_update(base, trajs, *f) for f in (["--train.share_prefix"], ["--train.no_share_prefix"])
+    )
+    assert on["train/logprob_diff"] <= 1e-5 and abs(on["train/loss"] - off["train/loss"]) <= 1e-6
+    assert (new - old).abs().max() <= 1e-6
 
 
 def test_staleness_is_measured_from_token_versions():
