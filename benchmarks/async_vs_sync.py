@@ -1,9 +1,12 @@
-"""Asynchronous (max_staleness 1) vs synchronous (max_staleness 0) RL on the default recipe.
+"""Asynchronous (max_staleness 1, 2) vs synchronous (max_staleness 0) RL on the default recipe.
 
-Both runs use the same warm start, seed, task, batch and number of steps (so the same number of
+All runs use the same warm start, seed, task, batch and number of steps (so the same number of
 trained samples); throughput is trained samples / summed step wall time (eval excluded), and the
-final held-out eval reward is reported for each. Run: `.venv/bin/python benchmarks/async_vs_sync.py
-[--steps 60] [--seed 0]`; writes benchmarks/results/async_vs_sync.md.
+final held-out eval reward is reported for each. `--tool-latency S` adds a second set of runs whose
+calculator tool answers after S seconds (`benchmarks/agents/remote_calculator.py`: a tool behind a
+network or sandbox), where the engine would otherwise wait for the slowest episode's tool calls.
+Run: `.venv/bin/python benchmarks/async_vs_sync.py [--steps 60] [--seed 0] [--tool-latency 0.25]`;
+writes benchmarks/results/async_vs_sync.md.
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ from pathlib import Path
 from molt.cli.main import parse_config
 from molt.loop.run import run_train
 
+REMOTE_TOOL = str(Path(__file__).parent / "agents" / "remote_calculator.py")
 
-def measure(staleness: int, steps: int, seed: int, tmp: str) -> dict[str, float]:
-    flags = [
+
+def measure(staleness: int, steps: int, seed: int, tmp: str, latency: float = 0.0) -> dict[str, float]:
+    os.environ["MOLT_TOOL_LATENCY_S"] = str(latency)
+    flags = ["--rollout.agent", REMOTE_TOOL] if latency else []
+    flags += [
         "--rollout.max_staleness",
         str(staleness),
         "--train.max_steps",
@@ -28,7 +35,7 @@ def measure(staleness: int, steps: int, seed: int, tmp: str) -> dict[str, float]
         "--eval.every",
         str(steps),
         "--log.run_dir",
-        os.path.join(tmp, f"k{staleness}"),
+        os.path.join(tmp, f"k{staleness}-{latency}"),
         "--log.every",
         "1000",
     ]
@@ -45,31 +52,37 @@ def measure(staleness: int, steps: int, seed: int, tmp: str) -> dict[str, float]
     }
 
 
+def _table(runs: dict[int, dict]) -> list[str]:
+    sync = runs[0]["samples_per_s"]
+    table = [
+        "| run | samples | RL seconds | samples/s | vs sync | eval reward before -> after | max staleness |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    return table + [
+        f"| {'sync' if k == 0 else 'async'} (max_staleness {k}) | {r['samples']} | {r['seconds']:.1f} | "
+        f"{r['samples_per_s']:.1f} | **{r['samples_per_s'] / sync:.2f}x** | "
+        f"{r['eval_before']:.3f} -> {r['eval_after']:.3f} | {r['staleness_max']} |"
+        for k, r in runs.items()
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2], help="async runs to compare with sync")
+    parser.add_argument("--tool-latency", type=float, default=0.0, help="also run with this tool latency (s)")
     args = parser.parse_args()
+    load = os.getloadavg()[0]
+    lines = [f"# Async vs sync RL (default recipe, {args.steps} steps, seed {args.seed}, load {load:.1f})", ""]
     with tempfile.TemporaryDirectory() as tmp:
-        sync, async_ = (measure(k, args.steps, args.seed, tmp) for k in (0, 1))
-    rows = [("sync (max_staleness 0)", sync), ("async (max_staleness 1)", async_)]
-    table = [
-        "| run | samples | RL seconds | samples/s | eval reward before -> after | max staleness |",
-        "|---|---|---|---|---|---|",
-    ]
-    table += [
-        f"| {name} | {r['samples']} | {r['seconds']:.1f} | {r['samples_per_s']:.1f} | "
-        f"{r['eval_before']:.3f} -> {r['eval_after']:.3f} | {r['staleness_max']} |"
-        for name, r in rows
-    ]
-    ratio = async_["samples_per_s"] / sync["samples_per_s"]
-    text = (
-        f"# Async vs sync RL (default recipe, {args.steps} steps, seed {args.seed}, load {os.getloadavg()[0]:.1f})"
-        f"\n\n" + "\n".join(table) + f"\n\nthroughput ratio async / sync: **{ratio:.2f}x**\n"
-    )
+        for latency in [0.0] + ([args.tool_latency] if args.tool_latency else []):
+            runs = {k: measure(k, args.steps, args.seed, tmp, latency) for k in [0, *args.staleness]}
+            title = f"calculator tool with {latency:g} s latency" if latency else "built-in calculator (no latency)"
+            lines += [f"## {title}", "", *_table(runs), ""]
+    text = "\n".join(lines) + f"\nLoad average at the end: {os.getloadavg()[0]:.1f} (2 cores).\n"
     print(text)
-    out = Path(__file__).parent / "results" / "async_vs_sync.md"
-    out.write_text(text)
+    (Path(__file__).parent / "results" / "async_vs_sync.md").write_text(text)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ class RolloutConfig:
     filters: tuple[str, ...] = ("nonfinite", "all-equal")
     """Group filters (dropped groups are refilled from new prompts): nonfinite, all-equal, score-range."""
     max_in_flight: int = 0
-    """Episodes generating at once; 0 = one step's worth (prompts_per_step x n_samples_per_prompt)."""
+    """Episodes generating at once; 0 = all the staleness bound lets start ((max_staleness + 1) x batch)."""
 
     def __post_init__(self) -> None:
         check(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be > 0")
@@ -165,6 +165,11 @@ class RolloutConfig:
         check(self.max_tokens > 0 and self.max_turns > 0, "rollout.max_tokens", "max_tokens and max_turns must be > 0")
         check(0 <= self.max_failure_frac <= 1, "rollout.max_failure_frac", "must be in [0, 1]")
         check(self.max_in_flight >= 0, "rollout.max_in_flight", "must be >= 0")
+
+    @property
+    def episodes_in_flight(self) -> int:
+        """`max_in_flight`, or every episode the staleness bound lets start."""
+        return self.max_in_flight or (self.max_staleness + 1) * self.prompts_per_step * self.n_samples_per_prompt
 
 
 @dataclass

@@ -64,7 +64,7 @@ class RLLoop:
         self.limits = EpisodeLimits(ro.max_turns, ro.max_len, ro.step_timeout_s)
         self.sampling = self._sampling(ro.temperature)
         self.buffer: asyncio.Queue[Group] = asyncio.Queue()
-        self.in_flight = asyncio.Semaphore(ro.max_in_flight or self.groups_per_step * self.group_size)
+        self.in_flight = asyncio.Semaphore(ro.episodes_in_flight)
         self.version_changed = asyncio.Condition()
         # groups assigned to steps >= state.step: started and not dropped (in flight, buffered, or taken)
         self.scheduled = len(self.state.buffer)

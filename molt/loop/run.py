@@ -104,7 +104,7 @@ def _policy(cfg: Config):
 def _engine(cfg: Config, model, tokenizer, version: int, threads: int):
     from molt.engine import TorchEngine
 
-    slots = max(cfg.rollout.max_in_flight, cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt) * 2
+    slots = cfg.rollout.episodes_in_flight * 2
     if cfg.runtime.engine == "vllm":
         from molt.engine.vllm import VLLMEngine
 

@@ -42,7 +42,7 @@ class RayRuntime:
     def start_engines(self, tokenizer, version: int) -> Router:
         """`runtime.engines` replicas holding the driver's model at `version`, behind one router."""
         cfg, rt = self.cfg, self.cfg.runtime
-        slots = max(cfg.rollout.max_in_flight, cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt) * 2
+        slots = cfg.rollout.episodes_in_flight * 2
         kwargs = dict(num_slots=slots, max_seq_len=cfg.rollout.max_len + 1, version=version,
                       num_threads=rt.engine_threads or 1)  # fmt: skip
         args = (self.model_ref, tokenizer, kwargs, rt.engine_threads or 1, rt.device)
