@@ -23,7 +23,14 @@ from molt.train import parallel
 from molt.train.images import trajectory_pixels
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
-from molt.train.routing import attach_routing, forward_routing, freeze_routers, routing_metrics, routing_stats
+from molt.train.routing import (
+    attach_routing,
+    forward_routing,
+    freeze_routers,
+    logprob_diffs,
+    routing_metrics,
+    routing_stats,
+)
 
 
 class TokenMismatchError(RuntimeError):
@@ -225,6 +232,9 @@ class Trainer:
         diff = ((logp_bt.detach() - rollout_logp_bt).abs() * mask_bt).sum()
         sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
         sums["abs_diff"] = sums.get("abs_diff", 0.0) + float(diff)
+        if routing is not None:  # MoE: |diff| with replayed and live routing (the other mode: a no-grad forward)
+            other_logp = lambda r: _unpack(token_logprobs(self.model, packed, temp, r), mb)  # noqa: E731
+            logprob_diffs(sums, packed, self.cfg.algo, logp_bt.detach(), rollout_logp_bt, mask_bt, other_logp)
         sums["tokens"] = sums.get("tokens", 0.0) + n
         for key, value in metrics.items():
             sums[f"w_{key}"] = sums.get(f"w_{key}", 0.0) + float(value) * n
