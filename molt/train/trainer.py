@@ -167,7 +167,7 @@ class Trainer:
         denoms = algo.step_denominators([mb.mask_bt for mb in mbs], [self._group_ids(mb, trajs) for mb in mbs])
         denoms = denoms.all_reduced(parallel.all_reduce_sum)
         sums: dict[str, float] = {}
-        self.step_tokens = sum(mb.packed.num_tokens for mb in mbs)
+        self.step_tokens = int(parallel.all_reduce_sum(torch.tensor(sum(mb.packed.num_tokens for mb in mbs))))
         for mb in mbs:
             self._backward(mb, trajs, advantages, denoms, sums)
         for _ in range(parallel.all_reduce_max(len(mbs)) - len(mbs)):  # FSDP collectives must line up
@@ -175,9 +175,8 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip or float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if shard is not None:
-            keys = sorted(sums)
-            summed = parallel.all_reduce_sum(torch.tensor([sums[k] for k in keys] + [len(mbs)], dtype=torch.float64))
-            sums, trajs, mbs = dict(zip(keys, summed.tolist(), strict=False)), trajs_all, range(int(summed[-1]))
+            sums = parallel.all_reduce_sums(sums | {"micro_batches": len(mbs)})  # MoE sums hold a load tensor
+            trajs, mbs = trajs_all, range(int(sums.pop("micro_batches")))
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             self.opt.step()
