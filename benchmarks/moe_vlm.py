@@ -11,6 +11,7 @@ parameters per token, random weights, fp32, in one process:
   / wall time; for MoE with routing replay (`algo.routing_replay`) and without;
 - capture + replay cost: MoE with both on vs a MoE run with capture off and the trainer's forward
   given no `Routing` at all (no record, no metrics, natural routing), as slowdown %. Goal <= 10%.
+  The trainers run with `algo.moe_diff_both` off: its extra no-grad forward is a diagnostic, not replay.
 
 Every variant is measured `REPEATS` times interleaved (A B A B ...) and the median kept, so load
 from other processes hits all of them alike. The VLM section (image prefill tokens/s, visual-task
@@ -89,7 +90,7 @@ def rollout(model: Transformer, record: bool) -> tuple[float, list[Trajectory]]:
 def trainer_for(model: Transformer, flags: list[str], routing_off: bool = False) -> Trainer:
     name = "tiny-moe" if model.cfg.num_experts else "tiny"
     cfg = parse_config(["--model.preset", name, "--rollout.max_len", "128", "--data.max_len", "128",
-                        "--train.lr", "1e-6", *flags])  # fmt: skip
+                        "--train.lr", "1e-6", "--algo.no_moe_diff_both", *flags])  # fmt: skip
     trainer = Trainer(copy.deepcopy(model), cfg)
     if routing_off:  # baseline without any routing machinery: no replay ids, no Routing record or metrics
         trainer.moe_shape = (0, 0)

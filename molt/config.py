@@ -209,6 +209,9 @@ class AlgoConfig:
     layer (gate values still come from the live router, which keeps learning). See docs/moe.md."""
     moe_aux_coef: float = 0.0
     """MoE models: coefficient of the Switch load-balancing loss (E * sum_e f_e * P_e, mean over layers)."""
+    moe_diff_both: bool = True
+    """MoE models with recorded routing: one more trainer forward (no grad) with the other routing mode, so
+    each step reports both `moe/logprob_diff_replay` and `moe/logprob_diff_live` (costs ~1/3 of a step)."""
 
     def __post_init__(self) -> None:
         from molt import algo

@@ -9,8 +9,6 @@ expert with work runs two matmuls. No parallelism, no RL here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,20 +43,22 @@ def select(
     return weights_nk, experts_nk, live_nk
 
 
-@dataclass
 class Routing:
     """Routing input/output of one forward, passed explicitly to `Transformer.forward`.
 
     `replay_nlk`: expert ids [N, L, k] to use per flattened token (N = B*T) and MoE layer (in layer
     order); rows of NO_ROUTE route live. After the forward, per MoE layer: `chosen` [N, k] the
     experts used, `live` [N, k] the router's own top-k, `probs` [N, E] the router probabilities
-    (with grad: load-balancing losses use them).
+    (with grad: load-balancing losses use them). A plain class, not a dataclass: wrappers that
+    rebuild dataclass arguments holding grad tensors (FSDP2 does) would make later layers record
+    into a copy.
     """
 
-    replay_nlk: torch.Tensor | None = None
-    chosen: list[torch.Tensor] = field(default_factory=list)
-    live: list[torch.Tensor] = field(default_factory=list)
-    probs: list[torch.Tensor] = field(default_factory=list)
+    def __init__(self, replay_nlk: torch.Tensor | None = None):
+        self.replay_nlk = replay_nlk
+        self.chosen: list[torch.Tensor] = []
+        self.live: list[torch.Tensor] = []
+        self.probs: list[torch.Tensor] = []
 
     def route(self, logits_ne: torch.Tensor, top_k: int, normalize: bool, fp32: bool):
         """Route one MoE layer (the next in layer order) and record it; returns (weights, experts)."""

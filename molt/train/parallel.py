@@ -50,6 +50,17 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_sums(sums: dict) -> dict:
+    """Sum a dict of floats and tensors (same keys and shapes on every rank) over the trainer ranks."""
+    keys = sorted(sums)
+    flat = [torch.as_tensor(sums[k], dtype=torch.float64).flatten() for k in keys]
+    summed = all_reduce_sum(torch.cat(flat)).split([f.numel() for f in flat])
+    return {
+        k: s.view_as(sums[k]).to(sums[k].dtype) if torch.is_tensor(sums[k]) else float(s)
+        for k, s in zip(keys, summed, strict=True)
+    }
+
+
 def all_reduce_max(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size() > 1:

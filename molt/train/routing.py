@@ -3,16 +3,19 @@
 `forward_routing` builds the explicit `Routing` a packed forward takes (replaying the recorded
 expert ids when `algo.routing_replay`); `routing_stats` turns what it recorded into step sums
 (agreement of the live router with the rollout's choice, expert load per layer) and the Switch
-load-balancing loss; `freeze_routers` applies `train.freeze_router`. Math lives in
-`molt/algo/routing.py`; nothing here knows the loop or engines.
+load-balancing loss; `logprob_diffs` sums the log-prob mismatch with replayed *and* live routing
+(one extra no-grad forward in the mode the loss did not use); `freeze_routers` applies
+`train.freeze_router`. Math lives in `molt/algo/routing.py`; nothing here knows the loop or engines.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from molt import algo
-from molt.config import Config, ConfigError
+from molt.config import AlgoConfig, Config, ConfigError
 from molt.models import Routing, Transformer
 from molt.train.packing import PackedBatch, collate_routing
 
@@ -48,6 +51,34 @@ def routing_stats(routing: Routing, packed: PackedBatch, sums: dict) -> torch.Te
     return torch.stack(losses).mean()
 
 
+def logprob_diffs(
+    sums: dict,
+    packed: PackedBatch,
+    cfg: AlgoConfig,
+    logp_bt: torch.Tensor,
+    rollout_logp_bt: torch.Tensor,
+    mask_bt: torch.Tensor,
+    other_logp: Callable[[Routing], torch.Tensor],
+) -> None:
+    """Add this micro-batch's |trainer - rollout| log-prob sums with replayed and live routing to `sums`.
+
+    `logp_bt` is the loss's forward (replayed experts if `algo.routing_replay`, else live); with
+    `algo.moe_diff_both`, `other_logp(routing)` ([b, T] log-probs) runs once more, without grad, in
+    the other mode. Nothing without recorded routing (both modes would route live).
+    """
+    if packed.routing is None:
+        return
+    modes = ("replay", "live") if cfg.routing_replay else ("live", "replay")
+    logps = [logp_bt]
+    if cfg.moe_diff_both:
+        with torch.no_grad():
+            logps.append(other_logp(forward_routing(packed, not cfg.routing_replay)))
+    for mode, mode_logp_bt in zip(modes, logps, strict=False):
+        diff = float(((mode_logp_bt - rollout_logp_bt).abs() * mask_bt).sum())
+        sums[f"moe_diff_{mode}"] = sums.get(f"moe_diff_{mode}", 0.0) + diff
+    sums["moe_diff_tokens"] = sums.get("moe_diff_tokens", 0.0) + float(mask_bt.sum())
+
+
 def routing_metrics(sums: dict) -> dict[str, float]:
     """Per-step `moe/*` metrics from the summed routing stats (empty for dense models)."""
     if "moe_load" not in sums:
@@ -61,6 +92,9 @@ def routing_metrics(sums: dict) -> dict[str, float]:
     }
     if sums.get("moe_recorded"):
         out["moe/routing_agreement"] = sums["moe_agree"] / sums["moe_recorded"]
+    for mode in ("replay", "live"):
+        if f"moe_diff_{mode}" in sums:
+            out[f"moe/logprob_diff_{mode}"] = sums[f"moe_diff_{mode}"] / max(sums["moe_diff_tokens"], 1.0)
     return out
 
 

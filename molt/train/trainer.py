@@ -23,7 +23,14 @@ from molt.train import parallel
 from molt.train.images import trajectory_pixels
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack, placements
-from molt.train.routing import attach_routing, forward_routing, freeze_routers, routing_metrics, routing_stats
+from molt.train.routing import (
+    attach_routing,
+    forward_routing,
+    freeze_routers,
+    logprob_diffs,
+    routing_metrics,
+    routing_stats,
+)
 
 
 class TokenMismatchError(RuntimeError):
@@ -157,7 +164,7 @@ class Trainer:
         denoms = algo.step_denominators([mb.mask_bt for mb in mbs], [self._group_ids(mb, trajs) for mb in mbs])
         denoms = denoms.all_reduced(parallel.all_reduce_sum)
         sums: dict[str, float] = {}
-        self.step_tokens = sum(mb.packed.num_tokens for mb in mbs)
+        self.step_tokens = int(parallel.all_reduce_sum(torch.tensor(sum(mb.packed.num_tokens for mb in mbs))))
         for mb in mbs:
             self._backward(mb, trajs, advantages, denoms, sums)
         for _ in range(parallel.all_reduce_max(len(mbs)) - len(mbs)):  # FSDP collectives must line up
@@ -165,9 +172,8 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip or float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if shard is not None:
-            keys = sorted(sums)
-            summed = parallel.all_reduce_sum(torch.tensor([sums[k] for k in keys] + [len(mbs)], dtype=torch.float64))
-            sums, trajs, mbs = dict(zip(keys, summed.tolist(), strict=False)), trajs_all, range(int(summed[-1]))
+            sums = parallel.all_reduce_sums(sums | {"micro_batches": len(mbs)})  # MoE sums hold a load tensor
+            trajs, mbs = trajs_all, range(int(sums.pop("micro_batches")))
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             self.opt.step()
@@ -222,6 +228,9 @@ class Trainer:
         diff = ((logp_bt.detach() - rollout_logp_bt).abs() * mask_bt).sum()
         sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
         sums["abs_diff"] = sums.get("abs_diff", 0.0) + float(diff)
+        if routing is not None:  # MoE: |diff| with replayed and live routing (the other mode: a no-grad forward)
+            other_logp = lambda r: _unpack(token_logprobs(self.model, packed, temp, r), mb)  # noqa: E731
+            logprob_diffs(sums, packed, self.cfg.algo, logp_bt.detach(), rollout_logp_bt, mask_bt, other_logp)
         sums["tokens"] = sums.get("tokens", 0.0) + n
         for key, value in metrics.items():
             sums[f"w_{key}"] = sums.get(f"w_{key}", 0.0) + float(value) * n

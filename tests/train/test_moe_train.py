@@ -90,8 +90,22 @@ def test_bf16_like_engine_flips_routing_and_replay_removes_its_cost(moe_runs):
     assert replayed["train/logprob_diff"] < 0.75 * live["train/logprob_diff"]
     # the dense level: a dense model of the same shape under the same bf16-like rounding
     dense = _model("dense")
-    dense_diff = Trainer(copy.deepcopy(dense), _cfg("tiny")).step(_rollouts(_bf16_like(dense)))["train/logprob_diff"]
+    dense_metrics = Trainer(copy.deepcopy(dense), _cfg("tiny")).step(_rollouts(_bf16_like(dense)))
+    dense_diff = dense_metrics["train/logprob_diff"]
     assert replayed["train/logprob_diff"] <= 1.5 * dense_diff < live["train/logprob_diff"] * 1.5
+    assert not [k for k in dense_metrics if k.startswith("moe/")]  # a dense step runs no MoE extra forward
+
+
+def test_every_step_reports_the_logprob_diff_with_and_without_replay(moe_runs):
+    for replay, mode in ((False, "live"), (True, "replay")):
+        bf16, equal = moe_runs["bf16", replay][2], moe_runs["equal", replay][2]
+        assert bf16["moe/logprob_diff_live"] > bf16["moe/logprob_diff_replay"]
+        assert bf16[f"moe/logprob_diff_{mode}"] == pytest.approx(bf16["train/logprob_diff"], rel=1e-9)
+        assert max(equal["moe/logprob_diff_live"], equal["moe/logprob_diff_replay"]) <= 1e-5
+    # the extra no-grad forward in the other mode gives what a step in that mode reports
+    live, replayed = moe_runs["bf16", False][2], moe_runs["bf16", True][2]
+    assert replayed["moe/logprob_diff_live"] == pytest.approx(live["train/logprob_diff"], rel=1e-5)
+    assert live["moe/logprob_diff_replay"] == pytest.approx(replayed["train/logprob_diff"], rel=1e-5)
 
 
 def test_replay_uses_the_engines_experts_on_every_recorded_token(moe_runs):
@@ -108,6 +122,27 @@ def test_replay_uses_the_engines_experts_on_every_recorded_token(moe_runs):
             same += int((used_nlk[has] == recorded_nlk[has]).all(-1).all(-1).sum())
             total += int(has.sum())
         assert (same == total) == replay, (replay, same, total)
+
+
+def test_a_sharded_moe_step_matches_the_plain_one(moe_runs):
+    """FSDP2 (one gloo rank, in process) with the data-parallel step path: same metrics as unsharded."""
+    import socket
+
+    from molt.train import parallel
+
+    _, trajs, expected = moe_runs["bf16", True]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    parallel.init_process_group(0, 1, "127.0.0.1", port)
+    try:
+        trainer = Trainer(_model(), _cfg("tiny-moe", "--algo.routing_replay"))
+        parallel.parallelize(trainer.model)  # FSDP2 rebuilds dataclass arguments: Routing must survive it
+        got = trainer.step(trajs, shard=list(range(len(trajs))))
+    finally:
+        torch.distributed.destroy_process_group()
+    for key in [k for k in expected if k.startswith(("moe/", "train/logprob_diff", "train/loss"))]:
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
 
 
 def test_freeze_router_keeps_it_out_of_the_optimizer_and_the_sync():
@@ -131,7 +166,8 @@ def test_freeze_router_keeps_it_out_of_the_optimizer_and_the_sync():
 def test_aux_loss_pushes_the_router_toward_balance():
     model = _model()
     trajs = _rollouts(copy.deepcopy(model))
-    metrics = Trainer(copy.deepcopy(model), _cfg("tiny-moe")).step(trajs)
+    metrics = Trainer(copy.deepcopy(model), _cfg("tiny-moe", "--algo.no_moe_diff_both")).step(trajs)
+    assert "moe/logprob_diff_live" in metrics and "moe/logprob_diff_replay" not in metrics  # no extra forward
     assert metrics["moe/aux_loss"] >= 1.0 and metrics["moe/load_cv"] > 0 and metrics["moe/load_max_over_mean"] > 1
     grads = {}
     for coef in ("0", "1"):
