@@ -169,13 +169,16 @@ class Scheduler:
         seq = chunk.seq
         seq.num_computed = chunk.end
         self.manager.set_length(seq.seq_id, chunk.end)
-        released = [s for s in self.running if s.waits_for is seq and s.wait_len <= chunk.end]
-        for s in released:
+        samplers = [seq] if chunk.samples else []
+        for s in [s for s in self.running if s.waits_for is seq and s.wait_len <= chunk.end]:
+            if s.wait_len == len(s.tokens):  # nothing left to compute: sample from these logits, if they are its own
+                if chunk.samples and chunk.end == s.wait_len:
+                    samplers.append(s)
+                else:
+                    s.wait_len -= 1  # the leader is past it: compute its last token itself
             self.manager.share(seq.seq_id, s.seq_id, s.wait_len)
             s.num_computed, s.num_cached, s.waits_for = s.wait_len, s.wait_len, None
-        if not chunk.samples:
-            return []
-        return [seq, *(s for s in released if s.wait_len == chunk.end == len(s.tokens))]
+        return samplers
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, cache: bool = True) -> None:
         """Mark `seq` finished and free its slot (keeping its KV as a cached prefix when `cache`)."""
@@ -197,7 +200,8 @@ class Scheduler:
             heir.waits_for, heir.num_computed = None, 0
             for s in waiting[1:]:
                 s.waits_for = heir
-            self.owners[key] = heir
+            if not seq.group.images:
+                self.owners[key] = heir
 
     def forget_computed_prompts(self) -> None:
         """New weights: KV computed under the old ones is not shared with new requests (as the prefix cache)."""

@@ -164,3 +164,18 @@ def test_restart_recomputes_a_shared_prompt_once_then_each_tail():
     assert [m.length for m in sched.manager.take_moves()] == [10, 10]  # the prompt, copied to both
     plan = sched.schedule()  # each copy computes its own token: one decode row each
     assert [(s.sample_index, s.num_computed) for s in plan.decode] == [(1, 10), (2, 10)]
+
+
+def test_a_request_waiting_on_a_prompt_being_recomputed_still_computes_its_last_token():
+    sched = Scheduler(SlotCacheManager(4, 64, prefix_cache=False), max_num_batched_tokens=64)
+    prompt = list(range(10))
+    sched.add(_group("a", prompt))
+    (chunk,) = sched.schedule().prefill
+    (leader,) = sched.computed(chunk)
+    leader.tokens += [100, 101]
+    sched.restart_all()  # a recomputes 12 tokens; b arrives meanwhile and waits for its prompt
+    sched.add(_group("b", prompt))
+    (chunk,) = sched.schedule().prefill
+    assert chunk.seq is leader and sched.computed(chunk) == [leader]  # a's logits are for its own last token
+    plan = sched.schedule()
+    assert [(s.group.request_id, s.num_computed) for s in plan.decode] == [("b", 9)]
