@@ -104,6 +104,41 @@ def test_separate_requests_for_one_prompt_share_its_prefill(pair):
     asyncio.run(engine.close())
 
 
+def test_shared_prompts_survive_swaps_and_aborts_with_exact_results(pair):
+    """Many requests for a few prompts, arriving staggered, through two recompute swaps (same weights,
+    new version) and an abort: every finished one equals the same request run alone, log-probs included."""
+    _, molt = pair
+    ps = prompts([9, 17, 30], seed=5)
+    requests = [(ps[i % 3], SamplingParams(temperature=1.0, max_tokens=12, seed=100 + i)) for i in range(12)]
+    engine = TorchEngine(molt, num_slots=16, max_seq_len=96, max_num_batched_tokens=24, eos_token_ids=())
+    weights = {k: v.clone() for k, v in molt.state_dict().items()}
+
+    async def run():
+        tasks = []
+        for i, (p, sp) in enumerate(requests):
+            tasks.append(asyncio.create_task(engine.generate(p, sp, request_id=str(i))))
+            start = engine.stats["steps"]
+            while engine.stats["steps"] < start + 1:
+                await asyncio.sleep(0.001)
+            if i in (4, 8):
+                await engine.update_weights(weights, version=i, mode="interrupt")
+            if i == 6:
+                await engine.abort("5")
+        return await asyncio.gather(*tasks)
+
+    outs = asyncio.run(run())
+    assert sum(o.num_cached_tokens > 0 for o in outs) >= 6  # most requests copied a shared prompt
+    for i, ((p, sp), out) in enumerate(zip(requests, outs, strict=True)):
+        if out.finish_reason == "abort":
+            assert i == 5
+            continue
+        alone = asyncio.run(TorchEngine(molt, num_slots=2, max_seq_len=96, eos_token_ids=()).generate(p, sp))
+        assert out.token_ids == alone.token_ids, i
+        assert (torch.tensor(out.logprobs) - trainer_logprobs(molt, p, out, 1.0)).abs().max() <= 1e-5
+    assert engine.manager.num_active == 0 and not engine.core.scheduler.owners
+    asyncio.run(engine.close())
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(pair):
     _, molt = pair
     ps = prompts([6, 11, 25], seed=2)
