@@ -1,9 +1,10 @@
-"""Packing variable-length samples into dense rows for the trainer's forward (no padding waste).
+"""Packing variable-length samples into dense rows for the trainer's forward (little padding).
 
-Samples are placed into rows of at most `row_len` tokens by first-fit decreasing; rows are grouped
-into micro-batches of at most `micro_batch_tokens`. Each packed batch carries per-sample positions
-and doc ids so attention never crosses samples, and shifted targets with the loss mask of the
-*predicted* token.
+Samples are placed by first-fit decreasing into rows as wide as the longest of them (at most
+`row_len` tokens: narrow rows waste less on padding and masked attention, and rows holding one
+sample each get plain causal attention); rows are grouped into micro-batches of at most
+`micro_batch_tokens`. Each packed batch carries per-sample positions and doc ids so attention never
+crosses samples, and shifted targets with the loss mask of the *predicted* token.
 
 Prefix sharing: samples of one group (GRPO's n samples of a prompt) start with the same prompt.
 With `groups`, such a prefix is laid out once and each sample keeps only its own tail (a "piece"
@@ -198,6 +199,8 @@ def pack(
     if groups is not None and images:  # a sample's images stay with its whole, unshared token span
         groups = [None if images[i] else key for i, key in enumerate(groups)]
     units = share_units(samples, masks, groups, row_len)
-    rows = [[p for u in row for p in units[u]] for row in first_fit_rows([sum(map(len, u)) for u in units], row_len)]
-    per_batch = max(1, micro_batch_tokens // row_len)
+    lengths = [sum(map(len, u)) for u in units]
+    width = max(lengths, default=1)  # rows no wider than the longest unit: less padding, smaller attention
+    rows = [[p for u in row for p in units[u]] for row in first_fit_rows(lengths, width)]
+    per_batch = max(1, micro_batch_tokens // width)
     return [collate(samples, masks, rows[i : i + per_batch], images) for i in range(0, len(rows), per_batch)]

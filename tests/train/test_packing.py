@@ -59,6 +59,7 @@ def test_group_shares_its_prompt_once_and_tails_see_it():
     masks = [[0] * 6 + [1] * (len(s) - 6) for s in samples[:3]] + [[0, 1, 1]]
     (batch,) = pack(samples, masks, row_len=32, micro_batch_tokens=64, groups=[0, 0, 0, None])
     assert batch.num_tokens == 5 + 3 * 1 + 6 + 3  # prefix of 5, each tail starts at the last prompt token
+    assert tuple(batch.input_ids.shape) == (2, 14)  # rows as wide as the longest unit (the group), not 32
     shared = [(r, p) for r, row in enumerate(batch.rows) for p in row if p.shared]
     assert len(shared) == 1 and (shared[0][1].start, shared[0][1].end) == (0, 5)
     assert sorted(i for row in batch.sample_index for i in row) == [0, 1, 2, 3]
