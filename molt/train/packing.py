@@ -9,9 +9,11 @@ crosses samples, and shifted targets with the loss mask of the *predicted* token
 Prefix sharing: samples of one group (GRPO's n samples of a prompt) start with the same prompt.
 With `groups`, such a prefix is laid out once and each sample keeps only its own tail (a "piece"
 starting at the prefix length, positions continuing from there) whose tokens also see the prefix
-(`parent_ids`). Only tokens no loss target depends on per sample are shared, so every log-prob
-and gradient equals the unshared layout's; a group of 8 short answers to one long prompt trains
-on a fraction of the tokens. Plain Python + torch, no model.
+(`parent_ids`). The prompt is shared up to the first token any sample trains on; the prefix's last
+position predicts a different first token for each sample, so those targets are listed as `forks`
+(position, target) instead of one target per position. Every log-prob and gradient equals the
+unshared layout's; a group of 8 short answers to one long prompt trains on a fraction of the tokens.
+Plain Python + torch, no model.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class PackedBatch:
     routing: torch.Tensor | None = None  # MoE: [B, T, layers, k] recorded expert ids, -1 = route live
     pixel_values: torch.Tensor | None = None  # uint8 [N, 3, S, S]: the batch's images in placeholder order
     parent_ids: torch.Tensor | None = None  # [B, T] doc id of the shared prefix a token also sees (own id: none)
+    forks: torch.Tensor | None = None  # [E, 2] (flat B*T position, target): each tail's first token, predicted
+    # at its shared prefix's last position
 
     @property
     def num_tokens(self) -> int:
@@ -83,12 +87,11 @@ def first_fit_rows(lengths: list[int], row_len: int) -> list[list[int]]:
 
 
 def shared_prefix_len(samples: list[list[int]], masks: list[list[int]]) -> int:
-    """Tokens [0, S) every sample has in common and whose next-token targets (tokens 1..S) are all masked out."""
+    """Tokens [0, S) every sample has in common, none of them trained on (mask 0 on tokens 1..S-1)."""
     first = samples[0]
     limit = min(len(s) for s in samples) - 1  # every sample keeps at least one token of its own
     for m in masks:
-        loss_at = next((t for t in range(1, len(m)) if m[t]), len(m))
-        limit = min(limit, loss_at - 1)
+        limit = min(limit, next((t for t in range(1, len(m)) if m[t]), len(m)))
     n = 0
     while n < limit and all(s[n] == first[n] for s in samples):
         n += 1
@@ -151,6 +154,7 @@ def collate(samples: list[list[int]], masks: list[list[int]], rows: list[list[Pi
     targets = torch.full(shape, IGNORE, dtype=torch.long)
     loss_mask = torch.zeros(shape, dtype=torch.float32)
     parent_ids = torch.full(shape, -1, dtype=torch.long)
+    forks, fork_at = [], -1
     for r, row in enumerate(rows):
         start, prefix_doc = 0, -1
         for doc, p in enumerate(row):
@@ -161,7 +165,10 @@ def collate(samples: list[list[int]], masks: list[list[int]], rows: list[list[Pi
             doc_ids[r, span] = doc
             prefix_doc = doc if p.shared else prefix_doc if p.start else doc
             parent_ids[r, span] = prefix_doc
-            if not p.shared:
+            if p.shared:
+                fork_at = r * width + start + len(p) - 1
+            else:
+                forks += [(fork_at, ids[p.start])] if p.start else []
                 targets[r, start : start + len(p) - 1] = torch.tensor(ids[p.start + 1 : p.end])
                 loss_mask[r, start : start + len(p) - 1] = torch.tensor(mask[p.start + 1 : p.end], dtype=torch.float32)
             start += len(p)
@@ -171,7 +178,8 @@ def collate(samples: list[list[int]], masks: list[list[int]], rows: list[list[Pi
     sharing = any(p.shared for row in rows for p in row)
     return PackedBatch(input_ids, position_ids, doc_ids, targets, loss_mask, rows,
                        pixel_values=torch.stack(pixels) if pixels else None,
-                       parent_ids=parent_ids if sharing else None)  # fmt: skip
+                       parent_ids=parent_ids if sharing else None,
+                       forks=torch.tensor(forks, dtype=torch.long) if forks else None)  # fmt: skip
 
 
 def collate_routing(routings: list, rows: list[list[Piece]], width: int, shape_lk) -> torch.Tensor:

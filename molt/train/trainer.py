@@ -68,12 +68,15 @@ class MicroBatch:
 
 def _layout(packed: PackedBatch, trajs: list[Trajectory]) -> MicroBatch:
     """Index map from padded per-sample positions to the packed rows (token t comes from row pos t-1)."""
-    width = packed.input_ids.shape[1]
+    rows, width = packed.input_ids.shape
     own = [(r * width + offset, p) for r, offset, p in placements(packed.rows) if not p.shared]
     order = [p.sample for _, p in own]
     gather = torch.zeros(len(order), max(len(trajs[i].tokens) for i in order), dtype=torch.long)
+    fork = rows * width + 1  # the forks follow the positions in `token_logprobs`' flat output
     for b, (base, p) in enumerate(own):  # token t of p's sample is predicted at column base + t-1 - p.start
         gather[b, p.start + 1 : p.end] = torch.arange(base, base + len(p) - 1) + 1  # +1: slot 0 is pad
+        if p.start:  # a tail: its first token was predicted at the shared prefix's last position
+            gather[b, p.start], fork = fork, fork + 1
     return MicroBatch(packed, order, gather, _padded([trajs[i].loss_mask for i in order]))
 
 
@@ -91,7 +94,9 @@ def _per_sample(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
 
 
 def token_logprobs(model: Transformer, packed: PackedBatch, temperature: float, routing=None) -> torch.Tensor:
-    """log p(target) at every packed position [R, W], under logits / temperature (fp32); `routing`: MoE."""
+    """log p(target) at every packed position [R, W], under logits / temperature (fp32); `routing`: MoE.
+
+    With shared prefixes (`packed.forks`), the flat [R * W + E] vector of those, then each fork's log p."""
     logits = model(
         packed.input_ids,
         packed.position_ids,
@@ -102,7 +107,12 @@ def token_logprobs(model: Transformer, packed: PackedBatch, temperature: float, 
     )
     logits = logits.float() / temperature
     targets = packed.targets.clamp(min=0)
-    return -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+    logp = -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    if packed.forks is None:
+        return logp.view(targets.shape)
+    at, fork_targets = packed.forks.unbind(1)
+    forks = torch.log_softmax(logits.flatten(0, 1)[at], -1).gather(1, fork_targets[:, None])[:, 0]
+    return torch.cat([logp, forks])
 
 
 def _unpack(logp_rw: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

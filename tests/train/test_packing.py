@@ -47,8 +47,8 @@ def test_micro_batches_respect_token_budget():
         assert (b.targets[pad] == IGNORE).all() and (b.loss_mask[pad] == 0).all()
 
 
-def test_shared_prefix_stops_before_the_first_predicted_loss_token_and_at_divergence():
-    assert shared_prefix_len([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]], [[0, 0, 0, 1, 1], [0, 0, 0, 0, 1]]) == 2
+def test_shared_prefix_stops_at_the_first_trained_token_and_at_divergence():
+    assert shared_prefix_len([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]], [[0, 0, 0, 1, 1], [0, 0, 0, 0, 1]]) == 3
     assert shared_prefix_len([[1, 2, 9, 4], [1, 2, 3, 4]], [[0, 0, 0, 1], [0, 0, 0, 1]]) == 2
     assert shared_prefix_len([[1, 2, 3], [1, 2, 3, 4]], [[0, 0, 0], [0, 0, 0, 1]]) == 2  # each keeps a token
 
@@ -58,14 +58,17 @@ def test_group_shares_its_prompt_once_and_tails_see_it():
     samples = [prompt + [1, 2], prompt + [3], prompt + [4, 5, 6], [20, 21, 22]]
     masks = [[0] * 6 + [1] * (len(s) - 6) for s in samples[:3]] + [[0, 1, 1]]
     (batch,) = pack(samples, masks, row_len=32, micro_batch_tokens=64, groups=[0, 0, 0, None])
-    assert batch.num_tokens == 5 + 3 * 1 + 6 + 3  # prefix of 5, each tail starts at the last prompt token
-    assert tuple(batch.input_ids.shape) == (2, 14)  # rows as wide as the longest unit (the group), not 32
+    assert batch.num_tokens == 6 + 2 + 1 + 3 + 3  # the prompt once, then each sample's answer
+    assert tuple(batch.input_ids.shape) == (2, 12)  # rows as wide as the longest unit (the group), not 32
     shared = [(r, p) for r, row in enumerate(batch.rows) for p in row if p.shared]
-    assert len(shared) == 1 and (shared[0][1].start, shared[0][1].end) == (0, 5)
+    assert len(shared) == 1 and (shared[0][1].start, shared[0][1].end) == (0, 6)
     assert sorted(i for row in batch.sample_index for i in row) == [0, 1, 2, 3]
-    assert float(batch.loss_mask.sum()) == sum(sum(m[1:]) for m in masks)
+    # each answer's first token is predicted at the prompt's last position: one fork per sample
+    r, last = shared[0][0], shared[0][0] * 12 + 5
+    assert batch.forks.tolist() == [[last, 1], [last, 3], [last, 4]] and batch.input_ids[r, 5] == 12
+    assert float(batch.loss_mask.sum()) + len(batch.forks) == sum(sum(m[1:]) for m in masks)
     tails = batch.position_ids[batch.parent_ids != batch.doc_ids]
-    assert tails.min() == 5  # tail positions continue after the prefix
+    assert tails.min() == 6  # tail positions continue after the prefix
 
 
 def test_samples_with_images_are_never_shared():
