@@ -145,40 +145,37 @@ def collate(samples: list[list[int]], masks: list[list[int]], rows: list[list[Pi
     """Tensors for `rows` (lists of pieces); the target at t is token t+1 of the same sample.
 
     `images` (VLMs, unshared samples only): per sample, its pixel tensors in placeholder order.
+    Built as flat Python lists (one tensor each at the end: this runs every trainer step).
     """
     width = max(sum(map(len, row)) for row in rows)
-    shape = (len(rows), width)
-    input_ids = torch.zeros(shape, dtype=torch.long)
-    position_ids = torch.zeros(shape, dtype=torch.long)
-    doc_ids = torch.full(shape, -1, dtype=torch.long)
-    targets = torch.full(shape, IGNORE, dtype=torch.long)
-    loss_mask = torch.zeros(shape, dtype=torch.float32)
-    parent_ids = torch.full(shape, -1, dtype=torch.long)
+    size = len(rows) * width
+    ids_f, pos_f, targets_f, mask_f = [0] * size, [0] * size, [IGNORE] * size, [0.0] * size
+    doc_f, parent_f = [0] * size, [0] * size
     forks, fork_at = [], -1
     for r, row in enumerate(rows):
-        start, prefix_doc = 0, -1
+        at, prefix_doc = r * width, -1
         for doc, p in enumerate(row):
-            ids, mask = samples[p.sample], masks[p.sample]
-            span = slice(start, start + len(p))
-            input_ids[r, span] = torch.tensor(ids[p.start : p.end])
-            position_ids[r, span] = torch.arange(p.start, p.end)
-            doc_ids[r, span] = doc
+            ids, n = samples[p.sample], len(p)
+            ids_f[at : at + n], pos_f[at : at + n] = ids[p.start : p.end], range(p.start, p.end)
             prefix_doc = doc if p.shared else prefix_doc if p.start else doc
-            parent_ids[r, span] = prefix_doc
+            doc_f[at : at + n], parent_f[at : at + n] = [doc] * n, [prefix_doc] * n
             if p.shared:
-                fork_at = r * width + start + len(p) - 1
+                fork_at = at + n - 1
             else:
                 forks += [(fork_at, ids[p.start])] if p.start else []
-                targets[r, start : start + len(p) - 1] = torch.tensor(ids[p.start + 1 : p.end])
-                loss_mask[r, start : start + len(p) - 1] = torch.tensor(mask[p.start + 1 : p.end], dtype=torch.float32)
-            start += len(p)
-        doc_ids[r, start:] = -1 - torch.arange(width - start)  # padding: each token alone
-        parent_ids[r, start:] = doc_ids[r, start:]
+                targets_f[at : at + n - 1] = ids[p.start + 1 : p.end]
+                mask_f[at : at + n - 1] = masks[p.sample][p.start + 1 : p.end]
+            at += n
+        pad = range(-1, -1 - (r * width + width - at), -1)  # padding: each token alone
+        doc_f[at : r * width + width] = parent_f[at : r * width + width] = pad
+    shape = (len(rows), width)
+    doc_ids = torch.tensor(doc_f).view(shape)
     pixels = [im for row in rows for p in row for im in images[p.sample]] if images else []
     sharing = any(p.shared for row in rows for p in row)
-    return PackedBatch(input_ids, position_ids, doc_ids, targets, loss_mask, rows,
+    return PackedBatch(torch.tensor(ids_f).view(shape), torch.tensor(pos_f).view(shape), doc_ids,
+                       torch.tensor(targets_f).view(shape), torch.tensor(mask_f, dtype=torch.float32).view(shape), rows,
                        pixel_values=torch.stack(pixels) if pixels else None,
-                       parent_ids=parent_ids if sharing else None,
+                       parent_ids=torch.tensor(parent_f).view(shape) if sharing else None,
                        forks=torch.tensor(forks, dtype=torch.long) if forks else None)  # fmt: skip
 
 

@@ -82,10 +82,8 @@ def _layout(packed: PackedBatch, trajs: list[Trajectory]) -> MicroBatch:
 
 def _padded(values: list[list[float]]) -> torch.Tensor:
     """[B, T] float tensor of variable-length per-sample lists, zero-padded on the right."""
-    out = torch.zeros(len(values), max(map(len, values)))
-    for b, row in enumerate(values):
-        out[b, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out
+    width = max(map(len, values))
+    return torch.tensor([list(row) + [0.0] * (width - len(row)) for row in values], dtype=torch.float32)
 
 
 def _per_sample(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
