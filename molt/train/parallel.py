@@ -72,8 +72,7 @@ def split_by_tokens(trajs: list[Trajectory], num_ranks: int) -> list[list[int]]:
     """Indices of `trajs` per rank: whole groups, largest first onto the rank with the fewest tokens.
 
     Groups stay on one rank (per-prompt loss modes need a group's tokens in one place). Every rank
-    gets at least one group when there are enough groups; ranks without data still step (they run
-    an empty forward so the collectives line up).
+    gets at least one group when there are enough groups (`RayTrainer.step` refuses fewer).
     """
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(trajs):

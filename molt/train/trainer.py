@@ -173,9 +173,10 @@ class Trainer:
         denoms = denoms.all_reduced(parallel.all_reduce_sum)
         sums: dict[str, float] = {}
         self.step_tokens = int(parallel.all_reduce_sum(torch.tensor(sum(mb.packed.num_tokens for mb in mbs))))
+        num_mbs = parallel.all_reduce_max(len(mbs))  # before any forward: FSDP collectives must line up
         for mb in mbs:
             self._backward(mb, trajs, advantages, denoms, sums)
-        for _ in range(parallel.all_reduce_max(len(mbs)) - len(mbs)):  # FSDP collectives must line up
+        for _ in range(num_mbs - len(mbs)):
             self._backward(mbs[-1], trajs, advantages, denoms, {}, scale=0.0)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip or float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
