@@ -67,8 +67,9 @@ class SlotCacheManager:
         self._clock = 0
 
     # ---- queries -------------------------------------------------------------------------------
-    def slot_of(self, seq_id: int) -> int:
-        return self._slot_of[seq_id]
+    def slot_of(self, seq_id: int, default: int | None = None) -> int:
+        """The sequence's slot; `default` (when given) for one that holds none."""
+        return self._slot_of[seq_id] if default is None else self._slot_of.get(seq_id, default)
 
     def length_of(self, seq_id: int) -> int:
         return self._length[self._slot_of[seq_id]]

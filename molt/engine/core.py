@@ -136,8 +136,14 @@ class EngineCore:
             if len(picks) > logits_rv.shape[0]:  # n > 1: siblings sample from their leader's logits
                 logits_rv = logits_rv[picks]
             token_ids, logprobs = sample(logits_rv, self._row_params(rows))
-        for seq, token, logprob in zip(rows, token_ids, logprobs, strict=True):
-            self._append(seq, token, logprob)
+        done = [
+            (seq, end)
+            for seq, t, lp in zip(rows, token_ids, logprobs, strict=True)
+            if (end := self._append(seq, t, lp))
+        ]
+        # highest slot first: each freed slot is then the last active one, so the cache manager moves nothing
+        for seq, (reason, stop_reason) in sorted(done, key=lambda d: -self.manager.slot_of(d[0].seq_id, -1)):
+            self._finish(seq, reason, stop_reason)
 
     def _row_params(self, rows: list[Seq]) -> RowParams:
         sps = [s.sampling for s in rows]
@@ -162,7 +168,8 @@ class EngineCore:
         return [] if image_id is None else [(r, (image_id,)) for r in range(num_rows)]
 
     # ---- after sampling ------------------------------------------------------------------------
-    def _append(self, seq: Seq, token: int, logprob: float) -> None:
+    def _append(self, seq: Seq, token: int, logprob: float) -> tuple[str, int | str | None] | None:
+        """Record a sampled token; returns (finish reason, stop reason) when `seq` ends with it."""
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self.version)
@@ -170,9 +177,10 @@ class EngineCore:
             seq.first_token_at = time.perf_counter()
         sp = seq.sampling
         if seq.num_generated >= sp.min_tokens and (reason := self._stop_reason(seq, token)) is not None:
-            self._finish(seq, "stop", reason)
-        elif seq.num_generated >= sp.max_tokens or len(seq.tokens) >= self.max_seq_len:
-            self._finish(seq, "length")
+            return "stop", reason
+        if seq.num_generated >= sp.max_tokens or len(seq.tokens) >= self.max_seq_len:
+            return "length", None
+        return None
 
     def _stop_reason(self, seq: Seq, token: int) -> int | str | None:
         if token in seq.group.stop_ids:

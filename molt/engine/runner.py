@@ -222,13 +222,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def apply_moves(self, moves: list[Move]) -> None:
-        """Copy cache rows as the cache manager relocated them (in order)."""
+        """Apply the cache manager's relocations (in order) as one gather and one scatter per tensor.
+
+        Each move copies positions [0, length) and makes exactly those valid in `dst`, so composing the
+        list gives every changed row an (original row, valid length); rows are then copied from the
+        pre-move cache at once. Positions past a row's valid length may take other rows' content: they
+        are never read before being computed."""
+        origin: dict[int, tuple[int, int]] = {}
         for move in moves:
-            if move.length == 0:
-                continue
-            src = self.num_slots if move.src == SCRATCH else move.src
-            dst = self.num_slots if move.dst == SCRATCH else move.dst
-            self.k[:, dst, :, : move.length].copy_(self.k[:, src, :, : move.length])
-            self.v[:, dst, :, : move.length].copy_(self.v[:, src, :, : move.length])
-            if self.routes is not None:  # routing travels with the KV it produced (prefix reuse, siblings)
-                self.routes[dst, : move.length].copy_(self.routes[src, : move.length])
+            src, n = origin.get(move.src, (move.src, move.length))
+            origin[move.dst] = (src, min(n, move.length))
+        changed = [(dst, src) for dst, (src, n) in origin.items() if dst != SCRATCH and src != dst and n > 0]
+        if not changed:
+            return
+        length = max(origin[dst][1] for dst, _ in changed)
+        row = lambda slot: self.num_slots if slot == SCRATCH else slot  # noqa: E731
+        dst_r = torch.tensor([row(d) for d, _ in changed], device=self.device)
+        src_r = torch.tensor([row(s) for _, s in changed], device=self.device)
+        for cache in (self.k, self.v):  # [L, slot, kv head, position, dim]
+            cache[:, dst_r, :, :length] = cache[:, src_r, :, :length]
+        if self.routes is not None:  # routing travels with the KV it produced (prefix reuse, siblings)
+            self.routes[dst_r, :length] = self.routes[src_r, :length]
