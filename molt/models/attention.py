@@ -49,7 +49,7 @@ class PackedCausal:
     group's samples; a token's own doc id means none."""
 
     def __init__(self, doc_ids_bt: torch.Tensor | None = None, parent_ids_bt: torch.Tensor | None = None):
-        self.mask_b1tt = None
+        self.mask_b1tt, self.width = None, None
         if doc_ids_bt is not None and not bool((doc_ids_bt == 0).all()):  # one sample per row: plain causal
             t = doc_ids_bt.shape[1]
             causal_tt = torch.ones(t, t, dtype=torch.bool, device=doc_ids_bt.device).tril()
@@ -61,7 +61,21 @@ class PackedCausal:
     def __call__(
         self, layer_idx: int, q_bhtd: torch.Tensor, k_bhtd: torch.Tensor, v_bhtd: torch.Tensor
     ) -> torch.Tensor:
+        if self.width is not None:  # selected queries of a plain causal forward: keys past the last query unused
+            k_bhtd, v_bhtd = k_bhtd[:, :, : self.width], v_bhtd[:, :, : self.width]
         return sdpa(q_bhtd, k_bhtd, v_bhtd, self.mask_b1tt, causal=self.mask_b1tt is None)
+
+    def select_queries(self, cols_bq: torch.Tensor) -> PackedCausal:
+        """The same attention for queries at columns `cols_bq` [B, Q] only (keys: every column)."""
+        out = PackedCausal()
+        if self.mask_b1tt is not None:
+            rows_b1 = torch.arange(cols_bq.shape[0], device=cols_bq.device)[:, None]
+            out.mask_b1tt = self.mask_b1tt[:, 0][rows_b1, cols_bq][:, None]
+        else:  # plain causal (one sample per row): a query at column c sees columns <= c
+            width = int(cols_bq.max()) + 1
+            out.mask_b1tt = (torch.arange(width, device=cols_bq.device) <= cols_bq[:, :, None])[:, None]
+            out.width = width
+        return out
 
 
 def doc_ids_from_lengths(lengths: list[list[int]], row_len: int, device: torch.device | None = None):

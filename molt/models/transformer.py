@@ -48,15 +48,27 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
-    def forward(self, x_bth: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, layer_idx: int):
+    def forward(
+        self, x_bth: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, layer_idx: int, queries_bq=None
+    ):
+        """Attention output at every position, or only at columns `queries_bq` [B, Q] (keys and values
+        still come from every position; `attend` must expect those queries)."""
         b, t, _ = x_bth.shape
         d = self.head_dim
+        xq_bth, cos_q, sin_q = x_bth, cos, sin
+        if queries_bq is not None:
+            xq_bth, cos_q, sin_q = (take_columns(x, queries_bq) for x in (x_bth, cos, sin))
         # norm and rope in [B, T, H, D]: the backend gets transposed views of contiguous tensors
-        q_bthd = apply_rope(self.q_norm(self.q_proj(x_bth).view(b, t, -1, d)), cos, sin)
+        q_bqhd = apply_rope(self.q_norm(self.q_proj(xq_bth).view(b, xq_bth.shape[1], -1, d)), cos_q, sin_q)
         k_bthd = apply_rope(self.k_norm(self.k_proj(x_bth).view(b, t, -1, d)), cos, sin)
         v_bthd = self.v_proj(x_bth).view(b, t, -1, d)
-        out_bhtd = attend(layer_idx, q_bthd.transpose(1, 2), k_bthd.transpose(1, 2), v_bthd.transpose(1, 2))
-        return self.o_proj(out_bhtd.transpose(1, 2).reshape(b, t, -1))
+        out_bhqd = attend(layer_idx, q_bqhd.transpose(1, 2), k_bthd.transpose(1, 2), v_bthd.transpose(1, 2))
+        return self.o_proj(out_bhqd.transpose(1, 2).reshape(b, xq_bth.shape[1], -1))
+
+
+def take_columns(x_bt: torch.Tensor, cols_bq: torch.Tensor) -> torch.Tensor:
+    """x[b, cols_bq[b, q], ...] for every row b: [B, T, ...] -> [B, Q, ...]."""
+    return x_bt[torch.arange(x_bt.shape[0], device=x_bt.device)[:, None], cols_bq]
 
 
 class SwiGLU(nn.Module):
@@ -93,8 +105,10 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x_bth, cos, sin, attend, routing: Routing | None = None):
-        x_bth = x_bth + self.self_attn(self.input_layernorm(x_bth), cos, sin, attend, self.layer_idx)
+    def forward(self, x_bth, cos, sin, attend, routing: Routing | None = None, queries_bq=None):
+        """[B, T, H] out; with `queries_bq` only those columns' outputs [B, Q, H] (see `SelfAttention`)."""
+        attn = self.self_attn(self.input_layernorm(x_bth), cos, sin, attend, self.layer_idx, queries_bq)
+        x_bth = (x_bth if queries_bq is None else take_columns(x_bth, queries_bq)) + attn
         h_bth = self.post_attention_layernorm(x_bth)
         return x_bth + (self.mlp(h_bth, routing) if isinstance(self.mlp, SparseMoE) else self.mlp(h_bth))
 
@@ -135,6 +149,7 @@ class Transformer(nn.Module):
         routing: Routing | None = None,
         pixel_values: torch.Tensor | None = None,
         image_embeds_nh: torch.Tensor | None = None,
+        outputs_bq: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for `input_ids_bt` at explicit positions (default 0..T-1 per row).
 
@@ -144,6 +159,8 @@ class Transformer(nn.Module):
         (MoE models) replays given expert ids and records each MoE layer's choice (see `moe.py`).
         A VLM takes its images as uint8 `pixel_values` [N, 3, S, S] (whole images, in placeholder order)
         or as `image_embeds_nh`, one row per `image_token_id` position of `input_ids_bt` in row-major order.
+        `outputs_bq` (packed training, dense models): only these columns' logits [B, Q, V]; every position
+        still feeds the keys and values, so they equal the full forward's logits at those columns.
         """
         if position_ids_bt is None:
             position_ids_bt = torch.arange(input_ids_bt.shape[1], device=input_ids_bt.device).expand_as(input_ids_bt)
@@ -156,8 +173,12 @@ class Transformer(nn.Module):
         if image_embeds_nh is not None or self.cfg.image_token_id is not None:
             x_bth = self._scatter_images(input_ids_bt, x_bth, image_embeds_nh)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, position_ids_bt.clamp(min=0), x_bth.dtype)
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             x_bth = layer(x_bth, cos, sin, attend, routing)
+        if outputs_bq is None:
+            x_bth = self.layers[-1](x_bth, cos, sin, attend, routing)
+        else:  # the last layer's queries, MLP and head only where an output is wanted
+            x_bth = self.layers[-1](x_bth, cos, sin, attend.select_queries(outputs_bq), routing, outputs_bq)
         x_bth = self.norm(x_bth)
         return x_bth if return_hidden else self.lm_head(x_bth)
 

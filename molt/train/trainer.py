@@ -91,26 +91,47 @@ def _per_sample(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
     return _padded([values[i] for i in mb.samples])
 
 
-def token_logprobs(model: Transformer, packed: PackedBatch, temperature: float, routing=None) -> torch.Tensor:
+def token_logprobs(
+    model: Transformer, packed: PackedBatch, temperature: float, routing=None, trained_only: bool = False
+) -> torch.Tensor:
     """log p(target) at every packed position [R, W], under logits / temperature (fp32); `routing`: MoE.
 
-    With shared prefixes (`packed.forks`), the flat [R * W + E] vector of those, then each fork's log p."""
-    logits = model(
-        packed.input_ids,
-        packed.position_ids,
-        doc_ids_bt=packed.doc_ids,
-        parent_ids_bt=packed.parent_ids,
-        routing=routing,
-        pixel_values=packed.pixel_values,
-    )
+    With shared prefixes (`packed.forks`), the flat [R * W + E] vector of those, then each fork's log p.
+    `trained_only` (dense models): the last layer computes only the positions whose target is trained or
+    that hold a fork (`Transformer.forward`'s `outputs_bq`); every other position's log p is 0."""
+    kwargs = dict(doc_ids_bt=packed.doc_ids, parent_ids_bt=packed.parent_ids, pixel_values=packed.pixel_values)
+    if not trained_only:
+        logits = model(packed.input_ids, packed.position_ids, routing=routing, **kwargs).flatten(0, 1)
+        at_n = torch.arange(packed.targets.numel(), device=logits.device)
+    else:
+        cols_bq, valid_bq = trained_columns(packed)
+        logits = model(packed.input_ids, packed.position_ids, outputs_bq=cols_bq, **kwargs)[valid_bq]
+        at_n = torch.arange(cols_bq.shape[0], device=cols_bq.device)[:, None] * packed.targets.shape[1] + cols_bq
+        at_n = at_n[valid_bq]
     logits = logits.float() / temperature
-    targets = packed.targets.clamp(min=0)
-    logp = -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    logp_n = -F.cross_entropy(logits, packed.targets.flatten()[at_n].clamp(min=0), reduction="none")
+    logp = logp_n if not trained_only else logp_n.new_zeros(packed.targets.numel()).index_put((at_n,), logp_n)
     if packed.forks is None:
-        return logp.view(targets.shape)
-    at, fork_targets = packed.forks.unbind(1)
-    forks = torch.log_softmax(logits.flatten(0, 1)[at], -1).gather(1, fork_targets[:, None])[:, 0]
+        return logp.view(packed.targets.shape)
+    fork_at, fork_targets = packed.forks.unbind(1)
+    if trained_only:  # a fork's row among the computed outputs
+        row_of = torch.full((packed.targets.numel(),), -1, dtype=torch.long, device=at_n.device)
+        fork_at = row_of.index_put((at_n,), torch.arange(len(at_n), device=at_n.device))[fork_at]
+    forks = torch.log_softmax(logits[fork_at], -1).gather(1, fork_targets[:, None])[:, 0]
     return torch.cat([logp, forks])
+
+
+def trained_columns(packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the columns whose target is trained or that predict a fork ([B, Q], padded by repeating
+    the row's first such column) and which entries are real ([B, Q] bool)."""
+    need_bt = packed.loss_mask > 0
+    if packed.forks is not None:
+        need_bt.view(-1)[packed.forks[:, 0]] = True
+    counts_b = need_bt.sum(1)
+    width = max(int(counts_b.max()), 1)
+    cols_bq = torch.argsort((~need_bt).to(torch.uint8), dim=1, stable=True)[:, :width]
+    valid_bq = torch.arange(width, device=cols_bq.device) < counts_b[:, None]
+    return torch.where(valid_bq, cols_bq, cols_bq[:, :1]), valid_bq
 
 
 def _unpack(logp_rw: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -211,13 +232,13 @@ class Trainer:
         device, temp = self.cfg.runtime.device, self.cfg.rollout.temperature
         packed = mb.packed.to(device)
         routing = forward_routing(packed, self.cfg.algo.routing_replay) if self.moe_shape[0] else None
-        logp_bt = _unpack(token_logprobs(self.model, packed, temp, routing), mb)
+        logp_bt = _unpack(token_logprobs(self.model, packed, temp, routing, trained_only=routing is None), mb)
         mask_bt = mb.mask_bt.to(device)
         rollout_logp_bt = _per_sample([t.rollout_logprobs for t in trajs], mb).to(device)
         ref_logp_bt = None
         if self.ref is not None:
             with torch.no_grad():
-                ref_logp_bt = _unpack(token_logprobs(self.ref, packed, temp), mb)
+                ref_logp_bt = _unpack(token_logprobs(self.ref, packed, temp, trained_only=routing is None), mb)
         batch = algo.PolicyBatch(
             logp_bt=logp_bt,
             mask_bt=mask_bt,
