@@ -3,7 +3,8 @@
 Task: Molt's built-in single-turn `arithmetic` task (TRL's GRPOTrainer generates single-turn
 completions; Molt's multi-turn tool task has no TRL equivalent). Both start from the same Molt
 warm start (an SFT checkpoint, HF format) and run GRPO with 8 prompts x 8 samples per step, fp32 on
-CPU. Throughput = optimizer steps / wall seconds of training. Both final models are then evaluated
+CPU. Throughput = optimizer steps / wall seconds of training (TRL: `trainer.train()`; Molt: the RL
+loop from its first rollout to its last step's weight sync). Both final models are then evaluated
 by the same evaluator (Molt's engine, 100 held-out prompts x 4 samples, temperature 1).
 TRL is a benchmark-only dependency: `pip install trl`. Writes benchmarks/results/vs_trl.md.
 Run: `.venv/bin/python benchmarks/vs_trl.py [--steps 20]`.
@@ -97,7 +98,7 @@ def main() -> None:
         eval_rows = eval_rows[:100]
         t0 = time.perf_counter()
         molt = run_train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=start)))
-        molt_s = sum(m["time/step_s"] for m in molt.history)
+        molt_s = molt.history[-1]["time/elapsed_s"]  # the loop's wall, first rollout to last weight sync
         wall_molt = time.perf_counter() - t0
         trl_s = on_fresh_thread(run_trl, start, train_rows, args.steps, os.path.join(tmp, "trl"), threads=THREADS)
         rewards = {

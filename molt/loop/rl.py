@@ -264,6 +264,7 @@ class RLLoop:
             "rollout/failures": self.state.failures,
             "rollout/buffer_groups": self.buffer.qsize(),
             "time/step_s": time.perf_counter() - t0,
+            "time/elapsed_s": time.perf_counter() - self.run_t0,  # wall since `run` began (this session)
             "time/sync_s": self.sync_s,
         }
 
@@ -284,7 +285,7 @@ class RLLoop:
         for group in self.state.buffer:
             await self.buffer.put([Trajectory.from_dict(t) for t in group])
         self.state.buffer = []
-        self.sync_s = 0.0
+        self.sync_s, self.run_t0 = 0.0, time.perf_counter()
         producer = asyncio.create_task(self.rollout(), name="rollout")
         trainer = asyncio.create_task(self.train(on_step), name="train")
         done, _ = await asyncio.wait({producer, trainer}, return_when=asyncio.FIRST_COMPLETED)
