@@ -166,6 +166,8 @@ class Transformer(nn.Module):
             position_ids_bt = torch.arange(input_ids_bt.shape[1], device=input_ids_bt.device).expand_as(input_ids_bt)
         if cache is not None and doc_ids_bt is not None:
             raise ValueError("pass either doc_ids_bt (packed training) or cache (decoding), not both")
+        if outputs_bq is not None and (cache is not None or routing is not None):
+            raise ValueError("outputs_bq is for packed training of dense models (no cache, no MoE routing)")
         attend = cache.prepare(position_ids_bt) if cache is not None else PackedCausal(doc_ids_bt, parent_ids_bt)
         x_bth = self.embed_tokens(input_ids_bt)
         if pixel_values is not None:
