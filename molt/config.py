@@ -315,9 +315,12 @@ class RuntimeConfig:
     """Ray: weight sync chunk size in MB (each chunk is one object in the Ray object store)."""
     engine_restarts: int = 2
     """Ray: restarts of a dead engine replica (its in-flight requests are re-sent); past that the run stops."""
+    collective_timeout_s: int = 600
+    """Ray: seconds a trainer-rank collective (gloo / NCCL) may wait before the step fails with an error."""
 
     def __post_init__(self) -> None:
         check(self.threads >= 0 and self.engine_threads >= 0, "runtime.threads", "thread counts must be >= 0")
+        check(self.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0")
         check(
             self.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
             "runtime.engine",

@@ -42,7 +42,8 @@ class TrainerRank:
         from molt.train.optim import build_optimizer
         from molt.train.trainer import Trainer
 
-        parallel.init_process_group(self.rank, self.world_size, address, port, self.cfg.runtime.device)
+        rt = self.cfg.runtime
+        parallel.init_process_group(self.rank, self.world_size, address, port, rt.device, rt.collective_timeout_s)
         self.trainer = Trainer(self.model, self.cfg)  # the reference copy (kl_coef > 0) stays unsharded
         parallel.parallelize(self.model)
         self.trainer.opt, self.trainer.schedule = build_optimizer(self.model.parameters(), self.cfg.train)

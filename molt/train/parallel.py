@@ -19,15 +19,17 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from molt.data.trajectory import Trajectory
 
 
-def init_process_group(rank: int, world_size: int, address: str, port: int, device: str = "cpu") -> None:
-    """Join the trainer group: gloo on CPU, NCCL on CUDA."""
+def init_process_group(
+    rank: int, world_size: int, address: str, port: int, device: str = "cpu", timeout_s: int = 600
+) -> None:
+    """Join the trainer group: gloo on CPU, NCCL on CUDA; a collective waiting past `timeout_s` raises."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(
         backend,
         init_method=f"tcp://{address}:{port}",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(minutes=10),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
 
 

@@ -13,8 +13,10 @@ from molt.train.trainer import Trainer
 
 
 def _cfg(*flags):
+    # a collective timeout of 120 s: ranks whose collectives do not line up fail the test in minutes
     return parse_config(["--data.max_len", "64", "--rollout.max_len", "64", "--train.warmup_steps", "0",
-                         "--train.micro_batch_tokens", "64", "--runtime.backend", "ray", *flags])  # fmt: skip
+                         "--train.micro_batch_tokens", "64", "--runtime.backend", "ray",
+                         "--runtime.collective_timeout_s", "120", *flags])  # fmt: skip
 
 
 def test_split_keeps_groups_whole_and_balances_tokens():

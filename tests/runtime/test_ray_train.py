@@ -18,7 +18,8 @@ RAY = ["--runtime.backend", "ray", "--runtime.engines", "2", "--train.warmup_ste
 def ray_run(ray_cluster, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ray") / "run"
     flags = ["--train.max_steps", "6", "--eval.every", "6", "--eval.num_prompts", "40", "--rollout.max_staleness",
-             "0", "--runtime.trainer_ranks", "2", "--train.lr", "2e-4", "--log.run_dir", str(run_dir)]  # fmt: skip
+             "0", "--runtime.trainer_ranks", "2", "--train.lr", "2e-4", "--log.run_dir", str(run_dir),
+             "--runtime.collective_timeout_s", "180"]  # fmt: skip
     return run_train(parse_config([*RAY, *flags])), run_dir
 
 
