@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ from molt.data.trajectory import Trajectory
 from molt.models.tokenizer import apply_chat_template, render_chat
 
 PROBE = "\x00molt-action\x00"  # stands for the real action text when rendering observation deltas
+_FIRST_PROMPTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {rendered key: ids}
 
 
 class TemplateRewriteError(ValueError):
@@ -63,6 +66,21 @@ async def _step(env: Env, action: str, timeout_s: float) -> Result:
     return result
 
 
+def first_prompt_ids(tokenizer, messages: Messages, tools=None) -> list[int]:
+    """The first observation rendered with the generation prompt. A group's n episodes render the same
+    one, so the last few per tokenizer are kept (text-only messages; a copy is returned)."""
+    try:
+        key = json.dumps([messages, tools], sort_keys=True)
+    except TypeError:  # images or other non-JSON content: render every time
+        return apply_chat_template(tokenizer, messages, tools=tools, add_generation_prompt=True)
+    cache = _FIRST_PROMPTS.setdefault(tokenizer, {})
+    if key not in cache:
+        if len(cache) >= 256:
+            cache.pop(next(iter(cache)))
+        cache[key] = apply_chat_template(tokenizer, messages, tools=tools, add_generation_prompt=True)
+    return list(cache[key])
+
+
 def _extend_prompt(traj: Trajectory, engine, ids: list[int], images: list, max_len: int) -> None:
     """Append prompt/observation ids, expanding image placeholders and recording the images' pixels."""
     ids, records = expand_images(engine, ids, images, len(traj.tokens), max_len)
@@ -94,7 +112,7 @@ async def run_episode(
     messages = await asyncio.wait_for(env.reset(row), limits.step_timeout_s)
     tools = row.get("tools")
     traj = Trajectory(**ids)
-    prompt = apply_chat_template(tokenizer, messages, tools=tools, add_generation_prompt=True)
+    prompt = first_prompt_ids(tokenizer, messages, tools)
     _extend_prompt(traj, engine, prompt, message_images(messages), limits.max_len)
     eos_id, result = tokenizer.eos_token_id, None
     for turn in range(limits.max_turns):

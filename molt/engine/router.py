@@ -11,11 +11,10 @@ replica. Knows only the `Engine` interface: replicas may be torch engines, vLLM 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from molt.engine.interface import Completion, Engine, SamplingParams, SyncMode, Weights
+from molt.engine.interface import Completion, Engine, SamplingParams, SyncMode, Weights, new_request_id
 
 
 class Router(Engine):
@@ -61,7 +60,7 @@ class Router(Engine):
         images=None,
     ) -> list[Completion]:
         sampling = sampling or SamplingParams()
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or new_request_id()
         index = self.place(session_id)
         self._in_flight[index] += sampling.n
         self._requests[request_id] = index

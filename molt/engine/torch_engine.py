@@ -25,14 +25,21 @@ import logging
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 
 import torch
 
 from molt.engine.core import EngineCore
 from molt.engine.images import check_request_images
-from molt.engine.interface import Completion, ContextLengthError, Engine, SamplingParams, SyncMode, Weights
+from molt.engine.interface import (
+    Completion,
+    ContextLengthError,
+    Engine,
+    SamplingParams,
+    SyncMode,
+    Weights,
+    new_request_id,
+)
 from molt.engine.sampling import sample_seed
 from molt.engine.scheduler import Group
 from molt.models.transformer import Transformer
@@ -112,7 +119,7 @@ class TorchEngine(Engine):
         sampling = sampling or SamplingParams()
         prompt = self._validate(prompt_token_ids, sampling)
         pixels = check_request_images(self.model.cfg, prompt, images)
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or new_request_id()
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 

@@ -29,7 +29,6 @@ import glob
 import json
 import shutil
 import tempfile
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,15 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from molt.engine.interface import Completion, ContextLengthError, Engine, SamplingParams, SyncMode, Weights
+from molt.engine.interface import (
+    Completion,
+    ContextLengthError,
+    Engine,
+    SamplingParams,
+    SyncMode,
+    Weights,
+    new_request_id,
+)
 from molt.models.hf_io import _rule_for, load_config, save_pretrained
 
 SEED_STRIDE = 1_000_003  # sample i of a seeded request uses seed + SEED_STRIDE * i (+ resubmission count)
@@ -129,7 +136,7 @@ class VLLMEngine(Engine):
             )
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to the engine")
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or new_request_id()
         try:
             samples = [self._sample(prompt, sampling, request_id, i) for i in range(sampling.n)]
             return list(await asyncio.gather(*samples))

@@ -122,3 +122,17 @@ def test_load_agent_from_file_and_errors(tmp_path):
         load_agent(str(tmp_path / "missing.py"))
     with pytest.raises(ModuleNotFoundError, match="cannot import agent module"):
         load_agent("no_such_pkg.agents")
+
+
+def test_first_prompt_is_rendered_once_per_tokenizer_and_handed_out_as_a_copy():
+    from molt.agents.runner import _FIRST_PROMPTS, first_prompt_ids
+
+    tok = build_builtin_tokenizer()
+    messages = [{"role": "user", "content": "what is 347*29?"}]
+    expected = apply_chat_template(tok, messages, add_generation_prompt=True)
+    first = first_prompt_ids(tok, messages)
+    first.append(-1)  # the caller's list is its own
+    assert first_prompt_ids(tok, messages) == expected and len(_FIRST_PROMPTS[tok]) == 1
+    other = [{"role": "user", "content": "what is 12*3?"}]
+    assert first_prompt_ids(tok, other) == apply_chat_template(tok, other, add_generation_prompt=True)
+    assert first_prompt_ids(build_builtin_tokenizer(), messages) == expected  # another tokenizer, its own cache
