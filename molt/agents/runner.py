@@ -60,7 +60,8 @@ def _as_messages(observation: str | Messages) -> Messages:
 
 
 async def _step(env: Env, action: str, timeout_s: float) -> Result:
-    result = await asyncio.wait_for(env.step(action), timeout_s)
+    async with asyncio.timeout(timeout_s):  # no extra task per call, unlike wait_for
+        result = await env.step(action)
     if not isinstance(result, Result):
         raise TypeError(f"{type(env).__name__}.step returned {type(result).__name__}, expected molt.agents.Result")
     return result
@@ -109,7 +110,8 @@ async def run_episode(
     The reward is the sum of the steps' rewards. The episode ends on terminated/truncated, after
     `max_turns` actions, or when the context budget `max_len` is used up (then `truncated`).
     """
-    messages = await asyncio.wait_for(env.reset(row), limits.step_timeout_s)
+    async with asyncio.timeout(limits.step_timeout_s):
+        messages = await env.reset(row)
     tools = row.get("tools")
     traj = Trajectory(**ids)
     prompt = first_prompt_ids(tokenizer, messages, tools)
