@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import os
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,14 @@ from typing import Literal
 import torch
 
 _REQUEST_PREFIX, _REQUEST_COUNTER = uuid.uuid4().hex[:12], itertools.count()
+
+
+def _new_request_prefix() -> None:
+    global _REQUEST_PREFIX
+    _REQUEST_PREFIX = uuid.uuid4().hex[:12]
+
+
+os.register_at_fork(after_in_child=_new_request_prefix)  # a forked child must not repeat its parent's ids
 
 
 def new_request_id() -> str:

@@ -102,3 +102,19 @@ def test_second_turn_reuses_the_replicas_prefix_cache(model):
     assert turn2.num_cached_tokens == len(turn1_prompt) + len(turn1.token_ids) - 1
     assert sum(r.stats["steps"] > 0 for r in replicas) == 1
     asyncio.run(router.close())
+
+
+def test_request_ids_are_unique_in_a_process_and_in_a_forked_child():
+    import os
+
+    from molt.engine.interface import new_request_id
+
+    ids = {new_request_id() for _ in range(1000)}
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's next id, written back to the parent
+        os.write(write, new_request_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 100).decode()
+    assert len(ids) == 1000 and child not in ids | {new_request_id()}
