@@ -75,4 +75,6 @@ def test_run_outputs_metrics_tensorboard_and_plot(tmp_path):
     required = ["train/reward_mean", "train/staleness_mean", "train/staleness_max", "train/logprob_diff",
                 "train/is_filter_frac", "rollout/tokens_per_s", "train/tokens_per_s", "time/step_s"]  # fmt: skip
     assert all(key in m for m in result.history for key in required)
+    elapsed = [m["time/elapsed_s"] for m in result.history]  # the loop's wall clock, for throughput vs baselines
+    assert elapsed == sorted(elapsed) and elapsed[-1] >= sum(m["time/step_s"] for m in result.history) * 0.99
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
