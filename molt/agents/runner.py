@@ -72,9 +72,9 @@ def first_prompt_ids(tokenizer, messages: Messages, tools=None) -> list[int]:
     one, so the last few per tokenizer are kept (text-only messages; a copy is returned)."""
     try:
         key = json.dumps([messages, tools], sort_keys=True)
-    except TypeError:  # images or other non-JSON content: render every time
+        cache = _FIRST_PROMPTS.setdefault(tokenizer, {})
+    except TypeError:  # images or other non-JSON content, or a tokenizer without weakref/hash: render every time
         return apply_chat_template(tokenizer, messages, tools=tools, add_generation_prompt=True)
-    cache = _FIRST_PROMPTS.setdefault(tokenizer, {})
     if key not in cache:
         if len(cache) >= 256:
             cache.pop(next(iter(cache)))
