@@ -69,13 +69,17 @@ class PackedCausal:
         """The same attention for queries at columns `cols_bq` [B, Q] only (keys: every column)."""
         out = PackedCausal()
         if self.mask_b1tt is not None:
-            rows_b1 = torch.arange(cols_bq.shape[0], device=cols_bq.device)[:, None]
-            out.mask_b1tt = self.mask_b1tt[:, 0][rows_b1, cols_bq][:, None]
+            out.mask_b1tt = take_columns(self.mask_b1tt[:, 0], cols_bq)[:, None]
         else:  # plain causal (one sample per row): a query at column c sees columns <= c
             width = int(cols_bq.max()) + 1
             out.mask_b1tt = (torch.arange(width, device=cols_bq.device) <= cols_bq[:, :, None])[:, None]
             out.width = width
         return out
+
+
+def take_columns(x_bt: torch.Tensor, cols_bq: torch.Tensor) -> torch.Tensor:
+    """x[b, cols_bq[b, q], ...] for every row b: [B, T, ...] -> [B, Q, ...]."""
+    return x_bt[torch.arange(x_bt.shape[0], device=x_bt.device)[:, None], cols_bq]
 
 
 def doc_ids_from_lengths(lengths: list[list[int]], row_len: int, device: torch.device | None = None):

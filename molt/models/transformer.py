@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from molt.models.attention import Cache, PackedCausal
+from molt.models.attention import Cache, PackedCausal, take_columns
 from molt.models.config import TransformerConfig
 from molt.models.moe import Routing, SparseMoE
 from molt.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -64,11 +64,6 @@ class SelfAttention(nn.Module):
         v_bthd = self.v_proj(x_bth).view(b, t, -1, d)
         out_bhqd = attend(layer_idx, q_bqhd.transpose(1, 2), k_bthd.transpose(1, 2), v_bthd.transpose(1, 2))
         return self.o_proj(out_bhqd.transpose(1, 2).reshape(b, xq_bth.shape[1], -1))
-
-
-def take_columns(x_bt: torch.Tensor, cols_bq: torch.Tensor) -> torch.Tensor:
-    """x[b, cols_bq[b, q], ...] for every row b: [B, T, ...] -> [B, Q, ...]."""
-    return x_bt[torch.arange(x_bt.shape[0], device=x_bt.device)[:, None], cols_bq]
 
 
 class SwiGLU(nn.Module):

@@ -113,11 +113,9 @@ def token_logprobs(
     logp = logp_n if not trained_only else logp_n.new_zeros(packed.targets.numel()).index_put((at_n,), logp_n)
     if packed.forks is None:
         return logp.view(packed.targets.shape)
-    fork_at, fork_targets = packed.forks.unbind(1)
-    if trained_only:  # a fork's row among the computed outputs
-        row_of = torch.full((packed.targets.numel(),), -1, dtype=torch.long, device=at_n.device)
-        fork_at = row_of.index_put((at_n,), torch.arange(len(at_n), device=at_n.device))[fork_at]
-    forks = torch.log_softmax(logits[fork_at], -1).gather(1, fork_targets[:, None])[:, 0]
+    fork_at, fork_targets = packed.forks.T.contiguous()
+    fork_n = torch.searchsorted(at_n, fork_at)  # a fork's row among the computed outputs (`at_n` is increasing)
+    forks = torch.log_softmax(logits[fork_n], -1).gather(1, fork_targets[:, None])[:, 0]
     return torch.cat([logp, forks])
 
 
