@@ -1,10 +1,14 @@
 """Asynchronous (max_staleness 1, 2) vs synchronous (max_staleness 0) RL on the default recipe.
 
 All runs use the same warm start, seed, task, batch and number of steps (so the same number of
-trained samples); throughput is trained samples / summed step wall time (eval excluded), and the
-final held-out eval reward is reported for each. `--tool-latency S` adds a second set of runs whose
-calculator tool answers after S seconds (`benchmarks/agents/remote_calculator.py`: a tool behind a
-network or sandbox), where the engine would otherwise wait for the slowest episode's tool calls.
+trained samples); throughput is trained samples / the loop's wall time (`time/elapsed_s`: first
+rollout to the last weight sync, evals excluded), and the final held-out eval reward is reported for
+each. Also reported: the seconds per step the one compute thread spent in trainer steps and in
+engine model steps, and their share of the wall time. With a compute share near 100%, async can only
+win by making the compute cheaper (fuller decode batches), not by overlapping. `--tool-latency S`
+adds a second set of runs whose calculator tool answers after S seconds
+(`benchmarks/agents/remote_calculator.py`: a tool behind a network or sandbox), where the engine
+would otherwise wait for the slowest episode's tool calls.
 Run: `.venv/bin/python benchmarks/async_vs_sync.py [--steps 60] [--seed 0] [--tool-latency 0.25]`;
 writes benchmarks/results/async_vs_sync.md.
 """
@@ -40,9 +44,15 @@ def measure(staleness: int, steps: int, seed: int, tmp: str, latency: float = 0.
         "1000",
     ]
     result = run_train(parse_config(flags))
-    seconds = sum(m["time/step_s"] for m in result.history)
-    samples = sum(m["train/num_samples"] for m in result.history)
+    hist = result.history
+    seconds = hist[-1]["time/elapsed_s"]
+    samples = sum(m["train/num_samples"] for m in hist)
+    train_s, engine_s = (sum(m.get(k, 0.0) for m in hist) for k in ("time/train_s", "time/engine_s"))
     return {
+        "train_s_per_step": train_s / len(hist),
+        "engine_s_per_step": engine_s / len(hist),
+        "compute_share": (train_s + engine_s) / seconds,
+        "decode_rows": sum(m.get("rollout/decode_batch_mean", 0.0) for m in hist) / len(hist),
         "samples_per_s": samples / seconds,
         "seconds": seconds,
         "samples": samples,
@@ -55,13 +65,15 @@ def measure(staleness: int, steps: int, seed: int, tmp: str, latency: float = 0.
 def _table(runs: dict[int, dict]) -> list[str]:
     sync = runs[0]["samples_per_s"]
     table = [
-        "| run | samples | RL seconds | samples/s | vs sync | eval reward before -> after | max staleness |",
-        "|---|---|---|---|---|---|---|",
+        "| run | samples | RL seconds | samples/s | vs sync | eval reward before -> after | max staleness "
+        "| train s/step | engine s/step | compute share | decode rows |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     return table + [
         f"| {'sync' if k == 0 else 'async'} (max_staleness {k}) | {r['samples']} | {r['seconds']:.1f} | "
         f"{r['samples_per_s']:.1f} | **{r['samples_per_s'] / sync:.2f}x** | "
-        f"{r['eval_before']:.3f} -> {r['eval_after']:.3f} | {r['staleness_max']} |"
+        f"{r['eval_before']:.3f} -> {r['eval_after']:.3f} | {r['staleness_max']} | {r['train_s_per_step']:.3f} | "
+        f"{r['engine_s_per_step']:.3f} | {r['compute_share']:.0%} | {r['decode_rows']:.1f} |"
         for k, r in runs.items()
     ]
 

@@ -10,7 +10,11 @@ batch to `TorchEngine` at once (continuous batching, all requests concurrent). R
 - TTFT: transformers = wall time of `generate(max_new_tokens=1)` on the batch; Molt = the mean
   over requests of submission -> first token, in the full run;
 - %peak: achieved matmul FLOP/s of Molt's decode (2 x matmul parameters per token, attention
-  ignored) over the fp32 peak of one big matmul measured in this run.
+  ignored) over the fp32 peak of one big matmul measured in this run;
+- matmul floor: tok/s if the job were nothing but the model's linear layers (the prefill of every
+  prompt token at once, then one decode step of the whole batch per new token) with this torch's
+  fp32 GEMM, and that over transformers: the most any engine computing the same fp32 model could
+  gain over it, whatever else it removes.
 
 Run: `.venv/bin/python benchmarks/engine.py [--quick]` (writes benchmarks/results/engine.md).
 """
@@ -52,6 +56,29 @@ def matmul_peak_gflops(n: int = 2048, iters: int = 10) -> float:
     for _ in range(iters):
         a @ b
     return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e9
+
+
+def matmul_floor_s(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> float:
+    """Seconds for only the linear layers of the whole job (best of 2): every prompt token in one
+    prefill pass (LM head on each prompt's last token), then `new_tokens - 1` decode steps of the batch."""
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    body, lm_head = weights[:-1], model.lm_head.weight.detach()
+    assert weights[-1] is lm_head or weights[-1].data_ptr() == lm_head.data_ptr()
+    rows, tokens = len(prompts), sum(len(p) for p in prompts)
+    x = {k: torch.randn(tokens, k) for k in {w.shape[1] for w in weights}}
+    linear = torch.nn.functional.linear
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(2):
+            t0 = time.perf_counter()
+            for w in body:
+                linear(x[w.shape[1]], w)
+            linear(x[lm_head.shape[1]][:rows], lm_head)
+            for _ in range(new_tokens - 1):
+                for w in weights:
+                    linear(x[w.shape[1]][:rows], w)
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def random_prompts(batch: int, seed: int) -> list[list[int]]:
@@ -131,6 +158,7 @@ def bench_model(name: str, batches, peak: float) -> list[dict]:
             asyncio.run(engine.close())  # its thread and pool end before transformers runs
             hf_runs.append(on_fresh_thread(hf_generate, hf, prompts, NEW_TOKENS, threads=THREADS))
             hf_ttfts.append(on_fresh_thread(hf_generate, hf, prompts, 1, threads=THREADS))
+        floor_s = on_fresh_thread(matmul_floor_s, molt_model, prompts, NEW_TOKENS, threads=THREADS)
         vllm_s = vllm_generate(folder, prompts, NEW_TOKENS)
         (molt_s, molt_ttft), hf_s = min(molt_runs), min(hf_runs)
         tokens = batch * NEW_TOKENS
@@ -138,6 +166,7 @@ def bench_model(name: str, batches, peak: float) -> list[dict]:
         row.update(hf_ttft=min(hf_ttfts), molt_ttft=molt_ttft)
         row["vllm"] = tokens / vllm_s if vllm_s else None
         row["peak"] = row["molt"] * 2 * matmul_params / 1e9 / peak
+        row["floor"] = tokens / floor_s
         rows.append(row)
         print(_line(row), flush=True)
     return rows
@@ -148,7 +177,8 @@ def _line(r: dict) -> str:
     return (
         f"| {r['model']} | {r['batch']} | {r['hf']:.0f} | {r['molt']:.0f} | **{r['molt'] / r['hf']:.2f}x** "
         f"| {vllm} "
-        f"| {r['hf_ttft'] * 1e3:.1f} | {r['molt_ttft'] * 1e3:.1f} | {100 * r['peak']:.1f}% |"
+        f"| {r['hf_ttft'] * 1e3:.1f} | {r['molt_ttft'] * 1e3:.1f} | {100 * r['peak']:.1f}% "
+        f"| {r['floor']:.0f} | {r['floor'] / r['hf']:.2f}x |"
     )
 
 
@@ -159,8 +189,9 @@ def main() -> None:
     peak = on_fresh_thread(matmul_peak_gflops, threads=THREADS)
     header = (
         "| model | batch | transformers tok/s | Molt tok/s | Molt / HF "
-        "| vLLM tok/s | Molt / vLLM | HF TTFT ms | Molt TTFT ms | Molt % fp32 peak |\n"
-        "|---|---|---|---|---|---|---|---|---|---|"
+        "| vLLM tok/s | Molt / vLLM | HF TTFT ms | Molt TTFT ms | Molt % fp32 peak | matmul floor tok/s "
+        "| floor / HF |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     print(f"fp32 matmul peak: {peak:.0f} GFLOP/s (2 threads)\n{header}")
     rows = []

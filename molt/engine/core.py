@@ -54,7 +54,7 @@ class EngineCore:
         self.runner = ModelRunner(model, num_slots, max_seq_len, record_routing)
         self.groups: dict[str, Group] = {}
         self.num_pending = 0
-        self.stats = dict(steps=0, prefill_tokens=0, decode_tokens=0, step_errors=0)
+        self.stats = dict(steps=0, decode_steps=0, prefill_tokens=0, decode_tokens=0, step_errors=0, busy_s=0.0)
 
     # ---- requests and commands -----------------------------------------------------------------
     def add(self, group: Group) -> None:
@@ -89,6 +89,7 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------------
     def step_safely(self, admit: bool = True) -> None:
         """One step; a failure fails the requests that were running, never the engine."""
+        t0 = time.perf_counter()
         try:
             self.step(admit)
         except Exception as e:
@@ -100,6 +101,8 @@ class EngineCore:
                     self.groups.pop(group.request_id)
                     self.num_pending -= group.sampling.n
                     group.on_done(e)
+        finally:
+            self.stats["busy_s"] += time.perf_counter() - t0
 
     def step(self, admit: bool = True) -> None:
         plan = self.scheduler.schedule(admit)
@@ -113,6 +116,7 @@ class EngineCore:
         chunks = [(slot_of(c.seq.seq_id), c.seq.tokens[c.start : c.end], c.start) for c in plan.prefill]
         sampled_chunks = [i for i, c in enumerate(plan.prefill) if c.samples]
         self.stats["decode_tokens"] += len(decode)
+        self.stats["decode_steps"] += bool(decode)
         self.stats["steps"] += 1
         if not decode and not chunks:
             return

@@ -74,6 +74,7 @@ class RLLoop:
         self.filtered_in_a_row = 0
         self.history: list[dict[str, Any]] = []
         self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()
+        self.engine_stats: dict[str, float] = {}
         options = {k: getattr(cfg.chat, k) for k in CHAT_SERVER_OPTIONS}  # the server starts on first use
         self.chat = ChatRunner(engine, tokenizer, cfg.chat.api_key, **options)
 
@@ -238,6 +239,7 @@ class RLLoop:
             metrics |= self._loop_metrics(t0)
             if self._due(self.cfg.eval.every):
                 metrics |= await self.evaluate()
+                self.engine_stats = self._engine_snapshot()  # eval is not a step's work
             self.history.append(metrics)
             on_step(metrics)
 
@@ -255,8 +257,8 @@ class RLLoop:
 
     def _loop_metrics(self, t0: float) -> dict[str, Any]:
         elapsed = time.perf_counter() - self.rollout_t0
-        drops = {f"drop/{k}": v for k, v in self.state.drops.items()}
-        return drops | {
+        counts = {f"drop/{k}": v for k, v in self.state.drops.items()} | self._engine_metrics()
+        return counts | {
             "step": self.state.step,
             "version": self.trainer.version,
             "rollout/tokens_per_s": self.rollout_tokens / max(elapsed, 1e-9),
@@ -267,6 +269,24 @@ class RLLoop:
             "time/elapsed_s": time.perf_counter() - self.run_t0,  # wall since `run` began (this session)
             "time/sync_s": self.sync_s,
         }
+
+    def _engine_metrics(self) -> dict[str, float]:
+        """Engine work since the last step, for engines that count it (the built-in one, in this process):
+        seconds in model steps (`time/engine_s`; with `time/train_s` the compute of the one compute
+        thread) and the mean number of rows per decoding step."""
+        stats = self._engine_snapshot()
+        if "busy_s" not in stats:
+            return {}
+        last, self.engine_stats = self.engine_stats or stats, stats
+        decode_steps = stats["decode_steps"] - last["decode_steps"]
+        return {
+            "time/engine_s": stats["busy_s"] - last["busy_s"],
+            "rollout/decode_batch_mean": (stats["decode_tokens"] - last["decode_tokens"]) / max(decode_steps, 1),
+        }
+
+    def _engine_snapshot(self) -> dict[str, float]:
+        stats = getattr(self.engine, "stats", None)
+        return dict(stats) if isinstance(stats, dict) else {}
 
     async def evaluate(self) -> dict[str, float]:
         ev = self.cfg.eval
@@ -286,6 +306,7 @@ class RLLoop:
             await self.buffer.put([Trajectory.from_dict(t) for t in group])
         self.state.buffer = []
         self.sync_s, self.run_t0 = 0.0, time.perf_counter()
+        self.engine_stats = self._engine_snapshot()  # the eval before does not count
         producer = asyncio.create_task(self.rollout(), name="rollout")
         trainer = asyncio.create_task(self.train(on_step), name="train")
         done, _ = await asyncio.wait({producer, trainer}, return_when=asyncio.FIRST_COMPLETED)

@@ -77,4 +77,9 @@ def test_run_outputs_metrics_tensorboard_and_plot(tmp_path):
     assert all(key in m for m in result.history for key in required)
     elapsed = [m["time/elapsed_s"] for m in result.history]  # the loop's wall clock, for throughput vs baselines
     assert elapsed == sorted(elapsed) and elapsed[-1] >= sum(m["time/step_s"] for m in result.history) * 0.99
+    # engine model steps and trainer steps share the one compute thread: disjoint, both inside the loop's wall
+    engine_s, train_s = ([m[k] for m in result.history] for k in ("time/engine_s", "time/train_s"))
+    assert all(e >= 0 for e in engine_s) and sum(engine_s) > 0 and sum(engine_s) + sum(train_s) <= elapsed[-1]
+    rows = [m["rollout/decode_batch_mean"] for m in result.history]  # 0: no decoding since the last step
+    assert max(rows) >= 1 and all(r == 0 or r >= 1 for r in rows)
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
