@@ -7,6 +7,8 @@ batch to `TorchEngine` at once (continuous batching, all requests concurrent). R
 
 - tok/s: generated tokens / wall time of the whole batch (prefill included, as a user sees it),
   best of `REPEATS` runs on each side;
+- Molt compiled: the same engine with `compile=True` (decode steps through `torch.compile`), the
+  one compilation outside the timed runs (its time is reported);
 - TTFT: transformers = wall time of `generate(max_new_tokens=1)` on the batch; Molt = the mean
   over requests of submission -> first token, in the full run;
 - %peak: achieved matmul FLOP/s of Molt's decode (2 x matmul parameters per token, attention
@@ -45,6 +47,7 @@ CONFIGS = {
     ),
 }
 VOCAB, NEW_TOKENS, BATCHES = 512, 64, (1, 8, 32, 128)
+COMPILE_S: list[float] = []  # warm-ups of compiling engines: the first compiles, later ones reuse the graph
 REPEATS = 3  # best of, sides alternating: other processes on a 2-core machine stall a 2-thread run badly
 THREADS = 2
 
@@ -59,7 +62,7 @@ def matmul_peak_gflops(n: int = 2048, iters: int = 10) -> float:
 
 
 def matmul_floor_s(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> float:
-    """Seconds for only the linear layers of the whole job (best of 2): every prompt token in one
+    """Seconds for only the linear layers of the whole job (best of `REPEATS`): every prompt token in one
     prefill pass (LM head on each prompt's last token), then `new_tokens - 1` decode steps of the batch."""
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     body, lm_head = weights[:-1], model.lm_head.weight.detach()
@@ -69,7 +72,7 @@ def matmul_floor_s(model: torch.nn.Module, prompts: list[list[int]], new_tokens:
     linear = torch.nn.functional.linear
     best = float("inf")
     with torch.no_grad():
-        for _ in range(2):
+        for _ in range(REPEATS):
             t0 = time.perf_counter()
             for w in body:
                 linear(x[w.shape[1]], w)
@@ -148,14 +151,17 @@ def bench_model(name: str, batches, peak: float) -> list[dict]:
     for batch in batches:
         prompts = random_prompts(batch, seed=batch)
         on_fresh_thread(hf_generate, hf, prompts[:1], 4, threads=THREADS)
-        molt_runs, hf_runs, hf_ttfts = [], [], []
+        molt_runs, compiled_runs, hf_runs, hf_ttfts = [], [], [], []
         for _ in range(REPEATS):  # alternate the sides; each runs while no other thread holds an OpenMP pool
-            engine = TorchEngine(
-                molt_model, num_slots=batch, max_seq_len=160, eos_token_ids=(), prefix_cache=False, num_threads=THREADS
-            )
-            molt_generate(engine, random_prompts(min(batch, 8), seed=99), 4)  # warm-up (the thread's pool)
-            molt_runs.append(molt_generate(engine, prompts, NEW_TOKENS))
-            asyncio.run(engine.close())  # its thread and pool end before transformers runs
+            for compile, runs in ((False, molt_runs), (True, compiled_runs)):
+                engine = TorchEngine(molt_model, num_slots=batch, max_seq_len=160, eos_token_ids=(),
+                                     prefix_cache=False, num_threads=THREADS, compile=compile)  # fmt: skip
+                t0 = time.perf_counter()
+                molt_generate(engine, random_prompts(min(batch, 8), seed=99), 4)  # warm-up (pool; compiles once)
+                if compile:
+                    COMPILE_S.append(time.perf_counter() - t0)
+                runs.append(molt_generate(engine, prompts, NEW_TOKENS))
+                asyncio.run(engine.close())  # its thread and pool end before transformers runs
             hf_runs.append(on_fresh_thread(hf_generate, hf, prompts, NEW_TOKENS, threads=THREADS))
             hf_ttfts.append(on_fresh_thread(hf_generate, hf, prompts, 1, threads=THREADS))
         floor_s = on_fresh_thread(matmul_floor_s, molt_model, prompts, NEW_TOKENS, threads=THREADS)
@@ -163,6 +169,7 @@ def bench_model(name: str, batches, peak: float) -> list[dict]:
         (molt_s, molt_ttft), hf_s = min(molt_runs), min(hf_runs)
         tokens = batch * NEW_TOKENS
         row = dict(model=name, batch=batch, hf=tokens / hf_s, molt=tokens / molt_s)
+        row["compiled"] = tokens / min(compiled_runs)[0]
         row.update(hf_ttft=min(hf_ttfts), molt_ttft=molt_ttft)
         row["vllm"] = tokens / vllm_s if vllm_s else None
         row["peak"] = row["molt"] * 2 * matmul_params / 1e9 / peak
@@ -176,6 +183,7 @@ def _line(r: dict) -> str:
     vllm = f"{r['vllm']:.0f} | {r['molt'] / r['vllm']:.2f}x" if r["vllm"] else "n/a | n/a"
     return (
         f"| {r['model']} | {r['batch']} | {r['hf']:.0f} | {r['molt']:.0f} | **{r['molt'] / r['hf']:.2f}x** "
+        f"| {r['compiled']:.0f} | **{r['compiled'] / r['hf']:.2f}x** "
         f"| {vllm} "
         f"| {r['hf_ttft'] * 1e3:.1f} | {r['molt_ttft'] * 1e3:.1f} | {100 * r['peak']:.1f}% "
         f"| {r['floor']:.0f} | {r['floor'] / r['hf']:.2f}x |"
@@ -188,10 +196,10 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     peak = on_fresh_thread(matmul_peak_gflops, threads=THREADS)
     header = (
-        "| model | batch | transformers tok/s | Molt tok/s | Molt / HF "
+        "| model | batch | transformers tok/s | Molt tok/s | Molt / HF | Molt compiled tok/s | compiled / HF "
         "| vLLM tok/s | Molt / vLLM | HF TTFT ms | Molt TTFT ms | Molt % fp32 peak | matmul floor tok/s "
         "| floor / HF |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     print(f"fp32 matmul peak: {peak:.0f} GFLOP/s (2 threads)\n{header}")
     rows = []
@@ -215,7 +223,10 @@ def main() -> None:
         " a thread whose OpenMP pool is the only one in the process (the main thread, which builds the models,"
         " stays at 1 thread; transformers and the peak matmul run on fresh threads, Molt on its engine thread,"
         " closed before transformers runs): two live pools would oversubscribe the cores and make libgomp"
-        " stop spinning, penalising whichever side ran second. TTFT: best run's mean.",
+        " stop spinning, penalising whichever side ran second. TTFT: best run's mean."
+        f" Molt compiled: `TorchEngine(compile=True)` (decode steps through torch.compile); its one compilation"
+        f" took {COMPILE_S[0]:.0f} s in this run (later engines reuse it: {max(COMPILE_S[1:], default=0):.1f} s"
+        " at most), outside the timed runs.",
     ]
     out = Path(__file__).parent / "results" / "engine.md"
     out.write_text("\n".join(report) + "\n")

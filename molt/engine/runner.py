@@ -13,6 +13,9 @@ attention needs to know whose token is whose:
 - prefill tokens are scattered into a padded [chunks, width] layout for causal attention over
   their slot's cache and gathered back.
 
+With `compile`, decode-only steps instead run one `torch.compile`d graph (`DecodeOverCache`, see
+docs/engine.md) and store their new keys and values after it.
+
 The model is the trainer's model; the runner only decides where keys and values live. For MoE
 models it also keeps each computed token's expert ids in `routes`, laid out like the KV (slot,
 position) and moved with it, so a reused prefix or a sibling's shared prompt carries the routing
@@ -22,12 +25,15 @@ its KV was computed under. Knows nothing of requests, sampling or scheduling.
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 
 from molt.engine.cache import SCRATCH, Move
 from molt.models.moe import NO_ROUTE, Routing
 from molt.models.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 
 def routing_cache(cfg, num_slots: int, max_seq_len: int, device) -> torch.Tensor | None:
@@ -151,10 +157,66 @@ class MixedStep:
         return attend
 
 
-class ModelRunner:
-    """Runs one packed decode + prefill forward of `model` against the slot cache; applies cache moves."""
+class DecodeOverCache:
+    """Cache backend of the compiled decode step: rows 0..B-1 decode one token each.
 
-    def __init__(self, model: Transformer, num_slots: int, max_seq_len: int, record_routing: bool = True):
+    Reads the cache and writes nothing (an in-graph write to the cache made the compiled step copy
+    it): each query attends over its row's cached positions before its own, plus its own new key,
+    which `new_k`/`new_v` collect per layer for the caller to store. The same softmax over the same
+    keys as `MixedStep`, summed in a different order (fp32 rounding only).
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, key_pos_s: torch.Tensor):
+        self.k, self.v, self.key_pos_s = k, v, key_pos_s
+        self.new_k: list[torch.Tensor] = []
+        self.new_v: list[torch.Tensor] = []
+
+    def prepare(self, position_ids_bt: torch.Tensor):
+        pos_b = position_ids_bt[0]
+        key_pos_s, rows = self.key_pos_s, pos_b.shape[0]
+        kv_len, kv_heads, head_dim = key_pos_s.shape[0], self.k.shape[2], self.k.shape[4]
+        mask_bs = torch.zeros(rows, kv_len, device=pos_b.device).masked_fill_(
+            key_pos_s[None, :] >= pos_b[:, None], float("-inf")
+        )
+        mask_m1s = mask_bs[:, None].expand(rows, kv_heads, kv_len).reshape(rows * kv_heads, 1, kv_len)
+        scale = head_dim**-0.5
+
+        def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
+            q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
+            self.new_k.append(k_nkd)
+            self.new_v.append(v_nkd)
+            keys_msd = self.k[layer_idx, :rows, :, :kv_len].reshape(rows * kv_heads, kv_len, head_dim)
+            values_msd = self.v[layer_idx, :rows, :, :kv_len].reshape(rows * kv_heads, kv_len, head_dim)
+            q_mgd = q_nhd.reshape(rows * kv_heads, -1, head_dim)
+            old_mgs = torch.baddbmm(mask_m1s, q_mgd, keys_msd.transpose(1, 2), alpha=scale)
+            own_mg1 = (q_mgd * k_nkd.reshape(rows * kv_heads, 1, head_dim)).sum(-1, keepdim=True) * scale
+            probs_mgs = torch.softmax(torch.cat([old_mgs, own_mg1], dim=-1), dim=-1)
+            out_mgd = torch.bmm(probs_mgs[..., :kv_len], values_msd) + probs_mgs[..., kv_len:] * v_nkd.reshape(
+                rows * kv_heads, 1, head_dim
+            )
+            return out_mgd.view(q_nhd.shape).transpose(0, 1)[None]
+
+        return attend
+
+
+def _decode_logits(model: Transformer, ids_1n, pos_1n, k: torch.Tensor, v: torch.Tensor, key_pos_s: torch.Tensor):
+    """(logits [B, V], new keys and values [L, B, kv_heads, D]) of one decode step over cache rows 0..B-1
+    and cached positions `key_pos_s` (0..S-1)."""
+    backend = DecodeOverCache(k, v, key_pos_s)
+    hidden_nh = model(ids_1n, pos_1n, cache=backend, return_hidden=True)[0]
+    return model.lm_head(hidden_nh), torch.stack(backend.new_k), torch.stack(backend.new_v)
+
+
+class ModelRunner:
+    """Runs one packed decode + prefill forward of `model` against the slot cache; applies cache moves.
+
+    `compile`: decode-only steps of a dense text model run through `torch.compile` (inductor, dynamic
+    shapes, C++ wrapper): one compilation (~30 s on 2 CPU cores, cached on disk by inductor) serves every
+    batch of >= 2 rows; other steps run eagerly."""
+
+    def __init__(
+        self, model: Transformer, num_slots: int, max_seq_len: int, record_routing: bool = True, compile: bool = False
+    ):
         cfg = model.cfg
         self.model = model.eval()
         param = next(model.parameters())
@@ -165,6 +227,10 @@ class ModelRunner:
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.routes = routing_cache(cfg, num_slots, max_seq_len, self.device) if record_routing else None
+        self.compiled_decode = None
+        if compile and self.routes is None and cfg.image_token_id is None:
+            options = {"cpp_wrapper": True}
+            self.compiled_decode = torch.compile(_decode_logits, fullgraph=True, options=options)
 
     def cache_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
@@ -185,6 +251,8 @@ class ModelRunner:
         """
         ids = [token for _, token, _ in decode]
         positions = [pos for _, _, pos in decode]
+        if self.compiled_decode is not None and not chunks and self._compiles(decode, positions):
+            return self._decode_compiled(ids, positions)
         for _, chunk_ids, start in chunks:
             ids += chunk_ids
             positions += range(start, start + len(chunk_ids))
@@ -205,6 +273,37 @@ class ModelRunner:
             ends = list(itertools.accumulate((len(c) for _, c, _ in chunks), initial=len(decode)))
             hidden_nh = hidden_nh[list(range(len(decode))) + [ends[i + 1] - 1 for i in sampled_chunks]]
         return self.model.lm_head(hidden_nh)
+
+    def _compiles(self, decode: list[tuple[int, int, int]], positions: list[int]) -> bool:
+        """Rows 0..B-1 with B >= 2 and a cached length >= 2 (sizes 0 and 1 would be compiled again)."""
+        return len(decode) >= 2 and decode[-1][0] == len(decode) - 1 and max(positions) >= 2
+
+    def _decode_compiled(self, ids: list[int], positions: list[int]) -> torch.Tensor:
+        pos_1n = torch.tensor([positions], dtype=torch.long, device=self.device)
+        ids_1n = torch.tensor([ids], dtype=torch.long, device=self.device)
+        key_pos_s = torch.arange(max(positions), device=self.device)
+        sizes = ((ids_1n, 1), (pos_1n, 1), (key_pos_s, 0), (self.k, 1), (self.k, 3), (self.v, 1), (self.v, 3))
+        for x, dim in sizes:  # one graph for every batch, length and cache size
+            torch._dynamo.mark_dynamic(x, dim)
+        logits_nv, k_lnkd, v_lnkd = self.compiled_decode(self.model, ids_1n, pos_1n, self.k, self.v, key_pos_s)
+        pos_n = pos_1n[0]
+        rows_n1 = torch.arange(len(ids), device=self.device)[:, None]
+        heads_1k = torch.arange(self.kv_heads, device=self.device)[None, :]
+        self.k[:, rows_n1, heads_1k, pos_n[:, None]] = k_lnkd
+        self.v[:, rows_n1, heads_1k, pos_n[:, None]] = v_lnkd
+        return logits_nv
+
+    def warm_up(self) -> None:
+        """Compile the decode step now (on the calling thread, before serving) rather than on first use."""
+        if self.compiled_decode is None or self.max_seq_len < 4 or self.num_slots < 2:
+            return
+        log.info("compiling the engine's decode step (torch.compile)")
+        try:
+            with torch.inference_mode():
+                self._decode_compiled([0, 0], [3, 2])  # 2 rows, 3 positions: sizes that equal nothing else
+        except Exception:  # noqa: BLE001 - e.g. no C++ compiler: decode stays eager
+            log.exception("torch.compile of the decode step failed; decoding eagerly")
+            self.compiled_decode = None
 
     def _record(self, routing: Routing, slots: list[int], positions: list[int]) -> None:
         """Store each computed token's experts next to its KV: routes[slot, position] = [L, k] ids."""

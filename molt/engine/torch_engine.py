@@ -57,7 +57,8 @@ class TorchEngine(Engine):
     torch setting). See the module docstring for why the engine thread should be the only thread
     with more than one. `record_routing` (MoE models):
     each completion carries the experts every position was computed with (`Completion.routing`;
-    see docs/moe.md).
+    see docs/moe.md). `compile`: decode steps through `torch.compile` (see `ModelRunner`), compiled when
+    the engine thread starts.
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class TorchEngine(Engine):
         seed: int | None = None,
         num_threads: int | None = None,
         record_routing: bool = True,
+        compile: bool = False,
     ):
         if kv_on_update not in KV_POLICIES:
             raise ValueError(f"kv_on_update must be one of {KV_POLICIES}, got {kv_on_update!r}")
@@ -92,6 +94,7 @@ class TorchEngine(Engine):
             eos_token_ids=eos,
             version=version,
             record_routing=record_routing,
+            compile=compile,
         )
         self.manager, self.stats = self.core.manager, self.core.stats
         self._rng = random.Random(seed)
@@ -218,6 +221,7 @@ class TorchEngine(Engine):
     # ---- engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_num_threads(self.num_threads)  # this thread's pool (OpenMP pools are per thread)
+        self.core.runner.warm_up()
         while True:
             with self._cv:
                 while not (self._inbox or self._drain_ready() or self._runnable()):

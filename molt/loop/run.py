@@ -116,6 +116,7 @@ def _engine(cfg: Config, model, tokenizer, version: int, threads: int):
         max_seq_len=cfg.rollout.max_len + 1,
         num_threads=cfg.runtime.engine_threads or threads,
         version=version,
+        compile=cfg.runtime.engine_compile,
     )
 
 

@@ -44,7 +44,7 @@ class RayRuntime:
         cfg, rt = self.cfg, self.cfg.runtime
         slots = cfg.rollout.episodes_in_flight * 2
         kwargs = dict(num_slots=slots, max_seq_len=cfg.rollout.max_len + 1, version=version,
-                      num_threads=rt.engine_threads or 1)  # fmt: skip
+                      num_threads=rt.engine_threads or 1, compile=rt.engine_compile)  # fmt: skip
         args = (self.model_ref, tokenizer, kwargs, rt.engine_threads or 1, rt.device)
         for i in range(rt.engines):
             options = self.placement.options(i, f"molt-engine-{i}", max_restarts=rt.engine_restarts)
