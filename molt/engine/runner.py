@@ -228,7 +228,9 @@ class ModelRunner:
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.routes = routing_cache(cfg, num_slots, max_seq_len, self.device) if record_routing else None
         self.compiled_decode = None
-        if compile and self.routes is None and cfg.image_token_id is None:
+        if compile and (cfg.num_moe_layers() or cfg.image_token_id is not None):
+            log.warning("compile: only dense text models compile their decode step; this one decodes eagerly")
+        elif compile:
             options = {"cpp_wrapper": True}
             self.compiled_decode = torch.compile(_decode_logits, fullgraph=True, options=options)
 
