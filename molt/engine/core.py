@@ -31,6 +31,18 @@ from molt.models.transformer import Transformer
 log = logging.getLogger(__name__)
 
 
+def work_since(now: dict, last: dict) -> dict[str, float]:
+    """Engine work between two snapshots of `EngineCore.stats`: seconds in model steps (`busy_s`) and mean rows
+    per decoding step (`decode_batch_mean`, 0 without decoding). A restarted engine's counts start again."""
+    if not last or now["steps"] < last["steps"]:
+        last = dict.fromkeys(now, 0)
+    decode_steps = now["decode_steps"] - last["decode_steps"]
+    return {
+        "busy_s": now["busy_s"] - last["busy_s"],
+        "decode_batch_mean": (now["decode_tokens"] - last["decode_tokens"]) / max(decode_steps, 1),
+    }
+
+
 class EngineCore:
     """Scheduler + cache manager + model runner + sampler, advanced one step at a time."""
 

@@ -28,6 +28,7 @@ from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatAgent, ChatRunner
 from molt.agents.runner import EpisodeLimits, run_episode
 from molt.config import Config
 from molt.data.trajectory import Trajectory
+from molt.engine.core import work_since
 from molt.engine.torch_engine import with_threads
 from molt.loop.evaluate import evaluate
 
@@ -273,16 +274,12 @@ class RLLoop:
     def _engine_metrics(self) -> dict[str, float]:
         """Engine work since the last step, for engines that count it (the built-in one, in this process):
         seconds in model steps (`time/engine_s`; with `time/train_s` the compute of the one compute
-        thread) and the mean number of rows per decoding step."""
+        thread) and the mean number of rows per decoding step. Ray replicas report theirs under `engine/i/`."""
         stats = self._engine_snapshot()
         if "busy_s" not in stats:
             return {}
-        last, self.engine_stats = self.engine_stats or stats, stats
-        decode_steps = stats["decode_steps"] - last["decode_steps"]
-        return {
-            "time/engine_s": stats["busy_s"] - last["busy_s"],
-            "rollout/decode_batch_mean": (stats["decode_tokens"] - last["decode_tokens"]) / max(decode_steps, 1),
-        }
+        work, self.engine_stats = work_since(stats, self.engine_stats), stats
+        return {"time/engine_s": work["busy_s"], "rollout/decode_batch_mean": work["decode_batch_mean"]}
 
     def _engine_snapshot(self) -> dict[str, float]:
         stats = getattr(self.engine, "stats", None)

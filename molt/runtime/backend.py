@@ -15,6 +15,7 @@ from typing import Any
 import ray
 
 from molt.config import Config
+from molt.engine.core import work_since
 from molt.engine.router import Router
 from molt.runtime import cluster
 from molt.runtime.engines import RemoteEngine
@@ -30,6 +31,7 @@ class RayRuntime:
         self.placement = cluster.Placement(rt, rt.engines + rt.trainer_ranks)
         self.engines: list[RemoteEngine] = []
         self.router: Router | None = None
+        self.engine_stats: dict[int, dict] = {}  # each replica's counters as of the previous step's metrics
         self.model_ref = ray.put(model)
         options = [self.placement.options(rt.engines + r, f"molt-rank-{r}") for r in range(rt.trainer_ranks)]
         self.ranks = [spawn_rank(cfg, self.model_ref, r, rt.trainer_ranks, o) for r, o in enumerate(options)]
@@ -54,12 +56,17 @@ class RayRuntime:
         return self.router
 
     def metrics(self) -> dict[str, Any]:
-        """Per-replica load and the last weight sync, for the step's metrics."""
+        """Per-replica load, work since the previous call (evals included) and the last weight sync, for a step."""
         out: dict[str, Any] = {}
         for e in self.engines:
             out[f"engine/{e.index}/requests"] = e.num_requests
             out[f"engine/{e.index}/restarts"] = e.num_restarts
             out[f"engine/{e.index}/resent"] = e.num_resent  # calls re-sent after the replica died
+            if e.stats:
+                work = work_since(e.stats, self.engine_stats.get(e.index, {}))
+                out[f"engine/{e.index}/busy_s"] = work["busy_s"]
+                out[f"engine/{e.index}/decode_batch_mean"] = work["decode_batch_mean"]
+                self.engine_stats[e.index] = e.stats
         weights = self.trainer.last_weights
         if weights is not None and self.engines:
             push_s = max(e.sync_s for e in self.engines)

@@ -100,12 +100,14 @@ class EngineActor:
     async def abort(self, request_id: str) -> bool:
         return await self.engine.abort(request_id)
 
-    async def update_weights(self, refs: list, version: int, mode: SyncMode) -> None:
+    async def update_weights(self, refs: list, version: int, mode: SyncMode) -> dict:
+        """Swap in the chunked weights; returns the engine's work counters (`EngineCore.stats`)."""
         weights = {k: _decode(v) for chunk in await asyncio.gather(*refs) for k, v in chunk.items()}
         missing = sorted(self.expected - set(weights))
         if missing:
             raise ValueError(f"update_weights: the sync misses {len(missing)} engine parameters: {missing}")
         await self.engine.update_weights(weights, version, mode)
+        return dict(self.engine.stats)
 
     async def pause(self) -> None:
         await self.engine.pause()
@@ -127,6 +129,7 @@ class RemoteEngine(Engine):
         self._pending = 0
         self.num_requests = self.num_restarts = self.num_resent = 0
         self.sync_s = 0.0
+        self.stats: dict = {}  # the replica's work counters at the last weight sync
 
     @classmethod
     def spawn(cls, index: int, options: dict, args: tuple, version: int, chunk_bytes: int) -> RemoteEngine:
@@ -196,7 +199,7 @@ class RemoteEngine(Engine):
             weights = chunk_weights(weights, self.chunk_bytes)
         t0 = time.perf_counter()
         self._last = (weights, version)  # a replica restarted from now on gets these
-        await self._retry(lambda: self.actor.update_weights.remote(weights.refs, version, mode))
+        self.stats = await self._retry(lambda: self.actor.update_weights.remote(weights.refs, version, mode))
         self._version, self.sync_s = version, time.perf_counter() - t0
 
     async def pause(self) -> None:

@@ -32,6 +32,8 @@ def test_two_engines_two_ranks_learn_and_keep_the_consistencies(ray_run):
     assert all(m["rollout/failures"] == 0 for m in steps)  # token check ran in every step (it raises otherwise)
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["engine/0/requests"] > 0 and last["engine/1/requests"] > 0  # both replicas served
+    busy = [m[f"engine/{i}/busy_s"] for m in result.history for i in (0, 1)]  # each replica's model-step seconds
+    assert all(b >= 0 for b in busy) and sum(busy) > 0 and max(busy) < result.history[-1]["time/elapsed_s"]
     assert last["sync/gb"] > 0 and last["sync/gb_per_s"] > 0
     assert last["train/rank0_tokens"] > 0 and last["train/rank1_tokens"] > 0
     assert (run_dir / "checkpoints" / "step-6" / "dcp").is_dir()
