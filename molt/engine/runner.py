@@ -62,6 +62,12 @@ def _additive_mask(visible: torch.Tensor) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
+def _per_kv_head(mask_bs: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Decode rows' [B, S] mask repeated for each kv head, as the decode `bmm`s batch them: [B * kv_heads, 1, S]."""
+    rows, kv_len = mask_bs.shape
+    return mask_bs[:, None].expand(rows, kv_heads, kv_len).reshape(rows * kv_heads, 1, kv_len)
+
+
 class MixedStep:
     """Cache backend for one packed row: `num_decode` decode tokens, then prefill chunks.
 
@@ -115,8 +121,7 @@ class MixedStep:
         contiguous = slots[-1] == rows - 1
         slots_b = None if contiguous else torch.tensor(slots, dtype=torch.long, device=device)
         key_pos_s = torch.arange(kv_len, device=device)
-        mask_bs = _additive_mask(key_pos_s[None, :] <= pos_b[:, None])
-        mask_m1s = mask_bs[:, None].expand(rows, kv_heads, kv_len).reshape(rows * kv_heads, 1, kv_len)
+        mask_m1s = _per_kv_head(_additive_mask(key_pos_s[None, :] <= pos_b[:, None]), kv_heads)
         scale = head_dim**-0.5
 
         def attend(k_cache, v_cache, q_bhd) -> torch.Tensor:
@@ -175,10 +180,7 @@ class DecodeOverCache:
         pos_b = position_ids_bt[0]
         key_pos_s, rows = self.key_pos_s, pos_b.shape[0]
         kv_len, kv_heads, head_dim = key_pos_s.shape[0], self.k.shape[2], self.k.shape[4]
-        mask_bs = torch.zeros(rows, kv_len, device=pos_b.device).masked_fill_(
-            key_pos_s[None, :] >= pos_b[:, None], float("-inf")
-        )
-        mask_m1s = mask_bs[:, None].expand(rows, kv_heads, kv_len).reshape(rows * kv_heads, 1, kv_len)
+        mask_m1s = _per_kv_head(_additive_mask(key_pos_s[None, :] < pos_b[:, None]), kv_heads)
         scale = head_dim**-0.5
 
         def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
