@@ -15,15 +15,21 @@ batch to `TorchEngine` at once (continuous batching, all requests concurrent). R
   ignored) over the fp32 peak of one big matmul measured in this run;
 - matmul floor: tok/s if the job were nothing but the model's linear layers (the prefill of every
   prompt token at once, then one decode step of the whole batch per new token) with this torch's
-  fp32 GEMM, and that over transformers: the most any engine computing the same fp32 model could
-  gain over it, whatever else it removes.
+  fp32 GEMM (sgemm, or oneDNN on prepacked weights, whichever does the job faster), and that over
+  transformers: the most any engine computing the same fp32 model could gain over it, whatever
+  else it removes;
+- vLLM (when importable, e.g. in `.venv-vllm`): one `vllm.LLM` per model in its default mode
+  (torch.compile on CPU), run after the other sides, warm-up then best of `REPEATS` per batch;
+  the ratio is the faster Molt (eager or compiled) over it.
 
-Run: `.venv/bin/python benchmarks/engine.py [--quick]` (writes benchmarks/results/engine.md).
+Run: `.venv/bin/python benchmarks/engine.py [--quick]` (writes benchmarks/results/engine.md);
+`.venv-vllm/bin/python benchmarks/engine.py --out engine_vllm_cpu.md` adds vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import platform
 import sys
@@ -35,6 +41,7 @@ import torch
 import transformers
 
 from molt.engine import SamplingParams, TorchEngine
+from molt.engine import packed as packed_mod
 from molt.engine.torch_engine import on_fresh_thread
 from molt.models import from_pretrained
 
@@ -63,16 +70,24 @@ def matmul_peak_gflops(n: int = 2048, iters: int = 10) -> float:
 
 def matmul_floor_s(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> float:
     """Seconds for only the linear layers of the whole job (best of `REPEATS`): every prompt token in one
-    prefill pass (LM head on each prompt's last token), then `new_tokens - 1` decode steps of the batch."""
+    prefill pass (LM head on each prompt's last token), then `new_tokens - 1` decode steps of the batch;
+    each pass with sgemm and with oneDNN-prepacked weights (where `packed.linear` allows them), the best."""
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     body, lm_head = weights[:-1], model.lm_head.weight.detach()
     assert weights[-1] is lm_head or weights[-1].data_ptr() == lm_head.data_ptr()
     rows, tokens = len(prompts), sum(len(p) for p in prompts)
     x = {k: torch.randn(tokens, k) for k in {w.shape[1] for w in weights}}
-    linear = torch.nn.functional.linear
+    packs = {w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w) for w in weights}
+    sgemm = torch.nn.functional.linear
+
+    def packed(x, w):
+        if not 2 <= len(x) <= packed_mod.MAX_ROWS:
+            return sgemm(x, w)
+        return torch.ops.mkldnn._linear_pointwise(x, packs[w.data_ptr()], None, "none", [], "")
+
     best = float("inf")
     with torch.no_grad():
-        for _ in range(REPEATS):
+        for _, linear in itertools.product(range(REPEATS), (sgemm, packed)):
             t0 = time.perf_counter()
             for w in body:
                 linear(x[w.shape[1]], w)
@@ -120,21 +135,33 @@ def molt_generate(engine: TorchEngine, prompts: list[list[int]], new_tokens: int
     return elapsed, sum(o.metrics["ttft_s"] for o in outs) / len(outs)
 
 
-def vllm_generate(folder: str, prompts: list[list[int]], new_tokens: int) -> float | None:
+def vllm_rates(folder: str, batches) -> dict[int, float]:
+    """Generated tok/s of vLLM (if importable) per batch: one `vllm.LLM` per model in its default mode
+    (torch.compile on CPU), each batch warmed up once and then timed best of `REPEATS`."""
     try:
         import vllm
     except ImportError:
-        return None
-    llm = vllm.LLM(model=folder, dtype="float32", max_model_len=256, enforce_eager=True)
-    params = vllm.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
+        return {}
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{THREADS - 1}")  # vLLM's workers: the same cores
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    llm = vllm.LLM(
+        model=folder, dtype="float32", max_model_len=256, max_num_seqs=max(batches), skip_tokenizer_init=True
+    )
+    params = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    rates = {}
     try:
-        llm.generate(inputs[:1], params)
-        t0 = time.perf_counter()
-        llm.generate(inputs, params)
-        return time.perf_counter() - t0
+        for batch in batches:
+            inputs = [{"prompt_token_ids": p} for p in random_prompts(batch, seed=batch)]
+            llm.generate(inputs, params)
+            runs = []
+            for _ in range(REPEATS):
+                t0 = time.perf_counter()
+                llm.generate(inputs, params)
+                runs.append(time.perf_counter() - t0)
+            rates[batch] = batch * NEW_TOKENS / min(runs)
     finally:
-        llm.llm_engine.engine_core.shutdown()  # else each batch leaves a vLLM engine process (and its KV cache)
+        llm.llm_engine.engine_core.shutdown()  # else its engine process (and KV cache) outlives the model
+    return rates
 
 
 def bench_model(name: str, batches, peak: float) -> list[dict]:
@@ -165,22 +192,24 @@ def bench_model(name: str, batches, peak: float) -> list[dict]:
             hf_runs.append(on_fresh_thread(hf_generate, hf, prompts, NEW_TOKENS, threads=THREADS))
             hf_ttfts.append(on_fresh_thread(hf_generate, hf, prompts, 1, threads=THREADS))
         floor_s = on_fresh_thread(matmul_floor_s, molt_model, prompts, NEW_TOKENS, threads=THREADS)
-        vllm_s = vllm_generate(folder, prompts, NEW_TOKENS)
         (molt_s, molt_ttft), hf_s = min(molt_runs), min(hf_runs)
         tokens = batch * NEW_TOKENS
         row = dict(model=name, batch=batch, hf=tokens / hf_s, molt=tokens / molt_s)
         row["compiled"] = tokens / min(compiled_runs)[0]
         row.update(hf_ttft=min(hf_ttfts), molt_ttft=molt_ttft)
-        row["vllm"] = tokens / vllm_s if vllm_s else None
         row["peak"] = row["molt"] * 2 * matmul_params / 1e9 / peak
         row["floor"] = tokens / floor_s
         rows.append(row)
+    vllm = vllm_rates(folder, batches)  # after Molt and transformers: its worker process holds its own pool
+    for row in rows:
+        row["vllm"] = vllm.get(row["batch"])
         print(_line(row), flush=True)
     return rows
 
 
 def _line(r: dict) -> str:
-    vllm = f"{r['vllm']:.0f} | {r['molt'] / r['vllm']:.2f}x" if r["vllm"] else "n/a | n/a"
+    best = max(r["molt"], r["compiled"])
+    vllm = f"{r['vllm']:.0f} | {best / r['vllm']:.2f}x" if r["vllm"] else "n/a | n/a"
     return (
         f"| {r['model']} | {r['batch']} | {r['hf']:.0f} | {r['molt']:.0f} | **{r['molt'] / r['hf']:.2f}x** "
         f"| {r['compiled']:.0f} | **{r['compiled'] / r['hf']:.2f}x** "
@@ -197,7 +226,7 @@ def main() -> None:
     peak = on_fresh_thread(matmul_peak_gflops, threads=THREADS)
     header = (
         "| model | batch | transformers tok/s | Molt tok/s | Molt / HF | Molt compiled tok/s | compiled / HF "
-        "| vLLM tok/s | Molt / vLLM | HF TTFT ms | Molt TTFT ms | Molt % fp32 peak | matmul floor tok/s "
+        "| vLLM tok/s | best Molt / vLLM | HF TTFT ms | Molt TTFT ms | Molt % fp32 peak | matmul floor tok/s "
         "| floor / HF |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
@@ -227,9 +256,12 @@ def main() -> None:
         " Molt compiled: `TorchEngine(compile=True)` (decode steps of >= 2 rows through torch.compile, so batch 1"
         " runs eagerly); one compilation per model, in the warm-up outside the timed runs:"
         f" {', '.join(f'{t:.0f} s' for t in sorted(COMPILE_S, reverse=True)[: len(CONFIGS)])} in this run (the"
-        " other engines reused the graph).",
+        " other engines reused the graph). vLLM: `vllm.LLM` in its default mode (torch.compile), one per model,"
+        " pinned to the same cores, run after the other sides; best of the runs after one warm-up per batch;"
+        " n/a where vLLM is not importable.",
     ]
-    out = Path(__file__).parent / "results" / "engine.md"
+    name = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "engine.md"
+    out = Path(__file__).parent / "results" / name
     out.write_text("\n".join(report) + "\n")
     print(f"wrote {out}")
 

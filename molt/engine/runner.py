@@ -14,7 +14,8 @@ attention needs to know whose token is whose:
   their slot's cache and gathered back.
 
 With `compile`, decode-only steps instead run one `torch.compile`d graph (`DecodeOverCache`, see
-docs/engine.md) and store their new keys and values after it.
+docs/engine.md) and store their new keys and values after it. On CPU, large linear weights are
+multiplied by oneDNN-prepacked copies during the runner's own forward (`packed.py`).
 
 The model is the trainer's model; the runner only decides where keys and values live. For MoE
 models it also keeps each computed token's expert ids in `routes`, laid out like the KV (slot,
@@ -30,6 +31,7 @@ import logging
 import torch
 
 from molt.engine.cache import SCRATCH, Move
+from molt.engine.packed import LinearPacks
 from molt.models.moe import NO_ROUTE, Routing
 from molt.models.transformer import Transformer
 
@@ -229,6 +231,7 @@ class ModelRunner:
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.routes = routing_cache(cfg, num_slots, max_seq_len, self.device) if record_routing else None
+        self.packs = LinearPacks(model)
         self.compiled_decode = None
         if compile and (cfg.num_moe_layers() or cfg.image_token_id is not None):
             log.warning("compile: only dense text models compile their decode step; this one decodes eagerly")
@@ -267,16 +270,18 @@ class ModelRunner:
             self, [s for s, _, _ in decode], [s for s, _, _ in chunks], [len(c) for _, c, _ in chunks], kv_lens
         )
         routing = Routing() if self.routes is not None else None
-        hidden_nh = self.model(
-            ids_1n, pos_1n, cache=backend, return_hidden=True, routing=routing, image_embeds_nh=image_embeds_nh
-        )[0]
+        with self.packs.active():
+            hidden_nh = self.model(
+                ids_1n, pos_1n, cache=backend, return_hidden=True, routing=routing, image_embeds_nh=image_embeds_nh
+            )[0]
         if routing is not None:
             slots = [s for s, _, _ in decode] + [s for s, c, _ in chunks for _ in c]
             self._record(routing, slots, positions)
         if chunks:  # the lm head runs only where a token is sampled
             ends = list(itertools.accumulate((len(c) for _, c, _ in chunks), initial=len(decode)))
             hidden_nh = hidden_nh[list(range(len(decode))) + [ends[i + 1] - 1 for i in sampled_chunks]]
-        return self.model.lm_head(hidden_nh)
+        with self.packs.active():
+            return self.model.lm_head(hidden_nh)
 
     def _compiles(self, decode: list[tuple[int, int, int]], positions: list[int]) -> bool:
         """Rows 0..B-1 with B >= 2 and a cached length >= 2 (sizes 0 and 1 would be compiled again)."""
@@ -289,7 +294,8 @@ class ModelRunner:
         sizes = ((ids_1n, 1), (pos_1n, 1), (key_pos_s, 0), (self.k, 1), (self.k, 3), (self.v, 1), (self.v, 3))
         for x, dim in sizes:  # one graph for every batch, length and cache size
             torch._dynamo.mark_dynamic(x, dim)
-        logits_nv, k_lnkd, v_lnkd = self.compiled_decode(self.model, ids_1n, pos_1n, self.k, self.v, key_pos_s)
+        with self.packs.active():
+            logits_nv, k_lnkd, v_lnkd = self.compiled_decode(self.model, ids_1n, pos_1n, self.k, self.v, key_pos_s)
         pos_n = pos_1n[0]
         rows_n1 = torch.arange(len(ids), device=self.device)[:, None]
         heads_1k = torch.arange(self.kv_heads, device=self.device)[None, :]

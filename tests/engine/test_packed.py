@@ -1,0 +1,122 @@
+"""oneDNN-prepacked linear weights in the engine (`molt/engine/packed.py`): invisible outside the engine's
+forward, never stale after an in-place weight load, and the engine stays exact (eager and compiled).
+
+The engine tests lower the size threshold to 0 so the tiny test models' linears take the packed path."""
+
+import asyncio
+import copy
+
+import pytest
+import torch
+from engine_refs import molt_model, prompts, random_hf, trainer_logprobs
+from test_engine import staggered
+
+from molt.engine import SamplingParams, TorchEngine
+from molt.engine import packed as packed_mod
+from molt.engine.packed import LinearPacks, PackedLinear
+from molt.models import from_pretrained
+
+
+@pytest.fixture
+def pack_all(monkeypatch):
+    monkeypatch.setattr(packed_mod, "MIN_WEIGHT_NUMEL", 0)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return molt_model("qwen3", tmp_path_factory.mktemp("a"), 0), molt_model("qwen3", tmp_path_factory.mktemp("b"), 1)
+
+
+def test_packed_linear_is_plain_linear_outside_the_engine_and_follows_weight_loads(pack_all):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False))
+    packs = LinearPacks(model)
+    assert all(type(m) is PackedLinear for m in model)
+    x = torch.randn(5, 64)
+
+    def plain(x):
+        return torch.nn.functional.linear(
+            torch.nn.functional.linear(x, model[0].weight, model[0].bias), model[1].weight
+        )
+
+    ref = plain(x)
+    assert torch.equal(model(x), ref)  # outside `active()`: the very same function, bit for bit
+    model(x).sum().backward()  # and autograd works
+    assert model[0].weight.grad is not None and not packs.packed
+    with torch.inference_mode(), packs.active():
+        assert (model(x) - ref).abs().max() <= 1e-5 and len(packs.packed) == 2
+        assert torch.equal(model(x[:1]), plain(x[:1]))  # one row: sgemm
+        with torch.no_grad():
+            model[1].weight.mul_(-2.0)  # an in-place load: the packed copy must be redone
+        assert (model(x) + 2 * ref).abs().max() <= 1e-5
+    assert type(copy.deepcopy(model)[0]) is PackedLinear
+    half = torch.nn.Sequential(torch.nn.Linear(8, 8)).to(torch.bfloat16)
+    LinearPacks(half)
+    assert type(half[0]) is torch.nn.Linear  # only fp32 CPU models are packed
+
+
+def test_engine_with_packed_weights_matches_transformers_and_the_trainer(pack_all, tmp_path):
+    hf = random_hf("qwen3")
+    hf.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path).eval()
+    engine = TorchEngine(model, num_slots=3, max_seq_len=96, max_num_batched_tokens=16, eos_token_ids=())
+    ps = prompts([5, 23, 1, 40, 9, 17])
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    outs = asyncio.run(staggered(engine, [(p, greedy) for p in ps]))
+    assert engine.core.runner.packs.packed  # the packed path ran
+    for p, out in zip(ps, outs, strict=True):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+        assert out.token_ids == ref[0, len(p) :].tolist()
+    group = asyncio.run(engine.generate_group(ps[3], SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=7)))
+    for c in group:
+        assert (torch.tensor(c.logprobs) - trainer_logprobs(model, ps[3], c, 1.0)).abs().max() <= 1e-5
+    asyncio.run(engine.close())
+
+
+async def swap_while_decoding(engine, new, ps, sampling):
+    start = engine.stats["decode_tokens"]
+    tasks = [asyncio.create_task(engine.generate(p, sampling)) for p in ps]
+    while engine.stats["decode_tokens"] < start + 12:
+        await asyncio.sleep(0.001)
+    await engine.update_weights(dict(new.state_dict()), version=1, mode="interrupt")
+    return await asyncio.gather(*tasks)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_packed_weights_follow_an_interrupt_swap(pack_all, models, compile):
+    """Eager, and compiled (whose graph calls the packed op): tokens after the swap are the new weights'."""
+    old, new = models
+    engine = TorchEngine(copy.deepcopy(old), num_slots=4, max_seq_len=96, eos_token_ids=(), compile=compile)
+    ps = prompts([6, 11], seed=3)
+    runner, in_compiled, hits = engine.core.runner, [False], []
+    decode, pack = runner._decode_compiled, runner.packs.linear
+
+    def compiled_step(*args):
+        in_compiled[0] = True
+        try:
+            return decode(*args)
+        finally:
+            in_compiled[0] = False
+
+    def packed_linear(*args):
+        hits.append(in_compiled[0])
+        return pack(*args)
+
+    runner._decode_compiled, runner.packs.linear = compiled_step, packed_linear
+    if compile:  # greedy tokens equal those of an eager engine holding the same (packed) weights
+        eager = TorchEngine(copy.deepcopy(old), num_slots=4, max_seq_len=96, eos_token_ids=())
+        greedy = SamplingParams(temperature=0, max_tokens=14)
+        want, got = (asyncio.run(staggered(e, [(p, greedy) for p in ps])) for e in (eager, engine))
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        asyncio.run(eager.close())
+    outs = asyncio.run(swap_while_decoding(engine, new, ps, SamplingParams(temperature=1.0, max_tokens=20, seed=5)))
+    assert hits and any(hits) == compile  # packed products ran, inside the compiled graph when compiling
+    for p, out in zip(ps, outs, strict=True):
+        switch = out.versions.index(1)
+        assert 0 < switch < 20
+        lp = torch.tensor(out.logprobs)
+        assert (lp[:switch] - trainer_logprobs(old, p, out, 1.0)[:switch]).abs().max() <= 1e-5
+        assert (lp[switch:] - trainer_logprobs(new, p, out, 1.0)[switch:]).abs().max() <= 1e-5
+    asyncio.run(engine.close())
