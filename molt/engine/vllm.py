@@ -258,7 +258,9 @@ class VLLMEngine(Engine):
         return len(self._running)
 
     async def close(self) -> None:
-        self._engine.shutdown()
+        engine, self._engine = self._engine, None
+        engine.shutdown()
+        del engine  # vLLM's __del__ shuts down again: now, not at interpreter exit where it fails
         if self._owned_folder is not None:
             shutil.rmtree(self._owned_folder, ignore_errors=True)
 
