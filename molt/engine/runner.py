@@ -274,13 +274,12 @@ class ModelRunner:
             hidden_nh = self.model(
                 ids_1n, pos_1n, cache=backend, return_hidden=True, routing=routing, image_embeds_nh=image_embeds_nh
             )[0]
-        if routing is not None:
-            slots = [s for s, _, _ in decode] + [s for s, c, _ in chunks for _ in c]
-            self._record(routing, slots, positions)
-        if chunks:  # the lm head runs only where a token is sampled
-            ends = list(itertools.accumulate((len(c) for _, c, _ in chunks), initial=len(decode)))
-            hidden_nh = hidden_nh[list(range(len(decode))) + [ends[i + 1] - 1 for i in sampled_chunks]]
-        with self.packs.active():
+            if routing is not None:
+                slots = [s for s, _, _ in decode] + [s for s, c, _ in chunks for _ in c]
+                self._record(routing, slots, positions)
+            if chunks:  # the lm head runs only where a token is sampled
+                ends = list(itertools.accumulate((len(c) for _, c, _ in chunks), initial=len(decode)))
+                hidden_nh = hidden_nh[list(range(len(decode))) + [ends[i + 1] - 1 for i in sampled_chunks]]
             return self.model.lm_head(hidden_nh)
 
     def _compiles(self, decode: list[tuple[int, int, int]], positions: list[int]) -> bool:
