@@ -1,5 +1,7 @@
 """Shared references for the engine tests: random-weight HF tiny models, prompts, trainer-side log-probs."""
 
+import asyncio
+
 import torch
 import transformers
 
@@ -54,3 +56,23 @@ def molt_model(name: str, folder, seed: int = 0):
     """A random HF model of config `name`, saved to `folder` and loaded into Molt."""
     random_hf(name, seed).save_pretrained(folder)
     return from_pretrained(folder).eval()
+
+
+async def swap_while_decoding(engine, new, ps, sampling, after_tokens=12):
+    """Generate `ps` and, once `after_tokens` more tokens are decoded, swap in `new` (version 1, interrupt)."""
+    start = engine.stats["decode_tokens"]
+    tasks = [asyncio.create_task(engine.generate(p, sampling)) for p in ps]
+    while engine.stats["decode_tokens"] < start + after_tokens:
+        await asyncio.sleep(0.001)
+    await engine.update_weights(dict(new.state_dict()), version=1, mode="interrupt")
+    return await asyncio.gather(*tasks)
+
+
+def assert_old_then_new(old, new, ps, outs, max_tokens):
+    """Each completion switched versions mid-way; log-probs before are `old`'s, after are `new`'s (1e-5)."""
+    for p, out in zip(ps, outs, strict=True):
+        switch = out.versions.index(1)
+        assert 0 < switch < max_tokens
+        lp = torch.tensor(out.logprobs)
+        assert (lp[:switch] - trainer_logprobs(old, p, out, 1.0)[:switch]).abs().max() <= 1e-5
+        assert (lp[switch:] - trainer_logprobs(new, p, out, 1.0)[switch:]).abs().max() <= 1e-5

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from engine_refs import molt_model, prompts, trainer_logprobs
+from engine_refs import assert_old_then_new, molt_model, prompts, swap_while_decoding, trainer_logprobs
 from test_engine import staggered
 
 from molt.engine import SamplingParams, TorchEngine
@@ -57,20 +57,8 @@ def test_compiled_decode_sees_weights_swapped_in_place(models):
     ps = prompts([6, 11], seed=3)
     sampling = SamplingParams(temperature=1.0, max_tokens=20, seed=5)
 
-    async def run():
-        tasks = [asyncio.create_task(engine.generate(p, sampling)) for p in ps]
-        while engine.stats["decode_tokens"] < 12:
-            await asyncio.sleep(0.001)
-        await engine.update_weights(dict(new.state_dict()), version=1, mode="interrupt")
-        return await asyncio.gather(*tasks)
-
     steps_before = len(engine.compiled_steps)
-    outs = asyncio.run(run())
+    outs = asyncio.run(swap_while_decoding(engine, new, ps, sampling))
     assert len(engine.compiled_steps) > steps_before + 10
-    for p, out in zip(ps, outs, strict=True):
-        switch = out.versions.index(1)
-        assert 0 < switch < 20
-        lp = torch.tensor(out.logprobs)
-        assert (lp[:switch] - trainer_logprobs(old, p, out, 1.0)[:switch]).abs().max() <= 1e-5
-        assert (lp[switch:] - trainer_logprobs(new, p, out, 1.0)[switch:]).abs().max() <= 1e-5
+    assert_old_then_new(old, new, ps, outs, max_tokens=20)
     asyncio.run(engine.close())

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from engine_refs import molt_model, prompts, random_hf, trainer_logprobs
+from engine_refs import assert_old_then_new, molt_model, prompts, random_hf, swap_while_decoding, trainer_logprobs
 from test_engine import staggered
 
 from molt.engine import SamplingParams, TorchEngine
@@ -75,15 +75,6 @@ def test_engine_with_packed_weights_matches_transformers_and_the_trainer(pack_al
     asyncio.run(engine.close())
 
 
-async def swap_while_decoding(engine, new, ps, sampling):
-    start = engine.stats["decode_tokens"]
-    tasks = [asyncio.create_task(engine.generate(p, sampling)) for p in ps]
-    while engine.stats["decode_tokens"] < start + 12:
-        await asyncio.sleep(0.001)
-    await engine.update_weights(dict(new.state_dict()), version=1, mode="interrupt")
-    return await asyncio.gather(*tasks)
-
-
 @pytest.mark.parametrize("compile", [False, True])
 def test_packed_weights_follow_an_interrupt_swap(pack_all, models, compile):
     """Eager, and compiled (whose graph calls the packed op): tokens after the swap are the new weights'."""
@@ -113,10 +104,5 @@ def test_packed_weights_follow_an_interrupt_swap(pack_all, models, compile):
         asyncio.run(eager.close())
     outs = asyncio.run(swap_while_decoding(engine, new, ps, SamplingParams(temperature=1.0, max_tokens=20, seed=5)))
     assert hits and any(hits) == compile  # packed products ran, inside the compiled graph when compiling
-    for p, out in zip(ps, outs, strict=True):
-        switch = out.versions.index(1)
-        assert 0 < switch < 20
-        lp = torch.tensor(out.logprobs)
-        assert (lp[:switch] - trainer_logprobs(old, p, out, 1.0)[:switch]).abs().max() <= 1e-5
-        assert (lp[switch:] - trainer_logprobs(new, p, out, 1.0)[switch:]).abs().max() <= 1e-5
+    assert_old_then_new(old, new, ps, outs, max_tokens=20)
     asyncio.run(engine.close())
