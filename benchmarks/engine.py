@@ -15,9 +15,9 @@ batch to `TorchEngine` at once (continuous batching, all requests concurrent). R
   ignored) over the fp32 peak of one big matmul measured in this run;
 - matmul floor: tok/s if the job were nothing but the model's linear layers (the prefill of every
   prompt token at once, then one decode step of the whole batch per new token) with this torch's
-  fp32 GEMM (sgemm, or oneDNN on prepacked weights, whichever does the job faster), and that over
-  transformers: the most any engine computing the same fp32 model could gain over it, whatever
-  else it removes;
+  fastest fp32 GEMM at hand (sgemm, oneDNN on prepacked weights, or Molt's own kernel, whichever does
+  the job fastest), and that over transformers: what an engine computing the same fp32 model with
+  these GEMMs could gain over it at most, whatever else it removes;
 - vLLM (when importable, e.g. in `.venv-vllm`): one `vllm.LLM` per model in its default mode
   (torch.compile on CPU), run after the other sides, warm-up then best of `REPEATS` per batch;
   the ratio is the faster Molt (eager or compiled) over it.
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from molt.engine import SamplingParams, TorchEngine
+from molt.engine import SamplingParams, TorchEngine, gemm
 from molt.engine import packed as packed_mod
 from molt.engine.torch_engine import on_fresh_thread
 from molt.models import from_pretrained
@@ -71,23 +71,28 @@ def matmul_peak_gflops(n: int = 2048, iters: int = 10) -> float:
 def matmul_floor_s(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> float:
     """Seconds for only the linear layers of the whole job (best of `REPEATS`): every prompt token in one
     prefill pass (LM head on each prompt's last token), then `new_tokens - 1` decode steps of the batch;
-    each pass with sgemm and with oneDNN-prepacked weights (where `packed.linear` allows them), the best."""
+    each pass with sgemm, with oneDNN on prepacked weights and with Molt's kernel (as the engine calls it:
+    `packed.MAX_ROWS` rows at most), the best."""
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     body, lm_head = weights[:-1], model.lm_head.weight.detach()
     assert weights[-1] is lm_head or weights[-1].data_ptr() == lm_head.data_ptr()
     rows, tokens = len(prompts), sum(len(p) for p in prompts)
     x = {k: torch.randn(tokens, k) for k in {w.shape[1] for w in weights}}
-    packs = {w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w) for w in weights}
+    onednn = {w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w) for w in weights}
+    molt = {w.data_ptr(): gemm.pack(w) for w in weights} if gemm.kernel() else {}
     sgemm = torch.nn.functional.linear
-
-    def packed(x, w):
-        if not 2 <= len(x) <= packed_mod.MAX_ROWS:
-            return sgemm(x, w)
-        return torch.ops.mkldnn._linear_pointwise(x, packs[w.data_ptr()], None, "none", [], "")
-
+    linears = {
+        "sgemm": sgemm,
+        "oneDNN": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, onednn[w.data_ptr()], None, "none", [], ""),
+        "Molt": lambda x, w: (
+            gemm.matmul(x, molt[w.data_ptr()], len(w)) if len(x) <= packed_mod.MAX_ROWS else sgemm(x, w)
+        ),
+    }
     best = float("inf")
     with torch.no_grad():
-        for _, linear in itertools.product(range(REPEATS), (sgemm, packed)):
+        for _, (name, linear) in itertools.product(range(REPEATS), linears.items()):
+            if name == "Molt" and not molt:
+                continue
             t0 = time.perf_counter()
             for w in body:
                 linear(x[w.shape[1]], w)

@@ -14,8 +14,8 @@ attention needs to know whose token is whose:
   their slot's cache and gathered back.
 
 With `compile`, decode-only steps instead run one `torch.compile`d graph (`DecodeOverCache`, see
-docs/engine.md) and store their new keys and values after it. On CPU, large linear weights are
-multiplied by oneDNN-prepacked copies during the runner's own forward (`packed.py`).
+docs/engine.md) and store their new keys and values after it. On CPU, linear layers multiply by
+packed copies of their weights with Molt's own kernel during the runner's own forward (`packed.py`).
 
 The model is the trainer's model; the runner only decides where keys and values live. For MoE
 models it also keeps each computed token's expert ids in `routes`, laid out like the KV (slot,

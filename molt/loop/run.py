@@ -7,15 +7,14 @@ import copy
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from molt import cache_root
 from molt.agents.builtin import env_for_task
 from molt.agents.chat.agent import load_agent_class
 from molt.config import Config
@@ -36,10 +35,6 @@ class TrainResult:
     eval_after: dict[str, float]
     history: list[dict[str, Any]]
     seconds: float
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
 
 
 def _model_key(m) -> dict[str, Any]:

@@ -1,7 +1,6 @@
-"""oneDNN-prepacked linear weights in the engine (`molt/engine/packed.py`): invisible outside the engine's
-forward, never stale after an in-place weight load, and the engine stays exact (eager and compiled).
-
-The engine tests lower the size threshold to 0 so the tiny test models' linears take the packed path."""
+"""Prepacked linear weights and Molt's GEMM kernel in the engine (`molt/engine/packed.py`, `gemm.py`): the
+kernel equals `F.linear` up to rounding at every shape, the packs are invisible outside the engine's forward and
+never stale after an in-place weight load, and the engine stays exact (eager and compiled)."""
 
 import asyncio
 import copy
@@ -11,15 +10,11 @@ import torch
 from engine_refs import assert_old_then_new, molt_model, prompts, random_hf, swap_while_decoding, trainer_logprobs
 from test_engine import staggered
 
-from molt.engine import SamplingParams, TorchEngine
-from molt.engine import packed as packed_mod
-from molt.engine.packed import LinearPacks, PackedLinear
+from molt.engine import SamplingParams, TorchEngine, gemm
+from molt.engine.packed import MAX_ROWS, LinearPacks, PackedLinear
 from molt.models import from_pretrained
 
-
-@pytest.fixture
-def pack_all(monkeypatch):
-    monkeypatch.setattr(packed_mod, "MIN_WEIGHT_NUMEL", 0)
+pytestmark = pytest.mark.skipif(gemm.kernel() is None, reason="the GEMM kernel needs x86 AVX2/FMA and a C compiler")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +22,28 @@ def models(tmp_path_factory):
     return molt_model("qwen3", tmp_path_factory.mktemp("a"), 0), molt_model("qwen3", tmp_path_factory.mktemp("b"), 1)
 
 
-def test_packed_linear_is_plain_linear_outside_the_engine_and_follows_weight_loads(pack_all):
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 301])
+@pytest.mark.parametrize(("k", "n"), [(1, 1), (3, 16), (64, 17), (96, 250), (700, 48)])
+def test_kernel_equals_linear_at_every_shape(rows, k, n):
+    """Row counts around the 6-row tile, columns around the 16-column panel (padding), odd depths."""
+    torch.manual_seed(rows * 1000 + k + n)
+    x, w = torch.randn(2, rows, k), torch.randn(n, k)
+    got = gemm.matmul(x, gemm.pack(w), n)
+    assert got.shape == (2, rows, n)
+    assert torch.allclose(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def test_no_kernel_leaves_the_model_alone(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOLT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert gemm.kernel.__wrapped__() is None  # a failed build is logged, not raised
+    monkeypatch.setattr(gemm, "kernel", lambda: None)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    LinearPacks(model)
+    assert type(model[0]) is torch.nn.Linear
+
+
+def test_packed_linear_is_plain_linear_outside_the_engine_and_follows_weight_loads():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False))
     packs = LinearPacks(model)
@@ -45,7 +61,8 @@ def test_packed_linear_is_plain_linear_outside_the_engine_and_follows_weight_loa
     assert model[0].weight.grad is not None and not packs.packed
     with torch.inference_mode(), packs.active():
         assert (model(x) - ref).abs().max() <= 1e-5 and len(packs.packed) == 2
-        assert torch.equal(model(x[:1]), plain(x[:1]))  # one row: sgemm
+        big = torch.randn(MAX_ROWS + 1, 64)
+        assert torch.equal(model(big), plain(big))  # more rows than MAX_ROWS: sgemm
         with torch.no_grad():
             model[1].weight.mul_(-2.0)  # an in-place load: the packed copy must be redone
         assert (model(x) + 2 * ref).abs().max() <= 1e-5
@@ -55,7 +72,7 @@ def test_packed_linear_is_plain_linear_outside_the_engine_and_follows_weight_loa
     assert type(half[0]) is torch.nn.Linear  # only fp32 CPU models are packed
 
 
-def test_engine_with_packed_weights_matches_transformers_and_the_trainer(pack_all, tmp_path):
+def test_engine_with_packed_weights_matches_transformers_and_the_trainer(tmp_path):
     hf = random_hf("qwen3")
     hf.save_pretrained(tmp_path)
     model = from_pretrained(tmp_path).eval()
@@ -76,7 +93,7 @@ def test_engine_with_packed_weights_matches_transformers_and_the_trainer(pack_al
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_packed_weights_follow_an_interrupt_swap(pack_all, models, compile):
+def test_packed_weights_follow_an_interrupt_swap(models, compile):
     """Eager, and compiled (whose graph calls the packed op): tokens after the swap are the new weights'."""
     old, new = models
     engine = TorchEngine(copy.deepcopy(old), num_slots=4, max_seq_len=96, eos_token_ids=(), compile=compile)
