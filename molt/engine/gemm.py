@@ -9,7 +9,8 @@ rates; the kernel's sums differ from sgemm's only in rounding order).
 The kernel is C compiled on first use with the system C compiler (`$CC`, else `cc`; ~1 s) into
 `$MOLT_CACHE/kernels` and called through ctypes, which releases the GIL. It shares torch's OpenMP runtime
 (the same `libgomp.so.1`), so it runs on the calling thread's pool with torch's thread count. `kernel()` is
-None on CPUs without AVX2/FMA or when the build fails (logged once); callers then keep `F.linear`.
+None on CPUs without AVX2/FMA, when the build fails (logged once) or with `MOLT_GEMM_KERNEL=0`; callers
+then keep `F.linear`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ PANEL = 16  # output columns per packed panel (NR in gemm.c)
 
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:
-    """The loaded `molt_gemm_packed`, built into the cache on first use; None where it cannot run here."""
+    """The loaded `molt_gemm_packed`, built into the cache on first use; None where it cannot run here, or
+    when `MOLT_GEMM_KERNEL=0` asks for torch's sgemm (an A/B switch)."""
+    if os.environ.get("MOLT_GEMM_KERNEL", "1") == "0":
+        return None
     if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in (
         "AVX2",
         "AVX512",
