@@ -216,7 +216,7 @@ class ModelRunner:
 
     `compile`: decode-only steps of a dense text model run through `torch.compile` (inductor, dynamic
     shapes, C++ wrapper): one compilation (~30 s on 2 CPU cores, cached on disk by inductor) serves every
-    batch of >= 2 rows; other steps run eagerly."""
+    batch (one row runs padded to two); other steps run eagerly."""
 
     def __init__(
         self, model: Transformer, num_slots: int, max_seq_len: int, record_routing: bool = True, compile: bool = False
@@ -283,10 +283,15 @@ class ModelRunner:
             return self.model.lm_head(hidden_nh)
 
     def _compiles(self, decode: list[tuple[int, int, int]], positions: list[int]) -> bool:
-        """Rows 0..B-1 with B >= 2 and a cached length >= 2 (sizes 0 and 1 would be compiled again)."""
-        return len(decode) >= 2 and decode[-1][0] == len(decode) - 1 and max(positions) >= 2
+        """Rows 0..B-1 and a cached length >= 2 (a length of 0 or 1 would be compiled again)."""
+        return len(decode) >= 1 and decode[-1][0] == len(decode) - 1 and max(positions) >= 2
 
     def _decode_compiled(self, ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One row runs as two (a batch of 1 would be compiled again): the copy reads cache row 1 (a slot or
+        the scratch row), and its logits and new keys are dropped, so row 1 is never written."""
+        rows = len(ids)
+        if rows == 1:
+            ids, positions = ids * 2, positions * 2
         pos_1n = torch.tensor([positions], dtype=torch.long, device=self.device)
         ids_1n = torch.tensor([ids], dtype=torch.long, device=self.device)
         key_pos_s = torch.arange(max(positions), device=self.device)
@@ -295,16 +300,16 @@ class ModelRunner:
             torch._dynamo.mark_dynamic(x, dim)
         with self.packs.active():
             logits_nv, k_lnkd, v_lnkd = self.compiled_decode(self.model, ids_1n, pos_1n, self.k, self.v, key_pos_s)
-        pos_n = pos_1n[0]
-        rows_n1 = torch.arange(len(ids), device=self.device)[:, None]
+        pos_n = pos_1n[0, :rows]
+        rows_n1 = torch.arange(rows, device=self.device)[:, None]
         heads_1k = torch.arange(self.kv_heads, device=self.device)[None, :]
-        self.k[:, rows_n1, heads_1k, pos_n[:, None]] = k_lnkd
-        self.v[:, rows_n1, heads_1k, pos_n[:, None]] = v_lnkd
-        return logits_nv
+        self.k[:, rows_n1, heads_1k, pos_n[:, None]] = k_lnkd[:, :rows]
+        self.v[:, rows_n1, heads_1k, pos_n[:, None]] = v_lnkd[:, :rows]
+        return logits_nv[:rows]
 
     def warm_up(self) -> None:
         """Compile the decode step now (on the calling thread, before serving) rather than on first use."""
-        if self.compiled_decode is None or self.max_seq_len < 4 or self.num_slots < 2:
+        if self.compiled_decode is None or self.max_seq_len < 4:
             return
         log.info("compiling the engine's decode step (torch.compile)")
         try:

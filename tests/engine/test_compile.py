@@ -62,3 +62,26 @@ def test_compiled_decode_sees_weights_swapped_in_place(models):
     assert len(engine.compiled_steps) > steps_before + 10
     assert_old_then_new(old, new, ps, outs, max_tokens=20)
     asyncio.run(engine.close())
+
+
+def test_a_lone_request_decodes_compiled_and_never_writes_cache_row_1(models):
+    """One decoding row runs through the graph padded to two; the pad reads cache row 1 but never writes it."""
+    model, _ = models
+    p = prompts([9], seed=4)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    eager = TorchEngine(model, num_slots=SLOTS, max_seq_len=MAX_LEN, eos_token_ids=())
+    want = asyncio.run(eager.generate(p, greedy))
+    engine = compiled_engine(model, prefix_cache=False)
+    asyncio.run(engine.generate(prompts([5], seed=5)[0], greedy))  # the engine thread is up and warmed
+    runner, steps_before = engine.core.runner, len(engine.compiled_steps)
+    runner.k[:, 1].normal_()  # stands in for another sequence's cached keys and values
+    runner.v[:, 1].normal_()
+    row_1 = runner.k[:, 1].clone(), runner.v[:, 1].clone()
+    got = asyncio.run(engine.generate(p, greedy))
+    assert got.token_ids == want.token_ids
+    assert engine.compiled_steps[steps_before:].count(1) >= 10
+    assert torch.equal(runner.k[:, 1], row_1[0]) and torch.equal(runner.v[:, 1], row_1[1])
+    sampled = asyncio.run(engine.generate(p, SamplingParams(temperature=1.0, max_tokens=12, seed=3)))
+    assert (torch.tensor(sampled.logprobs) - trainer_logprobs(model, p, sampled, 1.0)).abs().max() <= 1e-5
+    asyncio.run(engine.close())
+    asyncio.run(eager.close())
