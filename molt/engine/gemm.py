@@ -89,6 +89,8 @@ def pack(weight_nk: torch.Tensor) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """`x @ weight.T` for the weight `packed` came from (its N rows given), x fp32 [..., K] on CPU."""
+    if x.shape[-1] != packed.shape[1] or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"matmul: x {x.dtype} {tuple(x.shape)} on {x.device} vs a [{n}, {packed.shape[1]}] weight")
     x_mk = x.reshape(-1, x.shape[-1]).contiguous()
     out_mn = x_mk.new_empty(x_mk.shape[0], n)
     threads = torch.get_num_threads()

@@ -23,9 +23,9 @@ _ACTIVE = threading.local()  # the engine thread's packs while its runner is in 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`, through the active packs' copy of `weight` for up to `MAX_ROWS` rows."""
+    """`F.linear`, through the active packs' copy of `weight` for up to `MAX_ROWS` fp32 rows."""
     packs = getattr(_ACTIVE, "packs", None)
-    if packs is None or not 1 <= x.numel() // x.shape[-1] <= MAX_ROWS:
+    if packs is None or x.dtype != torch.float32 or not 1 <= x.numel() // x.shape[-1] <= MAX_ROWS:
         return F.linear(x, weight, bias)
     return packs.linear(x, weight, bias)
 

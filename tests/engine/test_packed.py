@@ -33,6 +33,13 @@ def test_kernel_equals_linear_at_every_shape(rows, k, n):
     assert torch.allclose(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
+def test_kernel_refuses_what_it_would_misread():
+    packed = gemm.pack(torch.randn(8, 16))
+    for bad in (torch.randn(3, 15), torch.randn(3, 16, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="matmul"):
+            gemm.matmul(bad, packed, 8)
+
+
 def test_no_kernel_leaves_the_model_alone(monkeypatch, tmp_path):
     monkeypatch.setenv("MOLT_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
