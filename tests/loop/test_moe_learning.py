@@ -23,7 +23,7 @@ def test_tiny_moe_with_routing_replay_improves_held_out_reward(tmp_path):
     ])  # fmt: skip
     result = run_train(cfg)
     before, after = result.eval_before["eval/reward_mean"], result.eval_after["eval/reward_mean"]
-    assert after >= before + 0.1, (before, after)
+    assert 1 - after <= 0.7 * (1 - before), (before, after)  # errors cut by >= 30% (the warm start is at ~80%)
     agreement = [m["moe/routing_agreement"] for m in result.history]
     assert all(0.5 < a <= 1.0 for a in agreement), agreement  # stale by <= 1 version: mostly the same experts
     assert all(m["moe/recorded_frac"] > 0.5 for m in result.history)
