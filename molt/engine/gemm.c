@@ -1,7 +1,8 @@
 /* Molt's fp32 GEMM for the engine's linear layers (AVX2 + FMA, OpenMP): c[m, n] = a[m, k] @ w[n, k]^T, with w
    packed once as [ceil(n / 16), k, 16] (16 output columns side by side per input feature, zero padded).
    A 6 x 16 tile keeps its 12 accumulators in registers over the whole k loop; each thread owns whole column
-   panels, and a panel, read once from memory, serves every row block from cache. Built and loaded by gemm.py. */
+   panels, and a panel, read once from memory, serves every row block from cache. Compiled into the operator of
+   gemm_op.cpp by gemm.py. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>

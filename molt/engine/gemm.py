@@ -6,16 +6,16 @@ kernel over a weight packed once into 16-column panels ran 2-5x sgemm at 1-16 ro
 1.1-1.2x at 512, on every weight of the 5M and 20M benchmark models (`benchmarks/engine.py` shows the engine's
 rates; the kernel's sums differ from sgemm's only in rounding order).
 
-The kernel is C compiled on first use with the system C compiler (`$CC`, else `cc`; ~1 s) into
-`$MOLT_CACHE/kernels` and called through ctypes, which releases the GIL. It shares torch's OpenMP runtime
-(the same `libgomp.so.1`), so it runs on the calling thread's pool with torch's thread count. `kernel()` is
-None on CPUs without AVX2/FMA, when the build fails (logged once) or with `MOLT_GEMM_KERNEL=0`; callers
-then keep `F.linear`.
+The kernel (C, `gemm.c`) is compiled on first use with the system C++ compiler (`$CXX`, else `c++`; ~15 s)
+into the torch operator `molt_kernels::gemm` (`gemm_op.cpp`), cached in `$MOLT_CACHE/kernels` per torch version.
+As an operator it is called without Python in between from eager code and from compiled graphs alike. It shares
+torch's OpenMP runtime (the same `libgomp.so.1`), so it runs on the calling thread's pool with torch's thread
+count. `kernel()` is None on CPUs without AVX2/FMA, when the build fails (logged once) or with
+`MOLT_GEMM_KERNEL=0`; callers then keep `F.linear`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import logging
@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,14 +32,14 @@ import torch
 from molt import cache_root
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("gemm.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+SOURCES = [Path(__file__).with_name(name) for name in ("gemm_op.cpp", "gemm.c")]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 PANEL = 16  # output columns per packed panel (NR in gemm.c)
 
 
 @functools.cache
-def kernel() -> ctypes._CFuncPtr | None:
-    """The loaded `molt_gemm_packed`, built into the cache on first use; None where it cannot run here, or
+def kernel() -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+    """The operator `molt_kernels::gemm`, built into the cache on first use; None where it cannot run here, or
     when `MOLT_GEMM_KERNEL=0` asks for torch's sgemm (an A/B switch)."""
     if os.environ.get("MOLT_GEMM_KERNEL", "1") == "0":
         return None
@@ -47,31 +48,44 @@ def kernel() -> ctypes._CFuncPtr | None:
         "AVX512",
     ):
         return None
-    source = SOURCE.read_bytes()
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    flags = [*FLAGS, *_torch_flags()]
+    sources = b"".join(p.read_bytes() for p in SOURCES)
+    key = hashlib.sha256(sources + " ".join([*flags, torch.__version__]).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"gemm-{key}.so"
     try:
         if not path.exists():
-            _build(compiler, path)
-        fn = ctypes.CDLL(str(path)).molt_gemm_packed
+            _build(shutil.which(os.environ.get("CXX", "c++")), flags, path)
+        torch.ops.load_library(str(path))
     except (OSError, subprocess.CalledProcessError, TypeError) as e:
         log.warning("engine GEMM kernel unavailable (%s); linear layers use torch's sgemm", e)
         return None
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    return fn
+    op = torch.ops.molt_kernels.gemm
+    torch.library.register_fake("molt_kernels::gemm")(lambda x, packed, n: x.new_empty((*x.shape[:-1], n)))
+    return op
 
 
-def _build(compiler: str | None, path: Path) -> None:
-    """Compile gemm.c to `path` atomically (concurrent builders each write a temp file, then rename)."""
+def _torch_flags() -> list[str]:
+    """Headers, libraries and ABI of the running torch (so the cache key changes with it)."""
+    root = Path(torch.__file__).parent
+    return [
+        f"-I{root / 'include'}",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-L{root / 'lib'}",
+        f"-Wl,-rpath,{root / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+
+
+def _build(compiler: str | None, flags: list[str], path: Path) -> None:
+    """Compile the operator to `path` atomically (concurrent builders each write a temp file, then rename)."""
     if compiler is None:
-        raise OSError("no C compiler (set $CC)")
+        raise OSError("no C++ compiler (set $CXX)")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True)
+        subprocess.run([compiler, str(SOURCES[0]), "-o", tmp, *flags], check=True, capture_output=True)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -88,11 +102,6 @@ def pack(weight_nk: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """`x @ weight.T` for the weight `packed` came from (its N rows given), x fp32 [..., K] on CPU."""
-    if x.shape[-1] != packed.shape[1] or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"matmul: x {x.dtype} {tuple(x.shape)} on {x.device} vs a [{n}, {packed.shape[1]}] weight")
-    x_mk = x.reshape(-1, x.shape[-1]).contiguous()
-    out_mn = x_mk.new_empty(x_mk.shape[0], n)
-    threads = torch.get_num_threads()
-    kernel()(x_mk.data_ptr(), packed.data_ptr(), out_mn.data_ptr(), x_mk.shape[0], x_mk.shape[1], n, threads)
-    return out_mn.view(*x.shape[:-1], n)
+    """`x @ weight.T` for the weight `packed` came from (its N rows given), x fp32 [..., K] on CPU; a RuntimeError
+    for an input the kernel would misread. Needs `kernel()`."""
+    return torch.ops.molt_kernels.gemm(x, packed, n)

@@ -1,10 +1,11 @@
 """Prepacked weights for the engine's linear layers (CPU, fp32), multiplied by Molt's own kernel (`gemm.py`).
 
 Nothing changes for anyone else holding the model: the runner enters `LinearPacks.active()` around its own
-forward, and outside it (the trainer, a reference forward, autograd, `torch.compile` tracing) a
-`PackedLinear` is exactly `nn.Linear`. A packed copy is redone whenever its weight's in-place version counter
-has moved (a weight load), so it is never stale. Where the kernel cannot run (no AVX2/FMA, no C compiler) no
-layer is swapped and the engine multiplies with `F.linear`.
+forward, and outside it (the trainer, a reference forward, autograd, other `torch.compile` traces) a
+`PackedLinear` is exactly `nn.Linear`. Each layer keeps its packed copy as a plain attribute (not in the state
+dict); `active()` first repacks, in place, every layer whose weight's version counter has moved (a weight load),
+so a pack is never stale. Where the kernel cannot run (no AVX2/FMA, no C++ compiler) no layer is swapped and the
+engine multiplies with `F.linear`.
 """
 
 from __future__ import annotations
@@ -19,57 +20,62 @@ from torch import nn
 from molt.engine import gemm
 
 MAX_ROWS = 1024  # measured ahead of sgemm up to 512 rows; larger prefill chunks stay on sgemm
-_ACTIVE = threading.local()  # the engine thread's packs while its runner is in a forward
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`, through the active packs' copy of `weight` for up to `MAX_ROWS` fp32 rows."""
-    packs = getattr(_ACTIVE, "packs", None)
-    if packs is None or x.dtype != torch.float32 or not 1 <= x.numel() // x.shape[-1] <= MAX_ROWS:
-        return F.linear(x, weight, bias)
-    return packs.linear(x, weight, bias)
-
-
-packed_linear = torch.library.custom_op("molt::packed_linear", linear, mutates_args=())  # what compiled graphs call
-packed_linear.register_fake(lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))
+_ACTIVE = threading.local()  # set on the engine thread while its runner is in a forward
+_TRACING = [False]  # a runner is tracing its compiled step (read when the graph is traced, and guarded on)
 
 
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` that multiplies by the active `LinearPacks`' copy of its weight when one is set."""
+    """An `nn.Linear` that multiplies by its packed copy `packed` inside `LinearPacks.active()`."""
+
+    packed: torch.Tensor | None = None
+    packed_from: tuple = ()  # (version, address) of the weight it was packed from
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():
-            return linear(x, self.weight, self.bias)
-        if torch.is_grad_enabled():  # the op has no backward
+        if torch.compiler.is_compiling():
+            use = _TRACING[0] and not torch.is_grad_enabled()  # the op has no backward
+        else:
+            use = getattr(_ACTIVE, "on", False) and x.dtype == torch.float32 and x.numel() // x.shape[-1] <= MAX_ROWS
+        if not use or self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return packed_linear(x, self.weight, self.bias)
+        out = torch.ops.molt_kernels.gemm(x, self.packed, self.out_features)  # gemm.matmul, traceable
+        return out if self.bias is None else out + self.bias
 
 
 class LinearPacks:
-    """Packed copies of one model's linear weights, made on first use; turns its `nn.Linear`s into
-    `PackedLinear`s (none on GPU, for other dtypes, or where the kernel cannot run)."""
+    """Turns one model's `nn.Linear`s into `PackedLinear`s (none on GPU, for other dtypes, or where the kernel
+    cannot run) and keeps their packed copies current."""
 
     def __init__(self, model: nn.Module):
-        self.packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # by data_ptr: (weight, version, packed)
+        self.layers: list[PackedLinear] = []
         param = next(model.parameters())
         if param.device.type != "cpu" or param.dtype != torch.float32 or gemm.kernel() is None:
             return
         for module in model.modules():
             if type(module) is nn.Linear:
                 module.__class__ = PackedLinear
+                self.layers.append(module)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        entry = self.packed.get(weight.data_ptr())  # the held weight keeps its address from being reused
-        if entry is None or entry[1] != weight._version or entry[0].shape != weight.shape:
-            entry = self.packed[weight.data_ptr()] = (weight, weight._version, gemm.pack(weight.detach()))
-        out = gemm.matmul(x, entry[2], weight.shape[0])
-        return out if bias is None else out.add_(bias)
+    def refresh(self) -> None:
+        """Repack every layer whose weight moved since its pack (in place: a compiled graph holds the tensor)."""
+        for layer in self.layers:
+            weight = layer.weight
+            key = (weight._version, weight.data_ptr())
+            if layer.packed_from != key:
+                packed = gemm.pack(weight.detach())
+                if layer.packed is not None and layer.packed.shape == packed.shape:
+                    layer.packed.copy_(packed)
+                else:
+                    layer.packed = packed
+                layer.packed_from = key
 
     @contextmanager
-    def active(self):
-        """Route this thread's `PackedLinear` calls through these packs for the duration."""
-        previous, _ACTIVE.packs = getattr(_ACTIVE, "packs", None), self
+    def active(self, tracing: bool = False):
+        """Route this thread's `PackedLinear` calls through fresh packs for the duration; `tracing`: also those
+        of a compiled graph traced meanwhile."""
+        self.refresh()
+        previous, _ACTIVE.on = getattr(_ACTIVE, "on", False), bool(self.layers)
+        _TRACING[0] = tracing and bool(self.layers)
         try:
             yield
         finally:
-            _ACTIVE.packs = previous
+            _ACTIVE.on, _TRACING[0] = previous, False

@@ -236,7 +236,9 @@ class ModelRunner:
         if compile and (cfg.num_moe_layers() or cfg.image_token_id is not None):
             log.warning("compile: only dense text models compile their decode step; this one decodes eagerly")
         elif compile:
-            options = {"cpp_wrapper": True}
+            # no guards on the model's modules (~0.4 ms a step): the runner's model never changes shape or type,
+            # and its weights load in place
+            options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
             self.compiled_decode = torch.compile(_decode_logits, fullgraph=True, options=options)
 
     def cache_bytes(self) -> int:
@@ -298,7 +300,7 @@ class ModelRunner:
         sizes = ((ids_1n, 1), (pos_1n, 1), (key_pos_s, 0), (self.k, 1), (self.k, 3), (self.v, 1), (self.v, 3))
         for x, dim in sizes:  # one graph for every batch, length and cache size
             torch._dynamo.mark_dynamic(x, dim)
-        with self.packs.active():
+        with self.packs.active(tracing=True):
             logits_nv, k_lnkd, v_lnkd = self.compiled_decode(self.model, ids_1n, pos_1n, self.k, self.v, key_pos_s)
         pos_n = pos_1n[0, :rows]
         rows_n1 = torch.arange(rows, device=self.device)[:, None]

@@ -14,7 +14,7 @@ from molt.engine import SamplingParams, TorchEngine, gemm
 from molt.engine.packed import MAX_ROWS, LinearPacks, PackedLinear
 from molt.models import from_pretrained
 
-pytestmark = pytest.mark.skipif(gemm.kernel() is None, reason="the GEMM kernel needs x86 AVX2/FMA and a C compiler")
+pytestmark = pytest.mark.skipif(gemm.kernel() is None, reason="the GEMM kernel needs x86 AVX2/FMA and a C++ compiler")
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +35,16 @@ def test_kernel_equals_linear_at_every_shape(rows, k, n):
 
 def test_kernel_refuses_what_it_would_misread():
     packed = gemm.pack(torch.randn(8, 16))
-    for bad in (torch.randn(3, 15), torch.randn(3, 16, dtype=torch.float64)):
-        with pytest.raises(ValueError, match="matmul"):
-            gemm.matmul(bad, packed, 8)
+    for x, n in ((torch.randn(3, 15), 8), (torch.randn(3, 16, dtype=torch.float64), 8), (torch.randn(3, 16), 17)):
+        with pytest.raises(RuntimeError, match="molt gemm"):
+            gemm.matmul(x, packed, n)
+    with pytest.raises(RuntimeError, match="molt gemm"):
+        gemm.matmul(torch.randn(3, 8), packed.transpose(0, 1), 8)  # not the packed layout
 
 
 def test_no_kernel_leaves_the_model_alone(monkeypatch, tmp_path):
     monkeypatch.setenv("MOLT_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert gemm.kernel.__wrapped__() is None  # a failed build is logged, not raised
     monkeypatch.setattr(gemm, "kernel", lambda: None)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
@@ -65,13 +67,14 @@ def test_packed_linear_is_plain_linear_outside_the_engine_and_follows_weight_loa
     ref = plain(x)
     assert torch.equal(model(x), ref)  # outside `active()`: the very same function, bit for bit
     model(x).sum().backward()  # and autograd works
-    assert model[0].weight.grad is not None and not packs.packed
+    assert model[0].weight.grad is not None and model[0].packed is None
     with torch.inference_mode(), packs.active():
-        assert (model(x) - ref).abs().max() <= 1e-5 and len(packs.packed) == 2
+        assert (model(x) - ref).abs().max() <= 1e-5 and all(m.packed is not None for m in model)
         big = torch.randn(MAX_ROWS + 1, 64)
         assert torch.equal(model(big), plain(big))  # more rows than MAX_ROWS: sgemm
-        with torch.no_grad():
-            model[1].weight.mul_(-2.0)  # an in-place load: the packed copy must be redone
+    with torch.no_grad():
+        model[1].weight.mul_(-2.0)  # an in-place load: the packed copy must be redone
+    with torch.inference_mode(), packs.active():
         assert (model(x) + 2 * ref).abs().max() <= 1e-5
     assert type(copy.deepcopy(model)[0]) is PackedLinear
     half = torch.nn.Sequential(torch.nn.Linear(8, 8)).to(torch.bfloat16)
@@ -87,7 +90,7 @@ def test_engine_with_packed_weights_matches_transformers_and_the_trainer(tmp_pat
     ps = prompts([5, 23, 1, 40, 9, 17])
     greedy = SamplingParams(temperature=0, max_tokens=12)
     outs = asyncio.run(staggered(engine, [(p, greedy) for p in ps]))
-    assert engine.core.runner.packs.packed  # the packed path ran
+    assert all(m.packed is not None for m in engine.core.runner.packs.layers)  # the packed path ran
     for p, out in zip(ps, outs, strict=True):
         ids = torch.tensor([p])
         with torch.no_grad():
@@ -101,32 +104,30 @@ def test_engine_with_packed_weights_matches_transformers_and_the_trainer(tmp_pat
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_packed_weights_follow_an_interrupt_swap(models, compile):
-    """Eager, and compiled (whose graph calls the packed op): tokens after the swap are the new weights'."""
+    """Eager, and compiled (whose graph multiplies by the packs): tokens after the swap are the new weights'."""
     old, new = models
     engine = TorchEngine(copy.deepcopy(old), num_slots=4, max_seq_len=96, eos_token_ids=(), compile=compile)
     ps = prompts([6, 11], seed=3)
-    runner, in_compiled, hits = engine.core.runner, [False], []
-    decode, pack = runner._decode_compiled, runner.packs.linear
-
-    def compiled_step(*args):
-        in_compiled[0] = True
-        try:
-            return decode(*args)
-        finally:
-            in_compiled[0] = False
-
-    def packed_linear(*args):
-        hits.append(in_compiled[0])
-        return pack(*args)
-
-    runner._decode_compiled, runner.packs.linear = compiled_step, packed_linear
-    if compile:  # greedy tokens equal those of an eager engine holding the same (packed) weights
+    runner, compiled_steps = engine.core.runner, []
+    decode = runner._decode_compiled
+    runner._decode_compiled = lambda *args: compiled_steps.append(1) or decode(*args)
+    if compile:
+        with torch.inference_mode():  # the graph reads the packs, not the weights: zeroed packs give zero logits
+            assert torch.count_nonzero(runner._decode_compiled([1, 2], [3, 3])) > 0
+            for layer in runner.packs.layers:
+                layer.packed.zero_()
+            assert torch.count_nonzero(runner._decode_compiled([1, 2], [3, 3])) == 0
+            for layer in runner.packs.layers:
+                layer.packed_from = ()  # repacked on the next step
+        # greedy tokens equal those of an eager engine holding the same (packed) weights
         eager = TorchEngine(copy.deepcopy(old), num_slots=4, max_seq_len=96, eos_token_ids=())
         greedy = SamplingParams(temperature=0, max_tokens=14)
         want, got = (asyncio.run(staggered(e, [(p, greedy) for p in ps])) for e in (eager, engine))
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         asyncio.run(eager.close())
+    compiled_steps.clear()
     outs = asyncio.run(swap_while_decoding(engine, new, ps, SamplingParams(temperature=1.0, max_tokens=20, seed=5)))
-    assert hits and any(hits) == compile  # packed products ran, inside the compiled graph when compiling
+    assert all(layer.packed is not None for layer in runner.packs.layers)  # the packed products ran
+    assert bool(compiled_steps) == compile  # through the compiled graph when compiling
     assert_old_then_new(old, new, ps, outs, max_tokens=20)
     asyncio.run(engine.close())
