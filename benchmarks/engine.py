@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from molt.engine import SamplingParams, TorchEngine, gemm
+from molt.engine import SamplingParams, TorchEngine, kernels
 from molt.engine import packed as packed_mod
 from molt.engine.torch_engine import on_fresh_thread
 from molt.models import from_pretrained
@@ -79,13 +79,13 @@ def matmul_floor_s(model: torch.nn.Module, prompts: list[list[int]], new_tokens:
     rows, tokens = len(prompts), sum(len(p) for p in prompts)
     x = {k: torch.randn(tokens, k) for k in {w.shape[1] for w in weights}}
     onednn = {w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w) for w in weights}
-    molt = {w.data_ptr(): gemm.pack(w) for w in weights} if gemm.kernel() else {}
+    molt = {w.data_ptr(): kernels.pack(w) for w in weights} if kernels.load() else {}
     sgemm = torch.nn.functional.linear
     linears = {
         "sgemm": sgemm,
         "oneDNN": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, onednn[w.data_ptr()], None, "none", [], ""),
         "Molt": lambda x, w: (
-            gemm.matmul(x, molt[w.data_ptr()], len(w)) if len(x) <= packed_mod.MAX_ROWS else sgemm(x, w)
+            kernels.matmul(x, molt[w.data_ptr()], len(w)) if len(x) <= packed_mod.MAX_ROWS else sgemm(x, w)
         ),
     }
     best = float("inf")

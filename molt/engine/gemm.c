@@ -2,7 +2,7 @@
    packed once as [ceil(n / 16), k, 16] (16 output columns side by side per input feature, zero padded).
    A 6 x 16 tile keeps its 12 accumulators in registers over the whole k loop; each thread owns whole column
    panels, and a panel, read once from memory, serves every row block from cache. Compiled into the operator of
-   gemm_op.cpp by gemm.py. */
+   ops.cpp by kernels.py. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>

@@ -1,4 +1,4 @@
-"""Prepacked weights for the engine's linear layers (CPU, fp32), multiplied by Molt's own kernel (`gemm.py`).
+"""Prepacked weights for the engine's linear layers (CPU, fp32), multiplied by Molt's own kernel (`kernels.py`).
 
 Nothing changes for anyone else holding the model: the runner enters `LinearPacks.active()` around its own
 forward, and outside it (the trainer, a reference forward, autograd, other `torch.compile` traces) a
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from molt.engine import gemm
+from molt.engine import kernels
 
 MAX_ROWS = 1024  # measured ahead of sgemm up to 512 rows; larger prefill chunks stay on sgemm
 _ACTIVE = threading.local()  # set on the engine thread while its runner is in a forward
@@ -37,7 +37,7 @@ class PackedLinear(nn.Linear):
             use = getattr(_ACTIVE, "on", False) and x.dtype == torch.float32 and x.numel() // x.shape[-1] <= MAX_ROWS
         if not use or self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        out = torch.ops.molt_kernels.gemm(x, self.packed, self.out_features)  # gemm.matmul, traceable
+        out = torch.ops.molt_kernels.gemm(x, self.packed, self.out_features)  # kernels.matmul, traceable
         return out if self.bias is None else out + self.bias
 
 
@@ -48,7 +48,7 @@ class LinearPacks:
     def __init__(self, model: nn.Module):
         self.layers: list[PackedLinear] = []
         param = next(model.parameters())
-        if param.device.type != "cpu" or param.dtype != torch.float32 or gemm.kernel() is None:
+        if param.device.type != "cpu" or param.dtype != torch.float32 or not kernels.load():
             return
         for module in model.modules():
             if type(module) is nn.Linear:
@@ -61,7 +61,7 @@ class LinearPacks:
             weight = layer.weight
             key = (weight._version, weight.data_ptr())
             if layer.packed_from != key:
-                packed = gemm.pack(weight.detach())
+                packed = kernels.pack(weight.detach())
                 if layer.packed is not None and layer.packed.shape == packed.shape:
                     layer.packed.copy_(packed)
                 else:

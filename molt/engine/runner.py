@@ -7,9 +7,9 @@ first one decode token per decoding sequence, then the prefill chunks back to ba
 padding, so every linear layer runs one matmul over exactly the tokens of the step. Only
 attention needs to know whose token is whose:
 
-- decode tokens attend over their slot's cache; when they occupy rows 0..D-1 (the usual case,
-  the active slots are contiguous, see `cache.py`) over a strided *view* of the cache, with no
-  gather;
+- decode tokens attend over their slot's cache: on CPU in fp32 through Molt's kernel
+  (`kernels.decode_attention`, each row at its own slot); else over a strided *view* of the cache
+  when they occupy rows 0..D-1 (the usual case, the active slots are contiguous, see `cache.py`);
 - prefill tokens are scattered into a padded [chunks, width] layout for causal attention over
   their slot's cache and gathered back.
 
@@ -30,6 +30,7 @@ import logging
 
 import torch
 
+from molt.engine import kernels
 from molt.engine.cache import SCRATCH, Move
 from molt.engine.packed import LinearPacks
 from molt.models.moe import NO_ROUTE, Routing
@@ -113,12 +114,15 @@ class MixedStep:
         return attend
 
     def _decode_attention(self, pos_b: torch.Tensor):
-        """One query per decode row, over a view of cache rows 0..B-1 when those are the rows (else a gather).
-
-        Batched over (row, kv head) with the head group's queries stacked: two `bmm`s per layer.
+        """One query per decode row over its slot's cache: Molt's kernel on CPU; else batched over (row, kv head)
+        with the head group's queries stacked, two `bmm`s per layer over a view of cache rows 0..B-1 when those
+        are the rows (else a gather).
         """
         slots, rows = self.decode_slots, len(self.decode_slots)
         r, device, kv_len = self.runner, pos_b.device, self.kv_lens[0]
+        if r.own_attention:
+            slots_b, lens_b = torch.tensor(slots, dtype=torch.long, device=device), pos_b + 1
+            return lambda k_cache, v_cache, q_bhd: kernels.decode_attention(q_bhd, k_cache, v_cache, slots_b, lens_b)
         kv_heads, head_dim = r.kv_heads, r.head_dim
         contiguous = slots[-1] == rows - 1
         slots_b = None if contiguous else torch.tensor(slots, dtype=torch.long, device=device)
@@ -173,13 +177,15 @@ class DecodeOverCache:
     keys as `MixedStep`, summed in a different order (fp32 rounding only).
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, key_pos_s: torch.Tensor):
-        self.k, self.v, self.key_pos_s = k, v, key_pos_s
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, key_pos_s: torch.Tensor, own_attention: bool):
+        self.k, self.v, self.key_pos_s, self.own_attention = k, v, key_pos_s, own_attention
         self.new_k: list[torch.Tensor] = []
         self.new_v: list[torch.Tensor] = []
 
     def prepare(self, position_ids_bt: torch.Tensor):
         pos_b = position_ids_bt[0]
+        if self.own_attention:
+            return self._own_attend(pos_b)
         key_pos_s, rows = self.key_pos_s, pos_b.shape[0]
         kv_len, kv_heads, head_dim = key_pos_s.shape[0], self.k.shape[2], self.k.shape[4]
         mask_m1s = _per_kv_head(_additive_mask(key_pos_s[None, :] < pos_b[:, None]), kv_heads)
@@ -202,11 +208,27 @@ class DecodeOverCache:
 
         return attend
 
+    def _own_attend(self, pos_b: torch.Tensor):
+        """The same attention by Molt's kernel: row b over cache row b's first pos_b[b] positions, then its own key."""
+        slots_b = torch.arange(pos_b.shape[0], device=pos_b.device)
 
-def _decode_logits(model: Transformer, ids_1n, pos_1n, k: torch.Tensor, v: torch.Tensor, key_pos_s: torch.Tensor):
+        def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
+            q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
+            self.new_k.append(k_nkd)
+            self.new_v.append(v_nkd)
+            k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
+            out_nhd = kernels.decode_attention(q_nhd, k_cache, v_cache, slots_b, pos_b, k_nkd, v_nkd)
+            return out_nhd.transpose(0, 1)[None]
+
+        return attend
+
+
+def _decode_logits(
+    model: Transformer, ids_1n, pos_1n, k: torch.Tensor, v: torch.Tensor, key_pos_s: torch.Tensor, own_attention: bool
+):
     """(logits [B, V], new keys and values [L, B, kv_heads, D]) of one decode step over cache rows 0..B-1
     and cached positions `key_pos_s` (0..S-1)."""
-    backend = DecodeOverCache(k, v, key_pos_s)
+    backend = DecodeOverCache(k, v, key_pos_s, own_attention)
     hidden_nh = model(ids_1n, pos_1n, cache=backend, return_hidden=True)[0]
     return model.lm_head(hidden_nh), torch.stack(backend.new_k), torch.stack(backend.new_v)
 
@@ -232,6 +254,7 @@ class ModelRunner:
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.routes = routing_cache(cfg, num_slots, max_seq_len, self.device) if record_routing else None
         self.packs = LinearPacks(model)
+        self.own_attention = kernels.usable(self.k)  # Molt's decode-attention kernel (CPU, fp32)
         self.compiled_decode = None
         if compile and (cfg.num_moe_layers() or cfg.image_token_id is not None):
             log.warning("compile: only dense text models compile their decode step; this one decodes eagerly")
@@ -301,7 +324,9 @@ class ModelRunner:
         for x, dim in sizes:  # one graph for every batch, length and cache size
             torch._dynamo.mark_dynamic(x, dim)
         with self.packs.active(tracing=True):
-            logits_nv, k_lnkd, v_lnkd = self.compiled_decode(self.model, ids_1n, pos_1n, self.k, self.v, key_pos_s)
+            logits_nv, k_lnkd, v_lnkd = self.compiled_decode(
+                self.model, ids_1n, pos_1n, self.k, self.v, key_pos_s, self.own_attention
+            )
         pos_n = pos_1n[0, :rows]
         rows_n1 = torch.arange(rows, device=self.device)[:, None]
         heads_1k = torch.arange(self.kv_heads, device=self.device)[None, :]

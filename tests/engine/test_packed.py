@@ -1,4 +1,4 @@
-"""Prepacked linear weights and Molt's GEMM kernel in the engine (`molt/engine/packed.py`, `gemm.py`): the
+"""Prepacked linear weights and Molt's GEMM kernel in the engine (`molt/engine/packed.py`, `kernels.py`): the
 kernel equals `F.linear` up to rounding at every shape, the packs are invisible outside the engine's forward and
 never stale after an in-place weight load, and the engine stays exact (eager and compiled)."""
 
@@ -10,11 +10,11 @@ import torch
 from engine_refs import assert_old_then_new, molt_model, prompts, random_hf, swap_while_decoding, trainer_logprobs
 from test_engine import staggered
 
-from molt.engine import SamplingParams, TorchEngine, gemm
+from molt.engine import SamplingParams, TorchEngine, kernels
 from molt.engine.packed import MAX_ROWS, LinearPacks, PackedLinear
 from molt.models import from_pretrained
 
-pytestmark = pytest.mark.skipif(gemm.kernel() is None, reason="the GEMM kernel needs x86 AVX2/FMA and a C++ compiler")
+pytestmark = pytest.mark.skipif(not kernels.load(), reason="the kernels need x86 AVX2/FMA and a C++ compiler")
 
 
 @pytest.fixture(scope="module")
@@ -28,25 +28,56 @@ def test_kernel_equals_linear_at_every_shape(rows, k, n):
     """Row counts around the 6-row tile, columns around the 16-column panel (padding), odd depths."""
     torch.manual_seed(rows * 1000 + k + n)
     x, w = torch.randn(2, rows, k), torch.randn(n, k)
-    got = gemm.matmul(x, gemm.pack(w), n)
+    got = kernels.matmul(x, kernels.pack(w), n)
     assert got.shape == (2, rows, n)
     assert torch.allclose(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
 def test_kernel_refuses_what_it_would_misread():
-    packed = gemm.pack(torch.randn(8, 16))
+    packed = kernels.pack(torch.randn(8, 16))
     for x, n in ((torch.randn(3, 15), 8), (torch.randn(3, 16, dtype=torch.float64), 8), (torch.randn(3, 16), 17)):
         with pytest.raises(RuntimeError, match="molt gemm"):
-            gemm.matmul(x, packed, n)
+            kernels.matmul(x, packed, n)
     with pytest.raises(RuntimeError, match="molt gemm"):
-        gemm.matmul(torch.randn(3, 8), packed.transpose(0, 1), 8)  # not the packed layout
+        kernels.matmul(torch.randn(3, 8), packed.transpose(0, 1), 8)  # not the packed layout
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 64), (3, 3, 17), (8, 1, 8)])
+@pytest.mark.parametrize("own_key", [False, True])
+def test_decode_attention_equals_softmax_attention(heads, kv_heads, dim, own_key):
+    """Rows at scattered slots and lengths (1 and the whole cache included), grouped kv heads, odd head sizes,
+    with and without the row's own new key."""
+    torch.manual_seed(heads * 100 + dim)
+    cache = torch.randn(2, 5, kv_heads, 23, dim)
+    slots, lens = torch.tensor([3, 0, 4]), torch.tensor([0, 22, 9] if own_key else [1, 23, 9])
+    q = torch.randn(3, heads, dim)
+    new = torch.randn(2, 3, kv_heads, dim) if own_key else [None, None]
+    got = kernels.decode_attention(q, cache[0], cache[1], slots, lens, new[0], new[1])
+    for b in range(3):
+        keys, values = (c[slots[b], :, : lens[b]] for c in cache)
+        if own_key:
+            keys, values = torch.cat([keys, new[0][b, :, None]], 1), torch.cat([values, new[1][b, :, None]], 1)
+        group = heads // kv_heads
+        probs = torch.softmax(q[b, :, None] @ keys.repeat_interleave(group, 0).mT * dim**-0.5, -1)
+        want = (probs @ values.repeat_interleave(group, 0))[:, 0]
+        assert torch.allclose(got[b], want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_refuses_what_it_would_misread():
+    k = torch.zeros(2, 1, 8, 4)
+    q, one = torch.randn(1, 2, 4), torch.tensor([1])
+    for slots, lens in ((torch.tensor([2]), one), (torch.tensor([0]), torch.tensor([9])), (one, torch.tensor([0]))):
+        with pytest.raises(RuntimeError, match="molt decode_attention"):
+            kernels.decode_attention(q, k, k, slots, lens)  # a slot or length past the cache; nothing to attend
+    with pytest.raises(RuntimeError, match="molt decode_attention"):
+        kernels.decode_attention(torch.randn(1, 2, 5), k, k, one, one)  # head size
 
 
 def test_no_kernel_leaves_the_model_alone(monkeypatch, tmp_path):
     monkeypatch.setenv("MOLT_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    assert gemm.kernel.__wrapped__() is None  # a failed build is logged, not raised
-    monkeypatch.setattr(gemm, "kernel", lambda: None)
+    assert kernels.load.__wrapped__() is False  # a failed build is logged, not raised
+    monkeypatch.setattr(kernels, "load", lambda: False)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     LinearPacks(model)
     assert type(model[0]) is torch.nn.Linear
