@@ -51,7 +51,7 @@ class LinearPacks:
         if param.device.type != "cpu" or param.dtype != torch.float32 or not kernels.load():
             return
         for module in model.modules():
-            if type(module) is nn.Linear:
+            if type(module) in (nn.Linear, PackedLinear):  # one already swapped by another engine's packs too
                 module.__class__ = PackedLinear
                 self.layers.append(module)
 

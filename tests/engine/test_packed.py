@@ -162,3 +162,26 @@ def test_packed_weights_follow_an_interrupt_swap(models, compile):
     assert bool(compiled_steps) == compile  # through the compiled graph when compiling
     assert_old_then_new(old, new, ps, outs, max_tokens=20)
     asyncio.run(engine.close())
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_second_engine_over_the_same_model_packs_it_and_follows_its_weights(models, compile):
+    """Engines made one after another over one model object (as the benchmark does): the later one packs the
+    layers an earlier one swapped, and a weight change in between is seen (a compiled graph never reads a
+    stale pack)."""
+    old, new = models
+    model, p = copy.deepcopy(old), prompts([9], seed=4)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+
+    def tokens(m, compile=False):
+        engine = TorchEngine(m, num_slots=2, max_seq_len=64, eos_token_ids=(), compile=compile)
+        out = asyncio.run(engine.generate(p, greedy))
+        asyncio.run(engine.close())
+        assert engine.core.runner.packs.layers  # it packs (and refreshes) every linear layer
+        return out.token_ids
+
+    assert tokens(model, compile) == tokens(copy.deepcopy(old))
+    with torch.no_grad():
+        for dst, src in zip(model.parameters(), new.parameters(), strict=True):
+            dst.copy_(src)
+    assert tokens(model, compile) == tokens(copy.deepcopy(new))
