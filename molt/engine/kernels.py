@@ -56,7 +56,7 @@ def load() -> bool:
         if not path.exists():
             _build(shutil.which(os.environ.get("CXX", "c++")), flags, path)
         torch.ops.load_library(str(path))
-    except (OSError, subprocess.CalledProcessError, TypeError) as e:
+    except (OSError, TypeError) as e:
         log.warning("Molt's CPU kernels unavailable (%s); the engine uses torch's own ops", e)
         return False
     torch.library.register_fake("molt_kernels::gemm")(lambda x, packed, n: x.new_empty((*x.shape[:-1], n)))
@@ -90,7 +90,9 @@ def _build(compiler: str | None, flags: list[str], path: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, str(SOURCES[0]), "-o", tmp, *flags], check=True, capture_output=True)
+        done = subprocess.run([compiler, str(SOURCES[0]), "-o", tmp, *flags], capture_output=True, text=True)
+        if done.returncode:
+            raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
