@@ -9,9 +9,11 @@
 #include "attention.c"
 #include "gemm.c"
 
+static bool fp32_cpu(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.device().is_cpu(); }
+
 static at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && packed.dim() == 3 &&
-                  packed.scalar_type() == at::kFloat && packed.is_contiguous() && packed.size(2) == NR &&
+  TORCH_CHECK(fp32_cpu(x) && x.dim() >= 1 && packed.dim() == 3 && fp32_cpu(packed) && packed.is_contiguous() &&
+                  packed.size(2) == NR &&
                   x.size(-1) == packed.size(1) && packed.size(0) == (n + NR - 1) / NR,
               "molt gemm: x ", x.scalar_type(), " ", x.sizes(), " on ", x.device(), " vs a packed [", n, ", ",
               packed.size(1), "] fp32 weight");
@@ -23,8 +25,6 @@ static at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n)
   sizes.back() = n;
   return out.view(sizes);
 }
-
-static bool fp32_cpu(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.device().is_cpu(); }
 
 // q [B, H, D]; k/v cache of one layer [slots, kv_heads, T, D]; slots, lens [B] int64; k_new/v_new [B, kv_heads, D].
 static at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -47,8 +47,7 @@ class LinearPacks:
 
     def __init__(self, model: nn.Module):
         self.layers: list[PackedLinear] = []
-        param = next(model.parameters())
-        if param.device.type != "cpu" or param.dtype != torch.float32 or not kernels.load():
+        if not kernels.usable(next(model.parameters())):
             return
         for module in model.modules():
             if type(module) in (nn.Linear, PackedLinear):  # one already swapped by another engine's packs too
