@@ -42,15 +42,15 @@ def test_kernel_refuses_what_it_would_misread():
         kernels.matmul(torch.randn(3, 8), packed.transpose(0, 1), 8)  # not the packed layout
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 64), (3, 3, 17), (8, 1, 8)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 64), (3, 3, 17), (8, 1, 8), (6, 2, 40)])
 @pytest.mark.parametrize("own_key", [False, True])
 def test_decode_attention_equals_softmax_attention(heads, kv_heads, dim, own_key):
-    """Rows at scattered slots and lengths (1 and the whole cache included), grouped kv heads, odd head sizes,
-    with and without the row's own new key."""
+    """Rows at scattered slots and lengths (1 and the whole cache included), grouped kv heads (an odd group too),
+    odd head sizes, with and without the row's own new key; scores spread over ~30 (the kernel's own exp)."""
     torch.manual_seed(heads * 100 + dim)
     cache = torch.randn(2, 5, kv_heads, 23, dim)
     slots, lens = torch.tensor([3, 0, 4]), torch.tensor([0, 22, 9] if own_key else [1, 23, 9])
-    q = torch.randn(3, heads, dim)
+    q = torch.randn(3, heads, dim) * 3
     new = torch.randn(2, 3, kv_heads, dim) if own_key else [None, None]
     got = kernels.decode_attention(q, cache[0], cache[1], slots, lens, new[0], new[1])
     for b in range(3):
