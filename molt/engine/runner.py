@@ -7,11 +7,12 @@ first one decode token per decoding sequence, then the prefill chunks back to ba
 padding, so every linear layer runs one matmul over exactly the tokens of the step. Only
 attention needs to know whose token is whose:
 
-- decode tokens attend over their slot's cache: on CPU in fp32 through Molt's kernel
-  (`kernels.decode_attention`, each row at its own slot); else over a strided *view* of the cache
-  when they occupy rows 0..D-1 (the usual case, the active slots are contiguous, see `cache.py`);
-- prefill tokens are scattered into a padded [chunks, width] layout for causal attention over
-  their slot's cache and gathered back.
+- on CPU in fp32, every token, decode or prefill, attends over its slot's cache up to its own
+  position through Molt's kernel (`kernels.decode_attention`, each token at its own slot);
+- elsewhere, decode tokens attend over a strided *view* of the cache when they occupy rows 0..D-1
+  (the usual case, the active slots are contiguous, see `cache.py`), and prefill tokens are
+  scattered into a padded [chunks, width] layout for causal attention over their slot's cache and
+  gathered back.
 
 With `compile`, decode-only steps instead run one `torch.compile`d graph (`DecodeOverCache`, see
 docs/engine.md) and store their new keys and values after it. On CPU, linear layers multiply by
@@ -95,34 +96,42 @@ class MixedStep:
         # every new key/value is one row of the flattened cache [slots * kv_heads * max_seq_len, head_dim]
         heads_k = torch.arange(r.kv_heads, device=pos_n.device)
         write_nk = ((slots_n[:, None] * r.kv_heads + heads_k) * r.max_seq_len + pos_n[:, None]).view(-1)
-        decode = self._decode_attention(pos_n[:num_decode]) if num_decode else None
-        prefill = self._prefill_attention(pos_n[num_decode:], slots_n[num_decode:]) if self.chunk_slots else None
+        if r.own_attention:  # Molt's kernel: every token, decode or prefill, over its slot's first pos + 1 keys
+            lens_n = pos_n + 1
+            attention = lambda k, v, q_nhd: kernels.decode_attention(q_nhd, k, v, slots_n, lens_n)  # noqa: E731
+        else:
+            attention = self._torch_attention(pos_n, slots_n, num_decode)
 
         def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
             k_cache, v_cache = r.k[layer_idx], r.v[layer_idx]
             q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
             k_cache.view(-1, r.head_dim).index_copy_(0, write_nk, k_nkd.reshape(-1, r.head_dim))
             v_cache.view(-1, r.head_dim).index_copy_(0, write_nk, v_nkd.reshape(-1, r.head_dim))
+            return attention(k_cache, v_cache, q_nhd).transpose(0, 1)[None]
+
+        return attend
+
+    def _torch_attention(self, pos_n: torch.Tensor, slots_n: torch.Tensor, num_decode: int):
+        """Attention in torch ops (GPU, other dtypes): the decode rows' and the prefill chunks' apart, joined."""
+        decode = self._decode_attention(pos_n[:num_decode]) if num_decode else None
+        prefill = self._prefill_attention(pos_n[num_decode:], slots_n[num_decode:]) if self.chunk_slots else None
+
+        def attention(k_cache, v_cache, q_nhd) -> torch.Tensor:
             outs = []
             if decode is not None:
                 outs.append(decode(k_cache, v_cache, q_nhd[:num_decode]))
             if prefill is not None:
                 outs.append(prefill(k_cache, v_cache, q_nhd[num_decode:]))
-            out_nhd = outs[0] if len(outs) == 1 else torch.cat(outs)
-            return out_nhd.transpose(0, 1)[None]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-        return attend
+        return attention
 
     def _decode_attention(self, pos_b: torch.Tensor):
-        """One query per decode row over its slot's cache: Molt's kernel on CPU; else batched over (row, kv head)
-        with the head group's queries stacked, two `bmm`s per layer over a view of cache rows 0..B-1 when those
-        are the rows (else a gather).
-        """
+        """One query per decode row over its slot's cache, batched over (row, kv head) with the head group's
+        queries stacked: two `bmm`s per layer over a view of cache rows 0..B-1 when those are the rows (else a
+        gather)."""
         slots, rows = self.decode_slots, len(self.decode_slots)
         r, device, kv_len = self.runner, pos_b.device, self.kv_lens[0]
-        if r.own_attention:
-            slots_b, lens_b = torch.tensor(slots, dtype=torch.long, device=device), pos_b + 1
-            return lambda k_cache, v_cache, q_bhd: kernels.decode_attention(q_bhd, k_cache, v_cache, slots_b, lens_b)
         kv_heads, head_dim = r.kv_heads, r.head_dim
         contiguous = slots[-1] == rows - 1
         slots_b = None if contiguous else torch.tensor(slots, dtype=torch.long, device=device)

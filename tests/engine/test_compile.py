@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from engine_refs import assert_old_then_new, molt_model, prompts, swap_while_decoding, trainer_logprobs
-from test_engine import staggered
+from test_engine import staggered, torch_attention
 
 from molt.engine import SamplingParams, TorchEngine
 
@@ -33,13 +33,14 @@ def compiled_engine(model, **kwargs):
     return engine
 
 
-def test_compiled_decode_matches_the_eager_engine_and_the_trainer(models):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_compiled_decode_matches_the_eager_engine_and_the_trainer(models, kernel):
     model, _ = models
     ps = prompts([5, 23, 1, 40, 9, 17], seed=2)
     greedy = SamplingParams(temperature=0, max_tokens=14)
     eager = TorchEngine(model, num_slots=SLOTS, max_seq_len=MAX_LEN, max_num_batched_tokens=16, eos_token_ids=())
-    want = asyncio.run(staggered(eager, [(p, greedy) for p in ps]))
-    engine = compiled_engine(model, max_num_batched_tokens=16)  # chunked prefills mixed with decodes
+    want = asyncio.run(staggered(torch_attention(eager, kernel), [(p, greedy) for p in ps]))
+    engine = torch_attention(compiled_engine(model, max_num_batched_tokens=16), kernel)  # chunked prefills mixed
     got = asyncio.run(staggered(engine, [(p, greedy) for p in ps]))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert len(engine.compiled_steps) > 10 and max(engine.compiled_steps) == SLOTS  # not just the warm-up

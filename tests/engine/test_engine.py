@@ -33,12 +33,20 @@ async def staggered(engine, requests, wait_steps=3):
     return await asyncio.gather(*tasks)
 
 
-def test_greedy_matches_transformers_with_continuous_batching(pair):
+def torch_attention(engine: TorchEngine, kernel: bool) -> TorchEngine:
+    """`kernel=False`: attention in torch ops, as on a GPU (the CPU otherwise takes Molt's kernel)."""
+    engine.core.runner.own_attention &= kernel
+    return engine
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_greedy_matches_transformers_with_continuous_batching(pair, kernel):
     hf, molt = pair
     new_tokens = 12
     ps = prompts([5, 23, 1, 40, 9, 17])
     # 3 slots for 6 requests (some wait), a small token budget (long prompts are chunked), staggered arrival
     engine = TorchEngine(molt, num_slots=3, max_seq_len=96, max_num_batched_tokens=16, eos_token_ids=())
+    torch_attention(engine, kernel)
     greedy = SamplingParams(temperature=0, max_tokens=new_tokens)
     outs = asyncio.run(staggered(engine, [(p, greedy) for p in ps]))
     for p, out in zip(ps, outs, strict=True):
@@ -53,10 +61,11 @@ def test_greedy_matches_transformers_with_continuous_batching(pair):
     asyncio.run(engine.close())
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_logprobs_match_trainer_forward(pair, temperature, top_p):
+def test_logprobs_match_trainer_forward(pair, temperature, top_p, kernel):
     _, molt = pair
-    engine = TorchEngine(molt, num_slots=8, max_seq_len=96, eos_token_ids=())
+    engine = torch_attention(TorchEngine(molt, num_slots=8, max_seq_len=96, eos_token_ids=()), kernel)
     ps = prompts([7, 30, 12], seed=1)
     sampling = SamplingParams(n=2, temperature=temperature, top_p=top_p, max_tokens=16, seed=3)
     processed = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=16, logprob_mode="processed")
