@@ -137,8 +137,8 @@ static void attend_any(const float* q, const float* keys, const float* values, c
   for (int64_t s = 0; s < n; ++s) sum += (p[s] = expf(p[s] - mx));
   for (int64_t d = 0; d < dim; ++d) o[d] = 0.f;
   for (int64_t s = 0; s < n; ++s) {
-    const float* value = row_at(values, own_v, s, len, dim);
-    for (int64_t d = 0; d < dim; ++d) o[d] += p[s] / sum * value[d];
+    const float *value = row_at(values, own_v, s, len, dim), w = p[s] / sum;
+    for (int64_t d = 0; d < dim; ++d) o[d] += w * value[d];
   }
 }
 
