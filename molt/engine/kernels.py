@@ -4,10 +4,13 @@
   torch's fp32 `linear` (MKL sgemm) reaches a fraction of the FMA peak at the row counts of decoding (1-64
   rows), and oneDNN's prepacked product only part of the way; this register-tiled kernel ran 2-5x sgemm at
   1-16 rows, ~2x at 32 and still 1.1-1.2x at 512 (sums differ from sgemm's only in rounding order).
-- `attention.c`: decode attention, one query token per row over its slot's cached keys (plus, optionally, its
-  own new key), in place of two batched matmuls of tiny matrices and a softmax.
+- `attention.c`: attention of one query token per row over its slot's cached keys (plus, optionally, its own
+  new key), in place of two batched matmuls of tiny matrices and a softmax (decode rows, and in eager steps
+  prefill tokens too).
+- `norm.c`: RMSNorm in one pass per row, for eager steps (a compiled graph fuses its own).
 
-`ops.cpp` wraps both as `molt_kernels::gemm` and `molt_kernels::decode_attention`; it is compiled on first use
+`ops.cpp` wraps them as `molt_kernels::gemm`, `molt_kernels::decode_attention` and `molt_kernels::rms_norm`; it
+is compiled on first use
 with the system C++ compiler (`$CXX`, else `c++`; ~15 s) against the running torch into `$MOLT_CACHE/kernels`.
 As operators they are called without Python in between from eager code and from compiled graphs alike. They
 share torch's OpenMP runtime (the same `libgomp.so.1`), so they run on the calling thread's pool with torch's
@@ -32,7 +35,7 @@ import torch
 from molt import cache_root
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("ops.cpp", "gemm.c", "attention.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("ops.cpp", "gemm.c", "attention.c", "norm.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 PANEL = 16  # output columns per packed panel (NR in gemm.c)
 
@@ -61,6 +64,7 @@ def load() -> bool:
         return False
     torch.library.register_fake("molt_kernels::gemm")(lambda x, packed, n: x.new_empty((*x.shape[:-1], n)))
     torch.library.register_fake("molt_kernels::decode_attention")(lambda q, *_: q.new_empty(q.shape))
+    torch.library.register_fake("molt_kernels::rms_norm")(lambda x, *_: x.new_empty(x.shape))
     return True
 
 
@@ -112,6 +116,11 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """`x @ weight.T` for the weight `packed` came from (its N rows given), x fp32 [..., K] on CPU; a RuntimeError
     for an input the kernel would misread. Needs `load()`."""
     return torch.ops.molt_kernels.gemm(x, packed, n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x * rsqrt(mean(x ** 2, -1) + eps) * weight` for fp32 `x` [..., D] on CPU, `weight` [D]. Needs `load()`."""
+    return torch.ops.molt_kernels.rms_norm(x, weight, eps)
 
 
 def decode_attention(

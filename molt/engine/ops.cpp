@@ -1,5 +1,5 @@
-// Molt's CPU kernels as torch operators: `molt_kernels::gemm` (gemm.c) and `molt_kernels::decode_attention`
-// (attention.c). Eager calls and compiled graphs (inductor's C++ wrapper) reach them through the dispatcher, with
+// Molt's CPU kernels as torch operators: `molt_kernels::gemm` (gemm.c), `molt_kernels::decode_attention`
+// (attention.c) and `molt_kernels::rms_norm` (norm.c). Eager calls and compiled graphs (inductor's C++ wrapper) reach them through the dispatcher, with
 // no Python per call. Built and loaded by kernels.py; the checks refuse any input a kernel would misread.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -8,6 +8,7 @@
 
 #include "attention.c"
 #include "gemm.c"
+#include "norm.c"
 
 static bool fp32_cpu(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.device().is_cpu(); }
 
@@ -59,10 +60,22 @@ static at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, con
   return out;
 }
 
+// x [..., D], weight [D].
+static at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(fp32_cpu(x) && fp32_cpu(weight) && weight.dim() == 1 && x.dim() >= 1 && x.size(-1) == weight.size(0),
+              "molt rms_norm: x ", x.scalar_type(), " ", x.sizes(), " vs weight ", weight.sizes(), " (fp32 CPU)");
+  at::Tensor xc = x.contiguous(), wc = weight.contiguous(), out = at::empty(x.sizes(), x.options());
+  molt_rms_norm(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), xc.numel() / wc.numel(),
+                wc.numel(), (float)eps, at::get_num_threads());
+  return out;
+}
+
 TORCH_LIBRARY(molt_kernels, m) {
   m.def("gemm(Tensor x, Tensor packed, int n) -> Tensor");
   m.impl("gemm", c10::DispatchKey::CPU, TORCH_FN(gemm));
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor lens, Tensor? k_new, Tensor? v_new, "
         "float scale) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
 }

@@ -1,11 +1,12 @@
-"""Prepacked weights for the engine's linear layers (CPU, fp32), multiplied by Molt's own kernel (`kernels.py`).
+"""Prepacked weights for the engine's linear layers (CPU, fp32), multiplied by Molt's own kernel (`kernels.py`);
+and its RMSNorms through Molt's one-pass kernel in eager steps.
 
 Nothing changes for anyone else holding the model: the runner enters `LinearPacks.active()` around its own
 forward, and outside it (the trainer, a reference forward, autograd, other `torch.compile` traces) a
-`PackedLinear` is exactly `nn.Linear`. Each layer keeps its packed copy as a plain attribute (not in the state
-dict); `active()` first repacks, in place, every layer whose weight's version counter has moved (a weight load),
-so a pack is never stale. Where the kernel cannot run (no AVX2/FMA, no C++ compiler) no layer is swapped and the
-engine multiplies with `F.linear`.
+`PackedLinear` is exactly `nn.Linear` and a `KernelRMSNorm` exactly `RMSNorm`. Each layer keeps its packed
+copy as a plain attribute (not in the state dict); `active()` first repacks, in place, every layer whose weight's
+version counter has moved (a weight load), so a pack is never stale. Where the kernels cannot run (no AVX2/FMA,
+no C++ compiler) no module is swapped and the engine uses `F.linear` and `F.rms_norm`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from molt.engine import kernels
+from molt.models.transformer import RMSNorm
 
 MAX_ROWS = 1024  # measured ahead of sgemm up to 512 rows; larger prefill chunks stay on sgemm
 _ACTIVE = threading.local()  # set on the engine thread while its runner is in a forward
@@ -41,9 +43,18 @@ class PackedLinear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
+class KernelRMSNorm(RMSNorm):
+    """An `RMSNorm` that runs Molt's kernel inside `LinearPacks.active()`, eagerly (a compiled graph fuses its own)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or not getattr(_ACTIVE, "on", False) or x.dtype != torch.float32:
+            return super().forward(x)
+        return torch.ops.molt_kernels.rms_norm(x, self.weight, self.eps)
+
+
 class LinearPacks:
-    """Turns one model's `nn.Linear`s into `PackedLinear`s (none on GPU, for other dtypes, or where the kernel
-    cannot run) and keeps their packed copies current."""
+    """Turns one model's `nn.Linear`s into `PackedLinear`s and its `RMSNorm`s into `KernelRMSNorm`s (none on GPU,
+    for other dtypes, or where the kernels cannot run) and keeps the packed copies current."""
 
     def __init__(self, model: nn.Module):
         self.layers: list[PackedLinear] = []
@@ -53,6 +64,8 @@ class LinearPacks:
             if type(module) in (nn.Linear, PackedLinear):  # one already swapped by another engine's packs too
                 module.__class__ = PackedLinear
                 self.layers.append(module)
+            elif type(module) is RMSNorm:
+                module.__class__ = KernelRMSNorm
 
     def refresh(self) -> None:
         """Repack every layer whose weight moved since its pack (in place: a compiled graph holds the tensor)."""

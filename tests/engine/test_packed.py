@@ -1,8 +1,9 @@
-"""Prepacked linear weights and Molt's GEMM kernel in the engine (`molt/engine/packed.py`, `kernels.py`): the
-kernel equals `F.linear` up to rounding at every shape, the packs are invisible outside the engine's forward and
-never stale after an in-place weight load, and the engine stays exact (eager and compiled)."""
+"""Prepacked linear weights and Molt's kernels in the engine (`molt/engine/packed.py`, `kernels.py`): the
+kernels equal `F.linear`, softmax attention and `F.rms_norm` up to rounding, the packs are invisible outside the
+engine's forward and never stale after an in-place weight load, and the engine stays exact (eager and compiled)."""
 
 import asyncio
+import contextlib
 import copy
 
 import pytest
@@ -11,8 +12,9 @@ from engine_refs import assert_old_then_new, molt_model, prompts, random_hf, swa
 from test_engine import staggered
 
 from molt.engine import SamplingParams, TorchEngine, kernels
-from molt.engine.packed import MAX_ROWS, LinearPacks, PackedLinear
+from molt.engine.packed import MAX_ROWS, KernelRMSNorm, LinearPacks, PackedLinear
 from molt.models import from_pretrained
+from molt.models.transformer import RMSNorm
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason="the kernels need x86 AVX2/FMA and a C++ compiler")
 
@@ -72,6 +74,29 @@ def test_decode_attention_refuses_what_it_would_misread():
             kernels.decode_attention(q, k, k, slots, lens)  # a slot or length past the cache; nothing to attend
     with pytest.raises(RuntimeError, match="molt decode_attention"):
         kernels.decode_attention(torch.randn(1, 2, 5), k, k, one, one)  # head size
+
+
+def test_rms_norm_kernel_equals_torch_and_runs_only_inside_the_engine_forward():
+    torch.manual_seed(0)
+    for shape in ((3, 17), (5, 4, 64), (300, 256)):  # the last splits its rows over the threads
+        x, w = torch.randn(shape) * 3, torch.randn(shape[-1])
+        want = torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-6)
+        assert torch.allclose(kernels.rms_norm(x, w, 1e-6), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="molt rms_norm"):
+        kernels.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    norm = RMSNorm(64, 1e-6)
+    packs = LinearPacks(torch.nn.Sequential(torch.nn.Linear(64, 64), norm))
+    assert type(norm) is KernelRMSNorm
+    x = torch.randn(4, 64)
+
+    def ops_run(inside: bool) -> tuple[torch.Tensor, set[str]]:
+        with torch.profiler.profile() as prof, packs.active() if inside else contextlib.nullcontext():
+            out = norm(x)
+        return out, {e.name for e in prof.events()}
+
+    (outside, outside_ops), (inside, inside_ops) = ops_run(False), ops_run(True)
+    assert "molt_kernels::rms_norm" in inside_ops and "molt_kernels::rms_norm" not in outside_ops
+    assert torch.allclose(inside, outside, rtol=1e-6, atol=1e-6)
 
 
 def test_no_kernel_leaves_the_model_alone(monkeypatch, tmp_path):
