@@ -10,12 +10,11 @@
 - `norm.c`: RMSNorm in one pass per row, for eager steps (a compiled graph fuses its own).
 
 `ops.cpp` wraps them as `molt_kernels::gemm`, `molt_kernels::decode_attention` and `molt_kernels::rms_norm`; it
-is compiled on first use
-with the system C++ compiler (`$CXX`, else `c++`; ~15 s) against the running torch into `$MOLT_CACHE/kernels`.
-As operators they are called without Python in between from eager code and from compiled graphs alike. They
-share torch's OpenMP runtime (the same `libgomp.so.1`), so they run on the calling thread's pool with torch's
-thread count. `load()` is False on CPUs without AVX2/FMA, when the build fails (logged once) or with
-`MOLT_GEMM_KERNEL=0`; callers then keep torch's own ops.
+is compiled on first use with the system C++ compiler (`$CXX`, else `c++`; ~15 s) against the running torch into
+`$MOLT_CACHE/kernels`. As operators they are called without Python in between from eager code and from compiled
+graphs alike. They share torch's OpenMP runtime (the same `libgomp.so.1`), so they run on the calling thread's
+pool with torch's thread count. `load()` is False on CPUs without AVX2/FMA, when the build fails (logged once)
+or with `MOLT_GEMM_KERNEL=0`; callers then keep torch's own ops.
 """
 
 from __future__ import annotations

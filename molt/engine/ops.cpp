@@ -1,6 +1,7 @@
 // Molt's CPU kernels as torch operators: `molt_kernels::gemm` (gemm.c), `molt_kernels::decode_attention`
-// (attention.c) and `molt_kernels::rms_norm` (norm.c). Eager calls and compiled graphs (inductor's C++ wrapper) reach them through the dispatcher, with
-// no Python per call. Built and loaded by kernels.py; the checks refuse any input a kernel would misread.
+// (attention.c) and `molt_kernels::rms_norm` (norm.c). Eager calls and compiled graphs (inductor's C++ wrapper)
+// reach them through the dispatcher, with no Python per call. Built and loaded by kernels.py; the checks refuse
+// any input a kernel would misread.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
