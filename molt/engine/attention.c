@@ -1,6 +1,7 @@
-/* Molt's decode attention (fp32, AVX2 + FMA, OpenMP): each decode row's query heads over its slot's cached keys,
-   plus optionally its own new key not yet in the cache. out[b, h] = softmax(q[b, h] . keys * scale) @ values,
-   where keys are k[slots[b], h / group, 0:lens[b]] (then k_new[b, h / group] if given). One (row, kv head) per
+/* Molt's decode attention (fp32, AVX2 + FMA, OpenMP): each row's query heads over its slot's cached keys, plus
+   optionally its own new key not yet in the cache. A row is one token: a decoding sequence's, or in eager steps
+   also a prefill token's (its length = its position + 1, which makes attention within a chunk causal).
+   out[b, h] = softmax(q[b, h] . keys * scale) @ values, where keys are k[slots[b], h / group, 0:lens[b]] (then k_new[b, h / group] if given). One (row, kv head) per
    job. Latency, not memory, bounded a plain loop here, so a head size that is a multiple of 8 takes a path with
    independent accumulators throughout: four keys' dot products at once, a vectorized exp, and each value row
    mixed into two query heads' outputs 32 columns at a time. Other head sizes take the plain loop. Compiled into
@@ -87,9 +88,9 @@ static void softmax8(float* p, int64_t n) {
   }
   float sum = hsum(sv);
   for (; s < n; ++s) sum += (p[s] = expf(p[s] - mx));
-  __m256 inv = _mm256_set1_ps(1.f / sum);
-  for (s = 0; s + 8 <= n; s += 8) _mm256_storeu_ps(p + s, _mm256_mul_ps(_mm256_loadu_ps(p + s), inv));
-  for (; s < n; ++s) p[s] *= 1.f / sum;
+  float inv = 1.f / sum;
+  for (s = 0; s + 8 <= n; s += 8) _mm256_storeu_ps(p + s, _mm256_mul_ps(_mm256_loadu_ps(p + s), _mm256_set1_ps(inv)));
+  for (; s < n; ++s) p[s] *= inv;
 }
 
 /* o0 = sum_s p0[s] * value_s and o1 likewise with p1 (dim a multiple of 8; o1 may alias o0 when p1 == p0). */
