@@ -1,11 +1,11 @@
 /* Molt's decode attention (fp32, AVX2 + FMA, OpenMP): each row's query heads over its slot's cached keys, plus
    optionally its own new key not yet in the cache. A row is one token: a decoding sequence's, or in eager steps
    also a prefill token's (its length = its position + 1, which makes attention within a chunk causal).
-   out[b, h] = softmax(q[b, h] . keys * scale) @ values, where keys are k[slots[b], h / group, 0:lens[b]] (then k_new[b, h / group] if given). One (row, kv head) per
-   job. Latency, not memory, bounded a plain loop here, so a head size that is a multiple of 8 takes a path with
-   independent accumulators throughout: four keys' dot products at once, a vectorized exp, and each value row
-   mixed into two query heads' outputs 32 columns at a time. Other head sizes take the plain loop. Compiled into
-   the operators of ops.cpp. */
+   out[b, h] = softmax(q[b, h] . keys * scale) @ values, where keys are k[slots[b], h / group, 0:lens[b]] (then
+   k_new[b, h / group] if given). One (row, kv head) per job. Latency, not memory, bounded a plain loop here, so
+   a head size that is a multiple of 8 takes a path with independent accumulators throughout: four keys' dot
+   products at once, a vectorized exp, and each value row mixed into two query heads' outputs 32 columns at a
+   time. Other head sizes take the plain loop. Compiled into the operators of ops.cpp. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
