@@ -7,11 +7,13 @@ ever means "no free slot", and the request waits in the queue. Nothing is preemp
 
 Invariants this manager keeps (and its tests check):
 
-- Active slots are exactly `0 .. num_active-1`, so a decode step attends over one contiguous view
-  of the cache. Freeing a slot moves the last active sequence into the hole.
-- Finished sequences may leave their KV behind as a *cached prefix* (prefix cache) in a slot at
-  or above `num_active`; a new prompt that starts with those tokens reuses them (multi-turn agents,
-  session affinity). Cached prefixes are evicted least-recently-used when a slot is needed.
+- With `compact` (for attention that reads a contiguous view of the cache), active slots are exactly
+  `0 .. num_active-1`: freeing a slot moves the last active sequence into the hole, and a reused
+  prefix moves to the end of the active ones. Without it (attention that takes each row's slot, such
+  as Molt's CPU kernel), a sequence keeps its slot from allocation to free and nothing moves.
+- Finished sequences may leave their KV behind as a *cached prefix* (prefix cache) in an inactive
+  slot; a new prompt that starts with those tokens reuses them (multi-turn agents, session affinity).
+  Cached prefixes are evicted least-recently-used when a slot is needed.
 - The n samples of one prompt share its prefill: `share` copies the computed prefix into siblings.
 
 Every relocation is recorded as a `Move` (copy `length` positions from row `src` to row `dst`;
@@ -51,12 +53,14 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class SlotCacheManager:
-    """Slot allocation, compaction, prefix caching and sharing; emits `Move`s for the runner."""
+    """Slot allocation, compaction (optional), prefix caching and sharing; emits `Move`s for the runner."""
 
-    def __init__(self, num_slots: int, max_seq_len: int, prefix_cache: bool = True, min_reuse: int = 1):
+    def __init__(
+        self, num_slots: int, max_seq_len: int, prefix_cache: bool = True, min_reuse: int = 1, compact: bool = True
+    ):
         if num_slots < 1 or max_seq_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_seq_len >= 2, got {num_slots}, {max_seq_len}")
-        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.num_slots, self.max_seq_len, self.compact = num_slots, max_seq_len, compact
         self.prefix_cache, self.min_reuse = prefix_cache, min_reuse
         self.num_active = 0
         self._slot_of: dict[int, int] = {}
@@ -97,8 +101,12 @@ class SlotCacheManager:
             raise ValueError(f"sequence {seq_id} already holds slot {self._slot_of[seq_id]}")
         if self.num_active == self.num_slots:
             return None
-        target = self.num_active
         hit, reuse = self._best_prefix(prompt)
+        if not self.compact:
+            target = hit if hit is not None else self._free_slot()
+            self._cached.pop(target, None)
+            return self._assign(seq_id, target, reuse if hit is not None else 0)
+        target = self.num_active
         if hit is not None:
             self._cached.pop(hit)
             if hit != target and target in self._cached:
@@ -108,10 +116,18 @@ class SlotCacheManager:
         else:
             self._make_room(target)
             reuse = 0
-        self._owner[target], self._slot_of[seq_id] = seq_id, target
-        self._length[target] = reuse
+        return self._assign(seq_id, target, reuse)
+
+    def _assign(self, seq_id: int, slot: int, reuse: int) -> tuple[int, int]:
+        self._owner[slot], self._slot_of[seq_id] = seq_id, slot
+        self._length[slot] = reuse
         self.num_active += 1
-        return target, reuse
+        return slot, reuse
+
+    def _free_slot(self) -> int:
+        """Without compaction: the lowest slot holding nothing, else the least recently used cached prefix's."""
+        empty = next((s for s in range(self.num_slots) if self._owner[s] is None and s not in self._cached), None)
+        return empty if empty is not None else min(self._cached, key=lambda s: self._cached[s].last_used)
 
     def _best_prefix(self, prompt: Sequence[int]) -> tuple[int | None, int]:
         best, best_len = None, 0
@@ -151,7 +167,7 @@ class SlotCacheManager:
     def free(self, seq_id: int, tokens: Sequence[int] | None = None) -> None:
         """Release the sequence's slot; with `tokens` (its ids), keep the computed KV as a cached prefix."""
         slot = self._slot_of[seq_id]
-        last = self.num_active - 1
+        last = self.num_active - 1 if self.compact else slot
         keep = self.prefix_cache and tokens is not None and self._length[slot] >= max(self.min_reuse, 1)
         if keep:
             cached = tuple(tokens[: self._length[slot]])
@@ -207,9 +223,11 @@ class SlotCacheManager:
             self._cached[a] = cb
 
     def check(self) -> None:
-        """Assert the invariants (used by tests): active slots contiguous, mappings consistent."""
-        assert sorted(self._slot_of.values()) == list(range(self.num_active)), self._slot_of
+        """Assert the invariants (used by tests): mappings consistent, active slots contiguous with `compact`."""
+        active = sorted(self._slot_of.values())
+        assert len(active) == len(set(active)) == self.num_active, self._slot_of
+        assert not self.compact or active == list(range(self.num_active)), self._slot_of
         for seq, slot in self._slot_of.items():
             assert self._owner[slot] == seq
-        assert all(s >= self.num_active for s in self._cached), (self._cached, self.num_active)
-        assert all(self._owner[s] is None for s in range(self.num_active, self.num_slots))
+        assert all(self._owner[s] is None for s in self._cached), (self._cached, self._slot_of)
+        assert sum(o is not None for o in self._owner) == self.num_active

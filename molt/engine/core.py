@@ -62,9 +62,11 @@ class EngineCore:
     ):
         self.model, self.tokenizer, self.version, self.max_seq_len = model, tokenizer, version, max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.manager = SlotCacheManager(num_slots, max_seq_len, prefix_cache)
-        self.scheduler = Scheduler(self.manager, max_num_batched_tokens)
         self.runner = ModelRunner(model, num_slots, max_seq_len, record_routing, compile)
+        # Molt's attention kernel takes each row's slot: no compaction moves (torch ops want rows 0..B-1)
+        compact = not self.runner.own_attention
+        self.manager = SlotCacheManager(num_slots, max_seq_len, prefix_cache, compact=compact)
+        self.scheduler = Scheduler(self.manager, max_num_batched_tokens)
         self.groups: dict[str, Group] = {}
         self.num_pending = 0
         self.stats = dict(steps=0, decode_steps=0, prefill_tokens=0, decode_tokens=0, step_errors=0, busy_s=0.0)

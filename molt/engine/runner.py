@@ -178,7 +178,8 @@ class MixedStep:
 
 
 class DecodeOverCache:
-    """Cache backend of the compiled decode step: rows 0..B-1 decode one token each.
+    """Cache backend of the compiled decode step: row b decodes one token over cache row `slots_b[b]` (Molt's
+    kernel; other attention reads rows 0..B-1 as one view, and the slots must be those).
 
     Reads the cache and writes nothing (an in-graph write to the cache made the compiled step copy
     it): each query attends over its row's cached positions before its own, plus its own new key,
@@ -186,8 +187,10 @@ class DecodeOverCache:
     keys as `MixedStep`, summed in a different order (fp32 rounding only).
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, key_pos_s: torch.Tensor, own_attention: bool):
-        self.k, self.v, self.key_pos_s, self.own_attention = k, v, key_pos_s, own_attention
+    def __init__(
+        self, k: torch.Tensor, v: torch.Tensor, slots_b: torch.Tensor, key_pos_s: torch.Tensor, own_attention: bool
+    ):
+        self.k, self.v, self.slots_b, self.key_pos_s, self.own_attention = k, v, slots_b, key_pos_s, own_attention
         self.new_k: list[torch.Tensor] = []
         self.new_v: list[torch.Tensor] = []
 
@@ -218,8 +221,8 @@ class DecodeOverCache:
         return attend
 
     def _own_attend(self, pos_b: torch.Tensor):
-        """The same attention by Molt's kernel: row b over cache row b's first pos_b[b] positions, then its own key."""
-        slots_b = torch.arange(pos_b.shape[0], device=pos_b.device)
+        """The same attention by Molt's kernel: row b over its slot's first pos_b[b] positions, then its own key."""
+        slots_b = self.slots_b
 
         def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
             q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
@@ -232,12 +235,10 @@ class DecodeOverCache:
         return attend
 
 
-def _decode_logits(
-    model: Transformer, ids_1n, pos_1n, k: torch.Tensor, v: torch.Tensor, key_pos_s: torch.Tensor, own_attention: bool
-):
-    """(logits [B, V], new keys and values [L, B, kv_heads, D]) of one decode step over cache rows 0..B-1
+def _decode_logits(model: Transformer, ids_1n, pos_1n, k, v, slots_b, key_pos_s, own_attention: bool):
+    """(logits [B, V], new keys and values [L, B, kv_heads, D]) of one decode step over cache rows `slots_b`
     and cached positions `key_pos_s` (0..S-1)."""
-    backend = DecodeOverCache(k, v, key_pos_s, own_attention)
+    backend = DecodeOverCache(k, v, slots_b, key_pos_s, own_attention)
     hidden_nh = model(ids_1n, pos_1n, cache=backend, return_hidden=True)[0]
     return model.lm_head(hidden_nh), torch.stack(backend.new_k), torch.stack(backend.new_v)
 
@@ -293,7 +294,7 @@ class ModelRunner:
         ids = [token for _, token, _ in decode]
         positions = [pos for _, _, pos in decode]
         if self.compiled_decode is not None and not chunks and self._compiles(decode, positions):
-            return self._decode_compiled(ids, positions)
+            return self._decode_compiled(ids, positions, [slot for slot, _, _ in decode])
         for _, chunk_ids, start in chunks:
             ids += chunk_ids
             positions += range(start, start + len(chunk_ids))
@@ -317,30 +318,32 @@ class ModelRunner:
             return self.model.lm_head(hidden_nh)
 
     def _compiles(self, decode: list[tuple[int, int, int]], positions: list[int]) -> bool:
-        """Rows 0..B-1 and a cached length >= 2 (a length of 0 or 1 would be compiled again)."""
-        return len(decode) >= 1 and decode[-1][0] == len(decode) - 1 and max(positions) >= 2
+        """A cached length >= 2 (a length of 0 or 1 would be compiled again), and slots 0..B-1 unless Molt's
+        kernel attends (it takes each row's slot)."""
+        contiguous = bool(decode) and decode[-1][0] == len(decode) - 1
+        return len(decode) >= 1 and (self.own_attention or contiguous) and max(positions) >= 2
 
-    def _decode_compiled(self, ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One row runs as two (a batch of 1 would be compiled again): the copy reads cache row 1 (a slot or
-        the scratch row), and its logits and new keys are dropped, so row 1 is never written."""
+    def _decode_compiled(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """One row runs as two (a batch of 1 would be compiled again): the copy reads the same slot (or, over a
+        view of rows 0..1, cache row 1: a slot or the scratch row); its logits and new keys are dropped."""
         rows = len(ids)
         if rows == 1:
-            ids, positions = ids * 2, positions * 2
+            ids, positions, slots = ids * 2, positions * 2, slots * 2
         pos_1n = torch.tensor([positions], dtype=torch.long, device=self.device)
         ids_1n = torch.tensor([ids], dtype=torch.long, device=self.device)
+        slots_n = torch.tensor(slots, dtype=torch.long, device=self.device)
         key_pos_s = torch.arange(max(positions), device=self.device)
-        sizes = ((ids_1n, 1), (pos_1n, 1), (key_pos_s, 0), (self.k, 1), (self.k, 3), (self.v, 1), (self.v, 3))
-        for x, dim in sizes:  # one graph for every batch, length and cache size
+        inputs = [(ids_1n, 1), (pos_1n, 1), (slots_n, 0), (key_pos_s, 0)]
+        for x, dim in [*inputs, (self.k, 1), (self.k, 3), (self.v, 1), (self.v, 3)]:  # one graph for all sizes
             torch._dynamo.mark_dynamic(x, dim)
         with self.packs.active(tracing=True):
             logits_nv, k_lnkd, v_lnkd = self.compiled_decode(
-                self.model, ids_1n, pos_1n, self.k, self.v, key_pos_s, self.own_attention
+                self.model, ids_1n, pos_1n, self.k, self.v, slots_n, key_pos_s, self.own_attention
             )
-        pos_n = pos_1n[0, :rows]
-        rows_n1 = torch.arange(rows, device=self.device)[:, None]
+        pos_n1, slots_n1 = pos_1n[0, :rows, None], slots_n[:rows, None]
         heads_1k = torch.arange(self.kv_heads, device=self.device)[None, :]
-        self.k[:, rows_n1, heads_1k, pos_n[:, None]] = k_lnkd[:, :rows]
-        self.v[:, rows_n1, heads_1k, pos_n[:, None]] = v_lnkd[:, :rows]
+        self.k[:, slots_n1, heads_1k, pos_n1] = k_lnkd[:, :rows]
+        self.v[:, slots_n1, heads_1k, pos_n1] = v_lnkd[:, :rows]
         return logits_nv[:rows]
 
     def warm_up(self) -> None:
@@ -350,7 +353,7 @@ class ModelRunner:
         log.info("compiling the engine's decode step (torch.compile)")
         try:
             with torch.inference_mode():
-                self._decode_compiled([0, 0], [3, 2])  # 2 rows, 3 positions: sizes that equal nothing else
+                self._decode_compiled([0, 0], [3, 2], [0, 1])  # 2 rows, 3 positions: sizes that equal nothing else
         except Exception:  # noqa: BLE001 - e.g. no C++ compiler: decode stays eager
             log.exception("torch.compile of the decode step failed; decoding eagerly")
             self.compiled_decode = None

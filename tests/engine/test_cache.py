@@ -34,6 +34,31 @@ def test_allocate_is_contiguous_and_free_compacts():
         mgr.allocate(4)
 
 
+def test_without_compaction_a_sequence_keeps_its_slot_and_nothing_moves():
+    mgr = SlotCacheManager(4, 16, compact=False)
+    assert [mgr.allocate(i, [7, i, 1])[0] for i in range(4)] == [0, 1, 2, 3]
+    mgr.set_length(1, 3)
+    mgr.free(1, [7, 1, 1, 5])  # slot 1 keeps [7, 1, 1] as a cached prefix, in place
+    mgr.free(2)
+    assert mgr.num_active == 2 and mgr.slot_of(3) == 3
+    assert mgr.allocate(4, [9, 9]) == (2, 0)  # the lowest empty slot, not the cached one
+    assert mgr.allocate(5, [7, 1, 1, 8]) == (1, 3)  # the cached prefix, reused where it is
+    mgr.check()
+    mgr.free(0, None)
+    mgr.set_length(4, 2)
+    mgr.free(4, [9, 9, 4])
+    mgr.set_length(3, 3)
+    mgr.free(3, [7, 3, 1])
+    assert mgr.allocate(6, [5, 5]) == (0, 0)
+    assert mgr.allocate(7, [5, 6]) == (2, 0)  # no empty slot left: the least recently used prefix is evicted
+    assert mgr.num_cached_prefixes() == 1
+    assert mgr.take_moves() == []
+    mgr.check()
+    mgr.set_length(6, 2)
+    mgr.share(6, 7, 2)  # only sibling copies move anything
+    assert mgr.take_moves() == [Move(0, 2, 2)]
+
+
 def test_prefix_cache_reuse_keeps_last_prompt_token_uncomputed():
     mgr = SlotCacheManager(2, 32)
     mgr.allocate(0, [1, 2, 3])
@@ -64,11 +89,12 @@ def test_share_copies_the_prompt_into_siblings():
         mgr.share(0, 1, 7)
 
 
-def test_random_workload_never_corrupts_another_sequence():
+@pytest.mark.parametrize("compact", [True, False])
+def test_random_workload_never_corrupts_another_sequence(compact):
     """Every active and cached sequence's row always holds exactly its own tokens, across moves."""
     rng = random.Random(0)
     num_slots = 5
-    mgr, rows = SlotCacheManager(num_slots, 64), FakeRows(num_slots)
+    mgr, rows = SlotCacheManager(num_slots, 64, compact=compact), FakeRows(num_slots)
     live: dict[int, list[str]] = {}
     for step in range(2000):
         op = rng.random()

@@ -25,9 +25,9 @@ def compiled_engine(model, **kwargs):
     runner, engine.compiled_steps = engine.core.runner, []
     decode = runner._decode_compiled
 
-    def counted(ids, positions):
+    def counted(ids, positions, slots):
         engine.compiled_steps.append(len(ids))
-        return decode(ids, positions)
+        return decode(ids, positions, slots)
 
     runner._decode_compiled = counted
     return engine
@@ -66,7 +66,8 @@ def test_compiled_decode_sees_weights_swapped_in_place(models):
 
 
 def test_a_lone_request_decodes_compiled_and_never_writes_cache_row_1(models):
-    """One decoding row runs through the graph padded to two; the pad reads cache row 1 but never writes it."""
+    """One decoding row runs through the graph padded to two; the pad reads its own slot (Molt's kernel) or cache
+    row 1 (a view of rows 0..1), and never writes either."""
     model, _ = models
     p = prompts([9], seed=4)[0]
     greedy = SamplingParams(temperature=0, max_tokens=12)

@@ -34,8 +34,10 @@ async def staggered(engine, requests, wait_steps=3):
 
 
 def torch_attention(engine: TorchEngine, kernel: bool) -> TorchEngine:
-    """`kernel=False`: attention in torch ops, as on a GPU (the CPU otherwise takes Molt's kernel)."""
+    """`kernel=False`: attention in torch ops over a compacted cache, as on a GPU (the CPU otherwise takes Molt's
+    kernel, which reads each row's slot wherever it is)."""
     engine.core.runner.own_attention &= kernel
+    engine.core.manager.compact = not engine.core.runner.own_attention
     return engine
 
 
