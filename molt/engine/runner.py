@@ -14,7 +14,7 @@ attention needs to know whose token is whose:
   scattered into a padded [chunks, width] layout for causal attention over their slot's cache and
   gathered back.
 
-With `compile`, decode-only steps instead run one `torch.compile`d graph (`DecodeOverCache`, see
+With `compile`, decode-only steps instead run one `torch.compile`d graph (`compiled.py`, see
 docs/engine.md) and store their new keys and values after it. On CPU, linear layers multiply by
 packed copies of their weights with Molt's own kernel during the runner's own forward (`packed.py`).
 
@@ -33,7 +33,9 @@ import torch
 
 from molt.engine import kernels
 from molt.engine.cache import SCRATCH, Move
+from molt.engine.compiled import CompiledDecode
 from molt.engine.packed import LinearPacks
+from molt.models.attention import additive_mask, per_kv_head
 from molt.models.moe import NO_ROUTE, Routing
 from molt.models.transformer import Transformer
 
@@ -60,16 +62,6 @@ def gqa_attention(q_bhtd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tens
     scores_bkgts = torch.matmul(q_bkqd, k_bksd.transpose(-1, -2)).view(b, kv_heads, group, t, s)
     probs_bkqs = torch.softmax(scores_bkgts + mask_b1ts[:, :, None], dim=-1).view(b, kv_heads, group * t, s)
     return torch.matmul(probs_bkqs, v_bksd).view(b, h, t, d)
-
-
-def _additive_mask(visible: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, float("-inf"))
-
-
-def _per_kv_head(mask_bs: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Decode rows' [B, S] mask repeated for each kv head, as the decode `bmm`s batch them: [B * kv_heads, 1, S]."""
-    rows, kv_len = mask_bs.shape
-    return mask_bs[:, None].expand(rows, kv_heads, kv_len).reshape(rows * kv_heads, 1, kv_len)
 
 
 class MixedStep:
@@ -136,7 +128,7 @@ class MixedStep:
         contiguous = slots[-1] == rows - 1
         slots_b = None if contiguous else torch.tensor(slots, dtype=torch.long, device=device)
         key_pos_s = torch.arange(kv_len, device=device)
-        mask_m1s = _per_kv_head(_additive_mask(key_pos_s[None, :] <= pos_b[:, None]), kv_heads)
+        mask_m1s = per_kv_head(additive_mask(key_pos_s[None, :] <= pos_b[:, None]), kv_heads)
         scale = head_dim**-0.5
 
         def attend(k_cache, v_cache, q_bhd) -> torch.Tensor:
@@ -163,7 +155,7 @@ class MixedStep:
         pos_rt[flat_n] = pos_n
         pos_rt = pos_rt.view(len(lens), width)
         key_pos_s = torch.arange(kv_len, device=device)
-        mask_r1ts = _additive_mask(key_pos_s[None, None, :] <= pos_rt.clamp(min=0)[:, :, None])[:, None]
+        mask_r1ts = additive_mask(key_pos_s[None, None, :] <= pos_rt.clamp(min=0)[:, :, None])[:, None]
 
         def attend(k_cache, v_cache, q_nhd) -> torch.Tensor:
             keys = k_cache[:, :, :kv_len].index_select(0, slots_r)
@@ -177,78 +169,11 @@ class MixedStep:
         return attend
 
 
-class DecodeOverCache:
-    """Cache backend of the compiled decode step: row b decodes one token over cache row `slots_b[b]` (Molt's
-    kernel; other attention reads rows 0..B-1 as one view, and the slots must be those).
-
-    Reads the cache and writes nothing (an in-graph write to the cache made the compiled step copy
-    it): each query attends over its row's cached positions before its own, plus its own new key,
-    which `new_k`/`new_v` collect per layer for the caller to store. The same softmax over the same
-    keys as `MixedStep`, summed in a different order (fp32 rounding only).
-    """
-
-    def __init__(
-        self, k: torch.Tensor, v: torch.Tensor, slots_b: torch.Tensor, key_pos_s: torch.Tensor, own_attention: bool
-    ):
-        self.k, self.v, self.slots_b, self.key_pos_s, self.own_attention = k, v, slots_b, key_pos_s, own_attention
-        self.new_k: list[torch.Tensor] = []
-        self.new_v: list[torch.Tensor] = []
-
-    def prepare(self, position_ids_bt: torch.Tensor):
-        pos_b = position_ids_bt[0]
-        if self.own_attention:
-            return self._own_attend(pos_b)
-        key_pos_s, rows = self.key_pos_s, pos_b.shape[0]
-        kv_len, kv_heads, head_dim = key_pos_s.shape[0], self.k.shape[2], self.k.shape[4]
-        mask_m1s = _per_kv_head(_additive_mask(key_pos_s[None, :] < pos_b[:, None]), kv_heads)
-        scale = head_dim**-0.5
-
-        def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
-            q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
-            self.new_k.append(k_nkd)
-            self.new_v.append(v_nkd)
-            keys_msd = self.k[layer_idx, :rows, :, :kv_len].reshape(rows * kv_heads, kv_len, head_dim)
-            values_msd = self.v[layer_idx, :rows, :, :kv_len].reshape(rows * kv_heads, kv_len, head_dim)
-            q_mgd = q_nhd.reshape(rows * kv_heads, -1, head_dim)
-            old_mgs = torch.baddbmm(mask_m1s, q_mgd, keys_msd.transpose(1, 2), alpha=scale)
-            own_mg1 = (q_mgd * k_nkd.reshape(rows * kv_heads, 1, head_dim)).sum(-1, keepdim=True) * scale
-            probs_mgs = torch.softmax(torch.cat([old_mgs, own_mg1], dim=-1), dim=-1)
-            out_mgd = torch.bmm(probs_mgs[..., :kv_len], values_msd) + probs_mgs[..., kv_len:] * v_nkd.reshape(
-                rows * kv_heads, 1, head_dim
-            )
-            return out_mgd.view(q_nhd.shape).transpose(0, 1)[None]
-
-        return attend
-
-    def _own_attend(self, pos_b: torch.Tensor):
-        """The same attention by Molt's kernel: row b over its slot's first pos_b[b] positions, then its own key."""
-        slots_b = self.slots_b
-
-        def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
-            q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
-            self.new_k.append(k_nkd)
-            self.new_v.append(v_nkd)
-            k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-            out_nhd = kernels.decode_attention(q_nhd, k_cache, v_cache, slots_b, pos_b, k_nkd, v_nkd)
-            return out_nhd.transpose(0, 1)[None]
-
-        return attend
-
-
-def _decode_logits(model: Transformer, ids_1n, pos_1n, k, v, slots_b, key_pos_s, own_attention: bool):
-    """(logits [B, V], new keys and values [L, B, kv_heads, D]) of one decode step over cache rows `slots_b`
-    and cached positions `key_pos_s` (0..S-1)."""
-    backend = DecodeOverCache(k, v, slots_b, key_pos_s, own_attention)
-    hidden_nh = model(ids_1n, pos_1n, cache=backend, return_hidden=True)[0]
-    return model.lm_head(hidden_nh), torch.stack(backend.new_k), torch.stack(backend.new_v)
-
-
 class ModelRunner:
     """Runs one packed decode + prefill forward of `model` against the slot cache; applies cache moves.
 
-    `compile`: decode-only steps of a dense text model run through `torch.compile` (inductor, dynamic
-    shapes, C++ wrapper): one compilation (~30 s on 2 CPU cores, cached on disk by inductor) serves every
-    batch (one row runs padded to two); other steps run eagerly."""
+    `compile`: decode-only steps of a dense text model run through `CompiledDecode` (one graph for every
+    batch); other steps run eagerly."""
 
     def __init__(
         self, model: Transformer, num_slots: int, max_seq_len: int, record_routing: bool = True, compile: bool = False
@@ -265,14 +190,11 @@ class ModelRunner:
         self.routes = routing_cache(cfg, num_slots, max_seq_len, self.device) if record_routing else None
         self.packs = LinearPacks(model)
         self.own_attention = kernels.usable(self.k)  # Molt's decode-attention kernel (CPU, fp32)
-        self.compiled_decode = None
+        self.compiled = None
         if compile and (cfg.num_moe_layers() or cfg.image_token_id is not None):
             log.warning("compile: only dense text models compile their decode step; this one decodes eagerly")
         elif compile:
-            # no guards on the model's modules (~0.4 ms a step): the runner's model never changes shape or type,
-            # and its weights load in place
-            options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-            self.compiled_decode = torch.compile(_decode_logits, fullgraph=True, options=options)
+            self.compiled = CompiledDecode(self)
 
     def cache_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
@@ -293,8 +215,8 @@ class ModelRunner:
         """
         ids = [token for _, token, _ in decode]
         positions = [pos for _, _, pos in decode]
-        if self.compiled_decode is not None and not chunks and self._compiles(decode, positions):
-            return self._decode_compiled(ids, positions, [slot for slot, _, _ in decode])
+        if self.compiled is not None and not chunks and self.compiled.accepts(decode, positions):
+            return self.compiled.step(ids, positions, [slot for slot, _, _ in decode])
         for _, chunk_ids, start in chunks:
             ids += chunk_ids
             positions += range(start, start + len(chunk_ids))
@@ -317,46 +239,10 @@ class ModelRunner:
                 hidden_nh = hidden_nh[list(range(len(decode))) + [ends[i + 1] - 1 for i in sampled_chunks]]
             return self.model.lm_head(hidden_nh)
 
-    def _compiles(self, decode: list[tuple[int, int, int]], positions: list[int]) -> bool:
-        """A cached length >= 2 (a length of 0 or 1 would be compiled again), and slots 0..B-1 unless Molt's
-        kernel attends (it takes each row's slot)."""
-        contiguous = bool(decode) and decode[-1][0] == len(decode) - 1
-        return len(decode) >= 1 and (self.own_attention or contiguous) and max(positions) >= 2
-
-    def _decode_compiled(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        """One row runs as two (a batch of 1 would be compiled again): the copy reads the same slot (or, over a
-        view of rows 0..1, cache row 1: a slot or the scratch row); its logits and new keys are dropped."""
-        rows = len(ids)
-        if rows == 1:
-            ids, positions, slots = ids * 2, positions * 2, slots * 2
-        pos_1n = torch.tensor([positions], dtype=torch.long, device=self.device)
-        ids_1n = torch.tensor([ids], dtype=torch.long, device=self.device)
-        slots_n = torch.tensor(slots, dtype=torch.long, device=self.device)
-        key_pos_s = torch.arange(max(positions), device=self.device)
-        inputs = [(ids_1n, 1), (pos_1n, 1), (slots_n, 0), (key_pos_s, 0)]
-        for x, dim in [*inputs, (self.k, 1), (self.k, 3), (self.v, 1), (self.v, 3)]:  # one graph for all sizes
-            torch._dynamo.mark_dynamic(x, dim)
-        with self.packs.active(tracing=True):
-            logits_nv, k_lnkd, v_lnkd = self.compiled_decode(
-                self.model, ids_1n, pos_1n, self.k, self.v, slots_n, key_pos_s, self.own_attention
-            )
-        pos_n1, slots_n1 = pos_1n[0, :rows, None], slots_n[:rows, None]
-        heads_1k = torch.arange(self.kv_heads, device=self.device)[None, :]
-        self.k[:, slots_n1, heads_1k, pos_n1] = k_lnkd[:, :rows]
-        self.v[:, slots_n1, heads_1k, pos_n1] = v_lnkd[:, :rows]
-        return logits_nv[:rows]
-
     def warm_up(self) -> None:
         """Compile the decode step now (on the calling thread, before serving) rather than on first use."""
-        if self.compiled_decode is None or self.max_seq_len < 4:
-            return
-        log.info("compiling the engine's decode step (torch.compile)")
-        try:
-            with torch.inference_mode():
-                self._decode_compiled([0, 0], [3, 2], [0, 1])  # 2 rows, 3 positions: sizes that equal nothing else
-        except Exception:  # noqa: BLE001 - e.g. no C++ compiler: decode stays eager
-            log.exception("torch.compile of the decode step failed; decoding eagerly")
-            self.compiled_decode = None
+        if self.compiled is not None and not self.compiled.warm_up():
+            self.compiled = None
 
     def _record(self, routing: Routing, slots: list[int], positions: list[int]) -> None:
         """Store each computed token's experts next to its KV: routes[slot, position] = [L, k] ids."""

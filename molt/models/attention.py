@@ -42,6 +42,18 @@ def sdpa(
     return F.scaled_dot_product_attention(q_bhtd, k_bhsd, v_bhsd, attn_mask=mask_btts, is_causal=causal, enable_gqa=gqa)
 
 
+def additive_mask(visible: torch.Tensor) -> torch.Tensor:
+    """0 where `visible`, -inf elsewhere (fp32), to add to attention scores."""
+    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def per_kv_head(mask_bs: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """One-query rows' [B, S] mask repeated for each kv head, as batched `bmm`s over (row, kv head) take it:
+    [B * kv_heads, 1, S]."""
+    rows, kv_len = mask_bs.shape
+    return mask_bs[:, None].expand(rows, kv_heads, kv_len).reshape(rows * kv_heads, 1, kv_len)
+
+
 class PackedCausal:
     """Causal attention within each packed sample; plain causal when `doc_ids_bt` is None.
 

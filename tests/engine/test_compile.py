@@ -23,13 +23,13 @@ def compiled_engine(model, **kwargs):
     """A compiling engine recording the batch size of each compiled decode step in `engine.compiled_steps`."""
     engine = TorchEngine(model, num_slots=SLOTS, max_seq_len=MAX_LEN, eos_token_ids=(), compile=True, **kwargs)
     runner, engine.compiled_steps = engine.core.runner, []
-    decode = runner._decode_compiled
+    step = runner.compiled.step
 
     def counted(ids, positions, slots):
         engine.compiled_steps.append(len(ids))
-        return decode(ids, positions, slots)
+        return step(ids, positions, slots)
 
-    runner._decode_compiled = counted
+    runner.compiled.step = counted
     return engine
 
 

@@ -166,14 +166,14 @@ def test_packed_weights_follow_an_interrupt_swap(models, compile):
     engine = TorchEngine(copy.deepcopy(old), num_slots=4, max_seq_len=96, eos_token_ids=(), compile=compile)
     ps = prompts([6, 11], seed=3)
     runner, compiled_steps = engine.core.runner, []
-    decode = runner._decode_compiled
-    runner._decode_compiled = lambda *args: compiled_steps.append(1) or decode(*args)
     if compile:
+        step = runner.compiled.step
+        runner.compiled.step = lambda *args: compiled_steps.append(1) or step(*args)
         with torch.inference_mode():  # the graph reads the packs, not the weights: zeroed packs give zero logits
-            assert torch.count_nonzero(runner._decode_compiled([1, 2], [3, 3], [0, 1])) > 0
+            assert torch.count_nonzero(runner.compiled.step([1, 2], [3, 3], [0, 1])) > 0
             for layer in runner.packs.layers:
                 layer.packed.zero_()
-            assert torch.count_nonzero(runner._decode_compiled([1, 2], [3, 3], [0, 1])) == 0
+            assert torch.count_nonzero(runner.compiled.step([1, 2], [3, 3], [0, 1])) == 0
             for layer in runner.packs.layers:
                 layer.packed_from = ()  # repacked on the next step
         # greedy tokens equal those of an eager engine holding the same (packed) weights
