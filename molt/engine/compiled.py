@@ -13,12 +13,16 @@ layout, nothing of requests or scheduling. See docs/engine.md.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from molt.engine import kernels
 from molt.models.attention import additive_mask, per_kv_head
 from molt.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from molt.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +96,7 @@ def decode_logits(model: Transformer, ids_1n, pos_1n, k, v, slots_b, key_pos_s, 
 class CompiledDecode:
     """The compiled step of a `ModelRunner` (its model, cache, packs and attention choice)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner: ModelRunner):
         self.runner = runner
         # no guards on the model's modules (~0.4 ms a step): the runner's model never changes shape or type,
         # and its weights load in place
