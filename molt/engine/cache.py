@@ -105,7 +105,7 @@ class SlotCacheManager:
         if not self.compact:
             target = hit if hit is not None else self._free_slot()
             self._cached.pop(target, None)
-            return self._assign(seq_id, target, reuse if hit is not None else 0)
+            return self._assign(seq_id, target, reuse)  # reuse is 0 without a hit
         target = self.num_active
         if hit is not None:
             self._cached.pop(hit)
@@ -127,7 +127,11 @@ class SlotCacheManager:
     def _free_slot(self) -> int:
         """Without compaction: the lowest slot holding nothing, else the least recently used cached prefix's."""
         empty = next((s for s in range(self.num_slots) if self._owner[s] is None and s not in self._cached), None)
-        return empty if empty is not None else min(self._cached, key=lambda s: self._cached[s].last_used)
+        return empty if empty is not None else self._least_recently_used()
+
+    def _least_recently_used(self) -> int:
+        """The slot of the cached prefix used longest ago (the one to evict)."""
+        return min(self._cached, key=lambda s: self._cached[s].last_used)
 
     def _best_prefix(self, prompt: Sequence[int]) -> tuple[int | None, int]:
         best, best_len = None, 0
@@ -143,7 +147,7 @@ class SlotCacheManager:
             return
         free = next((s for s in range(target + 1, self.num_slots) if s not in self._cached), None)
         if free is None:  # every inactive slot holds a prefix: evict the least recently used one
-            free = min(self._cached, key=lambda s: self._cached[s].last_used)
+            free = self._least_recently_used()
             self._cached.pop(free)
             if free == target:
                 return

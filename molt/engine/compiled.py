@@ -106,8 +106,9 @@ class CompiledDecode:
     def accepts(self, decode: list[tuple[int, int, int]], positions: list[int]) -> bool:
         """A cached length >= 2 (a length of 0 or 1 would be compiled again), and slots 0..B-1 unless Molt's
         kernel attends (it takes each row's slot)."""
-        contiguous = bool(decode) and decode[-1][0] == len(decode) - 1
-        return len(decode) >= 1 and (self.runner.own_attention or contiguous) and max(positions) >= 2
+        if not decode or max(positions) < 2:
+            return False
+        return self.runner.own_attention or decode[-1][0] == len(decode) - 1
 
     def step(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """Logits [B, V] of decode rows (token id, position, slot), their new keys and values stored. One row
