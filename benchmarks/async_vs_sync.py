@@ -5,7 +5,11 @@ trained samples); throughput is trained samples / the loop's wall time (`time/el
 rollout to the last weight sync, evals excluded), and the final held-out eval reward is reported for
 each. Also reported: the seconds per step the one compute thread spent in trainer steps and in
 engine model steps, and their share of the wall time. With a compute share near 100%, async can only
-win by making the compute cheaper (fuller decode batches), not by overlapping. `--tool-latency S`
+win by making the compute cheaper (fuller decode batches), not by overlapping. Of the engine's seconds,
+those in decode-only steps (no prompt or observation token computed) are the part fuller batches make
+cheaper; the steps that prefill run their tokens through the same GEMMs whatever the batch. The
+ceiling column is a run's compute over what it would be if every decode-only step cost nothing,
+(T + E) / (T + E - D); the sync row's is a generous bound on async's gain without overlap. `--tool-latency S`
 adds a second set of runs whose calculator tool answers after S seconds
 (`benchmarks/agents/remote_calculator.py`: a tool behind a network or sandbox), where the engine
 would otherwise wait for the slowest episode's tool calls.
@@ -49,10 +53,13 @@ def measure(staleness: int, steps: int, seed: int, tmp: str, latency: float = 0.
     hist = result.history
     seconds = hist[-1]["time/elapsed_s"]
     samples = sum(m["train/num_samples"] for m in hist)
-    train_s, engine_s = (sum(m.get(k, 0.0) for m in hist) for k in ("time/train_s", "time/engine_s"))
+    keys = ("time/train_s", "time/engine_s", "time/engine_decode_s")
+    train_s, engine_s, decode_s = (sum(m.get(k, 0.0) for m in hist) for k in keys)
     return {
         "train_s_per_step": train_s / len(hist),
         "engine_s_per_step": engine_s / len(hist),
+        "decode_s_per_step": decode_s / len(hist),
+        "ceiling": (train_s + engine_s) / (train_s + engine_s - decode_s),
         "compute_share": (train_s + engine_s) / seconds,
         "decode_rows": sum(m.get("rollout/decode_batch_mean", 0.0) for m in hist) / len(hist),
         "samples_per_s": samples / seconds,
@@ -68,14 +75,15 @@ def _table(runs: dict[int, dict]) -> list[str]:
     sync = runs[0]["samples_per_s"]
     table = [
         "| run | samples | RL seconds | samples/s | vs sync | eval reward before -> after | max staleness "
-        "| train s/step | engine s/step | compute share | decode rows |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| train s/step | engine s/step | of it decode-only | compute share | decode rows | ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     return table + [
         f"| {'sync' if k == 0 else 'async'} (max_staleness {k}) | {r['samples']} | {r['seconds']:.1f} | "
         f"{r['samples_per_s']:.1f} | **{r['samples_per_s'] / sync:.2f}x** | "
         f"{r['eval_before']:.3f} -> {r['eval_after']:.3f} | {r['staleness_max']} | {r['train_s_per_step']:.3f} | "
-        f"{r['engine_s_per_step']:.3f} | {r['compute_share']:.0%} | {r['decode_rows']:.1f} |"
+        f"{r['engine_s_per_step']:.3f} | {r['decode_s_per_step']:.3f} | {r['compute_share']:.0%} | "
+        f"{r['decode_rows']:.1f} | {r['ceiling']:.2f}x |"
         for k, r in runs.items()
     ]
 

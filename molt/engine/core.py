@@ -32,13 +32,15 @@ log = logging.getLogger(__name__)
 
 
 def work_since(now: dict, last: dict) -> dict[str, float]:
-    """Engine work between two snapshots of `EngineCore.stats`: seconds in model steps (`busy_s`) and mean rows
-    per decoding step (`decode_batch_mean`, 0 without decoding). A restarted engine's counts start again."""
+    """Engine work between two snapshots of `EngineCore.stats`: seconds in model steps (`busy_s`), of which in
+    decode-only steps (`decode_s`: no prompt or observation token computed), and mean rows per decoding step
+    (`decode_batch_mean`, 0 without decoding). A restarted engine's counts start again."""
     if not last or now["steps"] < last["steps"]:
         last = dict.fromkeys(now, 0)
     decode_steps = now["decode_steps"] - last["decode_steps"]
     return {
         "busy_s": now["busy_s"] - last["busy_s"],
+        "decode_s": now["decode_s"] - last["decode_s"],
         "decode_batch_mean": (now["decode_tokens"] - last["decode_tokens"]) / max(decode_steps, 1),
     }
 
@@ -69,7 +71,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.manager, max_num_batched_tokens)
         self.groups: dict[str, Group] = {}
         self.num_pending = 0
-        self.stats = dict(steps=0, decode_steps=0, prefill_tokens=0, decode_tokens=0, step_errors=0, busy_s=0.0)
+        self.stats = dict(
+            steps=0, decode_steps=0, prefill_tokens=0, decode_tokens=0, step_errors=0, busy_s=0.0, decode_s=0.0
+        )
 
     # ---- requests and commands -----------------------------------------------------------------
     def add(self, group: Group) -> None:
@@ -104,9 +108,9 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------------
     def step_safely(self, admit: bool = True) -> None:
         """One step; a failure fails the requests that were running, never the engine."""
-        t0 = time.perf_counter()
+        t0, decode_only = time.perf_counter(), False
         try:
-            self.step(admit)
+            decode_only = self.step(admit)
         except Exception as e:
             log.exception("engine step failed; failing the running requests")
             self.stats["step_errors"] += 1
@@ -117,9 +121,12 @@ class EngineCore:
                     self.num_pending -= group.sampling.n
                     group.on_done(e)
         finally:
-            self.stats["busy_s"] += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.stats["busy_s"] += elapsed
+            self.stats["decode_s"] += elapsed if decode_only else 0.0
 
-    def step(self, admit: bool = True) -> None:
+    def step(self, admit: bool = True) -> bool:
+        """Schedule, compute and sample one step; True if it only decoded (no prompt chunk)."""
         plan = self.scheduler.schedule(admit)
         self.runner.apply_moves(self.manager.take_moves())
         slot_of, set_length = self.manager.slot_of, self.manager.set_length
@@ -133,8 +140,9 @@ class EngineCore:
         self.stats["decode_tokens"] += len(decode)
         self.stats["decode_steps"] += bool(decode)
         self.stats["steps"] += 1
+        decode_only = bool(decode) and not chunks
         if not decode and not chunks:
-            return
+            return decode_only
         images = None
         if self.model.vision is not None:
             images = chunk_image_embeds(
@@ -150,7 +158,7 @@ class EngineCore:
             self.stats["prefill_tokens"] += chunk.end - chunk.start
         self.runner.apply_moves(self.manager.take_moves())  # prompt KV shared with sibling samples
         if not rows:
-            return
+            return decode_only
         with torch.inference_mode():
             if len(picks) > logits_rv.shape[0]:  # n > 1: siblings sample from their leader's logits
                 logits_rv = logits_rv[picks]
@@ -163,6 +171,7 @@ class EngineCore:
         # highest slot first: each freed slot is then the last active one, so the cache manager moves nothing
         for seq, (reason, stop_reason) in sorted(done, key=lambda d: -self.manager.slot_of(d[0].seq_id, -1)):
             self._finish(seq, reason, stop_reason)
+        return decode_only
 
     def _row_params(self, rows: list[Seq]) -> RowParams:
         sps = [s.sampling for s in rows]

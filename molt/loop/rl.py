@@ -274,12 +274,17 @@ class RLLoop:
     def _engine_metrics(self) -> dict[str, float]:
         """Engine work since the last step, for engines that count it (the built-in one, in this process):
         seconds in model steps (`time/engine_s`; with `time/train_s` the compute of the one compute
-        thread) and the mean number of rows per decoding step. Ray replicas report theirs under `engine/i/`."""
+        thread), of which in decode-only steps (`time/engine_decode_s`), and the mean number of rows per
+        decoding step. Ray replicas report theirs under `engine/i/`."""
         stats = self._engine_snapshot()
         if "busy_s" not in stats:
             return {}
         work, self.engine_stats = work_since(stats, self.engine_stats), stats
-        return {"time/engine_s": work["busy_s"], "rollout/decode_batch_mean": work["decode_batch_mean"]}
+        return {
+            "time/engine_s": work["busy_s"],
+            "time/engine_decode_s": work["decode_s"],
+            "rollout/decode_batch_mean": work["decode_batch_mean"],
+        }
 
     def _engine_snapshot(self) -> dict[str, float]:
         stats = getattr(self.engine, "stats", None)

@@ -65,6 +65,7 @@ class RayRuntime:
             if e.stats:
                 work = work_since(e.stats, self.engine_stats.get(e.index, {}))
                 out[f"engine/{e.index}/busy_s"] = work["busy_s"]
+                out[f"engine/{e.index}/decode_s"] = work["decode_s"]
                 out[f"engine/{e.index}/decode_batch_mean"] = work["decode_batch_mean"]
                 self.engine_stats[e.index] = e.stats
         weights = self.trainer.last_weights

@@ -230,10 +230,10 @@ def test_abort_frees_cache_and_too_long_fails_cleanly(pair):
 def test_work_since_counts_between_snapshots_and_after_a_restart():
     from molt.engine.core import work_since
 
-    a = dict(steps=10, decode_steps=8, decode_tokens=40, busy_s=1.0)
-    b = dict(steps=14, decode_steps=10, decode_tokens=52, busy_s=1.5)
-    assert work_since(b, a) == pytest.approx({"busy_s": 0.5, "decode_batch_mean": 6.0})
-    assert work_since(a, {}) == pytest.approx({"busy_s": 1.0, "decode_batch_mean": 5.0})
-    restarted = dict(steps=2, decode_steps=1, decode_tokens=3, busy_s=0.25)  # a new replica counts from 0
-    assert work_since(restarted, b) == pytest.approx({"busy_s": 0.25, "decode_batch_mean": 3.0})
+    a = dict(steps=10, decode_steps=8, decode_tokens=40, busy_s=1.0, decode_s=0.5)
+    b = dict(steps=14, decode_steps=10, decode_tokens=52, busy_s=1.5, decode_s=0.75)
+    assert work_since(b, a) == pytest.approx({"busy_s": 0.5, "decode_s": 0.25, "decode_batch_mean": 6.0})
+    assert work_since(a, {}) == pytest.approx({"busy_s": 1.0, "decode_s": 0.5, "decode_batch_mean": 5.0})
+    restarted = dict(steps=2, decode_steps=1, decode_tokens=3, busy_s=0.25, decode_s=0.0)  # a new replica: from 0
+    assert work_since(restarted, b) == pytest.approx({"busy_s": 0.25, "decode_s": 0.0, "decode_batch_mean": 3.0})
     assert work_since(b, b)["decode_batch_mean"] == 0

@@ -80,6 +80,8 @@ def test_run_outputs_metrics_tensorboard_and_plot(tmp_path):
     # engine model steps and trainer steps share the one compute thread: disjoint, both inside the loop's wall
     engine_s, train_s = ([m[k] for m in result.history] for k in ("time/engine_s", "time/train_s"))
     assert all(e >= 0 for e in engine_s) and sum(engine_s) > 0 and sum(engine_s) + sum(train_s) <= elapsed[-1]
+    decode_s = [m["time/engine_decode_s"] for m in result.history]  # the part in steps that computed no prompt
+    assert all(0 <= d <= e for d, e in zip(decode_s, engine_s, strict=True)) and 0 < sum(decode_s) < sum(engine_s)
     rows = [m["rollout/decode_batch_mean"] for m in result.history]  # 0: no decoding since the last step
     assert max(rows) >= 1 and all(r == 0 or r >= 1 for r in rows)
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
