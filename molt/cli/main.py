@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import tyro
 
@@ -42,6 +43,14 @@ def sft(cfg: Config) -> object:
     from molt.train.sft import run_sft
 
     return run_sft(cfg)
+
+
+@command("eval")
+def eval_(cfg: Config) -> object:
+    """Score a checkpoint, run directory or model folder on held-out rows: `molt eval TARGET` (pass@k, per-row)."""
+    from molt.loop.eval_cmd import run_eval
+
+    return run_eval(cfg)
 
 
 @command("serve", chat={"port": 8000})
@@ -84,6 +93,27 @@ def _resume_args(args: list[str]) -> list[str]:
     return args
 
 
+def _run_of(target: str) -> Path | None:
+    """The run directory `target` is (or is a checkpoint of), if any."""
+    path = Path(target)
+    if (path / "config.yaml").exists() and (path / "checkpoints").is_dir():
+        return path
+    if path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").exists():
+        return path.parent.parent
+    return None
+
+
+def _eval_args(target: str, args: list[str]) -> list[str]:
+    """`molt eval TARGET` = `--model.path TARGET`, with the run's config.yaml as the config file when TARGET
+    is a run or one of its checkpoints (its data, rollout and eval settings; not its run_dir)."""
+    run = _run_of(target)
+    base = ["--model.path", target]
+    if run is not None and _config_path(args) is None:
+        reset = ["--log.run_dir", "", "--ckpt.resume", "", "--model.tokenizer", ""]
+        base = ["--config", str(run / "config.yaml"), *reset, *base]
+    return base + args
+
+
 def _usage() -> str:
     lines = ["usage: molt <command> [--config FILE] [--group.field VALUE ...]", "", "commands:"]
     lines += [f"  {name:<8} {(fn.__doc__ or '').strip().splitlines()[0]}" for name, fn in COMMANDS.items()]
@@ -100,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     name, rest = argv[0], argv[1:]
     if name == "serve" and rest and not rest[0].startswith("-"):
         rest = ["--model.path", *rest]  # `molt serve CHECKPOINT`
+    if name == "eval" and rest and not rest[0].startswith("-"):
+        rest = _eval_args(rest[0], rest[1:])  # `molt eval CHECKPOINT|RUN_DIR`
     if name not in COMMANDS:
         print(f"molt: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         raise SystemExit(2)
@@ -108,7 +140,13 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"molt {name}: config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    COMMANDS[name](cfg)
+    from molt.data.formats import DataError
+
+    try:
+        COMMANDS[name](cfg)
+    except (ConfigError, DataError) as e:  # found at start-up (data rows, checkpoint): one line, no traceback
+        print(f"molt {name}: {'data' if isinstance(e, DataError) else 'config'} error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

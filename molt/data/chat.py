@@ -1,44 +1,40 @@
-"""Chat datasets on disk: JSON lines with a `messages` list per row, validated line by line.
+"""Chat messages: the shape every prompt row ends up in, validated with the row's file and line.
 
-A malformed line is an error naming the file and line; nothing is skipped silently.
+A malformed row is an error naming the file and line (or row); nothing is skipped silently.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from molt.data.formats import DataError, read_json_lines
 
 ROLES = {"system", "user", "assistant", "tool"}
 
 
-def _check_row(row: Any, where: str) -> dict[str, Any]:
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    messages = row.get("messages")
+def check_messages(messages: Any, where: str, key: str = "messages") -> list[dict[str, Any]]:
+    """`messages` if it is a non-empty list of chat messages with known roles; else a DataError naming `where`."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: field 'messages' must be a non-empty list")
+        raise DataError(f"{where}: field {key!r} must be a non-empty list")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in ROLES:
-            raise ValueError(f"{where}: messages[{i}] needs a 'role' in {sorted(ROLES)}")
+            raise DataError(f"{where}: {key}[{i}] needs a 'role' in {sorted(ROLES)}")
         if not isinstance(msg.get("content", ""), str | list) and "tool_calls" not in msg:
-            raise ValueError(f"{where}: messages[{i}].content must be a string or a list of parts")
+            raise DataError(f"{where}: {key}[{i}].content must be a string or a list of parts")
+    return messages
+
+
+def _check_row(row: Any, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    check_messages(row.get("messages"), where)
     return row
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a .jsonl chat file; blank lines are allowed, malformed ones are errors with file:line."""
-    path = Path(path)
-    rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            rows.append(_check_row(row, f"{path}:{lineno}"))
+    rows = [_check_row(row, where) for where, row in read_json_lines(Path(path))]
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise DataError(f"{path}: no rows")
     return rows

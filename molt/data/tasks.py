@@ -42,15 +42,10 @@ def register_task(name: str):
 
 
 def dataset_rows(data) -> tuple[list[Row], list[Row]]:
-    """(train, held-out) rows for a `DataConfig`: a .jsonl file (first 10% held out) or a built-in task."""
-    if data.path:
-        from molt.data.chat import read_jsonl
+    """(train, held-out) rows for a `DataConfig`: see `molt/data/dataset.py`."""
+    from molt.data.dataset import dataset_rows as rows
 
-        rows = read_jsonl(data.path)
-        n_eval = min(data.num_eval, len(rows) // 10)
-        return rows[n_eval:], rows[:n_eval]
-    rows = get_task(data.task).rows(data.num_train + data.num_eval, data.seed)
-    return rows[data.num_eval :], rows[: data.num_eval]
+    return rows(data)
 
 
 def get_task(name: str) -> Task:

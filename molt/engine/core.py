@@ -18,13 +18,16 @@ from collections.abc import Sequence
 
 import torch
 
+from molt.engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager
 from molt.engine.cache import SlotCacheManager
 from molt.engine.images import chunk_image_embeds
 from molt.engine.interface import Completion, Weights
+from molt.engine.paged import PagedRunner, PagedScheduler, PagedSlots
 from molt.engine.runner import ModelRunner
 from molt.engine.sampling import RowParams, sample
 from molt.engine.scheduler import Group, Scheduler
 from molt.engine.scheduler import Sequence as Seq
+from molt.engine.transfer import to_device
 from molt.engine.weights import load_weights
 from molt.models.transformer import Transformer
 
@@ -61,19 +64,38 @@ class EngineCore:
         version: int = 0,
         record_routing: bool = True,
         compile: bool = False,
+        kv_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ):
         self.model, self.tokenizer, self.version, self.max_seq_len = model, tokenizer, version, max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.runner = ModelRunner(model, num_slots, max_seq_len, record_routing, compile)
-        # Molt's attention kernel takes each row's slot: no compaction moves (torch ops want rows 0..B-1)
-        compact = not self.runner.own_attention
-        self.manager = SlotCacheManager(num_slots, max_seq_len, prefix_cache, compact=compact)
-        self.scheduler = Scheduler(self.manager, max_num_batched_tokens)
+        if kv_blocks is not None:  # the paged KV cache (paged.py); otherwise the slot cache
+            self._init_paged(model, num_slots, max_seq_len, max_num_batched_tokens, prefix_cache, kv_blocks, block_size)
+        else:
+            self.runner = ModelRunner(model, num_slots, max_seq_len, record_routing, compile)
+            # Molt's attention kernel takes each row's slot: no compaction moves (torch ops want rows 0..B-1)
+            compact = not self.runner.own_attention
+            self.manager = SlotCacheManager(num_slots, max_seq_len, prefix_cache, compact=compact)
+            self.scheduler = Scheduler(self.manager, max_num_batched_tokens)
         self.groups: dict[str, Group] = {}
         self.num_pending = 0
         self.stats = dict(
-            steps=0, decode_steps=0, prefill_tokens=0, decode_tokens=0, step_errors=0, busy_s=0.0, decode_s=0.0
+            steps=0,
+            decode_steps=0,
+            decode_only_steps=0,
+            prefill_tokens=0,
+            decode_tokens=0,
+            step_errors=0,
+            busy_s=0.0,
+            decode_s=0.0,
         )
+
+    def _init_paged(self, model, num_slots, max_seq_len, max_num_batched_tokens, prefix_cache, kv_blocks, block_size):
+        if kv_blocks * block_size < max_seq_len:  # a lone sequence must always fit, or preemption could not help it
+            raise ValueError(f"kv_blocks={kv_blocks} x block_size={block_size} < max_seq_len={max_seq_len}")
+        self.manager = PagedSlots(BlockManager(kv_blocks, block_size, prefix_cache), num_slots)
+        self.runner = PagedRunner(model, self.manager)
+        self.scheduler = PagedScheduler(self.manager, max_num_batched_tokens)
 
     # ---- requests and commands -----------------------------------------------------------------
     def add(self, group: Group) -> None:
@@ -124,6 +146,7 @@ class EngineCore:
             elapsed = time.perf_counter() - t0
             self.stats["busy_s"] += elapsed
             self.stats["decode_s"] += elapsed if decode_only else 0.0
+            self.stats["decode_only_steps"] += decode_only
 
     def step(self, admit: bool = True) -> bool:
         """Schedule, compute and sample one step; True if it only decoded (no prompt chunk)."""
@@ -161,7 +184,7 @@ class EngineCore:
             return decode_only
         with torch.inference_mode():
             if len(picks) > logits_rv.shape[0]:  # n > 1: siblings sample from their leader's logits
-                logits_rv = logits_rv[picks]
+                logits_rv = logits_rv.index_select(0, to_device(picks, torch.long, logits_rv.device))
             token_ids, logprobs = sample(logits_rv, self._row_params(rows))
         done = [
             (seq, end)

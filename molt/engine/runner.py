@@ -9,10 +9,10 @@ attention needs to know whose token is whose:
 
 - on CPU in fp32, every token, decode or prefill, attends over its slot's cache up to its own
   position through Molt's kernel (`kernels.decode_attention`, each token at its own slot);
-- elsewhere, decode tokens attend over a strided *view* of the cache when they occupy rows 0..D-1
-  (the usual case, the active slots are contiguous, see `cache.py`), and prefill tokens are
-  scattered into a padded [chunks, width] layout for causal attention over their slot's cache and
-  gathered back.
+- elsewhere (GPU, other dtypes), in the model's dtype through SDPA: decode tokens attend over a
+  strided *view* of the cache when they occupy rows 0..D-1 (the usual case, the active slots are
+  contiguous, see `cache.py`), and prefill tokens are scattered into a padded [chunks, width] layout
+  for causal attention over their slot's cache and gathered back.
 
 With `compile`, decode-only steps instead run one `torch.compile`d graph (`compiled.py`, see
 docs/engine.md) and store their new keys and values after it. On CPU, linear layers multiply by
@@ -30,12 +30,13 @@ import itertools
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from molt.engine import kernels
 from molt.engine.cache import SCRATCH, Move
 from molt.engine.compiled import CompiledDecode
 from molt.engine.packed import LinearPacks
-from molt.models.attention import additive_mask, per_kv_head
+from molt.engine.transfer import to_device
 from molt.models.moe import NO_ROUTE, Routing
 from molt.models.transformer import Transformer
 
@@ -50,18 +51,17 @@ def routing_cache(cfg, num_slots: int, max_seq_len: int, device) -> torch.Tensor
     return torch.full(shape, NO_ROUTE, dtype=torch.int16, device=device)
 
 
-def gqa_attention(q_bhtd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, mask_b1ts: torch.Tensor):
-    """Softmax attention with grouped kv heads (q head h uses kv head h // group), additive mask.
+def gqa_attention(q_bhtd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, visible_b1ts: torch.Tensor):
+    """Softmax attention with grouped kv heads (q head h uses kv head h // group) where `visible_b1ts` (bool).
 
-    Keys are not repeated per group: the group's queries are stacked along the query axis instead.
+    Keys are not repeated per group: the group's queries are stacked along the query axis instead. SDPA in the
+    inputs' dtype (fp32 accumulation in its kernels, as in the trainer's packed forward).
     """
     b, h, t, d = q_bhtd.shape
-    kv_heads, s = k_bksd.shape[1], k_bksd.shape[2]
-    group = h // kv_heads
-    q_bkqd = (q_bhtd * d**-0.5).reshape(b, kv_heads, group * t, d)
-    scores_bkgts = torch.matmul(q_bkqd, k_bksd.transpose(-1, -2)).view(b, kv_heads, group, t, s)
-    probs_bkqs = torch.softmax(scores_bkgts + mask_b1ts[:, :, None], dim=-1).view(b, kv_heads, group * t, s)
-    return torch.matmul(probs_bkqs, v_bksd).view(b, h, t, d)
+    group = h // k_bksd.shape[1]
+    q_bkqd = q_bhtd.reshape(b, -1, group * t, d)
+    mask_b1qs = visible_b1ts.repeat(1, 1, group, 1) if group > 1 else visible_b1ts
+    return F.scaled_dot_product_attention(q_bkqd, k_bksd, v_bksd, attn_mask=mask_b1qs).view(b, h, t, d)
 
 
 class MixedStep:
@@ -80,10 +80,10 @@ class MixedStep:
         r = self.runner
         pos_n = position_ids_bt[0]
         num_decode = len(self.decode_slots)
-        slots_n = torch.tensor(
+        slots_n = to_device(
             self.decode_slots + [s for s, n in zip(self.chunk_slots, self.chunk_lens, strict=True) for _ in range(n)],
-            dtype=torch.long,
-            device=pos_n.device,
+            torch.long,
+            pos_n.device,
         )
         # every new key/value is one row of the flattened cache [slots * kv_heads * max_seq_len, head_dim]
         heads_k = torch.arange(r.kv_heads, device=pos_n.device)
@@ -119,28 +119,22 @@ class MixedStep:
         return attention
 
     def _decode_attention(self, pos_b: torch.Tensor):
-        """One query per decode row over its slot's cache, batched over (row, kv head) with the head group's
-        queries stacked: two `bmm`s per layer over a view of cache rows 0..B-1 when those are the rows (else a
-        gather)."""
+        """One query per decode row over its slot's cache (SDPA batched over rows and kv heads, the head group's
+        queries stacked) over a view of cache rows 0..B-1 when those are the rows (else a gather)."""
         slots, rows = self.decode_slots, len(self.decode_slots)
         r, device, kv_len = self.runner, pos_b.device, self.kv_lens[0]
-        kv_heads, head_dim = r.kv_heads, r.head_dim
         contiguous = slots[-1] == rows - 1
-        slots_b = None if contiguous else torch.tensor(slots, dtype=torch.long, device=device)
-        key_pos_s = torch.arange(kv_len, device=device)
-        mask_m1s = per_kv_head(additive_mask(key_pos_s[None, :] <= pos_b[:, None]), kv_heads)
-        scale = head_dim**-0.5
+        slots_b = None if contiguous else to_device(slots, torch.long, device)
+        visible_b11s = (torch.arange(kv_len, device=device)[None, :] <= pos_b[:, None])[:, None, None]
 
         def attend(k_cache, v_cache, q_bhd) -> torch.Tensor:
             keys, values = k_cache[:rows, :, :kv_len], v_cache[:rows, :, :kv_len]
             if not contiguous:
                 keys = k_cache[:, :, :kv_len].index_select(0, slots_b)
                 values = v_cache[:, :, :kv_len].index_select(0, slots_b)
-            q_mgd = q_bhd.reshape(rows * kv_heads, -1, head_dim)
-            keys_msd = keys.reshape(rows * kv_heads, kv_len, head_dim)
-            scores_mgs = torch.baddbmm(mask_m1s, q_mgd, keys_msd.transpose(1, 2), alpha=scale)
-            out_mgd = torch.bmm(torch.softmax(scores_mgs, dim=-1), values.reshape(rows * kv_heads, kv_len, head_dim))
-            return out_mgd.view(q_bhd.shape)
+            q_bkgd = q_bhd.reshape(rows, r.kv_heads, -1, r.head_dim)
+            out_bkgd = F.scaled_dot_product_attention(q_bkgd, keys, values, attn_mask=visible_b11s)
+            return out_bkgd.reshape(q_bhd.shape)
 
         return attend
 
@@ -149,13 +143,13 @@ class MixedStep:
         device, kv_len = pos_n.device, self.kv_lens[1]
         lens, width = self.chunk_lens, max(self.chunk_lens)
         flat = [row * width + i for row, n in enumerate(lens) for i in range(n)]
-        flat_n = torch.tensor(flat, dtype=torch.long, device=device)
-        slots_r = torch.tensor(self.chunk_slots, dtype=torch.long, device=device)
+        flat_n = to_device(flat, torch.long, device)
+        slots_r = to_device(self.chunk_slots, torch.long, device)
         pos_rt = torch.full((len(lens) * width,), -1, dtype=torch.long, device=device)
         pos_rt[flat_n] = pos_n
         pos_rt = pos_rt.view(len(lens), width)
         key_pos_s = torch.arange(kv_len, device=device)
-        mask_r1ts = additive_mask(key_pos_s[None, None, :] <= pos_rt.clamp(min=0)[:, :, None])[:, None]
+        visible_r1ts = (key_pos_s[None, None, :] <= pos_rt.clamp(min=0)[:, :, None])[:, None]
 
         def attend(k_cache, v_cache, q_nhd) -> torch.Tensor:
             keys = k_cache[:, :, :kv_len].index_select(0, slots_r)
@@ -163,7 +157,7 @@ class MixedStep:
             q_pad = q_nhd.new_zeros(len(lens) * width, *q_nhd.shape[1:])
             q_pad[flat_n] = q_nhd
             q_rhtd = q_pad.view(len(lens), width, *q_nhd.shape[1:]).transpose(1, 2)
-            out_rhtd = gqa_attention(q_rhtd, keys, values, mask_r1ts)
+            out_rhtd = gqa_attention(q_rhtd, keys, values, visible_r1ts)
             return out_rhtd.transpose(1, 2).reshape(len(lens) * width, *q_nhd.shape[1:])[flat_n]
 
         return attend
@@ -220,8 +214,8 @@ class ModelRunner:
         for _, chunk_ids, start in chunks:
             ids += chunk_ids
             positions += range(start, start + len(chunk_ids))
-        ids_1n = torch.tensor([ids], dtype=torch.long, device=self.device)
-        pos_1n = torch.tensor([positions], dtype=torch.long, device=self.device)
+        ids_1n = to_device([ids], torch.long, self.device)
+        pos_1n = to_device([positions], torch.long, self.device)
         kv_lens = (max(positions[: len(decode)], default=0) + 1, max((s + len(c) for _, c, s in chunks), default=0))
         backend = MixedStep(
             self, [s for s, _, _ in decode], [s for s, _, _ in chunks], [len(c) for _, c, _ in chunks], kv_lens
@@ -236,7 +230,8 @@ class ModelRunner:
                 self._record(routing, slots, positions)
             if chunks:  # the lm head runs only where a token is sampled
                 ends = list(itertools.accumulate((len(c) for _, c, _ in chunks), initial=len(decode)))
-                hidden_nh = hidden_nh[list(range(len(decode))) + [ends[i + 1] - 1 for i in sampled_chunks]]
+                rows = list(range(len(decode))) + [ends[i + 1] - 1 for i in sampled_chunks]
+                hidden_nh = hidden_nh.index_select(0, to_device(rows, torch.long, self.device))
             return self.model.lm_head(hidden_nh)
 
     def warm_up(self) -> None:
@@ -246,8 +241,8 @@ class ModelRunner:
 
     def _record(self, routing: Routing, slots: list[int], positions: list[int]) -> None:
         """Store each computed token's experts next to its KV: routes[slot, position] = [L, k] ids."""
-        rows_n = torch.tensor(slots, device=self.device) * self.max_seq_len + torch.tensor(
-            positions, device=self.device
+        rows_n = to_device(
+            [s * self.max_seq_len + p for s, p in zip(slots, positions, strict=True)], torch.long, self.device
         )
         flat = self.routes.view(-1, *self.routes.shape[2:])
         flat.index_copy_(0, rows_n, routing.chosen_nlk().to(flat.dtype))
@@ -275,8 +270,8 @@ class ModelRunner:
             return
         length = max(origin[dst][1] for dst, _ in changed)
         row = lambda slot: self.num_slots if slot == SCRATCH else slot  # noqa: E731
-        dst_r = torch.tensor([row(d) for d, _ in changed], device=self.device)
-        src_r = torch.tensor([row(s) for _, s in changed], device=self.device)
+        dst_r = to_device([row(d) for d, _ in changed], torch.long, self.device)
+        src_r = to_device([row(s) for _, s in changed], torch.long, self.device)
         for cache in (self.k, self.v):  # [L, slot, kv head, position, dim]
             cache[:, dst_r, :, :length] = cache[:, src_r, :, :length]
         if self.routes is not None:  # routing travels with the KV it produced (prefix reuse, siblings)

@@ -7,7 +7,9 @@ seeded request gives the same tokens whichever other requests share its batch, a
 per-request generator state exists. Knows nothing of models, caches or requests.
 
 Log-probs: see `SamplingParams` (`"scaled"` = trainer-side log_softmax(logits / T);
-`"processed"` = the renormalised distribution actually sampled from).
+`"processed"` = the renormalised distribution actually sampled from). Whatever the model's dtype,
+both are computed in fp32 from the logits (`logits.float() / T`, as the trainer does), on the
+logits' device, with one device -> host copy per call.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from molt.engine.transfer import to_device
 
 MASK64 = (1 << 64) - 1
 
@@ -72,41 +76,48 @@ def _inverse_cdf(logp_rv: torch.Tensor, u_r: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits_rv: torch.Tensor, params: RowParams) -> tuple[list[int], list[float]]:
-    """(token id, log-prob) per row of `logits_rv` [R, V] (fp32)."""
+    """(token id, log-prob) per row of `logits_rv` [R, V] (any float dtype).
+
+    Everything runs in fp32 on the logits' device, the way the trainer scores tokens (`logits.float() / T`,
+    then log-softmax); the per-row parameters go to the device without a sync (`transfer.to_device`) and
+    the only device -> host copy is the final one of the ids and log-probs."""
     device = logits_rv.device
     logits_rv = logits_rv.float()
-    temp = torch.tensor(params.temperature, dtype=torch.float32, device=device)
-    greedy_r = temp == 0
-    scaled_rv = logits_rv / torch.where(greedy_r, 1.0, temp)[:, None]
+    temp_r = to_device([t if t != 0 else 1.0 for t in params.temperature], torch.float32, device)  # T = 0 -> 1
+    scaled_rv = logits_rv / temp_r[:, None]
     masked_rv = scaled_rv
     if params.banned:
-        masked_rv = scaled_rv.clone()
-        for row, ids in params.banned:
-            masked_rv[row, list(ids)] = float("-inf")
-    if bool(greedy_r.all()):
-        token_r = masked_rv.argmax(dim=-1)
-        processed_lp_r = torch.zeros_like(temp)
-    else:
-        u_r = torch.tensor(
-            [uniform(s, p) for s, p in zip(params.seed, params.position, strict=True)], dtype=torch.float64
+        rows = [row for row, ids in params.banned for _ in ids]
+        cols = [int(i) for _, ids in params.banned for i in ids]
+        masked_rv = scaled_rv.index_put(
+            (to_device(rows, torch.long, device), to_device(cols, torch.long, device)),
+            scaled_rv.new_full((), float("-inf")),
         )
-        top_p_r = torch.tensor(params.top_p, dtype=torch.float32, device=device)
-        top_k_r = torch.tensor(params.top_k, dtype=torch.long, device=device)
-        if bool(((top_p_r < 1) | (top_k_r > 0)).any()):
+    if all(t == 0 for t in params.temperature):
+        token_r = masked_rv.argmax(dim=-1)
+        processed_lp_r = torch.zeros_like(temp_r)
+    else:
+        uniforms = [uniform(s, p) for s, p in zip(params.seed, params.position, strict=True)]
+        u_r = to_device(uniforms, torch.float64, device)
+        if any(p < 1 or k > 0 for p, k in zip(params.top_p, params.top_k, strict=True)):
+            top_p_r = to_device(params.top_p, torch.float32, device)
+            top_k_r = to_device(params.top_k, torch.long, device)
             sorted_rv, order_rv = _filtered(masked_rv, top_p_r, top_k_r)
             logp_sorted_rv = torch.log_softmax(sorted_rv, dim=-1)
-            j_r = _inverse_cdf(logp_sorted_rv, u_r.to(device))
+            j_r = _inverse_cdf(logp_sorted_rv, u_r)
             token_r = order_rv.gather(1, j_r[:, None]).squeeze(1)
             processed_lp_r = logp_sorted_rv.gather(1, j_r[:, None]).squeeze(1)
         else:
             logp_rv = torch.log_softmax(masked_rv, dim=-1)
-            token_r = _inverse_cdf(logp_rv, u_r.to(device))
+            token_r = _inverse_cdf(logp_rv, u_r)
             processed_lp_r = logp_rv.gather(1, token_r[:, None]).squeeze(1)
-        token_r = torch.where(greedy_r, masked_rv.argmax(dim=-1), token_r)
-        processed_lp_r = torch.where(greedy_r, 0.0, processed_lp_r)
+        if any(t == 0 for t in params.temperature):
+            greedy_r = to_device([t == 0 for t in params.temperature], torch.bool, device)
+            token_r = torch.where(greedy_r, masked_rv.argmax(dim=-1), token_r)
+            processed_lp_r = torch.where(greedy_r, 0.0, processed_lp_r)
     scaled_lp_r = torch.log_softmax(scaled_rv, dim=-1).gather(1, token_r[:, None]).squeeze(1)
     if any(params.processed):
-        use_r = torch.tensor(params.processed, device=device)
+        use_r = to_device(params.processed, torch.bool, device)
         scaled_lp_r = torch.where(use_r, processed_lp_r, scaled_lp_r)
     # one device -> host transfer per step: ids (< 2**53) travel exactly as float64 beside the log-probs
     token_f64, logprob_f64 = torch.stack((token_r.double(), scaled_lp_r.double())).tolist()

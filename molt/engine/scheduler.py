@@ -130,13 +130,17 @@ class Scheduler:
             if budget > 0 and seq.waits_for is None and len(seq.tokens) - seq.num_computed > 1:
                 prefill.append(self._chunk(seq, budget))
                 budget -= prefill[-1].end - prefill[-1].start
-        while admit and budget > 0 and self.waiting and self.manager.num_free() >= len(self.waiting[0].seqs):
+        while admit and budget > 0 and self.waiting and self._fits(self.waiting[0]):
             leader = self._admit(self.waiting.popleft())
             if leader is not None:
                 prefill.append(self._chunk(leader, budget))
                 budget -= prefill[-1].end - prefill[-1].start
         decode.sort(key=lambda s: self.manager.slot_of(s.seq_id))
         return Plan(prefill, decode)
+
+    def _fits(self, group: Group) -> bool:
+        """Whether the cache can take the group now (a slot per sample; the paged scheduler also asks blocks)."""
+        return self.manager.num_free() >= len(group.seqs)
 
     def _chunk(self, seq: Sequence, budget: int) -> Chunk:
         return Chunk(seq, seq.num_computed, min(len(seq.tokens), seq.num_computed + budget))

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from molt.engine.blocks import DEFAULT_BLOCK_SIZE
 from molt.engine.core import EngineCore
 from molt.engine.images import check_request_images
 from molt.engine.interface import (
@@ -40,6 +41,7 @@ from molt.engine.interface import (
     Weights,
     new_request_id,
 )
+from molt.engine.paged import num_kv_blocks
 from molt.engine.sampling import sample_seed
 from molt.engine.scheduler import Group
 from molt.models.transformer import Transformer
@@ -58,7 +60,9 @@ class TorchEngine(Engine):
     with more than one. `record_routing` (MoE models):
     each completion carries the experts every position was computed with (`Completion.routing`;
     see docs/moe.md). `compile`: decode steps through `torch.compile` (see `ModelRunner`), compiled when
-    the engine thread starts.
+    the engine thread starts. `kv_blocks`, or `kv_bytes`, or `kv_memory_fraction` (of free CUDA memory): a paged
+    KV cache of that many blocks of `block_size` positions instead of the slot cache (`paged.py`; dense text
+    models, torch-ops attention, eager).
     """
 
     def __init__(
@@ -77,6 +81,10 @@ class TorchEngine(Engine):
         num_threads: int | None = None,
         record_routing: bool = True,
         compile: bool = False,
+        kv_blocks: int | None = None,
+        kv_bytes: int | None = None,
+        kv_memory_fraction: float | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ):
         if kv_on_update not in KV_POLICIES:
             raise ValueError(f"kv_on_update must be one of {KV_POLICIES}, got {kv_on_update!r}")
@@ -95,6 +103,8 @@ class TorchEngine(Engine):
             version=version,
             record_routing=record_routing,
             compile=compile,
+            kv_blocks=num_kv_blocks(model, block_size, kv_blocks, kv_bytes, kv_memory_fraction),
+            block_size=block_size,
         )
         self.manager, self.stats = self.core.manager, self.core.stats
         self._rng = random.Random(seed)

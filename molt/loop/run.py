@@ -15,15 +15,16 @@ from typing import Any
 import torch
 
 from molt import cache_root
-from molt.agents.builtin import env_for_task
-from molt.agents.chat.agent import load_agent_class
+from molt.agents.reward_env import agent_factory
+from molt.agents.reward_fn import RewardFunction, load_reward
 from molt.config import Config
-from molt.data.tasks import dataset_rows, get_task
+from molt.data.dataset import dataset_rows, has_demonstrations
 from molt.engine.torch_engine import on_fresh_thread
 from molt.log import RunDir, plot_metrics
 from molt.loop.checkpoint import latest_checkpoint, load_training_state, save_checkpoint
 from molt.loop.rl import RLLoop
 from molt.train.build import build_model, build_tokenizer
+from molt.train.precision import Precision, resolve_dtype
 from molt.train.trainer import Trainer
 
 
@@ -45,7 +46,16 @@ def _model_key(m) -> dict[str, Any]:
     return fields
 
 
-def warm_start(cfg: Config) -> str:
+def _data_key(d) -> dict[str, Any]:
+    """The data fields that name a cached warm start (newer fields only when set: older caches stay valid)."""
+    fields, defaults = dataclasses.asdict(d), dataclasses.asdict(type(d)())
+    for key in ("eval_path", "split", "columns", "system_prompt", "shuffle"):
+        if fields[key] == defaults[key]:
+            del fields[key]
+    return fields
+
+
+def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
     """Path of an SFT checkpoint of the preset on the task's demonstrations (trained once, then cached)."""
     from molt.train.sft import run_sft
 
@@ -60,10 +70,11 @@ def warm_start(cfg: Config) -> str:
             warmup_steps=min(10, m.warmstart_steps),
         ),
     )
-    sample = dataset_rows(cfg.data)[0][:8]  # the data itself, so a changed task definition is not served stale
+    rows = train_rows if train_rows is not None else dataset_rows(cfg.data)[0]
+    sample = rows[:8]  # the data itself, so a changed task definition is not served stale
     key_fields = {
         "model": _model_key(m),
-        "data": dataclasses.asdict(cfg.data),
+        "data": _data_key(cfg.data),
         "seed": cfg.train.seed,
         "sample": sample,
         "version": 1,
@@ -76,24 +87,33 @@ def warm_start(cfg: Config) -> str:
     return str(folder / "checkpoint")
 
 
-def _env_factory(cfg: Config):
-    if cfg.rollout.agent:
-        return load_agent_class(cfg.rollout.agent)  # an Env or a ChatAgent subclass
-    get_task(cfg.data.task)
-    return lambda: env_for_task(cfg.data.task)
+def wants_warm_start(cfg: Config, train_rows: list[dict], say=print) -> bool:
+    """Warm-start a preset (not `--model.path`, not a resume) on a task's demonstrations, or on a data file
+    whose every row has an assistant turn; prompt-only data skips it, saying so."""
+    if cfg.ckpt.resume or cfg.model.path or cfg.model.warmstart_steps <= 0:
+        return False
+    if not cfg.data.path or has_demonstrations(train_rows):
+        return True
+    say(
+        f"warm start skipped: {cfg.data.path} has prompts without assistant turns (nothing to imitate), so preset "
+        f"{cfg.model.preset!r} starts from random weights; pass a pretrained model with --model.path (e.g. a "
+        "`molt sft` checkpoint), or --model.warmstart_steps 0 to silence this"
+    )
+    return False
 
 
-def _policy(cfg: Config):
+def _policy(cfg: Config, train_rows: list[dict], warm: bool):
     """(tokenizer, trainer model): resumed, loaded, or warm-started preset."""
     if cfg.ckpt.resume:
         folder = latest_checkpoint(cfg.ckpt.resume)
         model_cfg = dataclasses.replace(cfg.model, path=str(folder), tokenizer="")
-    elif not cfg.model.path and cfg.model.warmstart_steps > 0:
-        model_cfg = dataclasses.replace(cfg.model, path=warm_start(cfg), tokenizer="")
+    elif warm:
+        model_cfg = dataclasses.replace(cfg.model, path=warm_start(cfg, train_rows), tokenizer="")
     else:
         model_cfg = cfg.model
     tokenizer = build_tokenizer(model_cfg)
-    return tokenizer, build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device)
+    params = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device).params
+    return tokenizer, build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device, params)
 
 
 def _engine(cfg: Config, model, tokenizer, version: int, threads: int):
@@ -105,7 +125,7 @@ def _engine(cfg: Config, model, tokenizer, version: int, threads: int):
 
         return VLLMEngine.from_model(model, tokenizer, num_slots=slots, max_model_len=cfg.rollout.max_len + 1)
     return TorchEngine(
-        copy.deepcopy(model).eval(),
+        copy.deepcopy(model).eval().to(resolve_dtype(cfg.model.dtype, cfg.runtime.device)),  # compute dtype
         tokenizer=tokenizer,
         num_slots=slots,
         max_seq_len=cfg.rollout.max_len + 1,
@@ -145,9 +165,28 @@ class Progress:
             self.bar.close()
 
 
-async def _train_async(cfg: Config, run: RunDir, threads: int) -> TrainResult:
+@dataclass
+class RunInputs:
+    """What a run reads before any model is built: data rows, reward function and agent factory."""
+
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    reward: RewardFunction | None
+    make_env: Any
+
+
+def load_inputs(cfg: Config) -> RunInputs:
+    """Data, reward and agent of a run; a bad row, file or function is an error here, before any model."""
+    train_rows, eval_rows = dataset_rows(cfg.data)
+    ro = cfg.rollout
+    reward = load_reward(ro.reward, ro.reward_weights) if ro.reward else None
+    return RunInputs(train_rows, eval_rows, reward, agent_factory(ro.agent, reward, cfg.data.task, ro.max_turns))
+
+
+async def _train_async(cfg: Config, run: RunDir, threads: int, inputs: RunInputs) -> TrainResult:
     t0 = time.perf_counter()
-    tokenizer, model = on_fresh_thread(_policy, cfg, threads=threads)  # warm start, model build
+    warm = wants_warm_start(cfg, inputs.train_rows, run.print)
+    tokenizer, model = on_fresh_thread(_policy, cfg, inputs.train_rows, warm, threads=threads)
     runtime = None
     if cfg.runtime.backend == "ray":
         from molt.runtime.backend import RayRuntime
@@ -165,8 +204,7 @@ async def _train_async(cfg: Config, run: RunDir, threads: int) -> TrainResult:
         if runtime:
             runtime.shutdown()
         raise
-    train_rows, eval_rows = dataset_rows(cfg.data)
-    loop = RLLoop(cfg, engine, trainer, tokenizer, _env_factory(cfg), train_rows, eval_rows, state)
+    loop = RLLoop(cfg, engine, trainer, tokenizer, inputs.make_env, inputs.train_rows, inputs.eval_rows, state)
     progress = Progress(run, cfg.train.max_steps, cfg.log.every)
     try:
         before = await loop.evaluate() if cfg.eval.every and not cfg.ckpt.resume else {}
@@ -175,6 +213,7 @@ async def _train_async(cfg: Config, run: RunDir, threads: int) -> TrainResult:
 
         def on_step(metrics: dict[str, Any]) -> None:
             metrics |= runtime.metrics() if runtime else {}
+            metrics |= inputs.reward.log.drain() if inputs.reward else {}
             progress(metrics)
             if cfg.ckpt.every and loop.state.step % cfg.ckpt.every == 0:
                 save_checkpoint(run.path, trainer, loop.snapshot(), tokenizer)
@@ -185,6 +224,8 @@ async def _train_async(cfg: Config, run: RunDir, threads: int) -> TrainResult:
         progress.close()
         await loop.chat.close()
         await (runtime.close() if runtime else engine.close())
+        if inputs.reward:
+            inputs.reward.close()
     after = next((m for m in reversed(history) if "eval/reward_mean" in m), {})
     after = {k: v for k, v in after.items() if k.startswith("eval/")}
     return TrainResult(str(run.path), str(ckpt), before, after, history, time.perf_counter() - t0)
@@ -195,9 +236,10 @@ def run_train(cfg: Config) -> TrainResult:
     torch.manual_seed(cfg.train.seed)
     threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
     torch.set_num_threads(1)  # this thread runs asyncio only; model compute runs on the engine's thread
+    inputs = load_inputs(cfg)  # before the run directory and any model: a bad row stops here
     run = RunDir(cfg.log.run_dir or cfg.ckpt.resume, "train", cfg)
     try:
-        result = asyncio.run(_train_async(cfg, run, threads))
+        result = asyncio.run(_train_async(cfg, run, threads, inputs))
     finally:
         run.close()
         torch.set_num_threads(main_threads)

@@ -5,7 +5,10 @@ once per forward from the explicit positions. Two backends live here:
 
 - `PackedCausal`: training / scoring. Several samples may share one row ("packing"); `doc_ids`
   says which sample each token belongs to, and a token sees only earlier tokens of its own sample
-  (and, with `parent_ids`, of the shared prefix its sample continues).
+  (and, with `parent_ids`, of the shared prefix its sample continues). SDPA with a [B, 1, T, T] mask.
+- `FlexPacked`: the same visibility through FlexAttention with a block mask, so no T x T mask is ever
+  built and fully masked blocks are skipped (compiled on CUDA; eager, forward only, on CPU for tests).
+  `packed_attention` picks it on CUDA and `PackedCausal` elsewhere (FlexAttention has no CPU backward).
 - `KVCache`: a contiguous per-row cache for incremental decoding (slot = position). The engine may
   bring its own (block-based) cache implementing the same `prepare` / `attend` protocol.
 
@@ -14,6 +17,8 @@ Nothing here knows about parallelism or RL.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Protocol
 
 import torch
@@ -87,6 +92,88 @@ class PackedCausal:
             out.mask_b1tt = (torch.arange(width, device=cols_bq.device) <= cols_bq[:, :, None])[:, None]
             out.width = width
         return out
+
+
+PACKED_BACKENDS = ("auto", "sdpa", "flex")
+
+
+def packed_attention(
+    doc_ids_bt: torch.Tensor | None, parent_ids_bt: torch.Tensor | None, backend: str = "auto"
+) -> PackedCausal | FlexPacked:
+    """The packed-attention backend: `flex` on CUDA for packed rows (`auto`), SDPA otherwise.
+
+    One sample per row (`doc_ids_bt` all 0 or None) stays on SDPA's causal kernel under `auto`: it needs no
+    mask, and `select_queries` then switches to FlexAttention on CUDA."""
+    if backend not in PACKED_BACKENDS:
+        raise ValueError(f"unknown packed attention backend {backend!r}; use one of {PACKED_BACKENDS}")
+    device = doc_ids_bt.device if doc_ids_bt is not None else None
+    if device is not None and (backend == "flex" or (backend == "auto" and device.type == "cuda")):
+        return FlexPacked(doc_ids_bt, parent_ids_bt)
+    return PackedCausal(doc_ids_bt, parent_ids_bt)
+
+
+class FlexPacked:
+    """`PackedCausal`'s visibility through FlexAttention: a block mask from the doc ids, no T x T tensor.
+
+    A query at column c of row b sees key column j <= c when j is in its own sample or in the shared prefix
+    its `parent_ids` names. `select_queries` keeps the rule for a subset of query columns."""
+
+    def __init__(self, doc_ids_bt: torch.Tensor, parent_ids_bt: torch.Tensor | None = None, cols_bq=None):
+        self.doc_ids_bt, self.parent_ids_bt, self.cols_bq = doc_ids_bt, parent_ids_bt, cols_bq
+        self.packed = not bool((doc_ids_bt == 0).all())
+        self.block_mask = None  # built on first use: the key length is known only then
+
+    def _mask(self, kv_len: int):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        doc, parent, cols = self.doc_ids_bt, self.parent_ids_bt, self.cols_bq
+        packed = self.packed
+
+        def visible(b, h, q_idx, kv_idx):
+            q_col = cols[b, q_idx] if cols is not None else q_idx
+            see = kv_idx <= q_col
+            if packed:
+                same = doc[b, q_col] == doc[b, kv_idx]
+                if parent is not None:
+                    same = same | (parent[b, q_col] == doc[b, kv_idx])
+                see = see & same
+            return see
+
+        rows = doc.shape[0]
+        q_len = cols.shape[1] if cols is not None else doc.shape[1]
+        compile_mask = doc.device.type == "cuda"  # the compiled builder never evaluates the whole Q x K grid
+        return create_block_mask(visible, rows, None, q_len, kv_len, device=doc.device, _compile=compile_mask)
+
+    def __call__(
+        self, layer_idx: int, q_bhtd: torch.Tensor, k_bhtd: torch.Tensor, v_bhtd: torch.Tensor
+    ) -> torch.Tensor:
+        if not self.packed and self.cols_bq is None:  # one sample per row: SDPA's causal kernel needs no mask
+            return sdpa(q_bhtd, k_bhtd, v_bhtd, None, causal=True)
+        if self.block_mask is None:
+            self.block_mask = self._mask(k_bhtd.shape[2])
+        gqa = q_bhtd.shape[1] != k_bhtd.shape[1]
+        q_bhtd, k_bhtd = q_bhtd.to(v_bhtd.dtype), k_bhtd.to(v_bhtd.dtype)  # autocast: normed q/k may be fp32
+        return _flex_attention(q_bhtd.device.type)(q_bhtd, k_bhtd, v_bhtd, block_mask=self.block_mask, enable_gqa=gqa)
+
+    def select_queries(self, cols_bq: torch.Tensor) -> FlexPacked:
+        """The same attention for queries at columns `cols_bq` [B, Q] only (keys: every column)."""
+        return FlexPacked(self.doc_ids_bt, self.parent_ids_bt, cols_bq)
+
+
+@functools.cache
+def _flex_attention(device_type: str):
+    """FlexAttention compiled for CUDA; on CPU its eager (unfused, forward-only) form, for tests."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type == "cuda":
+        return torch.compile(flex_attention)  # a second row width recompiles once with dynamic shapes
+
+    def eager(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "unfused implementation": expected off CUDA
+            return flex_attention(*args, **kwargs)
+
+    return eager
 
 
 def take_columns(x_bt: torch.Tensor, cols_bq: torch.Tensor) -> torch.Tensor:

@@ -266,6 +266,17 @@ PRESETS: dict[str, TransformerConfig] = {
         num_experts_per_tok=2,
         moe_intermediate_size=192,
     ),
+    # the shape of Qwen3-0.6B (random weights; vocab from the tokenizer): GPU benchmarks and checks
+    "qwen3-0.6b": TransformerConfig(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40960,
+    ),
     # `image_token_id` is set from the tokenizer (its `<|image|>` token) when the model is built
     "tiny-vlm": TransformerConfig(
         hidden_size=128,

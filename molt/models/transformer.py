@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from molt.models.attention import Cache, PackedCausal, take_columns
+from molt.models.attention import Cache, packed_attention, take_columns
 from molt.models.config import TransformerConfig
 from molt.models.moe import Routing, SparseMoE
 from molt.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -145,6 +145,7 @@ class Transformer(nn.Module):
         pixel_values: torch.Tensor | None = None,
         image_embeds_nh: torch.Tensor | None = None,
         outputs_bq: torch.Tensor | None = None,
+        attention: str = "auto",
     ) -> torch.Tensor:
         """Logits for `input_ids_bt` at explicit positions (default 0..T-1 per row).
 
@@ -156,6 +157,8 @@ class Transformer(nn.Module):
         or as `image_embeds_nh`, one row per `image_token_id` position of `input_ids_bt` in row-major order.
         `outputs_bq` (packed training, dense models): only these columns' logits [B, Q, V]; every position
         still feeds the keys and values, so they equal the full forward's logits at those columns.
+        `attention`: the packed-attention backend (`auto`: FlexAttention on CUDA, SDPA elsewhere; see
+        `attention.packed_attention`).
         """
         if position_ids_bt is None:
             position_ids_bt = torch.arange(input_ids_bt.shape[1], device=input_ids_bt.device).expand_as(input_ids_bt)
@@ -163,7 +166,10 @@ class Transformer(nn.Module):
             raise ValueError("pass either doc_ids_bt (packed training) or cache (decoding), not both")
         if outputs_bq is not None and (cache is not None or routing is not None):
             raise ValueError("outputs_bq is for packed training of dense models (no cache, no MoE routing)")
-        attend = cache.prepare(position_ids_bt) if cache is not None else PackedCausal(doc_ids_bt, parent_ids_bt)
+        if cache is not None:
+            attend = cache.prepare(position_ids_bt)
+        else:
+            attend = packed_attention(doc_ids_bt, parent_ids_bt, attention)
         x_bth = self.embed_tokens(input_ids_bt)
         if pixel_values is not None:
             image_embeds_nh = self.vision(pixel_values).flatten(0, 1)

@@ -20,6 +20,7 @@ from molt.engine.router import Router
 from molt.runtime import cluster
 from molt.runtime.engines import RemoteEngine
 from molt.runtime.ranks import RayTrainer, spawn_rank
+from molt.train.precision import resolve_dtype
 
 
 class RayRuntime:
@@ -47,7 +48,8 @@ class RayRuntime:
         slots = cfg.rollout.episodes_in_flight * 2
         kwargs = dict(num_slots=slots, max_seq_len=cfg.rollout.max_len + 1, version=version,
                       num_threads=rt.engine_threads or 1, compile=rt.engine_compile)  # fmt: skip
-        args = (self.model_ref, tokenizer, kwargs, rt.engine_threads or 1, rt.device)
+        dtype = resolve_dtype(cfg.model.dtype, rt.device)
+        args = (self.model_ref, tokenizer, kwargs, rt.engine_threads or 1, rt.device, dtype)
         for i in range(rt.engines):
             options = self.placement.options(i, f"molt-engine-{i}", max_restarts=rt.engine_restarts)
             self.engines.append(RemoteEngine.spawn(i, options, args, version, rt.sync_chunk_mb << 20))

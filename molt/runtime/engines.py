@@ -84,11 +84,12 @@ def chunk_weights(weights: Weights, chunk_bytes: int) -> ChunkedWeights:
 class EngineActor:
     """A `TorchEngine` in its own process (wrapped with `ray.remote` by `RemoteEngine.spawn`)."""
 
-    def __init__(self, model, tokenizer, engine_kwargs: dict, threads: int, device: str):
+    def __init__(self, model, tokenizer, engine_kwargs: dict, threads: int, device: str, dtype: torch.dtype):
         torch.set_num_threads(threads)
         from molt.engine import TorchEngine
 
-        self.engine = TorchEngine(model.to(device).eval(), tokenizer=tokenizer, **engine_kwargs)
+        model = model.to(device=device, dtype=dtype).eval()  # the compute dtype; synced weights are cast into it
+        self.engine = TorchEngine(model, tokenizer=tokenizer, **engine_kwargs)
         self.expected = set(self.engine.model.state_dict())
 
     async def ready(self) -> int:

@@ -45,7 +45,9 @@ class TrainerRank:
         rt = self.cfg.runtime
         parallel.init_process_group(self.rank, self.world_size, address, port, rt.device, rt.collective_timeout_s)
         self.trainer = Trainer(self.model, self.cfg)  # the reference copy (kl_coef > 0) stays unsharded
-        parallel.parallelize(self.model)
+        precision = self.trainer.precision
+        parallel.parallelize(self.model, precision.compute if precision.mixed else None)
+        self.trainer.precision = precision.unsharded()  # FSDP2 casts the parameters: no autocast on top
         self.trainer.opt, self.trainer.schedule = build_optimizer(self.model.parameters(), self.cfg.train)
 
     def step(self, trajs: list[Trajectory], shard: list[int]) -> dict[str, float]:

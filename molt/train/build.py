@@ -8,6 +8,7 @@ from molt.config import ModelConfig
 from molt.models import PRESETS, Transformer, from_pretrained, preset
 from molt.models.moe import SparseMoE
 from molt.models.tokenizer import IMAGE_PLACEHOLDER, build_builtin_tokenizer, load_tokenizer
+from molt.train.precision import resolve_dtype
 
 
 def build_tokenizer(cfg: ModelConfig):
@@ -19,9 +20,13 @@ def build_tokenizer(cfg: ModelConfig):
     return build_builtin_tokenizer(image_token=PRESETS[cfg.preset].vision is not None)
 
 
-def build_model(cfg: ModelConfig, tokenizer, seed: int, device: str = "cpu") -> Transformer:
-    """A model loaded from `cfg.path`, or a preset sized to the tokenizer with seeded random weights."""
-    dtype = getattr(torch, cfg.dtype)
+def build_model(
+    cfg: ModelConfig, tokenizer, seed: int, device: str = "cpu", dtype: torch.dtype | None = None
+) -> Transformer:
+    """A model loaded from `cfg.path`, or a preset sized to the tokenizer with seeded random weights.
+
+    Its parameters are in `dtype` (default: the compute dtype `cfg.dtype` resolves to on `device`)."""
+    dtype = dtype or resolve_dtype(cfg.dtype, device)
     if cfg.path:
         model = from_pretrained(cfg.path, dtype=dtype, device=device)
         model.cfg.router_fp32 = cfg.router_fp32  # not an HF config key: the run's setting applies

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from molt.data.trajectory import Trajectory
 
@@ -33,11 +33,17 @@ def init_process_group(
     )
 
 
-def parallelize(model: torch.nn.Module) -> torch.nn.Module:
-    """Shard `model` over the default process group with FSDP2 (fp32 params, summed gradients)."""
+def parallelize(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Shard `model` over the default process group with FSDP2 (summed gradients).
+
+    `compute_dtype` (mixed precision): parameters are all-gathered and computed in it while the shards,
+    gradient reduction and optimizer stay in the parameters' own dtype (FSDP2's `MixedPrecisionPolicy`)."""
+    policy = MixedPrecisionPolicy()
+    if compute_dtype is not None:
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -8,6 +8,7 @@ Writes metrics.jsonl and an HF checkpoint (model + tokenizer) that `transformers
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from molt.models.vision import expand_row_images
 from molt.train.build import build_model, build_tokenizer
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
+from molt.train.precision import Precision, clip_and_step
 
 
 @dataclass
@@ -91,19 +93,19 @@ def evaluate(model: Transformer, batches: list[PackedBatch]) -> dict[str, float]
     return {"eval/loss": loss / max(count, 1), "eval/token_acc": correct / max(count, 1)}
 
 
-def train_step(model, opt, schedule, batches: list[PackedBatch], grad_clip: float) -> dict[str, float]:
-    """One optimizer step over micro-batches with a global token-mean denominator."""
+def train_step(
+    model, opt, schedule, batches: list[PackedBatch], grad_clip: float, precision: Precision | None = None, scaler=None
+) -> dict[str, float]:
+    """One optimizer step over micro-batches with a global token-mean denominator (forward in `precision`)."""
     denom = sum(float(b.loss_mask.sum()) for b in batches)
     total = 0.0
     for batch in batches:
-        loss_sum, _ = token_losses(model, batch)
-        (loss_sum / denom).backward()
+        with precision.autocast() if precision is not None else contextlib.nullcontext():
+            loss_sum, _ = token_losses(model, batch)
+        loss = loss_sum / denom
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         total += float(loss_sum.detach())
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    finite = bool(torch.isfinite(norm))
-    if finite:
-        opt.step()
-    opt.zero_grad(set_to_none=True)
+    norm, finite = clip_and_step(opt, model.parameters(), grad_clip, scaler)
     lr = schedule.get_last_lr()[0]
     schedule.step()
     return {
@@ -136,7 +138,9 @@ def run_sft(cfg: Config) -> SftResult:
         torch.set_num_threads(cfg.runtime.threads)
     run = RunDir(cfg.log.run_dir, "sft", cfg)
     tokenizer = build_tokenizer(cfg.model)
-    model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device)
+    precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
+    model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device, precision.params)
+    scaler = precision.scaler()
     train_rows, eval_rows = sft_rows(cfg)
     source = cfg.data.path or f"task {cfg.data.task}"
     ids, masks, pixels = tokenize_rows(tokenizer, train_rows, cfg.data.max_len, source, model.cfg)
@@ -152,7 +156,8 @@ def run_sft(cfg: Config) -> SftResult:
         t0 = time.perf_counter()
         picked = next(sampler)
         batches = pack([ids[i] for i in picked], [masks[i] for i in picked], row_len, mb, [pixels[i] for i in picked])
-        metrics = train_step(model, opt, schedule, [b.to(cfg.runtime.device) for b in batches], cfg.train.grad_clip)
+        batches = [b.to(cfg.runtime.device) for b in batches]
+        metrics = train_step(model, opt, schedule, batches, cfg.train.grad_clip, precision, scaler)
         tokens = sum(b.num_tokens for b in batches)
         dt = time.perf_counter() - t0
         metrics |= {"step": step + 1, "train/tokens_per_s": tokens / dt, "time/step_s": dt}

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from molt import algo
 from molt.config import Config
@@ -21,8 +20,11 @@ from molt.data.trajectory import Trajectory
 from molt.models import Transformer
 from molt.train import parallel
 from molt.train.images import trajectory_pixels
+from molt.train.logprobs import token_logprobs, token_logprobs_entropy
+from molt.train.memory import checkpoint_layers
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack, placements
+from molt.train.precision import Precision, clip_and_step
 from molt.train.routing import (
     attach_routing,
     forward_routing,
@@ -91,45 +93,10 @@ def _per_sample(values: list[list[float]], mb: MicroBatch) -> torch.Tensor:
     return _padded([values[i] for i in mb.samples])
 
 
-def token_logprobs(
-    model: Transformer, packed: PackedBatch, temperature: float, routing=None, trained_only: bool = False
-) -> torch.Tensor:
-    """log p(target) at every packed position [R, W], under logits / temperature (fp32); `routing`: MoE.
-
-    With shared prefixes (`packed.forks`), the flat [R * W + E] vector of those, then each fork's log p.
-    `trained_only` (dense models): the last layer computes only the positions whose target is trained or
-    that hold a fork (`Transformer.forward`'s `outputs_bq`); every other position's log p is 0."""
-    kwargs = dict(doc_ids_bt=packed.doc_ids, parent_ids_bt=packed.parent_ids, pixel_values=packed.pixel_values)
-    if not trained_only:
-        logits = model(packed.input_ids, packed.position_ids, routing=routing, **kwargs).flatten(0, 1)
-        at_n = torch.arange(packed.targets.numel(), device=logits.device)
-    else:
-        cols_bq, valid_bq = trained_columns(packed)
-        logits = model(packed.input_ids, packed.position_ids, outputs_bq=cols_bq, **kwargs)[valid_bq]
-        at_n = torch.arange(cols_bq.shape[0], device=cols_bq.device)[:, None] * packed.targets.shape[1] + cols_bq
-        at_n = at_n[valid_bq]
-    logits = logits.float() / temperature
-    logp_n = -F.cross_entropy(logits, packed.targets.flatten()[at_n].clamp(min=0), reduction="none")
-    logp = logp_n if not trained_only else logp_n.new_zeros(packed.targets.numel()).index_put((at_n,), logp_n)
-    if packed.forks is None:
-        return logp.view(packed.targets.shape)
-    fork_at, fork_targets = packed.forks.T.contiguous()
-    fork_n = torch.searchsorted(at_n, fork_at)  # a fork's row among the computed outputs (`at_n` is increasing)
-    forks = torch.log_softmax(logits[fork_n], -1).gather(1, fork_targets[:, None])[:, 0]
-    return torch.cat([logp, forks])
-
-
-def trained_columns(packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the columns whose target is trained or that predict a fork ([B, Q], padded by repeating
-    the row's first such column) and which entries are real ([B, Q] bool)."""
-    need_bt = packed.loss_mask > 0
-    if packed.forks is not None:
-        need_bt.view(-1)[packed.forks[:, 0]] = True
-    counts_b = need_bt.sum(1)
-    width = max(int(counts_b.max()), 1)
-    cols_bq = torch.argsort((~need_bt).to(torch.uint8), dim=1, stable=True)[:, :width]
-    valid_bq = torch.arange(width, device=cols_bq.device) < counts_b[:, None]
-    return torch.where(valid_bq, cols_bq, cols_bq[:, :1]), valid_bq
+def _add(sums: dict[str, float], **values: torch.Tensor) -> None:
+    """Accumulate each value's sum into `sums[name]` (a float)."""
+    for name, value in values.items():
+        sums[name] = sums.get(name, 0.0) + float(value.sum())
 
 
 def _unpack(logp_rw: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -141,7 +108,11 @@ class Trainer:
     """Owns the policy's training copy, its optimizer and version; `step` trains on one batch."""
 
     def __init__(self, model: Transformer, cfg: Config):
-        self.model, self.cfg = model, cfg
+        self.precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
+        self.model, self.cfg = model.to(self.precision.params), cfg
+        if cfg.train.activation_checkpointing:
+            checkpoint_layers(model)
+        self.scaler = self.precision.scaler()
         self.moe_shape = (model.cfg.num_moe_layers(), model.cfg.num_experts_per_tok)
         self.frozen = freeze_routers(model, cfg)
         self.opt, self.schedule = build_optimizer(model.parameters(), cfg.train)
@@ -197,17 +168,11 @@ class Trainer:
             self._backward(mb, trajs, advantages, denoms, sums)
         for _ in range(num_mbs - len(mbs)):
             self._backward(mbs[-1], trajs, advantages, denoms, {}, scale=0.0)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip or float("inf"))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        grad_norm, stepped = clip_and_step(self.opt, self.model.parameters(), self.cfg.train.grad_clip, self.scaler)
+        self.num_skipped_steps += not stepped
         if shard is not None:
             sums = parallel.all_reduce_sums(sums | {"micro_batches": len(mbs)})  # MoE sums hold a load tensor
             trajs, mbs = trajs_all, range(int(sums.pop("micro_batches")))
-        finite = bool(torch.isfinite(grad_norm))
-        if finite:
-            self.opt.step()
-        else:
-            self.num_skipped_steps += 1
-        self.opt.zero_grad(set_to_none=True)
         lr = self.schedule.get_last_lr()[0]
         self.schedule.step()
         metrics = self._step_metrics(trajs, sums, mbs, adv_metrics)
@@ -227,16 +192,12 @@ class Trainer:
         return torch.tensor([trajs[i].group_id for i in mb.samples])
 
     def _backward(self, mb: MicroBatch, trajs, advantages, denoms, sums: dict[str, float], scale=1.0) -> None:
-        device, temp = self.cfg.runtime.device, self.cfg.rollout.temperature
+        device = self.cfg.runtime.device
         packed = mb.packed.to(device)
         routing = forward_routing(packed, self.cfg.algo.routing_replay) if self.moe_shape[0] else None
-        logp_bt = _unpack(token_logprobs(self.model, packed, temp, routing, trained_only=routing is None), mb)
+        logp_bt, entropy_bt, ref_logp_bt = self._logprobs(mb, packed, routing)
         mask_bt = mb.mask_bt.to(device)
         rollout_logp_bt = _per_sample([t.rollout_logprobs for t in trajs], mb).to(device)
-        ref_logp_bt = None
-        if self.ref is not None:
-            with torch.no_grad():
-                ref_logp_bt = _unpack(token_logprobs(self.ref, packed, temp, trained_only=routing is None), mb)
         batch = algo.PolicyBatch(
             logp_bt=logp_bt,
             mask_bt=mask_bt,
@@ -251,27 +212,43 @@ class Trainer:
             sums["moe_aux"] = sums.get("moe_aux", 0.0) + float(aux.detach())
             if self.cfg.algo.moe_aux_coef > 0:
                 loss = loss + self.cfg.algo.moe_aux_coef * aux
-        (loss * scale if scale != 1.0 else loss).backward()
-        n = float(mask_bt.sum())
-        diff = ((logp_bt.detach() - rollout_logp_bt).abs() * mask_bt).sum()
-        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-        sums["abs_diff"] = sums.get("abs_diff", 0.0) + float(diff)
+        loss_scaled = loss * scale if scale != 1.0 else loss
+        (self.scaler.scale(loss_scaled) if self.scaler is not None else loss_scaled).backward()
+        fresh_bt = (_per_sample([t.versions for t in trajs], mb).to(device) == self.version) * mask_bt
+        diff_bt = (logp_bt.detach() - rollout_logp_bt).abs()
+        _add(sums, loss=loss.detach(), abs_diff=diff_bt * mask_bt, fresh_diff=diff_bt * fresh_bt, fresh=fresh_bt)
+        _add(sums, entropy=entropy_bt * mask_bt, tokens=mask_bt)
         if routing is not None:  # MoE: |diff| with replayed and live routing (the other mode: a no-grad forward)
-            other_logp = lambda r: _unpack(token_logprobs(self.model, packed, temp, r), mb)  # noqa: E731
+            other_logp = lambda r: self._logprobs(mb, packed, r, reference=False)[0]  # noqa: E731
             logprob_diffs(sums, packed, self.cfg.algo, logp_bt.detach(), rollout_logp_bt, mask_bt, other_logp)
-        sums["tokens"] = sums.get("tokens", 0.0) + n
+        n = float(mask_bt.sum())
         for key, value in metrics.items():
             sums[f"w_{key}"] = sums.get(f"w_{key}", 0.0) + float(value) * n
+
+    def _logprobs(self, mb: MicroBatch, packed: PackedBatch, routing, reference: bool = True):
+        """(log-probs, entropies, reference log-probs or None), each [b, T] per sample, in the compute dtype."""
+        temp, chunk = self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens
+        with self.precision.autocast():
+            logp, entropy = token_logprobs_entropy(self.model, packed, temp, routing, routing is None, chunk)
+            ref_logp_bt = None
+            if reference and self.ref is not None:
+                with torch.no_grad():
+                    ref_logp_bt = _unpack(token_logprobs(self.ref, packed, temp, None, routing is None, chunk), mb)
+        return _unpack(logp, mb), _unpack(entropy.detach(), mb), ref_logp_bt
 
     def _step_metrics(self, trajs, sums, mbs, adv_metrics) -> dict[str, float]:
         n = max(sums.get("tokens", 0.0), 1.0)
         staleness = [self.version - v for t in trajs for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
         out = {f"train/{k[2:]}": v / n for k, v in sums.items() if k.startswith("w_")}
         out |= {f"train/{k}": float(v) for k, v in adv_metrics.items()} | routing_metrics(sums)
+        if sums.get("fresh", 0.0) > 0:  # numerics alone: tokens the current weights sampled (absent when none)
+            out["train/logprob_diff_fresh"] = sums["fresh_diff"] / sums["fresh"]
         rewards = [t.reward for t in trajs]
         return out | {
             "train/loss": sums.get("loss", 0.0),
             "train/logprob_diff": sums.get("abs_diff", 0.0) / n,
+            "train/fresh_tokens": sums.get("fresh", 0.0),
+            "train/entropy": sums.get("entropy", 0.0) / n,
             "train/reward_mean": sum(rewards) / len(rewards),
             "train/staleness_mean": sum(staleness) / max(len(staleness), 1),
             "train/staleness_max": max(staleness, default=0),

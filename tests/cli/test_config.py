@@ -81,8 +81,8 @@ def test_invalid_value_and_combination(tmp_path, capsys):
 
 def test_literal_choice_checked(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('[model]\ndtype = "float16"\n')
-    with pytest.raises(ConfigError, match=r"model\.dtype: must be one of \['float32', 'bfloat16'\]"):
+    path.write_text('[model]\ndtype = "float8"\n')
+    with pytest.raises(ConfigError, match=r"model\.dtype: must be one of \['auto', 'float32', 'bfloat16', 'float16'\]"):
         load_config_file(Config, path)
 
 

@@ -17,7 +17,7 @@ def test_chunked_sync_then_missing_names_then_dead_replica_stops_the_run(ray_clu
 
     ray = ray_cluster
     model = small_model()
-    args = (ray.put(model), None, {"num_slots": 4, "max_seq_len": 64}, 1, "cpu")
+    args = (ray.put(model), None, {"num_slots": 4, "max_seq_len": 64}, 1, "cpu", torch.float32)
     engine = RemoteEngine.spawn(0, {"num_cpus": 1, "max_restarts": 0}, args, version=0, chunk_bytes=1 << 14)
     sampling = SamplingParams(max_tokens=4, seed=1)
 

@@ -112,7 +112,19 @@ class ChatRunner:
             result = await asyncio.wait_for(agent.run(ctx), limits.step_timeout_s * limits.max_turns)
         finally:
             segments = server.close_session(session.id)
+        rescore = getattr(agent, "rescore", None)  # a reward function scoring the final answer (reward_env.py)
+        if rescore is not None and segments:
+            answer = last_completion_text(self.tokenizer, segments[-1])
+            result = await asyncio.wait_for(rescore(result, answer, row), limits.step_timeout_s)
         return _stamp(agent, result, segments, session.truncated, ids)
+
+
+def last_completion_text(tokenizer, segment: Trajectory) -> str:
+    """Decoded text of the last completion the engine generated in `segment` ("" if none)."""
+    if not segment.actions:
+        return ""
+    start, end = segment.actions[-1][:2]
+    return tokenizer.decode(segment.tokens[start:end], skip_special_tokens=True)
 
 
 def _stamp(agent: ChatAgent, result: Result, segments: list[Trajectory], truncated: bool, ids: dict) -> list:

@@ -1,0 +1,176 @@
+"""Reward functions: `fn(completion: str, row: dict) -> float | dict[str, float]`, sync or async.
+
+`--rollout.reward` names one or more, comma-separated: a built-in (`math`, `format`, ...; see
+`rewards.py`), `file.py:fn` or `pkg.module:fn` (`file.py` alone means its function `reward`). Each
+returns a float, named after the function, or a dict of named rewards. The episode's reward is the
+weighted sum of all named rewards (`--rollout.reward_weights name=w,...`, default 1); each is logged
+(`reward/<name>` per step, `eval/reward/<name>`). User functions that are not `async` run on a small
+thread pool, so a slow one cannot stall the loop and its timeout (`rollout.step_timeout_s`) fires.
+Loading is checked when the config is built: a missing file or function is one line naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import importlib
+import inspect
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from molt.agents.env import _load_module
+from molt.agents.rewards import BUILTIN_REWARDS
+
+# set by evaluation while its episodes run, so training's per-step reward metrics leave them out
+EVALUATING: contextvars.ContextVar[bool] = contextvars.ContextVar("molt_evaluating", default=False)
+
+
+@dataclass(frozen=True)
+class RewardPart:
+    """One reward function of a `--rollout.reward` list."""
+
+    name: str
+    fn: Callable[..., Any]
+    inline: bool  # built-ins are cheap and run on the event loop; user sync functions on the pool
+
+
+def parse_weights(spec: str) -> dict[str, float]:
+    """`"math=1,format=0.2"` -> {"math": 1.0, "format": 0.2}."""
+    weights: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, value = (s.strip() for s in item.partition("="))
+        try:
+            weights[name] = float(value) if sep and name else float("nan")
+        except ValueError:
+            weights[name] = float("nan")
+        if not math.isfinite(weights[name]):
+            raise ValueError(f"rollout.reward_weights: {item!r} is not NAME=NUMBER (e.g. math=1,format=0.2)")
+    return weights
+
+
+@functools.cache
+def _user_function(spec: str, mtime: float) -> Callable[..., Any]:
+    """The function `spec` names, imported once per file version."""
+    target, _, name = spec.partition(":")
+    name = name or "reward"
+    try:
+        module = _load_module(target) if target.endswith(".py") else importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"rollout.reward: cannot import {target!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed while importing
+        raise ValueError(f"rollout.reward: importing {target!r} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"rollout.reward: {target!r} defines no function {name!r} (give it as {target}:NAME)")
+    try:
+        inspect.signature(fn).bind("completion", {})
+    except TypeError:
+        raise ValueError(f"rollout.reward: {target}:{name} must take (completion: str, row: dict)") from None
+    except ValueError:  # builtins without a signature: trust them
+        pass
+    return fn
+
+
+def load_part(spec: str) -> RewardPart:
+    """A built-in name, `file.py[:fn]` or `pkg.module:fn` as a named reward part."""
+    if ":" not in spec and not spec.endswith(".py"):
+        if spec not in BUILTIN_REWARDS:
+            raise ValueError(
+                f"rollout.reward: unknown reward {spec!r}; built-ins: {sorted(BUILTIN_REWARDS)}, "
+                "or FILE.py:FUNCTION / package.module:FUNCTION"
+            )
+        return RewardPart(spec, BUILTIN_REWARDS[spec], inline=True)
+    path = Path(spec.partition(":")[0])
+    if path.suffix == ".py" and not path.exists():
+        raise ValueError(f"rollout.reward: reward file {str(path)!r} does not exist")
+    mtime = path.stat().st_mtime if path.suffix == ".py" else 0.0
+    fn = _user_function(spec, mtime)
+    return RewardPart(getattr(fn, "__name__", spec), fn, inline=False)
+
+
+class RewardLog:
+    """Sums of named rewards over training rollouts since the last `drain` (eval episodes excluded)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def add(self, named: dict[str, float]) -> None:
+        if EVALUATING.get():
+            return
+        for key, value in named.items():
+            self.sums[key] += value
+            self.counts[key] += 1
+
+    def drain(self) -> dict[str, float]:
+        """`reward/<name>` means since the last call."""
+        out = {f"reward/{k}": self.sums[k] / self.counts[k] for k in self.sums}
+        self.sums.clear()
+        self.counts.clear()
+        return out
+
+
+class RewardFunction:
+    """The configured reward: named parts, their weights, and the log of their values."""
+
+    def __init__(self, spec: str, weights: str = "", max_threads: int = 4):
+        self.spec = spec
+        self.parts = [load_part(s.strip()) for s in spec.split(",") if s.strip()]
+        if not self.parts:
+            raise ValueError("rollout.reward: no reward function named")
+        self.weights = parse_weights(weights)
+        self.max_threads = max_threads
+        self._pool: ThreadPoolExecutor | None = None
+        self.log = RewardLog()
+
+    def check_weights(self, returns_dicts: bool = False) -> None:
+        """Weights must name a reward part (checked when no part returns a dict, whose keys come later)."""
+        names = {p.name for p in self.parts}
+        unknown = sorted(set(self.weights) - names)
+        if unknown and not returns_dicts:
+            raise ValueError(f"rollout.reward_weights: {unknown} name no reward; rewards: {sorted(names)}")
+
+    async def _call(self, part: RewardPart, completion: str, row: dict[str, Any]) -> Any:
+        if part.inline:
+            value = part.fn(completion, row)
+        elif inspect.iscoroutinefunction(part.fn):
+            value = await part.fn(completion, row)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_threads, thread_name_prefix="molt-reward")
+            loop = asyncio.get_running_loop()
+            value = await loop.run_in_executor(self._pool, part.fn, completion, row)
+        return await value if inspect.isawaitable(value) else value
+
+    async def score(self, completion: str, row: dict[str, Any]) -> tuple[float, dict[str, float]]:
+        """(weighted total, named rewards) of one completion; a bad return value is a TypeError."""
+        named: dict[str, float] = {}
+        for part in self.parts:
+            value = await self._call(part, completion, row)
+            items = value.items() if isinstance(value, dict) else [(part.name, value)]
+            for key, v in items:
+                if not isinstance(v, int | float):  # bool is an int: True scores 1
+                    raise TypeError(f"reward {part.name!r} returned {type(v).__name__} for {key!r}; expected a number")
+                if key in named:
+                    raise ValueError(f"reward name {key!r} is returned twice (rollout.reward {self.spec!r})")
+                named[str(key)] = float(v)
+        self.log.add(named)
+        return sum(self.weights.get(k, 1.0) * v for k, v in named.items()), named
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def load_reward(spec: str, weights: str = "") -> RewardFunction:
+    """The reward of `--rollout.reward` / `--rollout.reward_weights`; a ValueError naming the problem."""
+    reward = RewardFunction(spec, weights)
+    reward.check_weights(returns_dicts=any(not p.inline for p in reward.parts))
+    return reward

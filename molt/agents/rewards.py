@@ -1,0 +1,122 @@
+"""Built-in reward functions, addressable by name (`--rollout.reward math`, `format`, `exact`, ...).
+
+Each is `fn(completion: str, row: dict) -> float`, like a user's reward function. The reference
+answer is the row's `answer` column (else `label`); a GSM8K-style `... #### 72` or a `\\boxed{72}`
+reference is reduced to its final answer. Answers match numerically when both sides are numbers
+(`1,234`, `-3.50`, `3/4`, `\\frac{3}{4}`, `50%` as 50), else as normalised text.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
+
+BUILTIN_REWARDS: dict[str, Callable[[str, dict[str, Any]], float]] = {}
+
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+THINK = re.compile(r"\s*<think>.*?</think>\s*\S", re.S)
+
+
+def register_reward(name: str):
+    """Register a built-in reward function under `name`."""
+
+    def wrap(fn):
+        if name in BUILTIN_REWARDS:
+            raise ValueError(f"reward {name!r} registered twice")
+        BUILTIN_REWARDS[name] = fn
+        return fn
+
+    return wrap
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None
+
+
+def last_number(text: str) -> str | None:
+    """The last number in `text` (thousands commas, decimals and a/b fractions kept), or None."""
+    found = NUMBER.findall(FRAC.sub(r"\1/\2", text))
+    return found[-1] if found else None
+
+
+def extract_answer(completion: str) -> str | None:
+    """A completion's final answer: the last `\\boxed{}` content, else its last number."""
+    boxed = last_boxed(completion)
+    return boxed if boxed is not None else last_number(completion)
+
+
+def row_answer(row: dict[str, Any]) -> str:
+    """The row's `answer` column, else its `label`, as text; an error if it has neither."""
+    value = row.get("answer", row.get("label"))
+    if value is None:
+        raise KeyError("the row has no 'answer' (or 'label') column for the reward to compare with")
+    return str(value)
+
+
+def reference_answer(row: dict[str, Any]) -> str:
+    """The row's reference answer (`answer`, else `label`), reduced to its final part."""
+    text = row_answer(row)
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip()
+    boxed = last_boxed(text)
+    return boxed if boxed is not None else text.strip()
+
+
+def to_number(text: str) -> float | None:
+    """`text` as a number (`1,234`, `$5`, `3/4`, `\\frac{3}{4}`, `7.`; `50%` is 50, as references write it), or None."""
+    t = FRAC.sub(r"\1/\2", text).strip().strip("$").replace("\\%", "").rstrip("%").replace(",", "").rstrip(".")
+    t = t.replace("\\!", "").replace(" ", "")
+    try:
+        return float(Fraction(t)) if "/" in t else float(t)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text.strip().strip("$").rstrip(".")).lower()
+
+
+def answers_match(predicted: str, reference: str) -> bool:
+    """Numerically equal when both are numbers (relative tolerance 1e-6), else equal as normalised text."""
+    a, b = to_number(predicted), to_number(reference)
+    if a is not None and b is not None:
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+    return _normalise(predicted) == _normalise(reference)
+
+
+@register_reward("math")
+def math_reward(completion: str, row: dict[str, Any]) -> float:
+    """1 if the completion's final answer (`\\boxed{}`, else its last number) matches the row's answer."""
+    predicted = extract_answer(completion)
+    return float(predicted is not None and answers_match(predicted, reference_answer(row)))
+
+
+@register_reward("exact")
+def exact_reward(completion: str, row: dict[str, Any]) -> float:
+    """1 if the whole completion, stripped, equals the row's answer (or label), as the built-in tasks grade."""
+    return float(completion.strip() == row_answer(row).strip())
+
+
+@register_reward("format")
+def format_reward(completion: str, row: dict[str, Any]) -> float:
+    """1 if the completion puts its answer in `\\boxed{...}` (the form the math reward reads first)."""
+    return float(last_boxed(completion) is not None)
+
+
+@register_reward("think_format")
+def think_format_reward(completion: str, row: dict[str, Any]) -> float:
+    """1 if the completion is `<think>...</think>` followed by an answer."""
+    return float(THINK.match(completion) is not None)

@@ -1,0 +1,63 @@
+"""A `DataConfig` -> (train rows, held-out rows): a dataset file or folder, or a built-in task.
+
+Files and folders (`formats.py`) are mapped and checked row by row (`rows.py`) when the run starts,
+before any model is built. Held-out rows come from `data.eval_path`, a `DatasetDict`'s test or
+validation split, or a seeded shuffled split of `data.path` (`data.num_eval` rows, at most 10%).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from molt.data.formats import DataError, dataset_splits, read_located
+from molt.data.rows import Row, parse_columns, prompt_rows
+from molt.data.tasks import get_task
+
+EVAL_SPLITS = ("test", "validation", "valid", "eval")
+
+
+def file_rows(path: str, data, split: str = "") -> list[Row]:
+    """Prompt rows of one dataset file or folder under `data`'s column mapping and system prompt."""
+    try:
+        columns = parse_columns(data.columns)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    located = read_located(path, split or data.split)
+    return prompt_rows(located, columns, data.system_prompt, source=path)
+
+
+def _eval_split(path: str) -> str:
+    """The held-out split of a DatasetDict folder ("" if it has none, or `path` is not one)."""
+    return next((s for s in EVAL_SPLITS if s in dataset_splits(path)), "")
+
+
+def _eval_file_rows(data) -> list[Row]:
+    return file_rows(data.eval_path, data, _eval_split(data.eval_path) or data.split)
+
+
+def dataset_rows(data) -> tuple[list[Row], list[Row]]:
+    """(train, held-out) rows for a `DataConfig` (see the module docstring)."""
+    if not data.path:
+        rows = get_task(data.task).rows(data.num_train + data.num_eval, data.seed)
+        held_out = _eval_file_rows(data) if data.eval_path else rows[: data.num_eval]
+        return rows[data.num_eval :], held_out
+    train = file_rows(data.path, data)
+    if data.shuffle:
+        random.Random(data.seed).shuffle(train)
+    if data.eval_path:
+        return train, _eval_file_rows(data)
+    if split := _eval_split(data.path):
+        return train, file_rows(data.path, data, split)
+    num_eval = min(data.num_eval, len(train) // 10)
+    return train[num_eval:], train[:num_eval]
+
+
+def has_demonstrations(rows: list[Row]) -> bool:
+    """Whether every row's messages hold an assistant turn (something SFT can train on)."""
+    return bool(rows) and all(any(m.get("role") == "assistant" for m in r["messages"]) for r in rows)
+
+
+def describe(data) -> str:
+    """Where the data comes from, for log lines."""
+    return str(Path(data.path)) if data.path else f"task {data.task}"

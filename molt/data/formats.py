@@ -1,0 +1,159 @@
+"""Dataset files on disk -> raw rows, each with where it came from (`file:line` or `file row i`).
+
+Registered readers by format: JSON lines (`.jsonl`, or a `.json` that is not one array), a JSON
+array (`.json`), Parquet (`.parquet`) and a `datasets` folder written by `save_to_disk` (Arrow
+stream files listed in `state.json`; a `DatasetDict` folder gives its splits). A folder of `.jsonl`
+/ `.parquet` files reads them all in name order. Parquet and Arrow are read with pyarrow, which is
+also what the `datasets` library stores; nothing here interprets the rows (see `rows.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+Located = list[tuple[str, Any]]  # (where, raw row) pairs; `where` names the file and its 1-based line or row index
+
+READERS: dict[str, Callable[[Path], Located]] = {}
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used; the message names the file and line (or row) and the field."""
+
+
+def register_reader(name: str):
+    """Register `fn(path) -> [(where, row)]` as the reader of format `name`."""
+
+    def wrap(fn):
+        READERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def detect_format(path: str | Path) -> str:
+    """The reader for `path` from its suffix or folder layout; an unknown kind is an error naming it."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+            return "datasets"
+        if any(path.glob("*.parquet")) or any(path.glob("*.jsonl")):
+            return "folder"
+        raise DataError(f"{path}: a folder that is neither a `datasets` save_to_disk folder nor holds .jsonl/.parquet")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".parquet"):
+        return suffix[1:]
+    raise DataError(f"{path}: unknown dataset format {suffix!r}; use .jsonl, .json, .parquet or a `datasets` folder")
+
+
+def read_located(path: str | Path, split: str = "train") -> Located:
+    """(where, row) for every row of a dataset file or folder; `split` picks a DatasetDict's split."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder")
+    kind = detect_format(path)
+    if kind == "datasets":
+        return read_datasets_folder(path, split)
+    return READERS[kind](path)
+
+
+@register_reader("jsonl")
+def read_json_lines(path: Path) -> Located:
+    """One JSON value per non-blank line; a bad line is an error naming the file's own 1-based line."""
+    out = []
+    with path.open(encoding="utf-8") as f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    out.append((f"{path}:{lineno}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); is it a binary file?") from None
+    return out
+
+
+@register_reader("json")
+def read_json(path: Path) -> Located:
+    """A JSON array of rows (each located at the line where it starts), else JSON lines (as `to_json` writes)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); is it a binary file?") from None
+    start = len(text) - len(text.lstrip())
+    if not text[start:].startswith("["):
+        return read_json_lines(path)
+    decoder, out, pos = json.JSONDecoder(), [], start + 1
+    while True:
+        pos = _skip_space(text, pos)
+        if pos < len(text) and text[pos] == "]":
+            return out
+        try:
+            row, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        out.append((f"{path}:{text.count(chr(10), 0, pos) + 1}", row))
+        pos = _skip_space(text, end)
+        if pos < len(text) and text[pos] == ",":
+            pos += 1
+        elif pos >= len(text) or text[pos] != "]":
+            line = text.count("\n", 0, pos) + 1
+            raise DataError(f"{path}:{line}: invalid JSON (expected ',' or ']' after a row)")
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _arrow_rows(path: Path, table) -> Located:
+    return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist())]
+
+
+@register_reader("parquet")
+def read_parquet(path: Path) -> Located:
+    """Rows of a Parquet file (located by 0-based row index)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return _arrow_rows(path, pq.read_table(path))
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid / ArrowIOError
+        raise DataError(f"{path}: cannot read as Parquet: {e}") from None
+
+
+def read_datasets_folder(path: Path, split: str = "train") -> Located:
+    """A `Dataset.save_to_disk` folder (its Arrow files in order), or one split of a `DatasetDict` folder."""
+    import pyarrow as pa
+
+    if (path / "dataset_dict.json").exists():
+        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        if split not in splits:
+            raise DataError(f"{path}: DatasetDict has no split {split!r}; splits: {splits}")
+        return read_datasets_folder(path / split)
+    state = json.loads((path / "state.json").read_text())
+    out: Located = []
+    for entry in state.get("_data_files", []):
+        file = path / entry["filename"]
+        with pa.memory_map(str(file)) as source:
+            table = pa.ipc.open_stream(source).read_all()
+        out += [(f"{file} row {i}", row) for i, row in enumerate(table.to_pylist())]
+    return out
+
+
+def dataset_splits(path: str | Path) -> list[str]:
+    """Split names of a `DatasetDict` folder (empty for anything else)."""
+    index = Path(path) / "dataset_dict.json"
+    return json.loads(index.read_text())["splits"] if index.exists() else []
+
+
+@register_reader("folder")
+def read_folder(path: Path) -> Located:
+    """Every .jsonl and .parquet file of a folder, in name order."""
+    files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet"))
+    return [located for file in files for located in READERS[file.suffix[1:]](file)]

@@ -1,0 +1,80 @@
+"""Raw dataset rows -> prompt rows: column mapping, `messages` or a `prompt` string, system prompt.
+
+Every row leaves with a validated chat `messages` list (the prompt the agent is reset with); all its
+other columns stay in the row for the reward function or agent (`answer`, `label`, tests, images).
+A `prompt` string becomes one user turn (with the row's `images`/`image` column as image parts
+before the text); `data.system_prompt` is put first in any prompt without a system message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from molt.data.chat import check_messages
+from molt.data.formats import DataError, Located
+
+Row = dict[str, Any]
+
+
+def parse_columns(spec: str) -> dict[str, str]:
+    """`"prompt=question,answer=solution"` -> {"prompt": "question", "answer": "solution"} (target=source)."""
+    mapping: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        target, sep, source = (s.strip() for s in item.partition("="))
+        if not sep or not target or not source:
+            raise ValueError(f"data.columns: {item!r} is not TARGET=SOURCE (e.g. prompt=question,answer=solution)")
+        if target in mapping:
+            raise ValueError(f"data.columns: {target!r} is mapped twice")
+        mapping[target] = source
+    return mapping
+
+
+def _images(row: Row) -> list[Any]:
+    images = row.get("images")
+    if images is None and row.get("image") is not None:
+        images = [row["image"]]
+    return list(images or [])
+
+
+def _prompt_messages(row: Row, where: str) -> list[dict[str, Any]]:
+    if row.get("messages") is not None:
+        return list(check_messages(row["messages"], where))
+    prompt = row.get("prompt")
+    if isinstance(prompt, list):  # conversational prompts (as TRL writes them)
+        return list(check_messages(prompt, where, key="prompt"))
+    if isinstance(prompt, str) and prompt.strip():
+        images = _images(row)
+        if not images:
+            return [{"role": "user", "content": prompt}]
+        parts = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": prompt}]
+        return [{"role": "user", "content": parts}]
+    if "prompt" in row:
+        raise DataError(f"{where}: field 'prompt' must be a non-empty string or a list of chat messages")
+    raise DataError(
+        f"{where}: no prompt: a row needs a 'messages' list or a 'prompt' string (columns: {sorted(row)}; "
+        "map another column with --data.columns prompt=COLUMN)"
+    )
+
+
+def prompt_row(raw: Any, where: str, columns: dict[str, str], system_prompt: str = "") -> Row:
+    """One raw row -> a row with `messages`; a bad row is a DataError naming `where` and the field."""
+    if not isinstance(raw, dict):
+        raise DataError(f"{where}: expected an object (a row of named columns), got {type(raw).__name__}")
+    row = dict(raw)
+    for target, source in columns.items():
+        if source not in raw:
+            raise DataError(f"{where}: no column {source!r} (data.columns {target}={source}); columns: {sorted(raw)}")
+        row[target] = raw[source]
+    messages = _prompt_messages(row, where)
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    row["messages"] = messages
+    return row
+
+
+def prompt_rows(located: Located, columns: dict[str, str], system_prompt: str = "", source: str = "") -> list[Row]:
+    """`prompt_row` over located raw rows; an empty dataset is an error naming `source`."""
+    rows = [prompt_row(raw, where, columns, system_prompt) for where, raw in located]
+    if not rows:
+        raise DataError(f"{source}: no rows")
+    return rows

@@ -1,0 +1,351 @@
+"""The paged KV cache in the engine: block-table bookkeeping behind the scheduler, preemption, a paged runner.
+
+Opt-in (`TorchEngine(kv_blocks=...)`, or a byte budget / a fraction of free CUDA memory): the physical cache
+is `[layers, num_blocks, kv_heads, block_size, head_dim]` and each sequence's positions live in the blocks of
+its block table (`blocks.BlockManager`), so memory follows the tokens in flight. Three pieces:
+
+- `PagedSlots` gives the scheduler the cache-manager interface it knows (`allocate`, `share`, `set_length`,
+  `free`, ...) over a `BlockManager`. A "slot" is only a handle (it caps concurrency and orders decode rows);
+  `share` is a `fork` (full computed blocks by reference, the partial one copied), its pending copies are the
+  step's moves.
+- `PagedScheduler` reserves every running sequence's positions before each step; when blocks run out it
+  preempts the latest admitted sequence (its blocks freed, its tokens kept) and readmits it first, recomputing
+  what prefix hits do not cover. Admission waits for blocks as well as slots.
+- `PagedRunner` writes each new key/value at (block, offset) and attends by gathering a row's blocks through
+  its block table (SDPA over the gathered keys, in the model's dtype).
+
+The default engine (slot cache, Molt's CPU kernels) does not use this file. Dense text models only (MoE
+routing capture and images keep the slot cache). Knows the model, the block manager and the scheduler; nothing
+of requests' sampling or of agents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections import deque
+
+import torch
+
+from molt.engine.blocks import (
+    BlockCopy,
+    BlockManager,
+    OutOfBlocks,
+    bytes_per_block,
+    kv_budget_bytes,
+    num_blocks_for_budget,
+)
+from molt.engine.packed import LinearPacks
+from molt.engine.runner import gqa_attention
+from molt.engine.scheduler import Group, Plan, Scheduler, Sequence
+from molt.engine.transfer import to_device
+from molt.models.transformer import Transformer
+
+
+def num_kv_blocks(
+    model: Transformer,
+    block_size: int,
+    kv_blocks: int | None = None,
+    kv_bytes: int | None = None,
+    kv_memory_fraction: float | None = None,
+) -> int | None:
+    """Blocks of the paged cache: given, or from a byte budget, or from a fraction of free CUDA memory (None: none
+    asked, the engine keeps its slot cache)."""
+    if kv_blocks is not None:
+        return kv_blocks
+    param = next(model.parameters())
+    cfg = model.cfg
+    block_bytes = bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, param.element_size(), block_size)
+    if kv_bytes is not None:
+        return num_blocks_for_budget(kv_bytes, block_bytes)
+    if kv_memory_fraction is not None:
+        if param.device.type != "cuda":
+            raise ValueError("kv_memory_fraction sizes the cache from free CUDA memory; on CPU pass kv_bytes")
+        free, _ = torch.cuda.mem_get_info(param.device)
+        return num_blocks_for_budget(kv_budget_bytes(free, kv_memory_fraction), block_bytes)
+    return None
+
+
+class PagedSlots:
+    """The slot cache manager's interface over a `BlockManager` (see the module docstring)."""
+
+    compact = False
+
+    def __init__(self, blocks: BlockManager, num_slots: int):
+        self.blocks, self.num_slots = blocks, num_slots
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._slot_of: dict[int, int] = {}
+        self._seq_at: dict[int, int] = {}
+
+    @property
+    def num_active(self) -> int:
+        return len(self._slot_of)
+
+    def slot_of(self, seq_id: int, default: int | None = None) -> int:
+        return self._slot_of[seq_id] if default is None else self._slot_of.get(seq_id, default)
+
+    def holds(self, seq_id: int) -> bool:
+        """Whether the sequence has blocks (siblings waiting for a prefill have only a slot)."""
+        return self.blocks.has(seq_id)
+
+    def table_at(self, slot: int) -> list[int]:
+        return self.blocks.block_table(self._seq_at[slot])
+
+    def length_of(self, seq_id: int) -> int:
+        return self.blocks.num_computed(seq_id) if self.holds(seq_id) else 0
+
+    def num_free(self) -> int:
+        return len(self._free_slots)
+
+    def num_cached_prefixes(self) -> int:
+        return self.blocks.num_cached_blocks()
+
+    def allocate(self, seq_id: int, prompt=()) -> tuple[int, int]:
+        """A slot, and blocks for `prompt` when given: (slot, positions already cached)."""
+        slot = self._free_slots.pop()
+        self._slot_of[seq_id], self._seq_at[slot] = slot, seq_id
+        return slot, self.blocks.allocate(seq_id, prompt) if prompt else 0
+
+    def reserve(self, seq_id: int, tokens: list[int]) -> int | None:
+        """Blocks for every position of `tokens`: the positions already cached when it had none, else its
+        computed count; None when blocks ran out (those reserved so far are kept)."""
+        if not self.holds(seq_id):
+            return self.blocks.allocate(seq_id, tokens) if self.blocks.can_allocate(len(tokens)) else None
+        for token in tokens[self.blocks.num_tokens(seq_id) :]:
+            if self.blocks.append_slot(seq_id, token) is None:
+                return None
+        return self.blocks.num_computed(seq_id)
+
+    def share(self, src_seq: int, dst_seq: int, length: int) -> None:
+        """`dst_seq` forks `src_seq`'s first `length` positions; out of blocks, it is left without any and
+        `PagedScheduler` gives it blocks (and a prefill) later."""
+        self.release_blocks(dst_seq)
+        with contextlib.suppress(OutOfBlocks):
+            self.blocks.fork(src_seq, dst_seq, length)
+
+    def set_length(self, seq_id: int, length: int) -> None:
+        self.blocks.set_computed(seq_id, length)
+
+    def release_blocks(self, seq_id: int) -> None:
+        if self.holds(seq_id):
+            self.blocks.free(seq_id)
+
+    def free(self, seq_id: int, tokens=None) -> None:
+        """Release blocks (registered ones stay cached as prefixes) and slot; `tokens` is not needed."""
+        self.release_blocks(seq_id)
+        slot = self._slot_of.pop(seq_id)
+        del self._seq_at[slot]
+        self._free_slots.append(slot)
+
+    def take_moves(self) -> list[BlockCopy]:
+        return self.blocks.take_copies()
+
+    def clear_prefixes(self) -> None:
+        self.blocks.clear_prefixes()
+
+    def reset_lengths(self) -> None:
+        """Nothing to do: `PagedScheduler.restart_all` releases the blocks instead."""
+
+
+class PagedScheduler(Scheduler):
+    """`Scheduler` with block reservation, admission by free blocks, and preemption by recompute."""
+
+    manager: PagedSlots
+
+    def __init__(self, manager: PagedSlots, max_num_batched_tokens: int = 2048):
+        super().__init__(manager, max_num_batched_tokens)
+        self.preempted: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def num_pending(self) -> int:
+        return super().num_pending() + len(self.preempted)
+
+    def has_work(self, admit: bool) -> bool:
+        return super().has_work(admit) or bool(self.preempted)
+
+    def schedule(self, admit: bool = True) -> Plan:
+        for seq in list(self.running):
+            if seq in self.running and seq.waits_for is None:
+                self._reserve(seq)
+        self._readmit()
+        return super().schedule(admit and not self.preempted)
+
+    def _fits(self, group: Group) -> bool:
+        reserve = len(group.seqs) if self.running else 0  # room for each sample's next block
+        blocks = self.manager.blocks
+        return self.manager.num_free() >= len(group.seqs) and blocks.can_allocate(len(group.prompt), reserve)
+
+    def _admit(self, group: Group) -> Sequence | None:
+        leader = super()._admit(group)
+        if leader is not None:  # its prompt's blocks: allocated, or a fork of a running copy (+ its last token)
+            computed = self.manager.reserve(leader.seq_id, leader.tokens)
+            if computed is None:
+                raise RuntimeError("paged KV cache: an admitted prompt found no block (admission checks it)")
+            leader.num_computed = leader.num_cached = computed
+        return leader
+
+    def _reserve(self, seq: Sequence) -> None:
+        """Blocks for all of `seq`'s tokens, preempting the latest admitted sequences (maybe `seq`) until they fit."""
+        fresh = not self.manager.holds(seq.seq_id)  # no blocks yet (its fork or its leader failed): prefix hits only
+        while (computed := self.manager.reserve(seq.seq_id, seq.tokens)) is None:
+            victim = self._victim()
+            if victim is None:
+                raise RuntimeError("paged KV cache: out of blocks with no sequence to preempt")
+            self._preempt(victim)
+            if victim is seq:
+                return
+        if fresh:
+            seq.num_computed = seq.num_cached = computed
+
+    def _victim(self) -> Sequence | None:
+        """The latest admitted running sequence that no other waits for (vLLM's recompute policy)."""
+        waited_for = {id(s.waits_for) for s in self.running if s.waits_for is not None}
+        return next((s for s in reversed(self.running) if s.waits_for is None and id(s) not in waited_for), None)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._disown(seq)
+        self.running.remove(seq)
+        self.manager.free(seq.seq_id)
+        seq.num_computed = 0
+        self.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _readmit(self) -> None:
+        """Preempted sequences first, oldest first, as blocks allow: prefix hits, then a prefill of the rest."""
+        blocks = self.manager.blocks
+        while self.preempted and self.manager.num_free():
+            reserve = 1 if self.running else 0  # room for its next token, unless alone (it always fits then)
+            if not blocks.can_allocate(len(self.preempted[0].tokens), reserve):
+                return
+            seq = self.preempted.popleft()
+            _, seq.num_computed = self.manager.allocate(seq.seq_id, seq.tokens)
+            self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, cache: bool = True) -> None:
+        if seq in self.preempted:
+            self.preempted.remove(seq)
+        super().finish(seq, reason, stop_reason, cache)
+
+    def restart_all(self) -> None:
+        """New weights: release every running sequence's blocks; they are taken again (no stale prefix can hit)
+        when each recomputes, as in `Scheduler.restart_all`."""
+        for seq in self.running:
+            self.manager.release_blocks(seq.seq_id)
+        self.manager.clear_prefixes()
+        super().restart_all()
+
+
+class PagedStep:
+    """Cache backend for one packed row over the paged cache: `rows` are (slot, start position, length), the
+    decode rows (length 1) first, then the prefill chunks."""
+
+    def __init__(self, runner: PagedRunner, rows: list[tuple[int, int, int]], num_decode: int):
+        self.runner, self.rows, self.num_decode = runner, rows, num_decode
+
+    def prepare(self, position_ids_bt: torch.Tensor):
+        r, device = self.runner, position_ids_bt.device
+        tables = {slot: r.manager.table_at(slot) for slot, _, _ in self.rows}
+        bs = r.block_size
+        # each new key/value is one row of the flat cache [blocks * kv_heads * block_size, head_dim] (first_n: head 0's)
+        first_n = [
+            (tables[slot][pos // bs] * r.kv_heads * bs + pos % bs)
+            for slot, s, n in self.rows
+            for pos in range(s, s + n)
+        ]
+        heads_k = torch.arange(r.kv_heads, device=device) * bs
+        write_nk = (to_device(first_n, torch.long, device)[:, None] + heads_k).view(-1)
+        groups = [g for g in (self.rows[: self.num_decode], self.rows[self.num_decode :]) if g]
+        attentions = [self._group_attention(g, tables, device) for g in groups]
+        bounds = list(itertools.accumulate((sum(n for _, _, n in g) for g in groups), initial=0))
+        spans = list(zip(attentions, bounds, bounds[1:], strict=False))
+
+        def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
+            k_cache, v_cache = r.k[layer_idx], r.v[layer_idx]
+            q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
+            k_cache.view(-1, r.head_dim).index_copy_(0, write_nk, k_nkd.reshape(-1, r.head_dim))
+            v_cache.view(-1, r.head_dim).index_copy_(0, write_nk, v_nkd.reshape(-1, r.head_dim))
+            outs = [att(k_cache, v_cache, q_nhd[a:b]) for att, a, b in spans]
+            return (outs[0] if len(outs) == 1 else torch.cat(outs)).transpose(0, 1)[None]
+
+        return attend
+
+    def _group_attention(self, rows: list[tuple[int, int, int]], tables: dict[int, list[int]], device):
+        """Rows padded to [R, width] queries; each attends causally over its blocks, gathered into [R, kv, S, d]."""
+        bs, width = self.runner.block_size, max(n for _, _, n in rows)
+        num_blocks = max(-(-(start + n) // bs) for _, start, n in rows)
+        table_rb = to_device(
+            [(tables[slot] + [0] * num_blocks)[:num_blocks] for slot, _, _ in rows], torch.long, device
+        )
+        flat_n = to_device([i * width + j for i, (_, _, n) in enumerate(rows) for j in range(n)], torch.long, device)
+        pos_rt = to_device(
+            [[start + min(j, n - 1) for j in range(width)] for _, start, n in rows], torch.long, device
+        )  # padding repeats the row's last query (dropped afterwards)
+        key_pos_s = torch.arange(num_blocks * bs, device=device)
+        visible_r1ts = (key_pos_s[None, None, :] <= pos_rt[:, :, None])[:, None]
+        # rows of the flat cache [blocks * kv_heads * block_size, head_dim] holding each row's keys, in order:
+        # one gather straight into SDPA's [R, kv_heads, S, head_dim] layout
+        kv_heads = self.runner.kv_heads
+        block_rs = table_rb.repeat_interleave(bs, dim=1)
+        heads_k = torch.arange(kv_heads, device=device)
+        gather_rks = (block_rs[:, None, :] * kv_heads + heads_k[None, :, None]) * bs + (key_pos_s % bs)
+        gather_n = gather_rks.view(-1)
+
+        def attend(k_cache, v_cache, q_nhd) -> torch.Tensor:
+            num_rows, head_dim = len(rows), k_cache.shape[-1]
+            keys = k_cache.view(-1, head_dim).index_select(0, gather_n).view(num_rows, kv_heads, -1, head_dim)
+            values = v_cache.view(-1, head_dim).index_select(0, gather_n).view(num_rows, kv_heads, -1, head_dim)
+            q_pad = q_nhd.new_zeros(num_rows * width, *q_nhd.shape[1:])
+            q_pad[flat_n] = q_nhd
+            q_rhtd = q_pad.view(num_rows, width, *q_nhd.shape[1:]).transpose(1, 2)
+            out_rhtd = gqa_attention(q_rhtd, keys, values, visible_r1ts)
+            return out_rhtd.transpose(1, 2).reshape(num_rows * width, *q_nhd.shape[1:])[flat_n]
+
+        return attend
+
+
+class PagedRunner:
+    """Runs one packed decode + prefill forward of `model` against the paged cache; applies block copies."""
+
+    own_attention, compiled, routes = False, None, None
+
+    def __init__(self, model: Transformer, manager: PagedSlots):
+        cfg = model.cfg
+        if cfg.num_moe_layers() or cfg.image_token_id is not None:
+            raise ValueError("the paged KV cache serves dense text models (MoE and VLMs keep the slot cache)")
+        self.model, self.manager = model.eval(), manager
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size, self.kv_heads, self.head_dim = manager.blocks.block_size, cfg.num_kv_heads, cfg.head_dim
+        shape = (cfg.num_layers, manager.blocks.num_blocks, cfg.num_kv_heads, self.block_size, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.packs = LinearPacks(model)  # Molt's GEMM kernel for the linear layers on CPU in fp32, as ModelRunner
+
+    def cache_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def warm_up(self) -> None:
+        """Nothing is compiled on the paged path."""
+
+    @torch.inference_mode()
+    def forward(self, decode, chunks, sampled_chunks, image_embeds_nh=None) -> torch.Tensor:
+        """Logits [D + S, V], as `ModelRunner.forward` (same arguments; no images)."""
+        ids = [token for _, token, _ in decode] + [t for _, c, _ in chunks for t in c]
+        positions = [pos for _, _, pos in decode] + [p for _, c, s in chunks for p in range(s, s + len(c))]
+        rows = [(slot, pos, 1) for slot, _, pos in decode] + [(slot, s, len(c)) for slot, c, s in chunks]
+        ids_1n = to_device([ids], torch.long, self.device)
+        pos_1n = to_device([positions], torch.long, self.device)
+        with self.packs.active():
+            hidden_nh = self.model(ids_1n, pos_1n, cache=PagedStep(self, rows, len(decode)), return_hidden=True)[0]
+            if chunks:  # the lm head runs only where a token is sampled
+                ends = list(itertools.accumulate((len(c) for _, c, _ in chunks), initial=len(decode)))
+                picks = list(range(len(decode))) + [ends[i + 1] - 1 for i in sampled_chunks]
+                hidden_nh = hidden_nh.index_select(0, to_device(picks, torch.long, self.device))
+            return self.model.lm_head(hidden_nh)
+
+    @torch.inference_mode()
+    def apply_moves(self, copies: list[BlockCopy]) -> None:
+        """Copy each forked sample's partial last block (positions [0, length) of `src` into `dst`)."""
+        for c in copies:
+            for cache in (self.k, self.v):  # [L, block, kv head, offset, dim]
+                cache[:, c.dst, :, : c.length] = cache[:, c.src, :, : c.length]

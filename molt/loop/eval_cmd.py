@@ -1,0 +1,114 @@
+"""`molt eval`: score a checkpoint on held-out rows the way training's eval does.
+
+The target is a checkpoint folder, a run directory (its latest checkpoint) or any HF model folder
+(`--model.path`; the CLI fills it from `molt eval TARGET`, reading the run's `config.yaml` for data,
+rollout and eval settings when TARGET belongs to a run). Same data split, agent or reward function,
+built-in engine, episode limits, sampling settings and per-sample seeds as training's eval, so it
+reproduces the in-training eval of the checkpoint's step. Writes `metrics.jsonl` (mean reward, named
+rewards, pass@k for every k up to `eval.n_samples`) and `results.jsonl` (one line per row).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatAgent, ChatRunner
+from molt.agents.chat.serve import resolve_checkpoint
+from molt.agents.runner import EpisodeLimits, run_episode
+from molt.config import Config, ConfigError
+from molt.engine.torch_engine import on_fresh_thread
+from molt.log import RunDir, atomic_write_text
+from molt.loop.evaluate import EVAL_SEED, evaluate
+from molt.loop.run import _engine, load_inputs
+from molt.train.build import build_model, build_tokenizer
+
+
+@dataclasses.dataclass
+class EvalResult:
+    run_dir: str
+    checkpoint: str
+    metrics: dict[str, float]
+    rows: list[dict[str, Any]]
+
+
+def eval_sampling(cfg: Config, tokenizer):
+    """The eval SamplingParams (as the RL loop builds them); temperature 0 is greedy."""
+    from molt.engine import SamplingParams
+
+    ro, stop = cfg.rollout, tuple(t for t in {tokenizer.eos_token_id} if t is not None)
+    return SamplingParams(
+        temperature=cfg.eval.temperature,
+        top_p=ro.top_p,
+        top_k=ro.top_k,
+        max_tokens=ro.max_tokens,
+        stop_token_ids=stop,
+        seed=0,
+    )
+
+
+def _model(cfg: Config, checkpoint: str):
+    model_cfg = dataclasses.replace(cfg.model, path=checkpoint)
+    tokenizer = build_tokenizer(model_cfg)
+    return tokenizer, build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device).eval()
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    """A row's columns for results.jsonl (images and other binary values as a short tag)."""
+    return json.loads(json.dumps(row, default=lambda v: f"<{type(v).__name__}>"))
+
+
+async def _eval_async(cfg: Config, checkpoint: str, rows: list[dict], make_env, threads: int, out: list) -> dict:
+    tokenizer, model = on_fresh_thread(_model, cfg, checkpoint, threads=threads)
+    engine = _engine(cfg, model, tokenizer, 0, threads)
+    chat = ChatRunner(engine, tokenizer, cfg.chat.api_key, **{k: getattr(cfg.chat, k) for k in CHAT_SERVER_OPTIONS})
+
+    async def episode(engine, tokenizer, agent, row, sampling, limits, **kw):
+        if isinstance(agent, ChatAgent):
+            return (await chat.run(agent, row, sampling, limits, **kw))[-1]
+        return await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)
+
+    ro, n = cfg.rollout, cfg.eval.n_samples
+    limits = EpisodeLimits(ro.max_turns, ro.max_len, ro.step_timeout_s)
+    try:
+        sampling = eval_sampling(cfg, tokenizer)
+        ks = list(range(1, n + 1))
+        return await evaluate(engine, tokenizer, make_env, rows, sampling, limits, n, EVAL_SEED, episode, ks, out)
+    finally:
+        await chat.close()
+        await engine.close()
+
+
+def run_eval(cfg: Config) -> EvalResult:
+    """The `molt eval` command."""
+    if not cfg.model.path:
+        raise ConfigError("model.path: molt eval needs a checkpoint: `molt eval CHECKPOINT|RUN_DIR|MODEL_FOLDER`")
+    checkpoint = resolve_checkpoint(cfg.model.path)
+    inputs = load_inputs(cfg)  # data, reward and agent: errors before any model is built
+    rows = inputs.eval_rows[: cfg.eval.num_prompts]
+    if not rows:
+        raise ConfigError("data: no held-out rows to evaluate (set --data.eval_path, or --data.num_eval > 0)")
+    torch.manual_seed(cfg.train.seed)
+    threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
+    torch.set_num_threads(1)  # as in training: this thread runs asyncio; the engine's thread computes
+    run, records = RunDir(cfg.log.run_dir, "eval", cfg, tensorboard=False), []
+    try:
+        metrics = asyncio.run(_eval_async(cfg, checkpoint, rows, inputs.make_env, threads, records))
+    finally:
+        torch.set_num_threads(main_threads)
+        if inputs.reward:
+            inputs.reward.close()
+    for record, row in zip(records, rows, strict=True):
+        record["row"] = _plain(row)
+    run.log({"checkpoint": checkpoint, **metrics})
+    run.close()
+    out = Path(cfg.eval.output) if cfg.eval.output else run.path / "results.jsonl"
+    atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in records))
+    shown = " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items() if k != "eval/failures")
+    run.print(f"{checkpoint}: {len(rows)} rows x {cfg.eval.n_samples}: {shown}\n  results: {out}")
+    return EvalResult(str(run.path), checkpoint, metrics, records)

@@ -1,0 +1,118 @@
+"""Per-token log-probs and entropies of packed rows, with the LM head applied in chunks of tokens.
+
+The model returns final hidden states; the head (`lm_head`), the fp32 log-softmax and the entropy run over
+`chunk_tokens` rows at a time under activation checkpointing, so neither the forward nor the backward ever
+holds the whole [T, V] fp32 logits (V is 150K for Qwen models): a chunk's logits are recomputed in backward.
+Log-probs are computed exactly as the engines compute theirs: `logits.float() / temperature`, log-softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from molt.models import Transformer
+from molt.train.packing import PackedBatch
+
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def head_logprobs(
+    head: torch.nn.Module, hidden_nh: torch.Tensor, targets_n: torch.Tensor, temperature: float, chunk_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), entropy), both fp32 [N], of `head(hidden_nh) / temperature`, `chunk_tokens` rows at a time."""
+    if hidden_nh.shape[0] == 0:
+        empty = hidden_nh.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    remat = torch.is_grad_enabled() and hidden_nh.requires_grad
+    outs = []
+    for h_ch, t_ch in zip(hidden_nh.split(chunk_tokens), targets_n.split(chunk_tokens), strict=True):
+        if remat:
+            outs.append(checkpoint(_chunk, head, h_ch, t_ch, temperature, use_reentrant=False))
+        else:
+            outs.append(_chunk(head, h_ch, t_ch, temperature))
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def _chunk(head: torch.nn.Module, hidden_ch: torch.Tensor, targets_c: torch.Tensor, temperature: float):
+    logits_cv = head(hidden_ch).float() / temperature
+    logz_c = torch.logsumexp(logits_cv, dim=-1)
+    logp_c = logits_cv.gather(1, targets_c[:, None])[:, 0] - logz_c
+    entropy_c = logz_c - (torch.softmax(logits_cv, dim=-1) * logits_cv).sum(-1)
+    return logp_c, entropy_c
+
+
+def token_logprobs(
+    model: Transformer,
+    packed: PackedBatch,
+    temperature: float,
+    routing=None,
+    trained_only: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """log p(target) at every packed position [R, W]; see `token_logprobs_entropy`."""
+    return token_logprobs_entropy(model, packed, temperature, routing, trained_only, chunk_tokens)[0]
+
+
+def token_logprobs_entropy(
+    model: Transformer,
+    packed: PackedBatch,
+    temperature: float,
+    routing=None,
+    trained_only: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), entropy) at every packed position [R, W], under logits / temperature (fp32).
+
+    With shared prefixes (`packed.forks`), the flat [R * W + E] vectors of those, then each fork's values.
+    `trained_only` (dense models): the last layer computes only the positions whose target is trained or
+    that hold a fork (`Transformer.forward`'s `outputs_bq`); every other position's values are 0.
+    `routing`: MoE replay / record (see `molt.models.moe.Routing`)."""
+    kwargs = dict(doc_ids_bt=packed.doc_ids, parent_ids_bt=packed.parent_ids, pixel_values=packed.pixel_values)
+    if not trained_only:
+        hidden_nh = model(packed.input_ids, packed.position_ids, routing=routing, return_hidden=True, **kwargs)
+        hidden_nh = hidden_nh.flatten(0, 1)
+        at_n = torch.arange(packed.targets.numel(), device=hidden_nh.device)
+    else:
+        cols_bq, valid_bq = trained_columns(packed)
+        hidden_nh = model(packed.input_ids, packed.position_ids, outputs_bq=cols_bq, return_hidden=True, **kwargs)
+        hidden_nh = hidden_nh[valid_bq]
+        at_n = torch.arange(cols_bq.shape[0], device=cols_bq.device)[:, None] * packed.targets.shape[1] + cols_bq
+        at_n = at_n[valid_bq]
+    targets_n = packed.targets.flatten()[at_n].clamp(min=0)
+    if packed.forks is not None:  # a fork's row among the computed outputs (`at_n` is increasing)
+        fork_at, fork_targets = packed.forks.T.contiguous()
+        fork_n = torch.searchsorted(at_n, fork_at)
+        hidden_nh, targets_n = torch.cat([hidden_nh, hidden_nh[fork_n]]), torch.cat([targets_n, fork_targets])
+    logp, entropy = head_logprobs(model.lm_head, hidden_nh, targets_n, temperature, chunk_tokens)
+    num_forks = 0 if packed.forks is None else packed.forks.shape[0]
+    size = packed.targets.numel()
+    logp, entropy = (as_rows(_laid_out(x, at_n, size, num_forks, trained_only), packed) for x in (logp, entropy))
+    return logp, entropy
+
+
+def _laid_out(values: torch.Tensor, at_n: torch.Tensor, size: int, num_forks: int, scattered: bool):
+    """[size (+ forks)] values: position values (scattered to `at_n` when only some were computed), then forks'."""
+    num_pos = values.shape[0] - num_forks
+    pos, forks = values[:num_pos], values[num_pos:]
+    if scattered:
+        pos = pos.new_zeros(size).index_put((at_n,), pos)
+    return pos if not num_forks else torch.cat([pos, forks])
+
+
+def trained_columns(packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the columns whose target is trained or that predict a fork ([B, Q], padded by repeating
+    the row's first such column) and which entries are real ([B, Q] bool)."""
+    need_bt = packed.loss_mask > 0
+    if packed.forks is not None:
+        need_bt.view(-1)[packed.forks[:, 0]] = True
+    counts_b = need_bt.sum(1)
+    width = max(int(counts_b.max()), 1)
+    cols_bq = torch.argsort((~need_bt).to(torch.uint8), dim=1, stable=True)[:, :width]
+    valid_bq = torch.arange(width, device=cols_bq.device) < counts_b[:, None]
+    return torch.where(valid_bq, cols_bq, cols_bq[:, :1]), valid_bq
+
+
+def as_rows(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """[R, W] when the batch has no forks; the flat [R * W + E] vector otherwise."""
+    return values.view(packed.targets.shape) if packed.forks is None else values

@@ -1,0 +1,36 @@
+"""Trainer memory: activation checkpointing per decoder layer, applied from outside the model.
+
+`checkpoint_layers(model)` makes each dense decoder layer keep only its input for backward and recompute
+its activations there (torch's non-reentrant checkpoint, which replays autocast). The layer's forward is
+replaced on the instance, so parameter names, state dicts and FSDP2 hooks are unchanged. MoE layers are
+left as they are: their forward records the routing (and replays it by layer order), which a recompute
+would record twice. The model code knows nothing of this.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from molt.models.moe import SparseMoE
+
+
+def checkpoint_layers(model: torch.nn.Module) -> int:
+    """Wrap every dense decoder layer's forward in activation checkpointing; returns how many were wrapped."""
+    wrapped = 0
+    for layer in model.layers:
+        if isinstance(layer.mlp, SparseMoE) or getattr(layer, "_molt_checkpointed", False):
+            continue
+        layer.forward = functools.partial(_checkpointed, layer.forward)
+        layer._molt_checkpointed = True
+        wrapped += 1
+    return wrapped
+
+
+def _checkpointed(forward, *args, **kwargs):
+    """`forward(*args, **kwargs)` recomputed in backward when gradients are on; plain otherwise."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

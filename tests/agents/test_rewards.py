@@ -1,0 +1,133 @@
+"""Reward functions: the built-in math extraction (hand cases), loading errors, sync/async/dict/weights,
+and a reward-function episode through the ordinary token-exact runner (scripted engine)."""
+
+import asyncio
+
+import pytest
+from test_runner import TOK, Sampling, ScriptedEngine
+
+from molt.agents.reward_env import RewardEnv, ScoredEnv
+from molt.agents.reward_fn import EVALUATING, load_reward
+from molt.agents.rewards import extract_answer, math_reward, reference_answer
+from molt.agents.runner import EpisodeLimits, run_episode
+from molt.data.tasks import get_task
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("The answer is \\boxed{42}.", "42", 1.0),
+        ("so \\boxed{\\frac{3}{4}}", "0.75", 1.0),  # nested braces, fraction vs decimal
+        ("\\boxed{1} then \\boxed{7}", "7", 1.0),  # the last box
+        ("\\boxed{12} but really 13", "12", 1.0),  # a box wins over a later number
+        ("It costs $1,234.50 in total", "1234.5", 1.0),  # last number, thousands comma, dollar sign
+        ("first 3 then 5", "3", 0.0),  # last number only
+        ("-7 degrees", "-7", 1.0),
+        ("half: 1/2", "0.5", 1.0),
+        ("no digits here", "4", 0.0),
+        ("\\boxed{x+1}", "x + 1", 0.0),  # text answers compare as normalised text (spaces kept)
+        ("\\boxed{Paris}", "paris", 1.0),
+        ("So 18.", "Janet sells 16 - 3 - 4 = 9 eggs, 9 * 2 = 18 dollars.\n#### 18", 1.0),  # GSM8K reference
+        ("answer: \\boxed{50\\%}", "50", 1.0),  # a percent matches the bare number
+    ],
+)
+def test_math_reward_hand_cases(completion, answer, expected):
+    assert math_reward(completion, {"answer": answer}) == expected
+
+
+def test_extraction_helpers():
+    assert extract_answer("a \\boxed{\\text{A}} b") == "\\text{A}"
+    assert extract_answer("1, 2 and 3,000") == "3,000"
+    assert extract_answer("\\boxed{unclosed 5") == "5"
+    assert reference_answer({"label": "\\boxed{9}"}) == "9"
+    with pytest.raises(KeyError, match="no 'answer'"):
+        math_reward("1", {"prompt": "x"})
+
+
+REWARD_FILE = """
+import asyncio
+
+def plain(completion, row):
+    return float(completion.strip() == row["answer"])
+
+async def later(completion, row):
+    await asyncio.sleep(0)
+    return 0.5
+
+def parts(completion, row):
+    return {"exact": float(completion.strip() == row["answer"]), "short": float(len(completion) < 3)}
+
+def broken(completion, row):
+    raise RuntimeError("reward bug")
+
+def reward(completion, row):
+    return True
+"""
+
+
+def _score(spec, completion="7", weights=""):
+    reward = load_reward(spec, weights)
+    try:
+        return asyncio.run(reward.score(completion, {"answer": "7"}))
+    finally:
+        reward.close()
+
+
+def test_reward_function_kinds_and_weights(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(REWARD_FILE)
+    assert _score(f"{path}:plain") == (1.0, {"plain": 1.0})
+    assert _score(f"{path}:later") == (0.5, {"later": 0.5})
+    assert _score(str(path)) == (1.0, {"reward": 1.0})  # `file.py` alone: its `reward`; True scores 1
+    assert _score(f"{path}:parts", weights="short=0.25") == (1.25, {"exact": 1.0, "short": 1.0})
+    total, named = _score(f"math,format,{path}:later", "\\boxed{7}", "format=0.1")
+    assert total == pytest.approx(1.6) and named == {"math": 1.0, "format": 1.0, "later": 0.5}
+    with pytest.raises(RuntimeError, match="reward bug"):
+        _score(f"{path}:broken")
+
+
+def test_reward_loading_errors_are_one_line_naming_the_file(tmp_path):
+    (tmp_path / "syntax.py").write_text("def reward(c, row):\n  return (\n")
+    (tmp_path / "args.py").write_text("def reward(c):\n  return 1.0\n")
+    cases = [
+        (str(tmp_path / "missing.py"), "reward file '.*missing.py' does not exist"),
+        (f"{tmp_path / 'syntax.py'}:reward", "importing '.*syntax.py' failed: SyntaxError"),
+        (str(tmp_path / "args.py"), "args.py:reward must take \\(completion: str, row: dict\\)"),
+        (f"{tmp_path / 'args.py'}:nope", "defines no function 'nope'"),
+        ("no_such_pkg.mod:fn", "cannot import 'no_such_pkg.mod'"),
+        ("mathh", "unknown reward 'mathh'; built-ins"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(ValueError, match=message) as e:
+            load_reward(spec)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="reward_weights: \\['fmt'\\] name no reward"):
+        load_reward("math", "fmt=1")
+
+
+def test_reward_env_runs_the_ordinary_token_exact_episode():
+    row = {**get_task("arithmetic").rows(1, seed=3)[0], "answer": "x"}
+    row["answer"] = row["label"]
+    reward = load_reward("math,format", "format=0.5")
+    engine = ScriptedEngine([f"\\boxed{{{row['answer']}}}"])
+    traj = asyncio.run(run_episode(engine, TOK, RewardEnv(reward), row, Sampling(), EpisodeLimits(), rollout_id=1))
+    assert traj.reward == 1.5 and traj.score == 1.5 and traj.num_turns == 1
+    assert traj.info == {"reward/math": 1.0, "reward/format": 1.0}
+    masked = [t for t, m in zip(traj.tokens, traj.loss_mask, strict=True) if m]
+    assert masked == engine.emitted[0]
+    assert reward.log.drain() == {"reward/math": 1.0, "reward/format": 1.0}
+    token = EVALUATING.set(True)  # evaluation episodes stay out of training's per-step metrics
+    asyncio.run(run_episode(ScriptedEngine(["1"]), TOK, RewardEnv(reward), row, Sampling(), EpisodeLimits()))
+    EVALUATING.reset(token)
+    assert reward.log.drain() == {}
+
+
+def test_scored_env_replaces_the_agent_reward_with_the_final_answer_score():
+    from molt.agents.builtin import env_for_task
+
+    row = get_task("calculator").rows(1, seed=5)[0]
+    engine = ScriptedEngine([f"<tool_call>{row['a']}*{row['b']}</tool_call>", f"\\boxed{{{row['label']}}}"])
+    env = ScoredEnv(env_for_task("calculator"), load_reward("math"), max_turns=4)
+    traj = asyncio.run(run_episode(engine, TOK, env, row, Sampling(), EpisodeLimits(), rollout_id=1))
+    # the calculator's own grader wants the bare number (0 here); the math reward reads the box
+    assert traj.num_turns == 2 and traj.reward == 1.0 and traj.info["reward/agent"] == 0.0

@@ -1,0 +1,98 @@
+"""Datasets on disk: every format and a column mapping load the same rows; bad rows name file and line."""
+
+import json
+
+import pytest
+
+from molt.cli.main import parse_config
+from molt.data.dataset import dataset_rows, file_rows
+from molt.data.formats import DataError
+
+ROWS = [{"question": f"{a}+{a}=", "solution": str(2 * a), "tests": [a, a + 1]} for a in range(20)]
+
+
+def _write_all(tmp_path, rows):
+    """The same rows as .jsonl, .json (array), .parquet, and `datasets` save_to_disk folders."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rows.json").write_text(json.dumps(rows, indent=2))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    parts = {"train": datasets.Dataset.from_list(rows[4:]), "test": datasets.Dataset.from_list(rows[:4])}
+    datasets.DatasetDict(parts).save_to_disk(str(tmp_path / "dsdict"))
+    return ["rows.jsonl", "rows.json", "rows.parquet", "ds"]
+
+
+def _data(*flags):
+    return parse_config([*flags]).data
+
+
+def test_every_format_and_a_column_mapping_load_the_same_rows(tmp_path):
+    names = _write_all(tmp_path, ROWS)
+    mapped = [{**r, "prompt": r["question"], "answer": r["solution"]} for r in ROWS]
+    expected = [{**r, "messages": [{"role": "user", "content": r["prompt"]}]} for r in mapped]
+    for name in names:
+        data = _data("--data.path", str(tmp_path / name), "--data.columns", "prompt=question,answer=solution")
+        assert file_rows(data.path, data) == expected, name
+    # a plain `prompt` column needs no mapping; the system prompt goes first
+    prompts = [{"prompt": r["question"], "answer": r["solution"]} for r in ROWS]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
+    data = _data("--data.path", str(tmp_path / "p.jsonl"), "--data.system_prompt", "Be brief.")
+    first = file_rows(data.path, data)[0]
+    assert first["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "0+0="}]
+
+
+def test_held_out_split_is_seeded_shuffled_or_from_eval_path_or_test_split(tmp_path):
+    _write_all(tmp_path, ROWS)
+    path, cols = str(tmp_path / "rows.jsonl"), ["--data.columns", "prompt=question"]
+    train, held = dataset_rows(_data("--data.path", path, "--data.num_eval", "5", *cols))
+    assert len(held) == 2 and len(train) == 18  # at most 10% held out
+    assert sorted(r["question"] for r in train + held) == sorted(r["question"] for r in ROWS)
+    assert [r["question"] for r in held + train] != [r["question"] for r in ROWS]  # shuffled
+    again = dataset_rows(_data("--data.path", path, "--data.num_eval", "5", *cols))
+    assert (train, held) == again  # seeded
+    other = dataset_rows(_data("--data.path", path, "--data.seed", "1", *cols))
+    assert other[1] != held
+    train, held = dataset_rows(_data("--data.path", path, "--data.eval_path", str(tmp_path / "rows.parquet"), *cols))
+    assert len(train) == 20 and [r["question"] for r in held] == [r["question"] for r in ROWS]
+    train, held = dataset_rows(_data("--data.path", str(tmp_path / "dsdict"), "--data.no_shuffle", *cols))
+    assert [r["question"] for r in held] == [r["question"] for r in ROWS[:4]] and len(train) == 16
+
+
+def test_bad_rows_name_the_file_and_its_own_line(tmp_path):
+    good = json.dumps({"prompt": "hi", "answer": "1"})
+    bot = json.dumps({"messages": [{"role": "bot", "content": "x"}]})
+    cases = {
+        "bad_json": (f"{good}\n\n{{oops\n", r"bad_json\.jsonl:3: invalid JSON"),
+        "no_prompt": (f"{good}\n{good}\n\n\n" + json.dumps({"question": "q"}) + "\n", r"no_prompt\.jsonl:5: no prompt"),
+        "bad_role": (bot + "\n", r"bad_role\.jsonl:1: messages\["),
+        "not_object": (f"{good}\n[1, 2]\n", r"not_object\.jsonl:2: expected an object"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / f"{name}.jsonl").write_text(text)
+        with pytest.raises(DataError, match=message):
+            dataset_rows(_data("--data.path", str(tmp_path / f"{name}.jsonl")))
+    (tmp_path / "array.json").write_text(f'[\n  {good},\n  {good},\n\n  {{"answer": "2"}}\n]\n')
+    with pytest.raises(DataError, match=r"array\.json:5: no prompt"):
+        dataset_rows(_data("--data.path", str(tmp_path / "array.json")))
+    (tmp_path / "map.jsonl").write_text(f"{good}\n" + json.dumps({"answer": "2"}) + "\n")
+    with pytest.raises(DataError, match=r"map\.jsonl:1: no column 'question' \(data.columns prompt=question\)"):
+        dataset_rows(_data("--data.path", str(tmp_path / "map.jsonl"), "--data.columns", "prompt=question"))
+    (tmp_path / "binary.jsonl").write_bytes(b"\x89PNG\x00\xff\xfe")
+    with pytest.raises(DataError, match=r"binary\.jsonl: not UTF-8"):
+        dataset_rows(_data("--data.path", str(tmp_path / "binary.jsonl")))
+
+
+def test_config_time_errors_name_the_key(tmp_path, capsys):
+    (tmp_path / "rows.csv").write_text("a,b\n")
+    for flags, message in [
+        (["--data.path", str(tmp_path / "rows.csv")], "unknown dataset format '.csv'"),
+        (["--data.path", str(tmp_path / "missing.jsonl")], "data.path: file"),
+        (["--data.columns", "prompt"], "is not TARGET=SOURCE"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_config(flags)
+        assert message in " ".join(capsys.readouterr().err.split()), flags

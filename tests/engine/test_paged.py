@@ -1,0 +1,265 @@
+"""The engine over the paged KV cache (`TorchEngine(kv_blocks=...)`) against the slot cache, `transformers` and the
+trainer's log-probs on CPU: continuous batching, chunked prefill, shared prompts, preemption, weight swaps, sizing."""
+
+import asyncio
+import copy
+
+import pytest
+import torch
+from engine_refs import molt_model, prompts, random_hf, trainer_logprobs
+from test_dtypes import assert_greedy, assert_logprobs_close
+
+from molt.engine import SamplingParams, TorchEngine
+from molt.engine.blocks import BlockManager, OutOfBlocks, bytes_per_block
+from molt.engine.sampling import sample_seed
+from molt.engine.scheduler import Group
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return random_hf("qwen3"), molt_model("qwen3", tmp_path_factory.mktemp("qwen3"))  # the same weights
+
+
+def paged(model, kv_blocks=64, block_size=4, **kw) -> TorchEngine:
+    kw = dict(num_slots=8, max_seq_len=64, eos_token_ids=()) | kw
+    return TorchEngine(model, kv_blocks=kv_blocks, block_size=block_size, **kw)
+
+
+async def staggered(engine, requests, wait_steps=2):
+    tasks = []
+    for prompt, sampling in requests:
+        tasks.append(asyncio.create_task(engine.generate(prompt, sampling)))
+        start = engine.stats["steps"]
+        while engine.stats["steps"] < start + wait_steps and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.001)
+    return await asyncio.gather(*tasks)
+
+
+def check_drained(engine: TorchEngine) -> None:
+    blocks = engine.manager.blocks
+    blocks.check()
+    assert engine.manager.num_active == 0 and blocks.num_free_blocks() == blocks.num_blocks
+
+
+def test_greedy_matches_transformers_and_logprobs_the_trainer(models):
+    hf, molt = models
+    ps = prompts([5, 23, 1, 40, 9, 17])
+    engine = paged(molt, num_slots=3, max_num_batched_tokens=16)  # few slots, chunked prefill, staggered
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    outs = asyncio.run(staggered(engine, [(p, greedy) for p in ps]))
+    for p, out in zip(ps, outs, strict=True):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+        assert out.token_ids == ref[0, len(p) :].tolist()
+        assert (torch.tensor(out.logprobs) - trainer_logprobs(molt, p, out, 0)).abs().max() <= 1e-5
+    check_drained(engine)
+    asyncio.run(engine.close())
+
+
+def test_shared_prompts_and_samples_equal_the_slot_cache(models):
+    """n samples fork one prefill; separate requests for a prompt hit its computed blocks; a finished
+    prompt's blocks stay cached for the next: every result equals the slot-cache engine's."""
+    _, molt = models
+    ps = prompts([9, 17, 30], seed=5)
+    requests = [(ps[i % 3], SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=100 + i)) for i in range(6)]
+
+    def run(engine):
+        async def go():
+            groups = [asyncio.create_task(engine.generate_group(p, sp)) for p, sp in requests[:4]]
+            await asyncio.gather(*groups)
+            later = [asyncio.create_task(engine.generate_group(p, sp)) for p, sp in requests[4:]]
+            return await asyncio.gather(*groups, *later)
+
+        return asyncio.run(go())
+
+    engine = paged(molt)
+    outs = run(engine)
+    ref = run(TorchEngine(molt, num_slots=8, max_seq_len=64, eos_token_ids=()))
+    for (p, _), group, ref_group in zip(requests, outs, ref, strict=True):
+        assert [c.token_ids for c in group] == [c.token_ids for c in ref_group]
+        assert group[1].num_cached_tokens == len(p)  # the sibling forked the leader's prefill
+        for c in group:
+            assert (torch.tensor(c.logprobs) - trainer_logprobs(molt, p, c, 1.0)).abs().max() <= 1e-5
+    assert outs[4][0].num_cached_tokens >= 4  # a finished request's full blocks were hit (block size 4)
+    check_drained(engine)
+    asyncio.run(engine.close())
+
+
+def test_out_of_blocks_preempts_and_recomputes_exactly(models):
+    _, molt = models
+    ps = prompts([10, 7, 12, 9, 11, 6], seed=2)
+    requests = [(p, SamplingParams(temperature=1.0, max_tokens=24, seed=i)) for i, p in enumerate(ps)]
+    engine = paged(molt, kv_blocks=16, max_seq_len=48)  # 64 positions for 6 sequences growing to ~35
+    outs = asyncio.run(staggered(engine, requests, wait_steps=1))
+    assert engine.core.scheduler.num_preemptions > 0
+    for (p, sp), out in zip(requests, outs, strict=True):
+        alone = asyncio.run(TorchEngine(molt, num_slots=2, max_seq_len=48, eos_token_ids=()).generate(p, sp))
+        assert out.token_ids == alone.token_ids
+        assert (torch.tensor(out.logprobs) - trainer_logprobs(molt, p, out, 1.0)).abs().max() <= 1e-5
+    check_drained(engine)
+    asyncio.run(engine.close())
+
+
+def test_a_cache_of_one_context_serves_sequences_one_at_a_time(models):
+    """kv_blocks x block_size == max_seq_len: a preempted sequence that needs every block is readmitted alone."""
+    _, molt = models
+    ps = prompts([10, 12], seed=4)
+    requests = [(p, SamplingParams(temperature=1.0, max_tokens=40, seed=i)) for i, p in enumerate(ps)]
+    engine = paged(molt, kv_blocks=8, max_seq_len=32)
+    outs = asyncio.run(staggered(engine, requests, wait_steps=1))
+    assert engine.core.scheduler.num_preemptions > 0
+    for (p, sp), out in zip(requests, outs, strict=True):
+        alone = asyncio.run(TorchEngine(molt, num_slots=2, max_seq_len=32, eos_token_ids=()).generate(p, sp))
+        assert out.token_ids == alone.token_ids and len(p) + len(out.token_ids) == 32
+    check_drained(engine)
+    asyncio.run(engine.close())
+
+
+def test_groups_under_block_pressure_equal_the_slot_cache(models):
+    """n = 3 samples per prompt with few blocks: forks that find no block prefill their sample themselves,
+    preempted samples recompute; every sample equals the slot-cache engine's."""
+    _, molt = models
+    ps = prompts([13, 6, 9], seed=3)
+    requests = [(p, SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=7 + i)) for i, p in enumerate(ps)]
+
+    def run(engine):
+        async def go():
+            return await asyncio.gather(*[engine.generate_group(p, sp) for p, sp in requests])
+
+        return asyncio.run(go())
+
+    engine = paged(molt, kv_blocks=12, max_seq_len=40)
+    outs = run(engine)
+    ref = run(TorchEngine(molt, num_slots=9, max_seq_len=40, eos_token_ids=()))
+    assert engine.core.scheduler.num_preemptions > 0
+    for (p, _), group, ref_group in zip(requests, outs, ref, strict=True):
+        assert [c.token_ids for c in group] == [c.token_ids for c in ref_group]
+        for c in group:
+            assert (torch.tensor(c.logprobs) - trainer_logprobs(molt, p, c, 1.0)).abs().max() <= 1e-5
+    check_drained(engine)
+    asyncio.run(engine.close())
+
+
+def test_a_fork_without_blocks_prefills_its_sample_itself(models, monkeypatch):
+    """Blocks taken between a group's admission and the end of its prefill: the samples that cannot fork
+    get blocks later and compute the prompt themselves (forced here: every other fork finds none)."""
+    _, molt = models
+    fork, calls = BlockManager.fork, []
+
+    def starved_fork(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) % 2:
+            raise OutOfBlocks("starved")
+        return fork(self, *args, **kwargs)
+
+    monkeypatch.setattr(BlockManager, "fork", starved_fork)
+    p = prompts([11], seed=8)[0]
+    sp = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=5)
+    engine = paged(molt)
+    group = asyncio.run(engine.generate_group(p, sp))
+    ref = asyncio.run(TorchEngine(molt, num_slots=4, max_seq_len=64, eos_token_ids=()).generate_group(p, sp))
+    assert len(calls) == 3 and [c.token_ids for c in group] == [c.token_ids for c in ref]
+    for c in group:
+        assert (torch.tensor(c.logprobs) - trainer_logprobs(molt, p, c, 1.0)).abs().max() <= 1e-5
+    check_drained(engine)
+    asyncio.run(engine.close())
+
+
+def test_an_aborted_prefill_leaves_its_computed_blocks_to_the_next(models):
+    """Driven step by step on the engine core: a group (n = 2, its sibling waiting) is aborted mid-way through
+    its chunked prefill; the next request for the prompt starts from the full blocks computed so far."""
+    _, molt = models
+    p = prompts([30], seed=9)[0]
+    engine = paged(molt, max_num_batched_tokens=8)  # the prompt's prefill takes 4 steps
+    done = {}
+
+    def submit(request_id: str, sp: SamplingParams) -> None:
+        seeds = [sample_seed(sp.seed, i) for i in range(sp.n)]
+        engine.core.add(Group(request_id, p, sp, seeds, lambda r: done.setdefault(request_id, r)))
+
+    submit("first", SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=4))
+    engine.core.step()
+    engine.core.step()
+    leader, sibling = engine.core.scheduler.running
+    assert sibling.waits_for is leader and leader.num_computed == 16
+    engine.core.abort("first")
+    sp = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
+    submit("second", sp)
+    while engine.core.scheduler.has_work(True):
+        engine.core.step()
+    assert [c.finish_reason for c in done["first"]] == ["abort", "abort"]
+    second = done["second"][0]
+    alone = asyncio.run(TorchEngine(molt, num_slots=2, max_seq_len=64, eos_token_ids=()).generate(p, sp))
+    assert second.token_ids == alone.token_ids and second.num_cached_tokens == 16
+    assert (torch.tensor(second.logprobs) - trainer_logprobs(molt, p, second, 1.0)).abs().max() <= 1e-5
+    check_drained(engine)
+
+
+def test_recompute_swap_and_abort(models):
+    _, molt = models
+    ps = prompts([9, 17], seed=6)
+    requests = [(ps[i % 2], SamplingParams(temperature=1.0, max_tokens=12, seed=50 + i)) for i in range(6)]
+    engine = paged(molt, max_num_batched_tokens=12)
+    weights = {k: v.clone() for k, v in molt.state_dict().items()}
+
+    async def run():
+        tasks = []
+        for i, (p, sp) in enumerate(requests):
+            tasks.append(asyncio.create_task(engine.generate(p, sp, request_id=str(i))))
+            start = engine.stats["steps"]
+            while engine.stats["steps"] < start + 1:
+                await asyncio.sleep(0.001)
+            if i in (2, 4):
+                await engine.update_weights(weights, version=i, mode="interrupt")
+            if i == 3:
+                await engine.abort("1")
+        return await asyncio.gather(*tasks)
+
+    outs = asyncio.run(run())
+    for i, ((p, sp), out) in enumerate(zip(requests, outs, strict=True)):
+        if out.finish_reason == "abort":
+            assert i == 1
+            continue
+        alone = asyncio.run(TorchEngine(molt, num_slots=2, max_seq_len=64, eos_token_ids=()).generate(p, sp))
+        assert out.token_ids == alone.token_ids, i
+        assert (torch.tensor(out.logprobs) - trainer_logprobs(molt, p, out, 1.0)).abs().max() <= 1e-5
+    check_drained(engine)
+    asyncio.run(engine.close())
+
+
+def test_bf16_follows_the_model_and_the_trainer(models):
+    """The paged path in bf16: n samples and chunked prefill, log-probs close to the trainer's packed scoring,
+    greedy tokens the model's argmax (within the tolerances of `test_dtypes.py`)."""
+    _, molt = models
+    model = copy.deepcopy(molt).to(torch.bfloat16)
+    engine = paged(model, max_num_batched_tokens=16)
+    ps = prompts([7, 30, 12], seed=1)
+    sampling = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=3)
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+
+    async def run():
+        groups = await asyncio.gather(*[engine.generate_group(p, sampling) for p in ps])
+        return groups, await asyncio.gather(*[engine.generate(p, greedy) for p in ps])
+
+    groups, greedy_outs = asyncio.run(run())
+    outs = [c for group in groups for c in group]
+    assert_logprobs_close(model, [p for p in ps for _ in range(2)], outs, 1.0, torch.bfloat16)
+    for p, out in zip(ps, greedy_outs, strict=True):
+        assert_greedy(model, p, out, torch.bfloat16)
+    check_drained(engine)
+    asyncio.run(engine.close())
+
+
+def test_sizing_and_refusals(models, tmp_path):
+    _, molt = models
+    cfg = molt.cfg
+    block_bytes = bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, 16)
+    engine = TorchEngine(molt, max_seq_len=64, kv_bytes=10 * block_bytes + 1)
+    assert engine.manager.blocks.num_blocks == 10 and engine.core.runner.cache_bytes() == 10 * block_bytes
+    with pytest.raises(ValueError, match="free CUDA memory"):
+        TorchEngine(molt, kv_memory_fraction=0.5)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        TorchEngine(molt, max_seq_len=64, kv_blocks=3)
+    with pytest.raises(ValueError, match="dense text models"):
+        TorchEngine(molt_model("qwen3-moe", tmp_path), kv_blocks=64)
