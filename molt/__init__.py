@@ -1,11 +1,94 @@
-"""Molt: reinforcement learning of language-model agents, compact and PyTorch-native."""
+"""Molt: reinforcement learning of language-model agents, compact and PyTorch-native.
+
+The Python API mirrors `molt train`: `molt.train(config)` from a script, `await molt.train_async(config)` from
+code that already runs an event loop (a notebook). `config` is a `molt.config.Config`, a nested dict
+(`{"train": {"max_steps": 20}}`, dotted keys allowed: `{"train.max_steps": 20}`), or a TOML/YAML file path;
+keyword arguments override groups of it (`molt.train(cfg, train={"max_steps": 20})`). Heavy modules are
+imported on the first call, so `import molt` stays cheap. `molt.train` is the function even though a subpackage
+`molt/train/` exists: import its modules with `from molt.train.trainer import Trainer` (not `import molt.train.x`).
+"""
+
+from __future__ import annotations
 
 import os
+import sys
+import types
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from molt.config import Config
+    from molt.loop.run import TrainResult
 
 __version__ = "0.1.0"
+__all__ = ["cache_root", "make_config", "train", "train_async"]
 
 
 def cache_root() -> Path:
     """Where Molt keeps what it builds once per machine (warm starts, compiled kernels): `$MOLT_CACHE`."""
     return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
+
+
+def _nested(*sources: dict[str, Any]) -> dict[str, Any]:
+    """`{"train.lr": 1e-4, "eval": {"every": 0}}` -> `{"train": {"lr": 1e-4}, "eval": {"every": 0}}`; later
+    sources override earlier ones key by key."""
+    out: dict[str, Any] = {}
+    for key, value in (item for source in sources for item in source.items()):
+        *groups, name = key.split(".")
+        node = out
+        for group in groups:
+            node = node.setdefault(group, {})
+        if isinstance(value, dict) and isinstance(node.get(name), dict):
+            node[name].update(_nested(value))
+        else:
+            node[name] = _nested(value) if isinstance(value, dict) else value
+    return out
+
+
+def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> Config:
+    """A checked `Config` from a Config, a (dotted or nested) dict or a TOML/YAML file, then `overrides`.
+
+    Values are type-checked and validated as `molt train` does; a mistake raises `molt.config.ConfigError`
+    naming the key (`train.max_stepz: unknown key; did you mean 'train.max_steps'?`).
+    """
+    from molt.cli.config_file import build, load_config_file
+    from molt.config import Config
+
+    if isinstance(config, str | os.PathLike):
+        config = load_config_file(Config, config, base=Config())
+    if isinstance(config, Config):
+        return build(Config, _nested(overrides), base=config) if overrides else config
+    return build(Config, _nested(config or {}, overrides), base=Config())  # one build: checked once
+
+
+def train(config: Config | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> TrainResult:
+    """Run `molt train` and return its `TrainResult` (run_dir, checkpoint, eval before/after, per-step history).
+
+    From inside a running event loop (a notebook cell) the run goes to a worker thread with its own loop and this
+    call blocks until it ends; prefer `await molt.train_async(...)` there.
+    """
+    from molt.loop.run import run_train
+
+    return run_train(make_config(config, **overrides))
+
+
+async def train_async(
+    config: Config | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any
+) -> TrainResult:
+    """`molt.train` as a coroutine on the caller's event loop: `result = await molt.train_async(cfg)`."""
+    from molt.loop.run import train_async as run
+
+    return await run(make_config(config, **overrides))
+
+
+class _Package(types.ModuleType):
+    """This package's module type: importing the `molt.train` subpackage would rebind `molt.train` to it (the import
+    system sets a package's attribute for each submodule); that one binding is skipped, so the API function stays."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "train" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

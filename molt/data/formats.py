@@ -14,14 +14,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from molt.errors import UserError
+
 Row = dict[str, Any]
 Located = list[tuple[str, Any]]  # (where, raw row) pairs; `where` names the file and its 1-based line or row index
 
 READERS: dict[str, Callable[[Path], Located]] = {}
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A dataset that cannot be used; the message names the file and line (or row) and the field."""
+
+    kind = "data error"
 
 
 def register_reader(name: str):

@@ -16,6 +16,17 @@ from molt.data.formats import DataError, Located
 Row = dict[str, Any]
 
 
+class LocatedRow(dict):
+    """A row that remembers where it came from (`file:line` or `file row i`), for errors found later (too long)."""
+
+    where: str = ""
+
+
+def row_location(row: Row, fallback: str) -> str:
+    """Where `row` came from, or `fallback` (e.g. `task calculator row 3`) for rows that were not read from a file."""
+    return getattr(row, "where", "") or fallback
+
+
 def parse_columns(spec: str) -> dict[str, str]:
     """`"prompt=question,answer=solution"` -> {"prompt": "question", "answer": "solution"} (target=source)."""
     mapping: dict[str, str] = {}
@@ -69,7 +80,9 @@ def prompt_row(raw: Any, where: str, columns: dict[str, str], system_prompt: str
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
     row["messages"] = messages
-    return row
+    located = LocatedRow(row)
+    located.where = where
+    return located
 
 
 def prompt_rows(located: Located, columns: dict[str, str], system_prompt: str = "", source: str = "") -> list[Row]:

@@ -178,3 +178,124 @@ class ShapeColour:
 
     def grade(self, row: Row, text: str) -> float:
         return float(text.strip() == row["label"])
+
+
+NAMES = (
+    "Ava",
+    "Ben",
+    "Chloe",
+    "Diego",
+    "Emma",
+    "Farah",
+    "Gus",
+    "Hana",
+    "Ivan",
+    "Jade",
+    "Kofi",
+    "Lena",
+    "Mateo",
+    "Nora",
+)
+ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "books", "shells", "cards", "eggs", "balloons")
+PLACES = ("the market", "a shop", "the fair", "school", "the library sale")
+Problem = tuple[str, list[str], int]  # (question, worked steps, integer answer)
+
+
+def _add(rng: random.Random, name: str, friend: str, item: str) -> Problem:
+    a, b = rng.randint(3, 60), rng.randint(2, 40)
+    text = rng.choice(
+        [
+            f"{name} has {a} {item}. At {rng.choice(PLACES)}, {name} gets {b} more. How many {item} does {name} have?",
+            f"{name} collected {a} {item} and {friend} collected {b}. How many {item} did they collect together?",
+        ]
+    )
+    return text, [f"{a} + {b} = {a + b}"], a + b
+
+
+def _take_away(rng: random.Random, name: str, friend: str, item: str) -> Problem:
+    a = rng.randint(10, 90)
+    b = rng.randint(1, a - 1)
+    text = rng.choice(
+        [
+            f"{name} had {a} {item} and gave {b} of them to {friend}. How many {item} does {name} have left?",
+            f"There were {a} {item} in a box. {name} took out {b}. How many {item} are still in the box?",
+        ]
+    )
+    return text, [f"{a} - {b} = {a - b}"], a - b
+
+
+def _groups(rng: random.Random, name: str, friend: str, item: str) -> Problem:
+    a, b = rng.randint(2, 12), rng.randint(2, 12)
+    text = rng.choice(
+        [
+            f"{name} buys {a} bags of {item}. Each bag holds {b} {item}. How many {item} does {name} buy in all?",
+            f"{name} puts {item} into {a} rows with {b} in each row. How many {item} are there?",
+        ]
+    )
+    return text, [f"{a} * {b} = {a * b}"], a * b
+
+
+def _share(rng: random.Random, name: str, friend: str, item: str) -> Problem:
+    each, people = rng.randint(2, 12), rng.randint(2, 9)
+    total = each * people
+    text = f"{name} shares {total} {item} equally among {people} friends. How many {item} does each friend get?"
+    return text, [f"{total} / {people} = {each}"], each
+
+
+def _change(rng: random.Random, name: str, friend: str, item: str) -> Problem:
+    price, count = rng.randint(2, 9), rng.randint(2, 8)
+    cost = price * count
+    bill = rng.choice([b for b in (20, 50, 100) if b > cost])
+    text = (
+        f"One notebook costs ${price}. {name} buys {count} notebooks and pays with a ${bill} bill. "
+        f"How many dollars of change does {name} get?"
+    )
+    return text, [f"{count} * {price} = {cost}", f"{bill} - {cost} = {bill - cost}"], bill - cost
+
+
+def _rate_then_extra(rng: random.Random, name: str, friend: str, item: str) -> Problem:
+    per_day, days, extra = rng.randint(3, 25), rng.randint(2, 7), rng.randint(1, 30)
+    text = (
+        f"{name} reads {per_day} pages every day for {days} days, then reads {extra} more pages on the weekend. "
+        f"How many pages does {name} read in total?"
+    )
+    read = per_day * days
+    return text, [f"{per_day} * {days} = {read}", f"{read} + {extra} = {read + extra}"], read + extra
+
+
+GSM_SHAPES = (_add, _take_away, _groups, _share, _change, _rate_then_extra)
+
+
+@register_task("gsm")
+class GradeSchoolMath:
+    """Single-turn grade-school math word problems with integer answers (one or two steps).
+
+    Six problem shapes (add, take away, groups of, share equally, change from a bill, rate then extra),
+    each with varied names, objects and numbers; rows carry the reference in `answer` (and `label`),
+    so the built-in `math` reward (`--rollout.reward math`) checks answers numerically. The task's own
+    grade reads the completion's last number. Demonstrations (the `solution` column) show the arithmetic, then
+    `\\boxed{N}`.
+    """
+
+    env = "single_turn"
+    instruction = "Solve the problem step by step, then give the final answer as a number in \\boxed{}."
+
+    def rows(self, n: int, seed: int) -> list[Row]:
+        rng = random.Random(seed)
+        out = []
+        for _ in range(n):
+            name, friend = rng.sample(NAMES, 2)
+            text, steps, answer = rng.choice(GSM_SHAPES)(rng, name, friend, rng.choice(ITEMS))
+            solution = ". ".join(steps) + f". The answer is \\boxed{{{answer}}}."
+            messages = [{"role": "user", "content": f"{text}\n{self.instruction}"}]
+            out.append({"messages": messages, "answer": str(answer), "label": str(answer), "solution": solution})
+        return out
+
+    def demonstration(self, row: Row, rng: random.Random) -> list[dict[str, Any]]:
+        return row["messages"] + [{"role": "assistant", "content": row["solution"]}]
+
+    def grade(self, row: Row, text: str) -> float:
+        import re
+
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
+        return float(bool(numbers) and float(numbers[-1]) == float(row["answer"]))

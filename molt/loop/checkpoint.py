@@ -2,7 +2,9 @@
 
 Layout: `<run>/checkpoints/step-<N>/` (config.json, model.safetensors, tokenizer files,
 trainer_state.pt) and `<run>/checkpoints/latest` naming the newest complete one. The pointer is
-written last, so a crash mid-save leaves the previous checkpoint as the one resumed from.
+written last, so a crash mid-save leaves the previous checkpoint as the one resumed from; the temporary
+folders such a crash leaves behind (`.step-N.*`) are removed at the next save. Checkpoint files get the
+modes the user's umask gives new files (group-readable under the usual 022), not the temp folder's 0700.
 """
 
 from __future__ import annotations
@@ -11,26 +13,59 @@ import collections
 import dataclasses
 import os
 import random
+import shutil
 from pathlib import Path
 
 import torch
 
 from molt.log import atomic_write_text
 from molt.loop.rl import LoopState
-from molt.models import save_pretrained
+
+
+def remove_orphans(checkpoints: Path) -> list[Path]:
+    """Remove what an interrupted save left in `checkpoints/` (hidden temp folders and files); return them."""
+    orphans = [*checkpoints.glob(".step-*"), *checkpoints.glob(".latest.*")]
+    for path in orphans:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return orphans
+
+
+def _umask() -> int:
+    """The process umask, read from /proc where possible (setting it to read it races with other threads)."""
+    status = Path("/proc/self/status")
+    lines = status.read_text().splitlines() if status.exists() else []
+    for line in lines:
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_like_new_files(folder: Path) -> None:
+    """Give `folder` and everything in it the modes the umask gives new files and folders (e.g. 755 / 644)."""
+    mask = _umask()
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def save_checkpoint(run_dir: Path, trainer, loop_state: LoopState, tokenizer) -> Path:
     """Write step-<N>/ with weights and full training state; return its path."""
     folder = Path(run_dir) / "checkpoints" / f"step-{loop_state.step}"
+    remove_orphans(folder.parent)
     if hasattr(trainer, "save_sharded"):  # data-parallel ranks: HF export + torch.distributed.checkpoint shards
         state = trainer.save_sharded(folder, tokenizer)
     else:
-        save_pretrained(trainer.model, folder, tokenizer)
+        trainer.save_pretrained(folder, tokenizer)  # LoRA: merged weights, the PEFT adapter in adapter/
         state = {
             "optimizer": trainer.opt.state_dict(),
             "schedule": trainer.schedule.state_dict(),
             "ref": trainer.ref.state_dict() if trainer.ref is not None else None,
+            **trainer.extra_state(),  # the critic, LoRA adapters and base weights
         }
     state |= {
         "version": trainer.version,
@@ -41,8 +76,14 @@ def save_checkpoint(run_dir: Path, trainer, loop_state: LoopState, tokenizer) ->
     tmp = folder / ".trainer_state.pt.tmp"
     torch.save(state, tmp)
     os.replace(tmp, folder / "trainer_state.pt")
+    share_like_new_files(folder)
     atomic_write_text(Path(run_dir) / "checkpoints" / "latest", folder.name)
     return folder
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The loop step a checkpoint folder `step-<N>` was written at."""
+    return int(folder.name.rsplit("-", 1)[1])
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
@@ -67,6 +108,7 @@ def load_training_state(folder: Path, trainer) -> LoopState:
     else:
         trainer.opt.load_state_dict(state["optimizer"])
         trainer.schedule.load_state_dict(state["schedule"])
+        trainer.load_extra_state(state)
     trainer.version = state["version"]
     trainer.num_skipped_steps = state["num_skipped_steps"]
     if trainer.ref is not None and state.get("ref") is not None:

@@ -7,6 +7,13 @@ with a counted reason), runs the trainer step on the engine's thread (between en
 `sync` pushes the weights to the engine. With `max_staleness 0` this is synchronous training on the same code path.
 Every sample is either trained on or dropped with a counted reason (`drop/<reason>`). A ChatAgent
 rollout may yield several segments (sharing reward and rollout id); a group holds all of them.
+
+A failed rollout (agent exception or timeout) is one warning line naming its rollout and group; the
+first failure of each kind is written with its full traceback to `<run_dir>/rollout_failures.log`.
+Its group trains on its other samples unless the estimator needs complete groups (registered with
+`complete_groups=True`), which drops the group and says so. Group filters decide on `reward` (the
+trained signal; `rollout.filter_on score` for the 0/1 score), and every logged step names how many
+groups were dropped since the last line and why.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +38,7 @@ from molt.config import Config
 from molt.data.trajectory import Trajectory
 from molt.engine.core import work_since
 from molt.engine.torch_engine import with_threads
+from molt.errors import UserError
 from molt.loop.evaluate import evaluate
 
 log = logging.getLogger("molt.loop")
@@ -49,14 +58,47 @@ class LoopState:
     buffer: list[list[dict]] = field(default_factory=list)  # groups not yet trained (serialised)
 
 
-class AgentFailureRateError(RuntimeError):
-    pass
+FAILURE_LOG = "rollout_failures.log"  # in the run directory: full tracebacks of the first failure of each kind
+
+DROP_WHY = {  # what a group drop reason means, for the progress lines
+    "filter_all_equal": "every sample got the same {signal}: no learning signal",
+    "filter_nonfinite": "a NaN/inf {signal}",
+    "filter_score_range": "mean {signal} outside the score range",
+    "agent_failure": "failed rollouts: all of the group, or any when the estimator needs complete groups",
+    "prompt_over_context": "the prompt does not fit rollout.max_len",
+    "image_over_context": "an image does not fit rollout.max_len",
+    "stale": "older than rollout.max_staleness",
+}
+
+
+class RunStoppedError(UserError):
+    """The run cannot make progress because of the agent, data or settings (not a bug in Molt)."""
+
+    kind = "run stopped"
+
+
+class AgentFailureRateError(RunStoppedError):
+    """More than `rollout.max_failure_frac` of the rollouts failed."""
+
+
+def describe_error(error: BaseException) -> str:
+    """`Type: message` (the type alone when the message is empty), plus where in user code it was raised."""
+    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    molt_dir = str(Path(__file__).resolve().parents[1])
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not f.filename.startswith((molt_dir, "<")) and "/asyncio/" not in f.filename
+    ]
+    return text + (f" [{frames[-1].filename}:{frames[-1].lineno}]" if frames else "")
 
 
 class RLLoop:
     """Drives one RL run; `make_env()` builds a fresh Env per episode."""
 
-    def __init__(self, cfg: Config, engine, trainer, tokenizer, make_env, train_rows, eval_rows, state=None):
+    def __init__(
+        self, cfg: Config, engine, trainer, tokenizer, make_env, train_rows, eval_rows, state=None, run_dir=None
+    ):
         self.cfg, self.engine, self.trainer, self.tokenizer = cfg, engine, trainer, tokenizer
         self.make_env, self.train_rows, self.eval_rows = make_env, train_rows, eval_rows
         self.state = state or LoopState()
@@ -72,7 +114,14 @@ class RLLoop:
         self.running: set[int] = set()
         self.group_tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
-        self.filtered_in_a_row = 0
+        self.filtered_in_a_row = 0  # groups dropped since one was kept
+        self.group_drops: collections.Counter[str] = collections.Counter()  # since the last drop line
+        self.complete_groups = bool(algo.ESTIMATORS.info(cfg.algo.estimator).get("complete_groups", False))
+        run_dir = run_dir or cfg.log.run_dir or cfg.ckpt.resume  # where run.py puts the run (when it is known)
+        self.failure_log = Path(run_dir) / FAILURE_LOG if run_dir else None
+        self.failure_kinds: set[tuple[str, str]] = set()
+        self.said_no_eval = False
+        self.drop_details: dict[str, str] = {}  # reason -> the last such drop's message
         self.history: list[dict[str, Any]] = []
         self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()
         self.engine_stats: dict[str, float] = {}
@@ -127,10 +176,17 @@ class RLLoop:
         try:
             rollouts = await asyncio.gather(*(self._episode(row, group_index, k) for k in range(self.group_size)))
             group = [segment for segments in rollouts if isinstance(segments, list) for segment in segments]
-            if not all(isinstance(segments, list) for segments in rollouts):  # a failure, or a drop reason
-                self._drop(next((r for r in rollouts if isinstance(r, str)), "agent_failure"), self.group_size)
-            elif self._keep(group):
-                await self.buffer.put(group)
+            reason = next((r for r in rollouts if isinstance(r, str)), None)  # a drop (e.g. over the context)
+            num_failed = sum(r is None for r in rollouts)
+            if reason is None and num_failed and (self.complete_groups or num_failed == self.group_size):
+                reason = "agent_failure"
+            if reason is not None:
+                self._drop(reason, self.group_size)
+                self._check_progress(reason)
+            else:
+                self.state.drops["agent_failure"] += num_failed  # the failed samples only; the group trains on
+                if self._keep(group):
+                    await self.buffer.put(group)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - surfaced by the rollout coroutine
@@ -163,46 +219,95 @@ class RLLoop:
                 )
             except Exception as e:  # noqa: BLE001 - agent code fails this rollout only
                 if hasattr(e, "drop_reason"):  # e.g. an image that does not fit the context: dropped, not failed
+                    self.drop_details[e.drop_reason] = str(e)
                     return e.drop_reason
                 if getattr(e, "fatal_to_run", False):  # e.g. an engine replica that is gone for good
                     raise
-                self._count_failure(e)
+                self._count_failure(e, rollout_id, group_index)
                 return None
         self.state.rollouts += 1
         self.rollout_tokens += sum(s.num_action_tokens for s in segments)
         return segments
 
-    def _count_failure(self, error: Exception) -> None:
+    def _count_failure(self, error: Exception, rollout_id: int, group_index: int) -> None:
+        """One line per failed rollout; the first of each kind with its traceback in the failure log."""
         self.state.rollouts += 1
         self.state.failures += 1
-        log.warning("rollout failed:\n%s", "".join(traceback.format_exception(error)))
-        if self.state.rollouts >= 20 and self.state.failures / self.state.rollouts > self.cfg.rollout.max_failure_frac:
+        what = describe_error(error)
+        fate = "its group is dropped: the estimator needs complete groups" if self.complete_groups else (
+            "the rest of its group still trains")  # fmt: skip
+        logged = self._log_failure(error, f"rollout {rollout_id} (group {group_index}) failed: {what}")
+        log.warning("rollout %d (group %d) failed: %s; %s%s", rollout_id, group_index, what, fate, logged)
+        ro = self.cfg.rollout
+        if self.state.rollouts >= 20 and self.state.failures / self.state.rollouts > ro.max_failure_frac:
+            where = f"; tracebacks: {self.failure_log}" if self.failure_log else ""
             raise AgentFailureRateError(
                 f"{self.state.failures} of {self.state.rollouts} rollouts failed (rollout.max_failure_frac="
-                f"{self.cfg.rollout.max_failure_frac}); last error: {type(error).__name__}: {error}"
+                f"{ro.max_failure_frac}); last error: {what}{where}"
             ) from error
 
+    def _log_failure(self, error: Exception, line: str) -> str:
+        """Append `line` to the failure log, with the traceback the first time this kind of error is seen."""
+        if self.failure_log is None:
+            return ""
+        frames = traceback.extract_tb(error.__traceback__)
+        kind = (type(error).__name__, f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "")
+        first = kind not in self.failure_kinds
+        self.failure_kinds.add(kind)
+        self.failure_log.parent.mkdir(parents=True, exist_ok=True)
+        with self.failure_log.open("a") as f:
+            f.write(line + "\n" + ("".join(traceback.format_exception(error, chain=False)) + "\n" if first else ""))
+        return f" (traceback in {self.failure_log})" if first else ""
+
     def _keep(self, group: Group) -> bool:
-        scores = torch.tensor([t.score if t.score is not None else t.reward for t in group], dtype=torch.float32)
+        """Whether no group filter drops `group`; filters read `reward`, or `score` with rollout.filter_on score."""
+        on_score = self.cfg.rollout.filter_on == "score"
+        signal = [t.score if on_score and t.score is not None else t.reward for t in group]
         group_ids, rollout_ids = torch.tensor([t.group_id for t in group]), torch.tensor([t.rollout_id for t in group])
+        scores = torch.tensor(signal, dtype=torch.float32)
         keep, metrics = algo.filter_groups(scores, group_ids, rollout_ids, filters=self.cfg.rollout.filters)
         if bool(keep.all()):
             self.filtered_in_a_row = 0
             return True
         reason = next((k[len("filter_") : -len("_frac")] for k, v in metrics.items() if float(v) > 0), "filter")
         self._drop(f"filter_{reason}", len(group))
-        self.filtered_in_a_row += 1
-        if self.filtered_in_a_row > 50 * self.groups_per_step:
-            raise RuntimeError(
-                f"rollout.filters dropped {self.filtered_in_a_row} groups in a row (last: {reason}); the policy "
-                "gives every sample of a prompt the same score. Warm-start the model or set --rollout.filters"
-            )
+        self._check_progress(f"filter_{reason}")
         return False
+
+    def _check_progress(self, reason: str) -> None:
+        """Stop with a clear error once 50 steps' worth of groups in a row were dropped (the run cannot train)."""
+        self.filtered_in_a_row += 1
+        if self.filtered_in_a_row <= 50 * self.groups_per_step:
+            return
+        ro, signal = self.cfg.rollout, self.cfg.rollout.filter_on
+        advice = {
+            "prompt_over_context": f"the prompts do not fit rollout.max_len={ro.max_len} tokens (with room to "
+            "generate): raise --rollout.max_len or shorten the prompts",
+            "image_over_context": f"the images do not fit rollout.max_len={ro.max_len}: raise --rollout.max_len",
+            "agent_failure": "rollouts keep failing (see the warnings above)",
+            "filter_all_equal": f"every sample of a prompt got the same {signal}: warm-start the model (or use an "
+            "easier task), check the reward function, or drop the filter with --rollout.filters nonfinite",
+        }.get(reason, f"rollout.filters {list(ro.filters)} drop every group; check the {signal}s or the filters")
+        detail = f" (last: {self.drop_details[reason]})" if reason in self.drop_details else ""
+        raise RunStoppedError(f"{self.filtered_in_a_row} groups in a row were dropped ({reason}{detail}): {advice}")
 
     def _drop(self, reason: str, num_samples: int) -> None:
         """Count a dropped group's samples; its slot in the schedule is refilled by a new prompt."""
         self.state.drops[reason] += num_samples
+        self.group_drops[reason] += 1
         self.scheduled -= 1
+
+    def drop_line(self) -> str:
+        """How many groups were dropped since the last call, and why (empty when none); resets the count."""
+        if not self.group_drops:
+            return ""
+        signal = self.cfg.rollout.filter_on
+        parts = [
+            f"{n} {reason} ({DROP_WHY.get(reason, reason).format(signal=signal)})"
+            for reason, n in self.group_drops.most_common()
+        ]
+        total, self.group_drops = sum(self.group_drops.values()), collections.Counter()
+        return f"{total} group{'s' * (total != 1)} dropped: " + ", ".join(parts)
 
     # ---- train + sync ----------------------------------------------------------------------------
     async def _next_batch(self) -> list[Trajectory]:
@@ -241,8 +346,10 @@ class RLLoop:
             if self._due(self.cfg.eval.every):
                 metrics |= await self.evaluate()
                 self.engine_stats = self._engine_snapshot()  # eval is not a step's work
+            metrics["rollout/dropped_groups"] = sum(self.group_drops.values())
             self.history.append(metrics)
             on_step(metrics)
+            self._say_drops()
 
     async def _compute(self, fn, *args):
         """Model compute off the event loop: on the engine's thread when it has one (one OpenMP pool for the
@@ -252,6 +359,12 @@ class RLLoop:
             return await on_engine(fn, *args)
         threads = self.cfg.runtime.threads or os.cpu_count() or 1
         return await asyncio.to_thread(with_threads, threads, fn, *args)
+
+    def _say_drops(self) -> None:
+        """On logged steps: how many groups were dropped since the last such line, and why."""
+        logged = self.state.step % self.cfg.log.every == 0 or self.state.step == self.cfg.train.max_steps
+        if logged and (line := self.drop_line()):
+            log.warning("step %d: %s", self.state.step, line)
 
     def _due(self, every: int) -> bool:
         return every > 0 and (self.state.step % every == 0 or self.state.step == self.cfg.train.max_steps)
@@ -294,6 +407,15 @@ class RLLoop:
         ev = self.cfg.eval
         sampling = self._sampling(ev.temperature)  # 0 = greedy
         rows = self.eval_rows[: ev.num_prompts]
+        if not rows:
+            if not self.said_no_eval:
+                self.said_no_eval = True
+                log.warning(
+                    "eval skipped: no held-out rows (a data file keeps data.num_eval rows, at most 10%%, for eval: "
+                    "none of %d); pass --data.eval_path, or --eval.every 0 to silence this",
+                    len(self.train_rows),
+                )
+            return {}
 
         async def episode(*args, **kw) -> Trajectory:
             return (await self._run_agent(*args, **kw))[-1]  # segments share reward and score

@@ -9,27 +9,35 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 from molt import cache_root
 from molt.agents.reward_env import agent_factory
 from molt.agents.reward_fn import RewardFunction, load_reward
-from molt.config import Config
+from molt.config import Config, ConfigError
 from molt.data.dataset import dataset_rows, has_demonstrations
 from molt.engine.torch_engine import on_fresh_thread
-from molt.log import RunDir, plot_metrics
-from molt.loop.checkpoint import latest_checkpoint, load_training_state, save_checkpoint
+from molt.log import RunDir, check_new_run_dir, plot_metrics
+from molt.loop.checkpoint import checkpoint_step, latest_checkpoint, load_training_state, save_checkpoint
 from molt.loop.rl import RLLoop
+from molt.runtime.sizing import engine_kwargs
 from molt.train.build import build_model, build_tokenizer
 from molt.train.precision import Precision, resolve_dtype
 from molt.train.trainer import Trainer
 
+T = TypeVar("T")
+
 
 @dataclass
 class TrainResult:
+    """What `molt train` / `molt.train()` return: where the run went, eval before and after, every step's metrics."""
+
     run_dir: str
     checkpoint: str
     eval_before: dict[str, float]
@@ -82,7 +90,7 @@ def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_root() / "warmstart" / key
     if not (folder / "checkpoint" / "config.json").exists():
-        sft_cfg.log = dataclasses.replace(cfg.log, run_dir=str(folder))
+        sft_cfg.log = dataclasses.replace(cfg.log, run_dir=str(folder), wandb_project="")  # a cache, not a run
         run_sft(sft_cfg)
     return str(folder / "checkpoint")
 
@@ -127,11 +135,9 @@ def _engine(cfg: Config, model, tokenizer, version: int, threads: int):
     return TorchEngine(
         copy.deepcopy(model).eval().to(resolve_dtype(cfg.model.dtype, cfg.runtime.device)),  # compute dtype
         tokenizer=tokenizer,
-        num_slots=slots,
-        max_seq_len=cfg.rollout.max_len + 1,
         num_threads=cfg.runtime.engine_threads or threads,
         version=version,
-        compile=cfg.runtime.engine_compile,
+        **engine_kwargs(cfg, model.cfg),
     )
 
 
@@ -231,18 +237,28 @@ async def _train_async(cfg: Config, run: RunDir, threads: int, inputs: RunInputs
     return TrainResult(str(run.path), str(ckpt), before, after, history, time.perf_counter() - t0)
 
 
-def run_train(cfg: Config) -> TrainResult:
-    """The `molt train` command."""
-    torch.manual_seed(cfg.train.seed)
-    threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
-    torch.set_num_threads(1)  # this thread runs asyncio only; model compute runs on the engine's thread
-    inputs = load_inputs(cfg)  # before the run directory and any model: a bad row stops here
-    run = RunDir(cfg.log.run_dir or cfg.ckpt.resume, "train", cfg)
+def check_run_dir(cfg: Config) -> None:
+    """Start-up checks of the run directory: a new run needs an empty one; a resume needs a checkpoint to go on
+    from, short of `train.max_steps`. Each failure is one ConfigError line, before any data or model is read."""
+    if not cfg.ckpt.resume:
+        if cfg.log.run_dir:
+            check_new_run_dir(cfg.log.run_dir)
+        return
     try:
-        result = asyncio.run(_train_async(cfg, run, threads, inputs))
-    finally:
-        run.close()
-        torch.set_num_threads(main_threads)
+        step = checkpoint_step(latest_checkpoint(cfg.ckpt.resume))
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    if step >= cfg.train.max_steps:
+        raise ConfigError(
+            f"ckpt.resume: {cfg.ckpt.resume} is finished (its latest checkpoint is step {step}, train.max_steps is "
+            f"{cfg.train.max_steps}); raise --train.max_steps to train it further"
+        )
+    if cfg.log.run_dir and Path(cfg.log.run_dir).resolve() != Path(cfg.ckpt.resume).resolve():
+        check_new_run_dir(cfg.log.run_dir)
+
+
+def _summary(run: RunDir, result: TrainResult) -> None:
+    """The closing lines: eval reward before -> after, throughput, plot and checkpoint paths."""
     plot = plot_metrics(run.path, ["train/reward_mean", "eval/reward_mean", "train/logprob_diff"])
     last = result.history[-1] if result.history else {}
     before, after = (r.get("eval/reward_mean", float("nan")) for r in (result.eval_before, result.eval_after))
@@ -251,4 +267,38 @@ def run_train(cfg: Config) -> TrainResult:
         f"rollout {last.get('rollout/tokens_per_s', 0):.0f} tok/s, train {last.get('train/tokens_per_s', 0):.0f} tok/s"
         f"\n  plot: {plot}\n  checkpoint: {result.checkpoint}"
     )
+
+
+async def train_async(cfg: Config) -> TrainResult:
+    """`molt train` as a coroutine, for callers that already run an event loop (`await molt.train_async(cfg)`)."""
+    check_run_dir(cfg)
+    torch.manual_seed(cfg.train.seed)
+    threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
+    torch.set_num_threads(1)  # this thread runs asyncio only; model compute runs on the engine's thread
+    try:
+        inputs = load_inputs(cfg)  # before the run directory and any model: a bad row stops here
+        run = RunDir(cfg.log.run_dir or cfg.ckpt.resume, "train", cfg)
+        try:
+            result = await _train_async(cfg, run, threads, inputs)
+        finally:
+            run.close()
+    finally:
+        torch.set_num_threads(main_threads)
+    _summary(run, result)
     return result
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` to completion from synchronous code: on this thread, or on a worker thread with its own event
+    loop when this thread already runs one (a notebook), since `asyncio.run` refuses to nest."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def run_train(cfg: Config) -> TrainResult:
+    """The `molt train` command (callable from a script or from inside a running event loop)."""
+    return run_sync(train_async(cfg))

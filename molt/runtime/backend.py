@@ -20,6 +20,7 @@ from molt.engine.router import Router
 from molt.runtime import cluster
 from molt.runtime.engines import RemoteEngine
 from molt.runtime.ranks import RayTrainer, spawn_rank
+from molt.runtime.sizing import engine_kwargs
 from molt.train.precision import resolve_dtype
 
 
@@ -33,7 +34,7 @@ class RayRuntime:
         self.engines: list[RemoteEngine] = []
         self.router: Router | None = None
         self.engine_stats: dict[int, dict] = {}  # each replica's counters as of the previous step's metrics
-        self.model_ref = ray.put(model)
+        self.model_ref, self.model_cfg = ray.put(model), model.cfg
         options = [self.placement.options(rt.engines + r, f"molt-rank-{r}") for r in range(rt.trainer_ranks)]
         self.ranks = [spawn_rank(cfg, self.model_ref, r, rt.trainer_ranks, o) for r, o in enumerate(options)]
         try:
@@ -45,9 +46,7 @@ class RayRuntime:
     def start_engines(self, tokenizer, version: int) -> Router:
         """`runtime.engines` replicas holding the driver's model at `version`, behind one router."""
         cfg, rt = self.cfg, self.cfg.runtime
-        slots = cfg.rollout.episodes_in_flight * 2
-        kwargs = dict(num_slots=slots, max_seq_len=cfg.rollout.max_len + 1, version=version,
-                      num_threads=rt.engine_threads or 1, compile=rt.engine_compile)  # fmt: skip
+        kwargs = engine_kwargs(cfg, self.model_cfg) | dict(version=version, num_threads=rt.engine_threads or 1)
         dtype = resolve_dtype(cfg.model.dtype, rt.device)
         args = (self.model_ref, tokenizer, kwargs, rt.engine_threads or 1, rt.device, dtype)
         for i in range(rt.engines):

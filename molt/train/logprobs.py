@@ -68,6 +68,17 @@ def token_logprobs_entropy(
     `trained_only` (dense models): the last layer computes only the positions whose target is trained or
     that hold a fork (`Transformer.forward`'s `outputs_bq`); every other position's values are 0.
     `routing`: MoE replay / record (see `molt.models.moe.Routing`)."""
+    hidden_nh, at_n, targets_n = packed_hidden(model, packed, routing, trained_only)
+    logp, entropy = head_logprobs(model.lm_head, hidden_nh, targets_n, temperature, chunk_tokens)
+    return laid_out_rows(logp, at_n, packed, trained_only), laid_out_rows(entropy, at_n, packed, trained_only)
+
+
+def packed_hidden(
+    model: Transformer, packed: PackedBatch, routing=None, trained_only: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(final hidden states [N, H], their flat positions `at_n`, targets [N]) of the positions computed, then
+    one row per fork (`packed.forks`). Whatever head reads them (LM head, value head) lays its per-row outputs
+    out with `laid_out_rows`."""
     kwargs = dict(doc_ids_bt=packed.doc_ids, parent_ids_bt=packed.parent_ids, pixel_values=packed.pixel_values)
     if not trained_only:
         hidden_nh = model(packed.input_ids, packed.position_ids, routing=routing, return_hidden=True, **kwargs)
@@ -84,11 +95,13 @@ def token_logprobs_entropy(
         fork_at, fork_targets = packed.forks.T.contiguous()
         fork_n = torch.searchsorted(at_n, fork_at)
         hidden_nh, targets_n = torch.cat([hidden_nh, hidden_nh[fork_n]]), torch.cat([targets_n, fork_targets])
-    logp, entropy = head_logprobs(model.lm_head, hidden_nh, targets_n, temperature, chunk_tokens)
+    return hidden_nh, at_n, targets_n
+
+
+def laid_out_rows(values: torch.Tensor, at_n: torch.Tensor, packed: PackedBatch, trained_only: bool) -> torch.Tensor:
+    """Per-row outputs of `packed_hidden`'s rows as [R, W] (the flat [R * W + E] vector with forks)."""
     num_forks = 0 if packed.forks is None else packed.forks.shape[0]
-    size = packed.targets.numel()
-    logp, entropy = (as_rows(_laid_out(x, at_n, size, num_forks, trained_only), packed) for x in (logp, entropy))
-    return logp, entropy
+    return as_rows(_laid_out(values, at_n, packed.targets.numel(), num_forks, trained_only), packed)
 
 
 def _laid_out(values: torch.Tensor, at_n: torch.Tensor, size: int, num_forks: int, scattered: bool):

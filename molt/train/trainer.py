@@ -4,27 +4,41 @@ One `step(trajectories)` is one optimizer step over a batch of complete groups. 
 on packed rows (no padding waste); per-token log-probs are then laid out per sample as the padded
 [B, T] tensors `molt/algo` expects. Every micro-batch's loss uses the step's global denominators,
 so the gradient does not depend on how the batch was split. The policy version is +1 per step.
+
+Order of one step with the models some estimators need (one trainer process):
+1. micro-batches and step denominators of the batch;
+2. token signals over those micro-batches: the teacher's no-grad log-probs (`--algo.teacher`: reverse KL of the
+   sampled tokens) and the critic's pass (`gae`): values with grad, each row's GAE returns from its own values,
+   clipped value loss, backward, then one critic optimizer step. A row's returns need only its own values, so
+   one critic forward serves both the advantages and its loss (V_old = V: one update per batch);
+3. advantages over the whole batch (group statistics, whitening) from rewards, values and teacher KL;
+4. the policy's forward + loss + backward per micro-batch, one optimizer step.
+LoRA (`--train.lora_rank`): only the adapters train; `weights()` and checkpoints give the merged policy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from molt import algo
 from molt.config import Config
 from molt.data.trajectory import Trajectory
-from molt.models import Transformer
+from molt.models import Transformer, save_pretrained
 from molt.train import parallel
+from molt.train.critic import Critic, explained_variance
 from molt.train.images import trajectory_pixels
 from molt.train.logprobs import token_logprobs, token_logprobs_entropy
+from molt.train.lora import LoRA
 from molt.train.memory import checkpoint_layers
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack, placements
-from molt.train.precision import Precision, clip_and_step
+from molt.train.precision import Precision, clip_and_step, resolve_dtype
 from molt.train.routing import (
     attach_routing,
     forward_routing,
@@ -33,6 +47,7 @@ from molt.train.routing import (
     routing_metrics,
     routing_stats,
 )
+from molt.train.teacher import load_teacher, teacher_logprobs
 
 
 class TokenMismatchError(RuntimeError):
@@ -115,15 +130,55 @@ class Trainer:
         self.scaler = self.precision.scaler()
         self.moe_shape = (model.cfg.num_moe_layers(), model.cfg.num_experts_per_tok)
         self.frozen = freeze_routers(model, cfg)
-        self.opt, self.schedule = build_optimizer(model.parameters(), cfg.train)
         self.objective = cfg.algo.objective()
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        self.critic = Critic(model, cfg, self.precision) if cfg.algo.estimator == "gae" else None
+        compute = resolve_dtype(cfg.model.dtype, cfg.runtime.device)
+        self.teacher = load_teacher(cfg.algo.teacher, model, cfg.runtime.device, compute) if cfg.algo.teacher else None
+        tr = cfg.train
+        self.lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
+        # the KL reference is the initial policy: with LoRA, the frozen base itself (adapters off), no copy
+        wants_ref = cfg.algo.kl_coef > 0 and self.lora is None
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if wants_ref else None
+        self.opt, self.schedule = build_optimizer(self.trainable(), cfg.train)
         self.version = 0
         self.num_skipped_steps = 0
 
+    def trainable(self):
+        """The parameters the optimizer steps: the LoRA adapters, or the model's own."""
+        return self.lora.parameters() if self.lora is not None else self.model.parameters()
+
     def weights(self) -> dict[str, torch.Tensor]:
-        """The weights rollout engines need (Molt names): all but frozen routers (`train.freeze_router`)."""
-        return {k: v.detach() for k, v in self.model.state_dict().items() if k not in self.frozen}
+        """The weights rollout engines need (Molt names): all but frozen routers (`train.freeze_router`);
+        with LoRA the targets' merged weights W + scale * B @ A."""
+        state = self.model.state_dict() | (self.lora.merged_weights() if self.lora is not None else {})
+        return {k: v.detach() for k, v in state.items() if k not in self.frozen}
+
+    def save_pretrained(self, folder: str | Path, tokenizer) -> None:
+        """The policy as an HF folder; with LoRA its merged weights, plus the adapters (PEFT format) in `adapter/`."""
+        if self.lora is None:
+            save_pretrained(self.model, folder, tokenizer)
+            return
+        with self.lora.merged():
+            save_pretrained(self.model, folder, tokenizer)
+        self.lora.save_peft(Path(folder) / "adapter", self.cfg.model.path)
+
+    def extra_state(self) -> dict:
+        """Checkpoint entries beside the optimizer's: the critic (weights, optimizer, schedule) and the LoRA
+        adapters with the frozen targets' base weights (the HF folder holds merged ones)."""
+        state = {}
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
+        if self.lora is not None:
+            state["lora"] = {"adapters": self.lora.state_dict(), "base": self.lora.base_weights()}
+        return state
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore what `extra_state` saved (entries a checkpoint lacks keep their fresh values)."""
+        if self.critic is not None and state.get("critic") is not None:
+            self.critic.load_state_dict(state["critic"])
+        if self.lora is not None and state.get("lora") is not None:
+            self.lora.load_state_dict(state["lora"]["adapters"])
+            self.lora.load_base_weights(state["lora"]["base"])
 
     def micro_batches(self, trajs: list[Trajectory]) -> list[MicroBatch]:
         ids = [t.tokens for t in trajs]
@@ -136,17 +191,34 @@ class Trainer:
             attach_routing(packs, [t.routing for t in trajs], self.moe_shape)
         return [_layout(p, trajs) for p in packs]
 
-    def advantages(self, trajs: list[Trajectory]) -> tuple[list[list[float]], dict]:
-        """Per-token advantages of every trajectory (computed once over the whole step batch)."""
+    def advantages(
+        self,
+        trajs: list[Trajectory],
+        values: list[list[float]] | None = None,
+        teacher_kl: list[list[float]] | None = None,
+    ) -> tuple[list[list[float]], dict]:
+        """Per-token advantages of every trajectory (computed once over the whole step batch), from the rewards
+        and, where the run has them, the critic's `values` and the reverse KL to the teacher (`teacher_kl`)."""
+        algo_cfg = self.cfg.algo
+        distill = algo_cfg.estimator == "on_policy_distill"
         inputs = algo.AdvantageInputs(
             mask_bt=_padded([t.loss_mask for t in trajs]),
             rewards_b=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
             group_ids_b=torch.tensor([t.group_id for t in trajs]),
             rollout_ids_b=torch.tensor([t.rollout_id for t in trajs]),
+            values_bt=_padded(values) if values is not None else None,
+            kl_bt=_padded(teacher_kl) if teacher_kl is not None and distill else None,
         )
-        params = algo.AdvantageParams(whiten=self.cfg.algo.whiten)
-        adv_bt, _, metrics = algo.compute_advantages(self.cfg.algo.estimator, inputs, params)
+        adv_bt, _, metrics = algo.compute_advantages(algo_cfg.estimator, inputs, self._advantage_params())
+        if teacher_kl is not None and not distill:  # distillation added to the task estimator's advantage
+            adv_bt, kl_metrics = algo.add_teacher_kl(adv_bt, _padded(teacher_kl), inputs.mask_bt, algo_cfg.teacher_coef)
+            metrics |= kl_metrics
         return [adv_bt[b, : len(t.tokens)].tolist() for b, t in enumerate(trajs)], metrics
+
+    def _advantage_params(self, whiten: bool | None = None) -> algo.AdvantageParams:
+        a = self.cfg.algo
+        coef = a.teacher_coef if a.estimator == "on_policy_distill" else 0.0  # its advantage: -coef * kl
+        return algo.AdvantageParams(a.gamma, a.lam, coef, whiten=a.whiten if whiten is None else whiten)
 
     def step(self, trajs: list[Trajectory], shard: list[int] | None = None) -> dict[str, float]:
         """One optimizer step on `trajs` (complete groups); returns scalar metrics.
@@ -154,13 +226,18 @@ class Trainer:
         Data parallel (`molt.train.parallel`): every rank gets the whole batch and trains on its `shard`
         (indices of whole groups); denominators and metric sums are summed over the ranks."""
         t0 = time.perf_counter()
-        advantages, adv_metrics = self.advantages(trajs)
-        if shard is not None:
-            trajs_all, trajs, advantages = trajs, [trajs[i] for i in shard], [advantages[i] for i in shard]
-        check_tokens(trajs, exhaustive=self.cfg.train.check_tokens == "exhaustive")
-        mbs = self.micro_batches(trajs)
-        denoms = algo.step_denominators([mb.mask_bt for mb in mbs], [self._group_ids(mb, trajs) for mb in mbs])
+        mine = trajs if shard is None else [trajs[i] for i in shard]
+        check_tokens(mine, exhaustive=self.cfg.train.check_tokens == "exhaustive")
+        mbs = self.micro_batches(mine)
+        denoms = algo.step_denominators([mb.mask_bt for mb in mbs], [self._group_ids(mb, mine) for mb in mbs])
         denoms = denoms.all_reduced(parallel.all_reduce_sum)
+        if (self.critic is not None or self.teacher is not None) and shard is not None:
+            raise NotImplementedError("the critic and the teacher run in one trainer process (runtime.backend local)")
+        values, model_metrics = self._critic_pass(mbs, trajs, denoms) if self.critic is not None else (None, {})
+        teacher_kl = self._teacher_kl(mbs, trajs, model_metrics) if self.teacher is not None else None
+        advantages, adv_metrics = self.advantages(trajs, values, teacher_kl)
+        if shard is not None:
+            trajs_all, trajs, advantages = trajs, mine, [advantages[i] for i in shard]
         sums: dict[str, float] = {}
         self.step_tokens = int(parallel.all_reduce_sum(torch.tensor(sum(mb.packed.num_tokens for mb in mbs))))
         num_mbs = parallel.all_reduce_max(len(mbs))  # before any forward: FSDP collectives must line up
@@ -168,14 +245,14 @@ class Trainer:
             self._backward(mb, trajs, advantages, denoms, sums)
         for _ in range(num_mbs - len(mbs)):
             self._backward(mbs[-1], trajs, advantages, denoms, {}, scale=0.0)
-        grad_norm, stepped = clip_and_step(self.opt, self.model.parameters(), self.cfg.train.grad_clip, self.scaler)
+        grad_norm, stepped = clip_and_step(self.opt, self.trainable(), self.cfg.train.grad_clip, self.scaler)
         self.num_skipped_steps += not stepped
         if shard is not None:
             sums = parallel.all_reduce_sums(sums | {"micro_batches": len(mbs)})  # MoE sums hold a load tensor
             trajs, mbs = trajs_all, range(int(sums.pop("micro_batches")))
         lr = self.schedule.get_last_lr()[0]
         self.schedule.step()
-        metrics = self._step_metrics(trajs, sums, mbs, adv_metrics)
+        metrics = self._step_metrics(trajs, sums, mbs, adv_metrics) | model_metrics
         self.version += 1
         dt = time.perf_counter() - t0
         num_tokens = sum(len(t.tokens) for t in trajs)
@@ -187,6 +264,61 @@ class Trainer:
             "time/train_s": dt,
         }
 
+    def _critic_pass(self, mbs: list[MicroBatch], trajs, denoms) -> tuple[list[list[float]], dict[str, float]]:
+        """Values at every token of every sample (before the update) and the critic's optimizer step: per
+        micro-batch a forward with grad, its rows' GAE returns, the clipped value loss (token-mean), backward."""
+        t0, critic, device = time.perf_counter(), self.critic, self.cfg.runtime.device
+        values: list[list[float]] = [[] for _ in trajs]
+        sums = dict.fromkeys(("loss", "clip", "n", "value", "ret", "ret2", "err", "err2"), 0.0)
+        for mb in mbs:
+            with self.precision.autocast():
+                values_bt = _unpack(critic.model(mb.packed.to(device)), mb)
+            mask_bt = mb.mask_bt.to(device)
+            rewards_b = torch.tensor([trajs[i].reward for i in mb.samples], dtype=torch.float32, device=device)
+            inputs = algo.AdvantageInputs(mask_bt, rewards_b, values_bt=values_bt.detach())
+            _, returns_bt, _ = algo.compute_advantages("gae", inputs, self._advantage_params(whiten=False))
+            loss_bt, metrics = algo.value_loss(values_bt, values_bt.detach(), returns_bt, mask_bt, critic.clip)
+            loss = algo.aggregate("token-mean", loss_bt, mask_bt, denoms)
+            (critic.scaler.scale(loss) if critic.scaler is not None else loss).backward()
+            n, err_bt = float(mask_bt.sum()), (returns_bt - values_bt.detach()) * mask_bt
+            sums["loss"] += float(loss.detach())
+            sums["clip"] += float(metrics.get("value_clip_frac", 0.0)) * n
+            _add(sums, n=mask_bt, value=values_bt.detach() * mask_bt, ret=returns_bt, ret2=returns_bt**2)
+            _add(sums, err=err_bt, err2=err_bt**2)
+            for b, i in enumerate(mb.samples):
+                values[i] = values_bt[b, : len(trajs[i].tokens)].detach().tolist()
+        grad_norm, _ = clip_and_step(critic.opt, critic.model.parameters(), self.cfg.train.grad_clip, critic.scaler)
+        lr = critic.schedule.get_last_lr()[0]
+        critic.schedule.step()
+        n = max(sums["n"], 1.0)
+        return values, {
+            "critic/value_loss": sums["loss"],
+            "critic/explained_variance": explained_variance(sums),
+            "critic/value_mean": sums["value"] / n,
+            "critic/return_mean": sums["ret"] / n,
+            "critic/clip_frac": sums["clip"] / n,
+            "critic/grad_norm": float(grad_norm),
+            "critic/lr": lr,
+            "time/critic_s": time.perf_counter() - t0,
+        }
+
+    @torch.no_grad()
+    def _teacher_kl(self, mbs: list[MicroBatch], trajs, metrics: dict[str, float]) -> list[list[float]]:
+        """Per token, the reverse KL to the teacher on the sampled token: log pi(a_t) - log teacher(a_t), with
+        pi the engine's recorded log-prob (the distribution that sampled it); 0 off the loss mask."""
+        t0, device = time.perf_counter(), self.cfg.runtime.device
+        temp, chunk = self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens
+        kl: list[list[float]] = [[] for _ in trajs]
+        for mb in mbs:
+            with self.precision.autocast():
+                teacher_bt = _unpack(teacher_logprobs(self.teacher, mb.packed.to(device), temp, chunk), mb)
+            rollout_bt = _per_sample([t.rollout_logprobs for t in trajs], mb).to(device)
+            kl_bt = algo.kl_estimate("k1", rollout_bt, teacher_bt, mb.mask_bt.to(device))
+            for b, i in enumerate(mb.samples):
+                kl[i] = kl_bt[b, : len(trajs[i].tokens)].tolist()
+        metrics["time/teacher_s"] = time.perf_counter() - t0
+        return kl
+
     @staticmethod
     def _group_ids(mb: MicroBatch, trajs: list[Trajectory]) -> torch.Tensor:
         return torch.tensor([trajs[i].group_id for i in mb.samples])
@@ -196,6 +328,8 @@ class Trainer:
         packed = mb.packed.to(device)
         routing = forward_routing(packed, self.cfg.algo.routing_replay) if self.moe_shape[0] else None
         logp_bt, entropy_bt, ref_logp_bt = self._logprobs(mb, packed, routing)
+        bonus_bt = entropy_bt if self.objective.entropy_coef else None  # with grad: the loss subtracts coef * H
+        entropy_bt = entropy_bt.detach()
         mask_bt = mb.mask_bt.to(device)
         rollout_logp_bt = _per_sample([t.rollout_logprobs for t in trajs], mb).to(device)
         batch = algo.PolicyBatch(
@@ -204,6 +338,7 @@ class Trainer:
             advantages_bt=_per_sample(advantages, mb).to(device),
             rollout_logp_bt=rollout_logp_bt,
             ref_logp_bt=ref_logp_bt,
+            entropy_bt=bonus_bt,
             group_ids_b=self._group_ids(mb, trajs).to(device),
         )
         loss, metrics = algo.policy_objective(batch, denoms, self.objective)
@@ -226,15 +361,25 @@ class Trainer:
             sums[f"w_{key}"] = sums.get(f"w_{key}", 0.0) + float(value) * n
 
     def _logprobs(self, mb: MicroBatch, packed: PackedBatch, routing, reference: bool = True):
-        """(log-probs, entropies, reference log-probs or None), each [b, T] per sample, in the compute dtype."""
+        """(log-probs, entropies, reference log-probs or None), each [b, T] per sample, in the compute dtype.
+        Entropies keep their graph (the entropy bonus); callers detach them otherwise."""
         temp, chunk = self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens
         with self.precision.autocast():
             logp, entropy = token_logprobs_entropy(self.model, packed, temp, routing, routing is None, chunk)
             ref_logp_bt = None
-            if reference and self.ref is not None:
-                with torch.no_grad():
-                    ref_logp_bt = _unpack(token_logprobs(self.ref, packed, temp, None, routing is None, chunk), mb)
-        return _unpack(logp, mb), _unpack(entropy.detach(), mb), ref_logp_bt
+            if reference and self.cfg.algo.kl_coef > 0:
+                with torch.no_grad(), self._reference() as ref:
+                    ref_logp_bt = _unpack(token_logprobs(ref, packed, temp, None, routing is None, chunk), mb)
+        return _unpack(logp, mb), _unpack(entropy, mb), ref_logp_bt
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The KL reference policy: the frozen copy, or with LoRA the model with its adapters off."""
+        if self.ref is not None:
+            yield self.ref
+            return
+        with self.lora.disabled():
+            yield self.model
 
     def _step_metrics(self, trajs, sums, mbs, adv_metrics) -> dict[str, float]:
         n = max(sums.get("tokens", 0.0), 1.0)

@@ -141,3 +141,12 @@ def test_selected_outputs_of_a_plain_causal_forward_equal_the_full_logits():
     full = model(ids_bt)
     picked = model(ids_bt, outputs_bq=cols_bq)
     assert (picked - full[torch.arange(2)[:, None], cols_bq]).abs().max() <= 1e-5
+
+
+def test_entropy_coef_changes_the_loss_by_coef_times_the_mean_entropy():
+    base = _model()
+    trajs = _trajs(base)
+    params_off, off = _sgd_update(base, trajs)
+    params_on, on = _sgd_update(base, trajs, "--algo.entropy_coef", "0.1")
+    assert on["train/loss"] == pytest.approx(off["train/loss"] - 0.1 * off["train/entropy"], abs=1e-5)
+    assert (params_on - params_off).abs().max() > 1e-6  # the bonus has a gradient

@@ -11,13 +11,18 @@ reward, score, ids and segment index. The agent must use async clients (`AsyncOp
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import secrets
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from molt.agents.chat.server import ChatServer
 from molt.agents.env import Env, Messages, Result, load_agent
-from molt.agents.runner import EpisodeLimits
+from molt.agents.runner import EpisodeLimits, within
+from molt.config import ConfigError
 from molt.data.trajectory import Trajectory
 
 # `chat` config fields that are ChatServer options in training (the rest only apply to `molt serve`)
@@ -53,8 +58,57 @@ class ChatAgent:
 
 
 def load_agent_class(spec: str) -> type:
-    """`file.py[:Name]` or `pkg.module[:Name]`: the one Env or ChatAgent subclass it defines (or `Agent`)."""
-    return load_agent(spec, bases=(Env, ChatAgent))
+    """`file.py[:Name]` or `pkg.module[:Name]`: the one Env or ChatAgent subclass it defines (or `Agent`).
+
+    Checked before any model is built: the module imports, the class exists, overrides `async step` (an
+    Env) or `async run` (a ChatAgent) and takes no constructor arguments. Any problem is a ConfigError
+    naming `rollout.agent` (and the file's line when importing it failed). Imported once per file version.
+    """
+    path = Path(spec.split(":")[0])
+    mtime = path.stat().st_mtime if path.suffix == ".py" and path.exists() else 0.0
+    return _checked_agent_class(spec, mtime)
+
+
+@functools.cache
+def _checked_agent_class(spec: str, mtime: float) -> type:
+    try:
+        cls = load_agent(spec, bases=(Env, ChatAgent))
+    except Exception as e:  # noqa: BLE001 - the user's module failed to import, or names nothing usable
+        raise _import_error(spec, e) from None
+    name = getattr(cls, "__name__", repr(cls))
+    if not isinstance(cls, type):
+        raise ConfigError(f"rollout.agent: {spec!r} names {name}, which is not a class (an Env or ChatAgent subclass)")
+    method = "run" if issubclass(cls, ChatAgent) else "step"
+    own = getattr(cls, method, None)
+    if not issubclass(cls, (Env, ChatAgent)) and not (callable(own) and hasattr(cls, "reset")):
+        raise ConfigError(f"rollout.agent: {name} is not an Env or ChatAgent (from molt.agents import Env, Result)")
+    if own in (Env.step, ChatAgent.run):
+        raise ConfigError(f"rollout.agent: {name} does not define `async def {method}(...)` (it must return a Result)")
+    if not inspect.iscoroutinefunction(own):
+        raise ConfigError(f"rollout.agent: {name}.{method} must be `async def {method}(...)` (it is awaited)")
+    try:
+        inspect.signature(cls).bind()
+    except TypeError:
+        raise ConfigError(f"rollout.agent: {name}() must take no arguments (Molt builds one per episode)") from None
+    except ValueError:  # no signature to inspect: trust it
+        pass
+    return cls
+
+
+def _import_error(spec: str, error: Exception) -> ConfigError:
+    """A one-line ConfigError for a failed agent import, located at the agent file's line where it can be."""
+    text = str(error)
+    if text.startswith("--rollout.agent: "):  # load_agent's own messages (missing file, class, attribute)
+        return ConfigError("rollout.agent: " + text.removeprefix("--rollout.agent: "))
+    file = Path(spec.split(":")[0]).resolve()
+    where = spec.split(":")[0]
+    if isinstance(error, SyntaxError) and error.filename and error.lineno:
+        where, text = f"{error.filename}:{error.lineno}", error.msg
+    else:
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == file]
+        if frames:
+            where = f"{frames[-1].filename}:{frames[-1].lineno}"
+    return ConfigError(f"rollout.agent: importing {spec!r} failed at {where}: {type(error).__name__}: {text}")
 
 
 class ChatRunner:
@@ -108,14 +162,15 @@ class ChatRunner:
             limits=limits,
             session_id=session.id,
         )
+        name, budget_s = type(agent).__name__, limits.step_timeout_s * limits.max_turns
         try:
-            result = await asyncio.wait_for(agent.run(ctx), limits.step_timeout_s * limits.max_turns)
+            result = await within(budget_s, agent.run(ctx), f"{name}.run", "rollout.step_timeout_s x max_turns")
         finally:
             segments = server.close_session(session.id)
         rescore = getattr(agent, "rescore", None)  # a reward function scoring the final answer (reward_env.py)
         if rescore is not None and segments:
             answer = last_completion_text(self.tokenizer, segments[-1])
-            result = await asyncio.wait_for(rescore(result, answer, row), limits.step_timeout_s)
+            result = await within(limits.step_timeout_s, rescore(result, answer, row), "the reward function")
         return _stamp(agent, result, segments, session.truncated, ids)
 
 

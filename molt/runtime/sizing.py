@@ -1,0 +1,39 @@
+"""How big the built-in engine is: sequence slots, context length and KV cache, from the config.
+
+One place for the local loop and the Ray engine actors. The KV cache is either the slot cache (`slot`:
+num_slots x max_len positions preallocated; the fastest on CPU, where Molt's kernels read it) or the paged
+cache (`paged`: blocks of positions sized from a memory budget, prefix blocks shared by reference, so memory
+follows the tokens in flight); `auto` takes the paged cache on CUDA for dense text models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from molt.config import Config
+from molt.models.config import TransformerConfig
+
+
+def kv_cache_kind(cfg: Config, model_cfg: TransformerConfig) -> str:
+    """`slot` or `paged`: `runtime.kv_cache`, with `auto` resolved by device and model (the paged cache serves
+    dense text models)."""
+    if cfg.runtime.kv_cache != "auto":
+        return cfg.runtime.kv_cache
+    dense_text = not model_cfg.num_moe_layers() and model_cfg.vision is None
+    return "paged" if cfg.runtime.device.startswith("cuda") and dense_text else "slot"
+
+
+def engine_kwargs(cfg: Config, model_cfg: TransformerConfig) -> dict[str, Any]:
+    """Keyword arguments of `TorchEngine` for this run's engine (not the model, tokenizer or version)."""
+    rt = cfg.runtime
+    slots = cfg.rollout.episodes_in_flight * 2
+    kwargs: dict[str, Any] = dict(num_slots=slots, max_seq_len=cfg.rollout.max_len + 1, compile=rt.engine_compile)
+    if kv_cache_kind(cfg, model_cfg) == "paged":
+        if rt.kv_gb > 0:
+            kwargs["kv_bytes"] = int(rt.kv_gb * 1e9)
+        elif rt.device.startswith("cuda"):
+            kwargs["kv_memory_fraction"] = rt.kv_memory_fraction
+        else:  # the slot cache's positions, in blocks
+            kwargs["kv_blocks"] = -(-slots * (cfg.rollout.max_len + 1) // 16)
+            kwargs["block_size"] = 16
+    return kwargs

@@ -1,0 +1,162 @@
+"""LoRA adapters around a model's linear layers, applied from outside the model code (`--train.lora_rank`).
+
+`LoRA(model, rank, alpha, targets)` adds `scale * B @ A x` (scale = alpha / rank; A: r x d_in, B: d_out x r,
+B zero-initialised, so the adapted model starts equal to the base) to the output of every targeted
+`nn.Linear` of the decoder layers through a forward hook. The model's modules, parameter names and state dict
+are untouched, so weight sync, HF export and checkpoints keep their names; the base weights are frozen and
+only the adapters train. A hook fires only on the very module it was made for: a copy of the model
+(`copy.deepcopy`, e.g. the rollout engine's) is the plain base model and takes merged weights instead.
+
+`merged_weights()` is `W + scale * B @ A` for every target (what the engines get at each sync);
+`merged()` swaps those into the model for an HF export; `save_peft` writes the adapters in the PEFT format
+(`adapter_config.json` + `adapter_model.safetensors`, keys `base_model.model.model.layers.N.<module>.lora_A.weight`).
+Knows the decoder's module names; nothing of RL or the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+TARGETS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+
+class Adapter(nn.Module):
+    """One low-rank update: A [r, d_in] (Kaiming-uniform, as PEFT), B [d_out, r] (zeros)."""
+
+    def __init__(self, linear: nn.Linear, rank: int):
+        super().__init__()
+        like = dict(device=linear.weight.device, dtype=linear.weight.dtype)
+        self.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, **like))
+        self.lora_B = nn.Parameter(torch.zeros(linear.out_features, rank, **like))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    def delta(self) -> torch.Tensor:
+        """B @ A [d_out, d_in]."""
+        return self.lora_B @ self.lora_A
+
+
+class LoRA(nn.Module):
+    """The adapters of one model, keyed by the targeted modules' names (`layers.N.self_attn.q_proj`)."""
+
+    def __init__(self, model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...]):
+        super().__init__()
+        self.rank, self.alpha, self.scale, self.targets = rank, alpha, alpha / rank, tuple(targets)
+        pattern = re.compile(rf"layers\.\d+\.({'|'.join(re.escape(TARGETS[t]) for t in targets)})")
+        self.linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and pattern.fullmatch(n)}
+        if not self.linears:
+            raise ValueError(f"train.lora_targets {','.join(targets)}: no such nn.Linear in the model's layers")
+        model.requires_grad_(False)
+        self.adapters = nn.ModuleDict({_key(n): Adapter(m, rank) for n, m in self.linears.items()})
+        self.enabled = True
+        for name, linear in self.linears.items():
+            linear.register_forward_hook(self._hook(linear, self.adapters[_key(name)]))
+
+    def _hook(self, target: nn.Linear, adapter: Adapter):
+        def add_update(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+            if module is not target or not self.enabled:  # a copy of the model, or adapters off
+                return None
+            x = args[0]
+            return out + self.scale * F.linear(F.linear(x, adapter.lora_A), adapter.lora_B)
+
+        return add_update
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """The base model's forward (e.g. a reference policy without a second copy)."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    @torch.no_grad()
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """`{name.weight: W + scale * B @ A}` for every target (the model's own names)."""
+        out = {}
+        for name, linear in self.linears.items():
+            delta = self.adapters[_key(name)].delta().to(linear.weight.dtype)
+            out[f"{name}.weight"] = linear.weight.detach() + self.scale * delta
+        return out
+
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        """The frozen targets' own weights (a resumed run restores them exactly)."""
+        return {f"{name}.weight": linear.weight.detach().clone() for name, linear in self.linears.items()}
+
+    @torch.no_grad()
+    def load_base_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for name, linear in self.linears.items():
+            linear.weight.copy_(weights[f"{name}.weight"])
+
+    @contextlib.contextmanager
+    def merged(self) -> Iterator[None]:
+        """The model holds the merged weights and runs without hooks inside the block (an HF export)."""
+        merged = self.merged_weights()
+        originals = {name: linear.weight.data for name, linear in self.linears.items()}
+        self.enabled = False
+        try:
+            for name, linear in self.linears.items():
+                linear.weight.data = merged[f"{name}.weight"]
+            yield
+        finally:
+            for name, linear in self.linears.items():
+                linear.weight.data = originals[name]
+            self.enabled = True
+
+    def num_trainable(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def peft_state(self) -> dict[str, torch.Tensor]:
+        """Adapters under PEFT's names for an HF causal LM (`base_model.model.model.<name>.lora_A.weight`)."""
+        out = {}
+        for name in self.linears:
+            adapter = self.adapters[_key(name)]
+            prefix = f"base_model.model.model.{name}"
+            out[f"{prefix}.lora_A.weight"] = adapter.lora_A.detach().float().contiguous().cpu()
+            out[f"{prefix}.lora_B.weight"] = adapter.lora_B.detach().float().contiguous().cpu()
+        return out
+
+    def save_peft(self, folder: str | Path, base_model: str = "") -> Path:
+        """Write `adapter_config.json` + `adapter_model.safetensors` that `peft.PeftModel.from_pretrained` loads."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model or None,
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": 0.0,
+            "target_modules": sorted(TARGETS[t].split(".")[-1] for t in self.targets),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "use_dora": False,
+            "modules_to_save": None,
+            "inference_mode": True,
+        }
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(self.peft_state(), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        return folder
+
+
+def _key(name: str) -> str:
+    """A module name as a ModuleDict key (no dots)."""
+    return name.replace(".", "__")

@@ -1,0 +1,71 @@
+"""The Python API (`molt.train`, `molt.train_async`) from a notebook-style running event loop, and W&B logging
+(offline run files when `wandb` is installed; one config line naming the flag when it is not)."""
+
+import asyncio
+import importlib.util
+
+import pytest
+
+import molt
+from molt.cli.main import main
+from molt.config import ConfigError
+from molt.log import read_metrics
+
+TINY = {
+    "model": {"preset": "tiny", "warmstart_steps": 0},
+    "data": {"task": "arithmetic", "num_train": 32, "num_eval": 4},
+    "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_tokens": 4, "filters": ["nonfinite"]},
+    "train": {"max_steps": 2, "warmup_steps": 0},
+    "eval.every": 0,
+    "log.every": 100,
+}
+
+
+def test_make_config_merges_dicts_files_and_overrides(tmp_path):
+    cfg = molt.make_config({"train.max_steps": 3, "train": {"lr": 1e-3}}, train={"warmup_steps": 0})
+    assert (cfg.train.max_steps, cfg.train.lr, cfg.train.warmup_steps) == (3, 1e-3, 0)
+    (tmp_path / "run.toml").write_text("[train]\nmax_steps = 7\nwarmup_steps = 0\n")
+    assert molt.make_config(tmp_path / "run.toml", eval={"every": 0}).train.max_steps == 7
+    with pytest.raises(ConfigError, match="train.max_stepz: unknown key; did you mean 'train.max_steps'"):
+        molt.make_config({"train.max_stepz": 3})
+
+
+def test_train_from_inside_a_running_event_loop(tmp_path):
+    """A notebook cell: `await molt.train_async(...)`, and the blocking `molt.train(...)` on a worker thread."""
+
+    async def cell():
+        running = asyncio.get_running_loop()
+        first = await molt.train_async(TINY, log={"run_dir": str(tmp_path / "async")})
+        second = molt.train(molt.make_config(TINY), log={"run_dir": str(tmp_path / "sync")})  # blocks this loop
+        assert asyncio.get_running_loop() is running
+        return first, second
+
+    first, second = asyncio.run(cell())
+    for result, name in ((first, "async"), (second, "sync")):
+        assert [m["step"] for m in result.history] == [1, 2]
+        assert [m["step"] for m in read_metrics(tmp_path / name)] == [1, 2]
+        assert (tmp_path / name / "checkpoints" / "step-2" / "model.safetensors").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed (optional)")
+def test_wandb_offline_writes_its_run_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    log = {"run_dir": str(run_dir), "wandb_project": "molt-test", "wandb_mode": "offline"}
+    result = molt.train(TINY, log=log)
+    files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1 and files[0].stat().st_size > 0
+    assert (run_dir / "wandb_run_id").read_text() in files[0].name
+    assert result.history[-1]["step"] == 2
+
+
+def test_missing_wandb_is_one_config_line(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"log.wandb_project: wandb is not installed: `pip install wandb`"):
+        molt.make_config(log={"wandb_project": "p"})
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--log.wandb_project", "p", "--log.wandb_mode", "offline"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert "log.wandb_project" in err and "pip install wandb" in err

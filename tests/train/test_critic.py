@@ -1,0 +1,94 @@
+"""PPO critic (`--algo.estimator gae`): values in the log-prob layout, GAE from them, value loss, checkpoints."""
+
+import copy
+
+import pytest
+import torch
+from test_trainer import _cfg, _model, _trajs  # noqa: I001 - tests/train/test_trainer.py
+
+from molt.config import ConfigError
+from molt.data.trajectory import Trajectory
+from molt.loop.checkpoint import load_training_state, save_checkpoint
+from molt.loop.rl import LoopState
+from molt.models import from_pretrained
+from molt.train.critic import ValueModel
+from molt.train.trainer import Trainer, _unpack
+
+GAE = ("--algo.estimator", "gae", "--critic.lr", "3e-3")
+
+
+def test_values_follow_the_logprob_layout_with_and_without_shared_prefixes():
+    """Position t of a sample holds V(prefix before token t), the same through packing and shared prompts."""
+    model = _model()
+    trajs = _trajs(model, n=3, same_prompt=True)
+    value_model = ValueModel(copy.deepcopy(model))
+    torch.nn.init.normal_(value_model.head.weight, std=0.1)
+    per_cfg = {}
+    for share in ("--train.share_prefix", "--train.no_share_prefix"):
+        trainer = Trainer(copy.deepcopy(model), _cfg(share))
+        values = [None] * len(trajs)
+        for mb in trainer.micro_batches(trajs):
+            with torch.no_grad():
+                values_bt = _unpack(value_model(mb.packed), mb)
+            for b, i in enumerate(mb.samples):
+                values[i] = values_bt[b, : len(trajs[i].tokens)] * torch.tensor(trajs[i].loss_mask)
+        per_cfg[share] = values
+    for traj, shared, plain in zip(trajs, *per_cfg.values(), strict=True):
+        with torch.no_grad():
+            hidden = value_model.body(torch.tensor([traj.tokens]), return_hidden=True)[0]
+            expect = torch.cat([torch.zeros(1), value_model.head(hidden)[:-1, 0]]) * torch.tensor(traj.loss_mask)
+        assert (shared - expect).abs().max() <= 1e-5 and (plain - expect).abs().max() <= 1e-5
+
+
+def test_gae_advantages_from_critic_values_equal_a_hand_computation():
+    """Two action tokens, an observation token between them: delta_t = r_t + gamma V_next - V_t."""
+    trainer = Trainer(_model(), _cfg(*GAE, "--algo.gamma", "0.9", "--algo.lam", "0.8", "--algo.whiten", "False"))
+    traj = Trajectory(group_id=0, rollout_id=0, reward=1.0)
+    traj.extend_prompt([1, 2])
+    traj.extend_action([3], [0.0], [0])
+    traj.extend_prompt([4])
+    traj.extend_action([5], [0.0], [0])
+    values = [[0.0, 0.0, 0.5, 0.0, 0.2]]
+    (adv,), _ = trainer.advantages([traj], values)
+    delta_last = 1.0 - 0.2  # terminal: V after the last action is 0
+    delta_first = 0.0 + 0.9 * 0.2 - 0.5
+    assert adv[4] == pytest.approx(delta_last, abs=1e-6)
+    assert adv[2] == pytest.approx(delta_first + 0.9 * 0.8 * delta_last, abs=1e-6)
+    assert adv[0] == adv[1] == adv[3] == 0.0
+
+
+def test_critic_trains_in_the_step_and_its_value_loss_falls_on_a_fixed_batch():
+    model = _model()
+    trajs = _trajs(model)
+    trainer = Trainer(model, _cfg(*GAE, "--train.lr", "1e-6"))
+    start = copy.deepcopy(trainer.critic.model.state_dict())
+    history = [trainer.step(trajs) for _ in range(6)]
+    losses = [m["critic/value_loss"] for m in history]
+    assert losses[-1] < 0.5 * losses[0]
+    assert history[-1]["critic/explained_variance"] > history[0]["critic/explained_variance"]
+    assert {"time/critic_s", "critic/value_mean", "critic/clip_frac"} <= set(history[0])
+    moved = [not torch.equal(v, start[k]) for k, v in trainer.critic.model.state_dict().items()]
+    assert any(moved) and "body.layers.0.self_attn.q_proj.weight" in trainer.critic.model.state_dict()
+
+
+def test_critic_is_checkpointed_and_resumes_exactly(tmp_path):
+    model = _model()
+    trajs = _trajs(model)
+    cfg = _cfg(*GAE)
+    trainer = Trainer(model, cfg)
+    trainer.step(trajs)
+    folder = save_checkpoint(tmp_path, trainer, LoopState(step=1, drops={}), None)
+    resumed = Trainer(from_pretrained(folder), cfg)
+    load_training_state(folder, resumed)
+    assert torch.equal(resumed.critic.model.head.weight, trainer.critic.model.head.weight)
+    after, again = trainer.step(trajs), resumed.step(trajs)
+    assert after["critic/value_loss"] == again["critic/value_loss"]
+    for (name, p), q in zip(trainer.critic.model.named_parameters(), resumed.critic.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_critic_flags_need_gae_and_a_local_trainer():
+    with pytest.raises(ConfigError, match="critic"):
+        _cfg("--critic.lr", "1e-3")
+    with pytest.raises(ConfigError, match="runtime.backend local"):
+        _cfg("--algo.estimator", "gae", "--runtime.backend", "ray")

@@ -1,0 +1,120 @@
+"""LoRA (`--train.lora_rank`): adapter-only training, exact merge, PEFT-format adapters, checkpoints."""
+
+import copy
+import importlib.util
+import json
+
+import pytest
+import torch
+from test_trainer import _cfg, _model, _trajs  # noqa: I001 - tests/train/test_trainer.py
+
+from molt.loop.checkpoint import load_training_state, save_checkpoint
+from molt.loop.rl import LoopState
+from molt.models import from_pretrained
+from molt.train.lora import LoRA
+from molt.train.trainer import Trainer
+
+LORA = ("--train.lora_rank", "4", "--train.lora_alpha", "8")
+IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11, 4]])
+
+
+def _randomize(lora: LoRA, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def test_zero_init_adapters_leave_the_model_unchanged_and_count_r_times_d_in_plus_d_out():
+    base = _model()
+    model = copy.deepcopy(base)
+    lora = LoRA(model, rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    with torch.no_grad():
+        assert torch.equal(model(IDS), base(IDS))
+    expect = sum(4 * (m.in_features + m.out_features) for m in lora.linears.values())
+    assert lora.num_trainable() == expect and len(lora.linears) == 7 * model.cfg.num_layers
+    assert model.state_dict().keys() == base.state_dict().keys()  # names unchanged: sync and HF export work
+
+
+def test_merged_forward_equals_the_adapter_forward_and_a_copy_is_the_plain_base():
+    model = _model()
+    lora = LoRA(model, rank=4, alpha=8.0, targets=("q", "v", "down"))
+    _randomize(lora)
+    engine_copy = copy.deepcopy(model)  # what the rollout engine holds: adapters must not apply twice
+    with torch.no_grad():
+        adapted = model(IDS)
+        engine_copy.load_state_dict(model.state_dict() | lora.merged_weights())
+        assert (engine_copy(IDS) - adapted).abs().max() <= 1e-6
+        with lora.merged():
+            assert (model(IDS) - adapted).abs().max() <= 1e-6
+        name = "layers.0.self_attn.q_proj"
+        adapter = lora.adapters[name.replace(".", "__")]
+        expect = lora.linears[name].weight + 2.0 * adapter.lora_B @ adapter.lora_A
+        assert torch.equal(lora.merged_weights()[f"{name}.weight"], expect)
+
+
+def test_only_adapters_get_gradients_and_move_and_the_engine_gets_merged_weights():
+    model = _model()
+    base = copy.deepcopy(model.state_dict())
+    trainer = Trainer(model, _cfg(*LORA, "--train.lr", "1e-2"))
+    trajs = _trajs(model)
+    start = copy.deepcopy(trainer.lora.state_dict())
+    trainer.step(trajs)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, base[k]) for k, v in model.state_dict().items())
+    assert any(not torch.equal(v, start[k]) for k, v in trainer.lora.state_dict().items())
+    weights = trainer.weights()
+    merged = trainer.lora.merged_weights()
+    assert torch.equal(weights["layers.1.mlp.up_proj.weight"], merged["layers.1.mlp.up_proj.weight"])
+    assert not torch.equal(weights["layers.1.mlp.up_proj.weight"], base["layers.1.mlp.up_proj.weight"])
+
+
+def test_lora_checkpoint_holds_merged_weights_a_peft_adapter_and_resumes_exactly(tmp_path):
+    model = _model()
+    cfg = _cfg(*LORA, "--train.lr", "1e-2", "--algo.kl_coef", "0.1")
+    trainer = Trainer(model, cfg)
+    trajs = _trajs(model)
+    trainer.step(trajs)
+    folder = save_checkpoint(tmp_path, trainer, LoopState(step=1, drops={}), None)
+    saved = from_pretrained(folder)
+    with torch.no_grad():
+        assert (saved(IDS) - model(IDS)).abs().max() <= 1e-5  # the HF folder is the merged policy
+    config = json.loads((folder / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
+    resumed = Trainer(saved, cfg)
+    load_training_state(folder, resumed)
+    after, again = trainer.step(trajs), resumed.step(trajs)
+    assert after["train/loss"] == again["train/loss"]
+    for name, value in trainer.weights().items():
+        assert torch.equal(value, resumed.weights()[name]), name
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+def test_peft_loads_the_adapter_onto_the_transformers_model_with_equal_logits(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from molt.models import save_pretrained
+
+    model = _model()
+    base_folder = save_pretrained(model, tmp_path / "base")
+    with torch.no_grad():
+        base_logits = model(IDS)
+    lora = LoRA(model, rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    _randomize(lora, seed=1)
+    lora.save_peft(tmp_path / "adapter", str(base_folder))
+    hf = AutoModelForCausalLM.from_pretrained(base_folder, torch_dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        ours, theirs = model(IDS), peft_model(input_ids=IDS).logits
+    assert (ours - theirs).abs().max() <= 1e-4
+    assert (ours - base_logits).abs().max() > 1e-3  # the adapter matters
+
+
+def test_lora_config_checks():
+    from molt.config import ConfigError
+
+    with pytest.raises(ConfigError, match="lora_targets"):
+        _cfg("--train.lora_rank", "4", "--train.lora_targets", "q", "lm_head")
+    with pytest.raises(ConfigError, match="runtime.backend local"):
+        _cfg("--train.lora_rank", "4", "--runtime.backend", "ray")
