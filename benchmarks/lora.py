@@ -5,7 +5,7 @@ Both runs train the same preset (random weights) on the same fixed batch of synt
 the same run. Memory is counted from the tensors themselves (every parameter, every gradient, every optimizer
 state after a step), so it is exact and device-independent; time is the median of a few steps.
 
-Run: `.venv/bin/python benchmarks/lora.py [--preset small] [--rank 8] [--out benchmarks/results/lora.md]`.
+Run: `.venv/bin/python benchmarks/lora.py [--preset tiny] [--rank 8] [--out benchmarks/results/lora.md]`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def train_bytes(trainer: Trainer) -> dict[str, int]:
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     return {
         "params": nbytes(params),
-        "grads": nbytes(p.grad for p in params if p.grad is not None),
+        "grads": nbytes(trainer.trainable()),  # fp32, alive from backward to the step (freed after it)
         "optimizer": nbytes(states),
         "trainable": sum(p.numel() for p in trainer.trainable()),
     }
@@ -69,7 +69,7 @@ def measure(name: str, rank: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small")
+    parser.add_argument("--preset", default="tiny")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/lora.md")

@@ -202,7 +202,7 @@ Problem = tuple[str, list[str], int]  # (question, worked steps, integer answer)
 
 
 def _add(rng: random.Random, name: str, friend: str, item: str) -> Problem:
-    a, b = rng.randint(3, 60), rng.randint(2, 40)
+    a, b = rng.randint(2, 20), rng.randint(2, 10)
     text = rng.choice(
         [
             f"{name} has {a} {item}. At {rng.choice(PLACES)}, {name} gets {b} more. How many {item} does {name} have?",
@@ -213,7 +213,7 @@ def _add(rng: random.Random, name: str, friend: str, item: str) -> Problem:
 
 
 def _take_away(rng: random.Random, name: str, friend: str, item: str) -> Problem:
-    a = rng.randint(10, 90)
+    a = rng.randint(5, 20)
     b = rng.randint(1, a - 1)
     text = rng.choice(
         [
@@ -225,7 +225,7 @@ def _take_away(rng: random.Random, name: str, friend: str, item: str) -> Problem
 
 
 def _groups(rng: random.Random, name: str, friend: str, item: str) -> Problem:
-    a, b = rng.randint(2, 12), rng.randint(2, 12)
+    a, b = rng.randint(2, 6), rng.randint(2, 6)
     text = rng.choice(
         [
             f"{name} buys {a} bags of {item}. Each bag holds {b} {item}. How many {item} does {name} buy in all?",
@@ -236,16 +236,16 @@ def _groups(rng: random.Random, name: str, friend: str, item: str) -> Problem:
 
 
 def _share(rng: random.Random, name: str, friend: str, item: str) -> Problem:
-    each, people = rng.randint(2, 12), rng.randint(2, 9)
+    each, people = rng.randint(2, 6), rng.randint(2, 5)
     total = each * people
     text = f"{name} shares {total} {item} equally among {people} friends. How many {item} does each friend get?"
     return text, [f"{total} / {people} = {each}"], each
 
 
 def _change(rng: random.Random, name: str, friend: str, item: str) -> Problem:
-    price, count = rng.randint(2, 9), rng.randint(2, 8)
+    price, count = rng.randint(1, 5), rng.randint(2, 4)
     cost = price * count
-    bill = rng.choice([b for b in (20, 50, 100) if b > cost])
+    bill = rng.choice([b for b in (10, 20, 50) if b > cost])
     text = (
         f"One notebook costs ${price}. {name} buys {count} notebooks and pays with a ${bill} bill. "
         f"How many dollars of change does {name} get?"
@@ -254,7 +254,7 @@ def _change(rng: random.Random, name: str, friend: str, item: str) -> Problem:
 
 
 def _rate_then_extra(rng: random.Random, name: str, friend: str, item: str) -> Problem:
-    per_day, days, extra = rng.randint(3, 25), rng.randint(2, 7), rng.randint(1, 30)
+    per_day, days, extra = rng.randint(2, 6), rng.randint(2, 4), rng.randint(1, 10)
     text = (
         f"{name} reads {per_day} pages every day for {days} days, then reads {extra} more pages on the weekend. "
         f"How many pages does {name} read in total?"
@@ -278,7 +278,7 @@ class GradeSchoolMath:
     """
 
     env = "single_turn"
-    instruction = "Solve the problem step by step, then give the final answer as a number in \\boxed{}."
+    instruction = "Give the final answer as a number."
 
     def rows(self, n: int, seed: int) -> list[Row]:
         rng = random.Random(seed)

@@ -71,7 +71,7 @@ DROP_WHY = {  # what a group drop reason means, for the progress lines
 }
 
 
-class RunStoppedError(UserError):
+class RunStoppedError(UserError, RuntimeError):
     """The run cannot make progress because of the agent, data or settings (not a bug in Molt)."""
 
     kind = "run stopped"
@@ -184,7 +184,8 @@ class RLLoop:
                 self._drop(reason, self.group_size)
                 self._check_progress(reason)
             else:
-                self.state.drops["agent_failure"] += num_failed  # the failed samples only; the group trains on
+                if num_failed:  # the failed samples only; the group trains on
+                    self.state.drops["agent_failure"] += num_failed
                 if self._keep(group):
                     await self.buffer.put(group)
         except asyncio.CancelledError:

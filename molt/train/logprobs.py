@@ -2,7 +2,8 @@
 
 The model returns final hidden states; the head (`lm_head`), the fp32 log-softmax and the entropy run over
 `chunk_tokens` rows at a time under activation checkpointing, so neither the forward nor the backward ever
-holds the whole [T, V] fp32 logits (V is 150K for Qwen models): a chunk's logits are recomputed in backward.
+holds the whole [T, V] fp32 logits (V is 150K for Qwen models): a chunk's logits are recomputed in backward (when a
+chunk's logits are small, e.g. the built-in byte vocabulary, they are kept instead: nothing to save).
 Log-probs are computed exactly as the engines compute theirs: `logits.float() / temperature`, log-softmax.
 """
 
@@ -15,6 +16,7 @@ from molt.models import Transformer
 from molt.train.packing import PackedBatch
 
 DEFAULT_CHUNK_TOKENS = 4096
+REMAT_MIN = 1 << 24  # logits elements of a chunk (64 MB in fp32) above which backward recomputes them
 
 
 def head_logprobs(
@@ -24,7 +26,10 @@ def head_logprobs(
     if hidden_nh.shape[0] == 0:
         empty = hidden_nh.new_zeros(0, dtype=torch.float32)
         return empty, empty
-    remat = torch.is_grad_enabled() and hidden_nh.requires_grad
+    vocab = head.weight.shape[0]
+    remat = (
+        torch.is_grad_enabled() and hidden_nh.requires_grad and min(chunk_tokens, len(hidden_nh)) * vocab > REMAT_MIN
+    )
     outs = []
     for h_ch, t_ch in zip(hidden_nh.split(chunk_tokens), targets_n.split(chunk_tokens), strict=True):
         if remat:

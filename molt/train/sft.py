@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from molt.config import Config
+from molt.data.formats import DataError
+from molt.data.rows import row_location
 from molt.data.tasks import dataset_rows, get_task
 from molt.log import RunDir, plot_metrics
 from molt.models import Transformer, save_pretrained
@@ -58,10 +60,12 @@ def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str, model_
         row_ids, row_mask, row_pixels = expand_row_images(
             row_ids, row_mask, row["messages"], model_cfg, f"{source} row {i}"
         )
+        where = row_location(row, f"{source} row {i}")
         if len(row_ids) > max_len:
-            raise ValueError(f"{source} row {i}: {len(row_ids)} tokens exceed data.max_len={max_len}")
+            raise DataError(f"{where}: {len(row_ids)} tokens exceed data.max_len={max_len}; raise --data.max_len "
+                            "or shorten the row")  # fmt: skip
         if not any(row_mask):
-            raise ValueError(f"{source} row {i}: no assistant tokens to train on")
+            raise DataError(f"{where}: no assistant tokens to train on (molt sft needs an assistant turn per row)")
         ids.append(row_ids)
         masks.append(row_mask)
         pixels.append(row_pixels)

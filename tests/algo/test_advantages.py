@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from molt.algo import ESTIMATORS, AdvantageInputs, AdvantageParams, compute_advantages
+from molt.algo import ESTIMATORS, AdvantageInputs, AdvantageParams, add_teacher_kl, compute_advantages
 
 F64 = torch.float64
 
@@ -189,3 +189,12 @@ def test_missing_inputs_and_ignored_kl_are_errors():
         compute_advantages("grpo", with_kl, AdvantageParams(kl_coef=0.1))
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         compute_advantages("ppo", AdvantageInputs(**GROUPS))
+
+
+def test_teacher_kl_is_subtracted_from_another_estimators_advantage_on_action_tokens():
+    adv = torch.tensor([[0.0, 1.0, 1.0], [0.0, -1.0, 0.0]])
+    kl = torch.tensor([[9.0, 0.5, -0.25], [9.0, 2.0, 9.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    mixed, metrics = add_teacher_kl(adv, kl, mask, coef=2.0)
+    assert torch.equal(mixed, torch.tensor([[0.0, 0.0, 1.5], [0.0, -5.0, 0.0]]))
+    assert metrics["distill_kl"].item() == pytest.approx((0.5 - 0.25 + 2.0) / 3)

@@ -103,14 +103,13 @@ def test_model_path_that_is_not_a_model_folder(tmp_path):
     one_line(molt(tmp_path, "train", "--model.path", "weights"), "model.path: 'weights' is not a model folder")
 
 
-@pytest.mark.xfail(reason="molt/train/sft.py still names `row N` (see issue 23); the rows carry their line now")
 def test_too_long_row_names_the_file_line(tmp_path):
     short, long = (
         '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
         ('{"messages": [{"role": "user", "content": "%s"}, {"role": "assistant", "content": "yo"}]}' % ("x" * 300)),
     )
     (tmp_path / "chats.jsonl").write_text("\n".join([short] * 2 + [long]) + "\n")
-    result = molt(tmp_path, "sft", "--data.path", "chats.jsonl", "--data.shuffle", "False", "--data.num_eval", "0")
+    result = molt(tmp_path, "sft", "--data.path", "chats.jsonl", "--data.no_shuffle", "--data.num_eval", "0")
     one_line(result, "chats.jsonl:3:", "data.max_len")
 
 
@@ -145,6 +144,7 @@ def test_eval_with_no_samples_or_no_held_out_rows(tmp_path):
     one_line(molt(tmp_path, "train", "--eval.n_samples", "0"), "config error: eval.n_samples: must be > 0")
     (tmp_path / "five.jsonl").write_text("".join(f'{{"prompt": "say {i}", "answer": "{i}"}}\n' for i in range(5)))
     flags = ["--data.path", "five.jsonl", "--rollout.reward", "exact", "--eval.every", "1", "--log.run_dir", "run"]
+    flags += ["--rollout.filters", "nonfinite"]  # a random policy rarely varies its reward
     result = molt(tmp_path, "train", *FAST, *flags)
     assert result.returncode == 0, result.stderr
     assert "eval skipped: no held-out rows" in result.stderr and "ZeroDivisionError" not in result.stderr

@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_trainer import _cfg, _model, _trajs  # noqa: I001 - tests/train/test_trainer.py
 
-from molt.config import ConfigError
+from molt.config import AlgoConfig, Config, ConfigError, CriticConfig, RuntimeConfig
 from molt.data.trajectory import Trajectory
 from molt.loop.checkpoint import load_training_state, save_checkpoint
 from molt.loop.rl import LoopState
@@ -89,6 +89,6 @@ def test_critic_is_checkpointed_and_resumes_exactly(tmp_path):
 
 def test_critic_flags_need_gae_and_a_local_trainer():
     with pytest.raises(ConfigError, match="critic"):
-        _cfg("--critic.lr", "1e-3")
+        Config(critic=CriticConfig(lr=1e-3))
     with pytest.raises(ConfigError, match="runtime.backend local"):
-        _cfg("--algo.estimator", "gae", "--runtime.backend", "ray")
+        Config(algo=AlgoConfig(estimator="gae"), runtime=RuntimeConfig(backend="ray"))

@@ -112,9 +112,9 @@ def test_peft_loads_the_adapter_onto_the_transformers_model_with_equal_logits(tm
 
 
 def test_lora_config_checks():
-    from molt.config import ConfigError
+    from molt.config import Config, ConfigError, RuntimeConfig, TrainConfig
 
     with pytest.raises(ConfigError, match="lora_targets"):
-        _cfg("--train.lora_rank", "4", "--train.lora_targets", "q", "lm_head")
+        TrainConfig(lora_rank=4, lora_targets=("q", "lm_head"))
     with pytest.raises(ConfigError, match="runtime.backend local"):
-        _cfg("--train.lora_rank", "4", "--runtime.backend", "ray")
+        Config(train=TrainConfig(lora_rank=4), runtime=RuntimeConfig(backend="ray"))

@@ -9,6 +9,7 @@ from test_trainer import _cfg, _model, _trajs  # noqa: I001 - tests/train/test_t
 
 from molt.config import ConfigError, check_device
 from molt.models.attention import FlexPacked, PackedCausal
+from molt.train import logprobs
 from molt.train.logprobs import head_logprobs, token_logprobs_entropy
 from molt.train.memory import checkpoint_layers
 from molt.train.precision import Precision
@@ -51,7 +52,9 @@ def _logp_and_grads(model, trainer, trajs):
     return logp.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_checkpointing_and_chunks_give_the_same_logprobs_and_gradients():
+@pytest.mark.parametrize("remat_min", [0, 1 << 24])  # 0: every chunk's logits are recomputed in backward
+def test_checkpointing_and_chunks_give_the_same_logprobs_and_gradients(monkeypatch, remat_min):
+    monkeypatch.setattr(logprobs, "REMAT_MIN", remat_min)
     base = _model()
     trajs = _trajs(base, same_prompt=True)
     trainer = Trainer(copy.deepcopy(base), _cfg())

@@ -8,6 +8,7 @@ import transformers
 
 from molt.cli.main import parse_config
 from molt.data.chat import read_jsonl
+from molt.data.formats import DataError
 from molt.models import from_pretrained
 from molt.train.sft import run_sft
 
@@ -48,8 +49,8 @@ def test_config_file_round_trips_from_run_dir(tmp_path):
 def test_malformed_dataset_line_names_file_and_line(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n\n{"messages": [}\n')
-    with pytest.raises(ValueError, match=r"data\.jsonl:3: invalid JSON"):
+    with pytest.raises(DataError, match=r"data\.jsonl:3: invalid JSON"):
         read_jsonl(path)
     path.write_text('{"messages": [{"role": "robot", "content": "hi"}]}\n')
-    with pytest.raises(ValueError, match=r"data\.jsonl:1: messages\[0\] needs a 'role'"):
+    with pytest.raises(DataError, match=r"data\.jsonl:1: messages\[0\] needs a 'role'"):
         read_jsonl(path)

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from test_trainer import _cfg, _model, _true_logprobs, _trajs  # noqa: I001 - tests/train/test_trainer.py
+from test_trainer import _cfg, _model, _trajs, _true_logprobs  # noqa: I001 - tests/train/test_trainer.py
 
-from molt.config import ConfigError
+from molt.config import AlgoConfig, ConfigError
 from molt.models import Transformer, preset, save_pretrained
 from molt.train.trainer import Trainer
 
@@ -60,6 +60,6 @@ def test_teacher_kl_is_added_to_a_task_estimator(tmp_path):
 
 def test_distill_needs_an_existing_teacher_folder(tmp_path):
     with pytest.raises(ConfigError, match="algo.teacher"):
-        _cfg("--algo.estimator", "on_policy_distill")
+        AlgoConfig(estimator="on_policy_distill")
     with pytest.raises(ConfigError, match="not found"):
-        _cfg("--algo.teacher", str(tmp_path / "missing"))
+        AlgoConfig(teacher=str(tmp_path / "missing"))

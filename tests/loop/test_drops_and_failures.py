@@ -1,0 +1,82 @@
+"""Issue 23, the loop's side: a failed rollout costs its own sample (one line, traceback in the run dir),
+filters decide on the trained reward, and every dropped group is counted and explained.
+
+The loop runs with a stub agent runner (no engine, no model): these are the loop's own decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+from molt.cli.main import parse_config
+from molt.data.trajectory import Trajectory
+from molt.loop.rl import FAILURE_LOG, RLLoop
+
+
+class StubLoop(RLLoop):
+    """Sample k of every group fails when k is in `failing`; the others return `reward(k)` and `score(k)`."""
+
+    failing: tuple[int, ...] = ()
+
+    def __init__(self, cfg, reward=lambda k: k / 4, score=lambda k: None):
+        tokenizer = SimpleNamespace(eos_token_id=0)
+        super().__init__(cfg, SimpleNamespace(version=0), None, tokenizer, object, [{"messages": []}], [])
+        self.reward, self.score = reward, score
+
+    async def _run_agent(self, engine, tokenizer, agent, row, sampling, limits, **ids):
+        k = ids["rollout_id"] % self.group_size
+        if k in self.failing:
+            raise ValueError(f"tool backend hiccup on sample {k}")
+        ids = {"group_id": ids["group_id"], "rollout_id": ids["rollout_id"]}
+        return [Trajectory(reward=self.reward(k), score=self.score(k), **ids)]
+
+
+def _config(tmp_path, *flags):
+    return parse_config(["--rollout.n_samples_per_prompt", "4", "--log.run_dir", str(tmp_path / "run"), *flags])
+
+
+def test_a_failed_rollout_drops_only_its_sample_with_one_line(tmp_path, caplog):
+    loop = StubLoop(_config(tmp_path))
+    loop.failing = (1,)
+    with caplog.at_level(logging.WARNING, logger="molt.loop"):
+        asyncio.run(loop._group(0))
+    group = loop.buffer.get_nowait()
+    assert sorted(t.rollout_id for t in group) == [0, 2, 3]  # the group trains on its other samples
+    assert loop.state.drops["agent_failure"] == 1 and not loop.group_drops
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("rollout 1 (group 0) failed: ValueError: tool backend hiccup on sample 1 [")
+    assert "the rest of its group still trains" in line and "\n" not in line
+    log = (tmp_path / "run" / FAILURE_LOG).read_text()
+    assert "Traceback" in log and "test_drops_and_failures.py" in log
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="molt.loop"):
+        asyncio.run(loop._group(1))  # the same kind of failure again: one line, no second traceback
+    assert len(caplog.records) == 1 and "traceback in" not in caplog.records[0].getMessage()
+    assert (tmp_path / "run" / FAILURE_LOG).read_text().count("Traceback") == 1
+
+
+def test_an_estimator_that_needs_complete_groups_drops_the_group_and_says_so(tmp_path, caplog):
+    loop = StubLoop(_config(tmp_path))
+    loop.failing, loop.complete_groups = (2,), True
+    with caplog.at_level(logging.WARNING, logger="molt.loop"):
+        asyncio.run(loop._group(0))
+    assert loop.buffer.empty() and loop.state.drops["agent_failure"] == 4
+    assert "its group is dropped: the estimator needs complete groups" in caplog.records[0].getMessage()
+    assert loop.drop_line().startswith("1 group dropped: 1 agent_failure (failed rollouts")
+
+
+def test_filters_decide_on_the_partial_credit_reward_not_the_score(tmp_path):
+    partial = {"reward": lambda k: [0.2, 0.5, 0.5, 0.9][k], "score": lambda k: 0.0}  # nobody fully solved it
+    loop = StubLoop(_config(tmp_path), **partial)
+    asyncio.run(loop._group(0))
+    assert loop.buffer.qsize() == 1 and not loop.group_drops  # the rewards differ: a learning signal
+
+    loop = StubLoop(_config(tmp_path, "--rollout.filter_on", "score"), **partial)
+    asyncio.run(loop._group(0))
+    assert loop.buffer.empty() and loop.state.drops["filter_all_equal"] == 4
+    line = loop.drop_line()
+    assert line == "1 group dropped: 1 filter_all_equal (every sample got the same score: no learning signal)"
+    assert loop.drop_line() == ""  # counted once, then reset for the next progress line
