@@ -210,7 +210,10 @@ async def _train_async(cfg: Config, run: RunDir, threads: int, inputs: RunInputs
         if runtime:
             runtime.shutdown()
         raise
-    loop = RLLoop(cfg, engine, trainer, tokenizer, inputs.make_env, inputs.train_rows, inputs.eval_rows, state)
+    if state is not None and getattr(trainer, "lora", None) is not None:  # the engine copied the unmerged base
+        await engine.update_weights(trainer.weights(), trainer.version)
+    loop = RLLoop(cfg, engine, trainer, tokenizer, inputs.make_env, inputs.train_rows, inputs.eval_rows, state,
+                  run_dir=run.path)  # fmt: skip
     progress = Progress(run, cfg.train.max_steps, cfg.log.every)
     try:
         before = await loop.evaluate() if cfg.eval.every and not cfg.ckpt.resume else {}
@@ -294,6 +297,10 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        running = False
+    else:
+        running = True
+    if not running:  # outside the except block: a failure's traceback must not start with "no running loop"
         return asyncio.run(coro)
     with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
         return pool.submit(asyncio.run, coro).result()

@@ -165,6 +165,9 @@ def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700: the saved folder reads like any other the user makes
     try:
         yield tmp
         if folder.exists():

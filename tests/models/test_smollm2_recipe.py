@@ -44,7 +44,8 @@ def test_recipe_trains_two_steps_on_cpu(smollm2_folder, tmp_path):
     checkpoint = run / "checkpoints" / "step-2"
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True)
+    messages = [{"role": "user", "content": "2+2?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     ids = ids["input_ids"] if isinstance(ids, dict) else ids
     with torch.no_grad():
         logits = model(torch.tensor([list(ids)])).logits
