@@ -46,7 +46,7 @@ def test_every_flag_named_exists(doc):
 def readme_commands() -> list[list[str]]:
     """The `molt ...` lines of the README's bash blocks, as argv (comments and `...` dropped)."""
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     commands = [shlex.split(line, comments=True) for line in lines if re.match(r"(\.venv/bin/)?molt ", line)]
     return [[a for a in argv[1:] if a != "..."] for argv in commands]
 
@@ -70,6 +70,7 @@ def _workspace(tmp_path: Path, argv: list[str]) -> None:
     toml = re.search(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[1]
     (tmp_path / "run.toml").write_text(toml)  # the README's own config file example
     folders = [value for flag, value in zip(argv, argv[1:], strict=False) if flag in MODEL_FLAGS]
+    folders.append(".cache/smollm2-135m-instruct")  # what examples/smollm2/prepare.py writes for the recipe
     for folder in folders:
         (tmp_path / folder).mkdir(parents=True, exist_ok=True)
         (tmp_path / folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
