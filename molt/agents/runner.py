@@ -130,11 +130,11 @@ async def run_episode(
     tools = row.get("tools")
     traj = Trajectory(**ids)
     prompt = first_prompt_ids(tokenizer, messages, tools)
-    if len(prompt) >= limits.max_len:
+    _extend_prompt(traj, engine, prompt, message_images(messages), limits.max_len)  # images past max_len: raises
+    if len(traj.tokens) >= limits.max_len:
         raise ContextBudgetDrop(
-            f"the prompt is {len(prompt)} tokens, rollout.max_len is {limits.max_len}: no room to generate"
+            f"the prompt is {len(traj.tokens)} tokens, rollout.max_len is {limits.max_len}: no room to generate"
         )
-    _extend_prompt(traj, engine, prompt, message_images(messages), limits.max_len)
     eos_id, result = tokenizer.eos_token_id, None
     for turn in range(limits.max_turns):
         room = limits.max_len - len(traj.tokens)
