@@ -1,7 +1,7 @@
 """Attention backends: where the model's keys and values go and whom each query may see.
 
 The model computes q/k/v and hands them to a backend, `attend(layer_idx, q, k, v) -> out`, prepared
-once per forward from the explicit positions. Two backends live here:
+once per forward from the explicit positions. These backends live here:
 
 - `PackedCausal`: training / scoring. Several samples may share one row ("packing"); `doc_ids`
   says which sample each token belongs to, and a token sees only earlier tokens of its own sample
