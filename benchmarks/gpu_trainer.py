@@ -222,7 +222,10 @@ def main(argv=None) -> None:
         meta = {"shape": "tiny" if args.smoke else "Qwen3-0.6B", "device": device, "params": num_params,
                 "torch": torch.__version__, "gpu": gpu}  # fmt: skip
         rows = [r for name, *case in cases for r in run_case(name, case, systems, device, args.iters, num_params)]
-    print(report(rows, [Path(args.results)] + ([Path(args.out)] if args.out else []), meta))
+    out_dirs = [Path(args.results)] + ([Path(args.out)] if args.out else [])
+    if args.smoke and args.out:  # a smoke run with --out (tests, gpu_check.sh --dry-run) leaves the repo alone
+        out_dirs = [Path(args.out)]
+    print(report(rows, out_dirs, meta))
 
 
 if __name__ == "__main__":
