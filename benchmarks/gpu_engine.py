@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import platform
@@ -47,22 +48,12 @@ import torch
 import transformers
 
 from molt.engine import SamplingParams, TorchEngine
-from molt.models import Transformer, TransformerConfig, save_pretrained
+from molt.models import PRESETS, Transformer, TransformerConfig, save_pretrained
 
 HBM_BYTES_S = 4.8e12  # H200 HBM3e, the vendor's datasheet
-QWEN3_06B = dict(
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_layers=28,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    qk_norm=True,
-    tie_word_embeddings=True,
-    rope_theta=1_000_000.0,
-    max_position_embeddings=40960,
-)
+# the Qwen3-0.6B shape (Molt's `qwen3-0.6b` preset) with its real vocabulary
+QWEN3_06B = {k: v for k, v in dataclasses.asdict(PRESETS["qwen3-0.6b"]).items() if k != "model_type"}
+QWEN3_06B["vocab_size"] = 151936
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=512
 )
