@@ -34,7 +34,11 @@ def smollm2_folder() -> Path:
     return convert_gguf(gguf, cache_root() / "smollm2-135m-instruct-hf")  # shared with test_real_model.py
 
 
-def test_recipe_trains_two_steps_on_cpu(smollm2_folder, tmp_path):
+def test_recipe_trains_two_steps_on_cpu(smollm2_folder, tmp_path, monkeypatch):
+    # where examples/smollm2/prepare.py puts the model: the recipe names it relative to the working directory
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "smollm2-135m-instruct").symlink_to(smollm2_folder)
+    monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
     main(["train", "--config", str(RECIPE), "--model.path", str(smollm2_folder), *TINY, "--log.run_dir", str(run)])
     steps = [m for m in read_metrics(run) if "train/loss" in m]
