@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from molt.cli.main import parse_config
-from molt.loop.run import run_train
+from molt.cli.train import run_train
 
 REMOTE_TOOL = str(Path(__file__).parent / "agents" / "remote_calculator.py")
 

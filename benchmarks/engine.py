@@ -40,8 +40,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from molt.engine import SamplingParams, TorchEngine, kernels
-from molt.engine import packed as packed_mod
+from molt.engine import SamplingParams, TorchEngine
+from molt.engine.cpu import kernels
+from molt.engine.cpu import packed as packed_mod
 from molt.engine.torch_engine import on_fresh_thread
 from molt.models import from_pretrained
 

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from molt.cli.main import parse_config
+from molt.cli.train import run_train
 from molt.engine.router import Router
-from molt.loop.run import run_train
 from molt.models import Transformer, preset
 from molt.models.tokenizer import build_builtin_tokenizer
 from molt.runtime.engines import RemoteEngine, chunk_weights

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from molt.cli.main import parse_config
+from molt.cli.train import run_train
 from molt.data.tasks import get_task
 from molt.engine import SamplingParams, TorchEngine
-from molt.loop.run import run_train
 from molt.models import Transformer, apply_chat_template, preset
 from molt.models.tokenizer import IMAGE_PLACEHOLDER, build_builtin_tokenizer
 from molt.models.vision import expand_image_tokens, message_images, to_pixels

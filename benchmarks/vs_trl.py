@@ -25,11 +25,12 @@ import torch
 from molt.agents.builtin import env_for_task
 from molt.agents.runner import EpisodeLimits
 from molt.cli.main import parse_config
+from molt.cli.train import run_train
+from molt.cli.warm_start import warm_start
 from molt.data.tasks import dataset_rows, get_task
 from molt.engine import SamplingParams, TorchEngine
 from molt.engine.torch_engine import on_fresh_thread
 from molt.loop.evaluate import evaluate
-from molt.loop.run import run_train, warm_start
 from molt.models import from_pretrained, load_tokenizer
 
 FLAGS = [

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from molt.cli.train import TrainResult
     from molt.config import Config
-    from molt.loop.run import TrainResult
 
 __version__ = "0.1.0"
 __all__ = ["cache_root", "make_config", "train", "train_async"]
@@ -67,7 +67,7 @@ def train(config: Config | dict[str, Any] | str | os.PathLike | None = None, **o
     From inside a running event loop (a notebook cell) the run goes to a worker thread with its own loop and this
     call blocks until it ends; prefer `await molt.train_async(...)` there.
     """
-    from molt.loop.run import run_train
+    from molt.cli.train import run_train
 
     return run_train(make_config(config, **overrides))
 
@@ -76,7 +76,7 @@ async def train_async(
     config: Config | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any
 ) -> TrainResult:
     """`molt.train` as a coroutine on the caller's event loop: `result = await molt.train_async(cfg)`."""
-    from molt.loop.run import train_async as run
+    from molt.cli.train import train_async as run
 
     return await run(make_config(config, **overrides))
 

@@ -172,7 +172,14 @@ class TrainConfig:
     """Recompute each dense decoder layer's activations in backward instead of keeping them (less memory, ~1/3
     more compute)."""
     logprob_chunk_tokens: int = 4096
-    """Tokens per chunk of the LM head + log-softmax (its [tokens, vocab] fp32 logits are never built whole)."""
+    """Tokens per chunk of the LM head + log-softmax (its [tokens, vocab] fp32 logits are never built whole; capped
+    at 2^27 logits per chunk, e.g. 883 tokens for a 150K vocabulary)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """Regional compilation: each dense decoder layer's forward and the LM-head chunk through `torch.compile`
+    (fused norms, RoPE, SwiGLU, FlexAttention in the graph; one compile serves all layers, tens of seconds once).
+    auto: on for CUDA, off elsewhere (see docs/gpu.md)."""
+    compile_backend: str = "inductor"
+    """`torch.compile` backend for `train.compile` (`aot_eager` to debug a compile problem without inductor)."""
     lora_rank: int = 0
     """LoRA rank r (0 = full fine-tuning): only the adapters train, r x (d_in + d_out) parameters per target."""
     lora_alpha: float = 16.0
@@ -185,6 +192,10 @@ class TrainConfig:
         check(self.lora_rank >= 0 and self.lora_alpha > 0, "train.lora_rank", "lora_rank >= 0, lora_alpha > 0")
         unknown = set(self.lora_targets) - {"q", "k", "v", "o", "gate", "up", "down"}
         check(bool(self.lora_targets) and not unknown, "train.lora_targets", "choose from q,k,v,o,gate,up,down")
+        defaults = TrainConfig.__dataclass_fields__
+        for key in ("lora_alpha", "lora_targets"):
+            off = self.lora_rank == 0 and getattr(self, key) != defaults[key].default
+            check(not off, f"train.{key}", "has no effect here: LoRA is off (--train.lora_rank 0)")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
         check(self.max_steps > 0, "train.max_steps", "must be > 0")
         check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
@@ -240,6 +251,12 @@ class RolloutConfig:
     (e.g. a 0/1 success; a rollout without one uses its reward)."""
     max_in_flight: int = 0
     """Episodes generating at once; 0 = all the staleness bound lets start ((max_staleness + 1) x batch)."""
+    dump: bool = False
+    """Write every trained batch to `<run_dir>/rollouts/step-<N>.jsonl` (tokens, loss masks, engine log-probs,
+    versions, rewards, MoE routing, image hashes; pixels under `rollouts/images/`), for `--replay`."""
+    replay: str = ""
+    """Train on a dump instead of rollouts: a run directory or its `rollouts/` folder (`molt train --replay DIR`
+    also takes the run's config.yaml). No engine is built; token and version checks stay on."""
 
     def __post_init__(self) -> None:
         check(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be > 0")
@@ -253,21 +270,11 @@ class RolloutConfig:
         check(bool(self.reward) or not self.reward_weights, "rollout.reward_weights", "needs rollout.reward")
         check(self.step_timeout_s > 0, "rollout.step_timeout_s", "must be > 0")
         check(self.max_len > 1, "rollout.max_len", "must be > 1 (prompt tokens + room to generate)")
+        check(not self.replay or os.path.isdir(self.replay), "rollout.replay", f"folder {self.replay!r} does not exist")
         from molt.algo.filtering import GROUP_FILTERS
 
         unknown = [f for f in self.filters if f not in GROUP_FILTERS]
         check(not unknown, "rollout.filters", f"unknown {unknown}; choose from {GROUP_FILTERS.names()}")
-        if self.agent:
-            from molt.agents.chat.agent import load_agent_class
-
-            load_agent_class(self.agent)  # imports and checks the class once: errors now, not after the warm start
-        if self.reward:
-            from molt.agents.reward_fn import load_reward
-
-            try:
-                load_reward(self.reward, self.reward_weights)  # imports the file once: errors now, not mid-run
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
 
     @property
     def episodes_in_flight(self) -> int:
@@ -282,7 +289,8 @@ class AlgoConfig:
     estimator: str = "grpo"
     """Advantage estimator: grpo, dr_grpo, rloo, reinforce_baseline, reinforce, gae, on_policy_distill."""
     policy_loss: str = "ppo"
-    """Policy surrogate: ppo, gspo, cispo, pg."""
+    """Policy surrogate: ppo, gspo, cispo, pg. Fixed to ppo in molt train, as are the clips below: one optimizer step
+    per batch makes the ratio to the proximal policy exactly 1, where all four have one gradient."""
     loss_agg: str = "token-mean"
     """Loss aggregation with a global denominator per step (token-mean, seq-mean-token-mean, ...)."""
     clip_low: float = 0.2
@@ -305,6 +313,22 @@ class AlgoConfig:
     """KL-to-reference loss coefficient (> 0 builds a frozen reference copy of the initial policy)."""
     kl_estimator: str = "k3"
     """KL estimator for the loss: k1, k2, k3."""
+    kl_target: float = 0.0
+    """Adaptive KL (Ziegler et al. 2019): the KL to the reference (train/kl) the coefficient steers to. It starts at
+    `kl_coef`; after each step beta *= 1 + clip(train/kl / kl_target - 1, +-0.2) * samples / kl_horizon
+    (logged as train/kl_coef). 0 = a fixed coefficient."""
+    kl_horizon: int = 10000
+    """Adaptive KL horizon in samples: the larger, the slower the coefficient moves (needs kl_target)."""
+    reward_clip: float = 0.0
+    """Clip each rollout's reward (after the overlong penalty) to [-reward_clip, reward_clip] before the estimator
+    and the critic's returns (0 = off). Group filters still read the unshaped reward."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong penalty (0 = off): a rollout that generated more than overlong_max_len - overlong_buffer
+    tokens (all turns together) loses reward linearly, overlong_coef at overlong_max_len and beyond."""
+    overlong_max_len: int = 0
+    """Generated tokens (all turns) at which the overlong penalty is full (0 = rollout.max_tokens, one turn)."""
+    overlong_coef: float = 1.0
+    """Reward the overlong penalty takes away at overlong_max_len (needs overlong_buffer)."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     routing_replay: bool = False
@@ -352,10 +376,55 @@ class AlgoConfig:
             check(getattr(self, key) in registry, f"algo.{key}", f"unknown; choose one of {registry.names()}")
         check(self.is_level == "none" or self.is_level in algo.IS_LEVELS, "algo.is_level", "token, seq, geo or none")
         check(self.moe_aux_coef >= 0, "algo.moe_aux_coef", "must be >= 0")
+        check(self.kl_target >= 0 and self.kl_horizon > 0, "algo.kl_target", "kl_target >= 0, kl_horizon > 0")
+        check(self.reward_clip >= 0, "algo.reward_clip", "must be >= 0 (0 = off)")
+        check(min(self.overlong_buffer, self.overlong_max_len) >= 0, "algo.overlong_buffer", "must be >= 0")
+        check(self.overlong_coef > 0, "algo.overlong_coef", "must be > 0")
         try:
             self.objective()
         except ValueError as e:
             raise ConfigError(f"algo: {e}") from None
+        for key, reason in self.inert_settings():
+            raise ConfigError(f"algo.{key}: has no effect here: {reason}")
+
+    def inert_settings(self) -> list[tuple[str, str]]:
+        """(field, why) for each field set away from its default where it cannot change training (no silent no-ops;
+        tests/train/test_no_silent_noops.py checks every other change moves the loss or the update)."""
+        defaults, out = AlgoConfig.__dataclass_fields__, []
+
+        def changed(*keys: str) -> list[str]:
+            return [k for k in keys if getattr(self, k) != defaults[k].default]
+
+        one_step = (
+            "molt train takes one optimizer step per batch against the proximal policy = the current weights, so "
+            "the ratio is exactly 1: the PPO clip never binds and every surrogate has the same gradient (stale "
+            "tokens are corrected by --algo.is_level/is_mode/is_low/is_high)"
+        )
+        out += [(k, one_step) for k in changed("policy_loss", "clip_low", "clip_high", "dual_clip")]
+        if self.is_level == "none":
+            out += [
+                (k, "--algo.is_level none turns the IS correction off") for k in changed("is_mode", "is_low", "is_high")
+            ]
+        elif self.is_mode == "trunc":
+            out += [
+                (k, "is_low bounds mask and clip; --algo.is_mode trunc only caps at is_high") for k in changed("is_low")
+            ]
+        if not self.kl_coef:
+            out += [(k, "the KL loss is off (--algo.kl_coef 0)") for k in changed("kl_estimator", "kl_target")]
+        if not self.kl_target:
+            out += [(k, "the KL coefficient is fixed (--algo.kl_target 0)") for k in changed("kl_horizon")]
+        if not self.teacher:
+            out += [(k, "there is no teacher (--algo.teacher)") for k in changed("teacher_coef")]
+        if not self.overlong_buffer:
+            out += [
+                (k, "the overlong penalty is off (--algo.overlong_buffer 0)")
+                for k in changed("overlong_max_len", "overlong_coef")
+            ]
+        from molt import algo
+
+        if algo.AGGREGATIONS.info(self.loss_agg).get("needs_norm_len"):
+            out.append(("loss_agg", "it divides by a constant norm_len that only Python callers set (ObjectiveParams)"))
+        return out
 
     def objective(self):
         """The algo library's ObjectiveParams for these settings."""
@@ -382,10 +451,20 @@ class CriticConfig:
     lr: float = 0.0
     """Critic learning rate (0 = train.lr), with the policy's warm-up and cosine decay."""
     clip: float = 0.2
-    """Value clip: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2); 0 = unclipped."""
+    """Value clip: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2); 0 = unclipped. V_old are the
+    values before the step's first critic update (those GAE used), so it binds with critic.updates > 1."""
+    updates: int = 1
+    """Critic optimizer steps per batch, on the same returns (the policy still takes one)."""
 
     def __post_init__(self) -> None:
         check(self.lr >= 0 and self.clip >= 0, "critic.lr", "critic.lr and critic.clip must be >= 0")
+        check(self.updates >= 1, "critic.updates", "must be >= 1")
+        check(
+            self.updates > 1 or self.clip == CriticConfig.__dataclass_fields__["clip"].default,
+            "critic.clip",
+            "has no effect here: with one critic update per batch V = V_old, so the clip never binds; "
+            "add --critic.updates 2 or more",
+        )
         check(not self.path or os.path.isdir(self.path), "critic.path", f"folder {self.path!r} not found")
 
 
@@ -401,6 +480,9 @@ class EvalConfig:
     """Samples per eval prompt (for pass@k, k <= n_samples)."""
     temperature: float = 1.0
     """Eval sampling temperature (0 = greedy)."""
+    seed: int = 12345
+    """Base sampling seed of every evaluation (sample k of row i: seed + i * n_samples + k), so training's eval
+    and `molt eval` of the same checkpoint draw the same samples."""
     output: str = ""
     """`molt eval`: per-row results file (JSON lines). Default: <run_dir>/results.jsonl."""
 
@@ -492,6 +574,9 @@ class RuntimeConfig:
     activations and optimizer states need the rest)."""
     kv_gb: float = 0.0
     """Paged KV cache budget in GB (overrides kv_memory_fraction); 0 on CPU: as many positions as the slot cache."""
+    cuda_graphs: bool = True
+    """Paged KV cache on CUDA: decode-only steps replay CUDA graphs captured per batch bucket when the engine
+    starts (no per-step kernel launches; docs/gpu.md). Off: eager decode, e.g. to debug."""
     address: str = ""
     """Ray: address of a running cluster (`ray start --head` prints it, e.g. 10.0.0.1:6379); empty: start a local
     one (or reuse the one this process already joined)."""
@@ -519,6 +604,12 @@ class RuntimeConfig:
         check(self.kv_gb >= 0, "runtime.kv_gb", "must be >= 0")
         check(
             not self.engine_compile or self.engine == "torch", "runtime.engine_compile", "is for runtime.engine torch"
+        )
+        check(
+            self.backend != "ray" or self.engine == "torch",
+            "runtime.engine",
+            "vllm runs with --runtime.backend local only: Ray engine replicas run the built-in engine "
+            "(--runtime.engine torch), so drop one of the two flags",
         )
         check(
             self.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
@@ -590,7 +681,9 @@ class ChatConfig:
     """Key clients must send (Bearer or x-api-key). Empty: a random key per `molt train` run (agents get it
     as ctx.api_key); `molt serve` then checks none."""
     model_name: str = "molt"
-    """Model id the server reports (`/v1/models`, responses)."""
+    """Model id the server reports (`/v1/models`, responses); a request naming another model gets a 404."""
+    model_aliases: tuple[str, ...] = ()
+    """Other model names requests may use (e.g. the name an existing agent program hard-codes)."""
     max_body_bytes: int = 4 << 20
     """Largest accepted request body (larger: HTTP 413)."""
     tool_parser: str = "auto"
@@ -600,16 +693,13 @@ class ChatConfig:
     max_len: int = 2048
     """`molt serve`: context budget per request in tokens (training uses rollout.max_len)."""
     max_tokens: int = 256
-    """`molt serve`: default max generated tokens when a request sets none."""
+    """`molt serve`: max generated tokens when a request sets none (a request's own max_tokens is honoured up
+    to the context, chat.max_len); training uses rollout.max_tokens."""
 
     def __post_init__(self) -> None:
         check(0 <= self.port < 65536, "chat.port", "must be in [0, 65535]")
         check(self.max_body_bytes > 0, "chat.max_body_bytes", "must be > 0")
         check(self.max_len > 1 and self.max_tokens > 0, "chat.max_len", "max_len must be > 1 and max_tokens > 0")
-        from molt.agents.chat.tool_parser import PARSERS
-
-        known = self.tool_parser == "auto" or self.tool_parser in PARSERS
-        check(known, "chat.tool_parser", f"unknown parser; use auto or one of {sorted(PARSERS)}")
 
 
 @dataclass
@@ -656,6 +746,30 @@ class Config:
             "train.micro_batch_tokens",
             f"({self.train.micro_batch_tokens}) must be >= data.max_len ({self.data.max_len}) so every sample fits",
         )
+        fp32 = self.model.dtype == "float32" or (
+            self.model.dtype == "auto" and not self.runtime.device.startswith("cuda")
+        )
+        check(
+            self.train.precision == "mixed" or not fp32,
+            "train.precision",
+            "pure has no effect here: the compute dtype (model.dtype; auto = float32 off CUDA) is float32, so the "
+            "parameters are fp32 either way; set --model.dtype bfloat16 for bf16 parameters",
+        )
+        compiles = self.train.compile == "on" or (
+            self.train.compile == "auto" and self.runtime.device.startswith("cuda")
+        )
+        check(
+            compiles or self.train.compile_backend == "inductor",
+            "train.compile_backend",
+            "has no effect here: train.compile is off (auto compiles on CUDA only); add --train.compile on",
+        )
+        overlong_max_len = self.algo.overlong_max_len or self.rollout.max_tokens
+        check(
+            self.algo.overlong_buffer <= overlong_max_len,
+            "algo.overlong_buffer",
+            f"({self.algo.overlong_buffer}) must be <= algo.overlong_max_len "
+            f"({overlong_max_len}; 0 = rollout.max_tokens)",
+        )
         self._check_models()
 
     def _check_models(self) -> None:
@@ -663,7 +777,8 @@ class Config:
         gae = self.algo.estimator == "gae"
         check(gae or self.critic == CriticConfig(), "critic", "critic.* settings need --algo.estimator gae")
         for key, on in [("algo.estimator gae", gae), ("algo.teacher", bool(self.algo.teacher)),
-                        ("train.lora_rank", self.train.lora_rank > 0)]:  # fmt: skip
+                        ("train.lora_rank", self.train.lora_rank > 0),
+                        ("algo.kl_target", self.algo.kl_target > 0)]:  # fmt: skip
             check(
                 not on or self.runtime.backend == "local",
                 key,

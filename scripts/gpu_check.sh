@@ -4,12 +4,14 @@
 #   here, once:  ../shared/gpu/wheels.sh && bash scripts/gpu_check.sh --dry-run   # CPU: parses every command
 #   device run:  command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 600
 #
-# Each part has its own time limit, so one hang or OOM leaves the others' results; everything lands in
-# $OUT (the device tool brings it back): gpu_trainer.md, gpu_engine.md, the molt train logs and metrics.
+# Each part has its own time limit, so one hang or OOM leaves the others' results. Logs and reports go to a
+# scratch folder that is archived into $OUT/molt-gpu.tgz after every part (the device brings back at most 8
+# files, and a run stopped at its limit still returns the parts done); the Markdown tables sit beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/molt-gpu-out}
-mkdir -p "$OUT"
+RAW=/tmp/molt-gpu-raw
+rm -rf "$RAW" && mkdir -p "$OUT" "$RAW"
 if [ "${1:-}" = "--dry-run" ]; then
   PY=.venv/bin/python
   DEV="--runtime.device cpu --model.preset tiny"
@@ -22,32 +24,47 @@ else
   DEV="--runtime.device cuda --model.preset qwen3-0.6b"
   BENCH=""
   STEPS=3 SHAPE="--rollout.prompts_per_step 32 --rollout.n_samples_per_prompt 8 --rollout.max_tokens 320"
-  nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+  nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$RAW/nvidia-smi.txt" 2>&1
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled
+PARTS=${PARTS:-kernel_check gpu_engine gpu_trainer train_qwen06 train_tiny_bf16}  # a subset: PARTS="gpu_engine" ...
 
-part() {  # part NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.log, never stop the script
+part() {  # part NAME SECONDS CMD...: run with a limit, log to $RAW/NAME.log, archive, never stop the script
   local name=$1 limit=$2
   shift 2
+  [[ " $PARTS " == *" $name "* ]] || return 0
   echo "== $name (limit ${limit}s): $*"
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$RAW/$name.log" 2>&1
   echo "== $name: exit $? after $((SECONDS - t0))s"
-  tail -n 25 "$OUT/$name.log"
+  tail -n 25 "$RAW/$name.log"
+  rm -rf "$RAW"/*/checkpoints  # GBs of weights: the logs and metrics are what comes back
+  tar czf /tmp/molt-gpu.tgz -C "$RAW" . && mv /tmp/molt-gpu.tgz "$OUT/"
+  find "$RAW" -maxdepth 1 -name '*.md' -exec cp {} "$OUT/" \;
 }
 
-part gpu_trainer 170 $PY benchmarks/gpu_trainer.py $BENCH --out "$OUT"
-part gpu_engine 170 $PY benchmarks/gpu_engine.py $BENCH --out "$OUT"
+# the engine's Triton paged-attention kernel in bf16 against the torch reference (the interpreter cannot run bf16)
+part kernel_check 30 $PY -c "
+import sys, torch; sys.path.insert(0, 'tests/engine')
+from test_graphs import dense_reference, paged_case
+from molt.engine.paged_attention import triton_paged_decode
+dev = 'cuda' if torch.cuda.is_available() else 'cpu'
+for dtype, heads, kv in [(torch.bfloat16, 16, 8), (torch.bfloat16, 4, 4), (torch.float32, 16, 8)]:
+    q, k, v, table, lens = (x.to(dev) for x in paged_case(dtype, heads, kv, head_dim=128))
+    ref = dense_reference(q.float(), k.float(), v.float(), table, lens)
+    out = triton_paged_decode(q, k, v, table, lens, 128 ** -0.5) if dev == 'cuda' else ref
+    print(dtype, heads, kv, 'max |diff|', (out.float() - ref).abs().max().item())
+"
+part gpu_engine 130 $PY benchmarks/gpu_engine.py $BENCH --out "$RAW"
+part gpu_trainer 100 $PY benchmarks/gpu_trainer.py $BENCH --budget-s 85 --out "$RAW"
 # the trainer issue's run: 32 prompts x 8 samples, episodes up to 384 tokens, bf16-mixed, random weights
-part train_qwen06 150 $PY -m molt.cli.main train $DEV --model.warmstart_steps 0 $SHAPE --rollout.max_len 384 \
+part train_qwen06 85 $PY -m molt.cli.main train $DEV --model.warmstart_steps 0 $SHAPE --rollout.max_len 384 \
   --rollout.filters \
   --train.max_steps $STEPS --train.warmup_steps 0 --train.micro_batch_tokens 16384 --train.activation_checkpointing \
-  --eval.every 0 --log.run_dir "$OUT/train_qwen06"
-rm -rf "$OUT"/train_qwen06/checkpoints  # GBs of weights: the metrics are what comes back
+  --eval.every 0 --log.run_dir "$RAW/train_qwen06"
 # the engine issue's run: the tiny preset in bf16 learns like fp32 (the default recipe's eval gain)
 if [ "${1:-}" != "--dry-run" ]; then
-  part train_tiny_bf16 100 $PY -m molt.cli.main train --runtime.device cuda --model.dtype bfloat16 \
-    --model.warmstart_steps 100 --train.max_steps 30 --log.run_dir "$OUT/train_tiny_bf16"
-  rm -rf "$OUT"/train_tiny_bf16/checkpoints
+  part train_tiny_bf16 50 $PY -m molt.cli.main train --runtime.device cuda --model.dtype bfloat16 \
+    --model.warmstart_steps 100 --train.max_steps 30 --log.run_dir "$RAW/train_tiny_bf16"
 fi
-echo "results in $OUT"
+echo "results in $OUT: $(ls "$OUT")"

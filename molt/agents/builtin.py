@@ -7,18 +7,13 @@ from typing import Any
 
 from molt.agents.env import Env, Messages, Result
 from molt.data.tasks import calculate, get_task
+from molt.registry import Registry
 
-ENVS: dict[str, type[Env]] = {}
+ENVS: Registry[type[Env]] = Registry("env")
 
 
 def register_env(name: str):
-    def wrap(cls: type[Env]) -> type[Env]:
-        if name in ENVS:
-            raise ValueError(f"env {name!r} registered twice")
-        ENVS[name] = cls
-        return cls
-
-    return wrap
+    return ENVS.register(name)
 
 
 class TaskEnv(Env):

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from molt.errors import RolloutDrop
 from molt.models.vision import ImageError, expand_image_tokens, message_images, pixel_hash, to_pixels
 
 __all__ = ["ImageBudgetError", "expand_images", "message_images", "with_images"]
 
 
-class ImageBudgetError(ImageError):
+class ImageBudgetError(ImageError, RolloutDrop):
     """An image's placeholder tokens do not fit in the context budget (the rollout is dropped)."""
 
     drop_reason = "image_over_context"

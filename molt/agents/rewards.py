@@ -14,7 +14,9 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-BUILTIN_REWARDS: dict[str, Callable[[str, dict[str, Any]], float]] = {}
+from molt.registry import Registry
+
+BUILTIN_REWARDS: Registry[Callable[[str, dict[str, Any]], float]] = Registry("reward")
 
 NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
 FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
@@ -24,13 +26,7 @@ THINK = re.compile(r"\s*<think>.*?</think>\s*\S", re.S)
 def register_reward(name: str):
     """Register a built-in reward function under `name`."""
 
-    def wrap(fn):
-        if name in BUILTIN_REWARDS:
-            raise ValueError(f"reward {name!r} registered twice")
-        BUILTIN_REWARDS[name] = fn
-        return fn
-
-    return wrap
+    return BUILTIN_REWARDS.register(name)
 
 
 def last_boxed(text: str) -> str | None:

@@ -18,6 +18,7 @@ from typing import Any
 from molt.agents.env import Env, Messages, Result
 from molt.agents.images import expand_images, message_images, with_images
 from molt.data.trajectory import Trajectory
+from molt.errors import RolloutDrop
 from molt.models.tokenizer import apply_chat_template, render_chat
 
 PROBE = "\x00molt-action\x00"  # stands for the real action text when rendering observation deltas
@@ -70,7 +71,7 @@ async def within(timeout_s: float, awaitable, what: str, knob: str = "rollout.st
         raise TimeoutError(f"{what} did not finish within {timeout_s:g}s ({knob})") from e
 
 
-class ContextBudgetDrop(RuntimeError):
+class ContextBudgetDrop(RolloutDrop, RuntimeError):
     """The prompt alone fills `rollout.max_len`: the rollout is dropped (counted), not failed."""
 
     drop_reason = "prompt_over_context"

@@ -10,16 +10,20 @@ from molt.algo.correction import IS_LEVELS, IS_MODES, ISCorrectionParams, is_cor
 from molt.algo.filtering import (
     GROUP_FILTERS,
     FilterParams,
+    RewardShapingParams,
     clip_rewards,
     filter_groups,
     mask_truncated,
     overlong_penalty,
+    rollout_totals,
+    shape_rewards,
 )
 from molt.algo.kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    adaptive_kl_coef,
     kl_estimate,
     make_kl_controller,
 )
@@ -46,8 +50,10 @@ __all__ = [
     "ObjectiveParams",
     "PolicyBatch",
     "Registry",
+    "RewardShapingParams",
     "StepDenominators",
     "SurrogateParams",
+    "adaptive_kl_coef",
     "add_teacher_kl",
     "aggregate",
     "clip_rewards",
@@ -62,7 +68,9 @@ __all__ = [
     "mask_truncated",
     "overlong_penalty",
     "policy_objective",
+    "rollout_totals",
     "routing_agreement",
+    "shape_rewards",
     "step_denominators",
     "value_loss",
 ]

@@ -3,6 +3,8 @@
 `filter_groups` applies registered group filters (DAPO dynamic sampling) and returns a keep-mask
 per sample; whole groups are kept or dropped so n-sample groups stay intact, and each rollout
 counts once. The loop refills dropped groups and counts each drop under its filter's name.
+`shape_rewards` is the reward pipeline the trainer runs before the estimator: the overlong penalty
+on each rollout's generated length (its segments summed), then clipping (`RewardShapingParams`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,48 @@ def mask_truncated(mask_bt: Tensor, truncated_b: Tensor) -> tuple[Tensor, Metric
     truncated_b1 = truncated_b.bool().unsqueeze(1)
     new_mask_bt = torch.where(truncated_b1, torch.zeros_like(mask_bt), mask_bt)
     return new_mask_bt, {"overlong_frac": truncated_b.to(torch.float32).mean()}
+
+
+@dataclass(frozen=True)
+class RewardShapingParams:
+    clip: float = 0.0  # > 0: rewards clamped to [-clip, clip] after the overlong penalty
+    overlong_buffer: int = 0  # > 0: DAPO soft overlong penalty over the last `overlong_buffer` tokens
+    overlong_max_len: int = 0  # generated tokens at which the penalty is full (needed with a buffer)
+    overlong_coef: float = 1.0  # the penalty at `overlong_max_len` and beyond
+
+    def __post_init__(self) -> None:
+        if self.clip < 0 or self.overlong_coef <= 0:
+            raise ValueError(f"need clip >= 0, overlong_coef > 0, got {self.clip}, {self.overlong_coef}")
+        if self.overlong_buffer and not 0 < self.overlong_buffer <= self.overlong_max_len:
+            raise ValueError(
+                f"need 0 < overlong_buffer <= overlong_max_len: {self.overlong_buffer}, {self.overlong_max_len}"
+            )
+
+
+def rollout_totals(values_b: Tensor, rollout_ids_b: Tensor | None = None) -> Tensor:
+    """Per sample, the sum of `values_b` over the samples of its rollout (its segments); no ids = its own."""
+    if rollout_ids_b is None:
+        return values_b
+    _, rollout_b = torch.unique(rollout_ids_b, return_inverse=True)
+    totals_r = values_b.new_zeros(int(rollout_b.max()) + 1 if len(rollout_b) else 0)
+    return totals_r.index_add_(0, rollout_b, values_b)[rollout_b]
+
+
+def shape_rewards(
+    rewards_b: Tensor, lengths_b: Tensor, params: RewardShapingParams, rollout_ids_b: Tensor | None = None
+) -> tuple[Tensor, Metrics]:
+    """`(rewards_b, metrics)`: `overlong_penalty` on each rollout's generated tokens (`lengths_b` per sample,
+    summed over a rollout's segments, so its segments keep one reward), then `clip_rewards` to +-clip."""
+    metrics: Metrics = {}
+    if params.overlong_buffer:
+        lengths_b = rollout_totals(lengths_b.to(torch.float32), rollout_ids_b)
+        penalty_b = overlong_penalty(lengths_b, params.overlong_max_len, params.overlong_buffer, params.overlong_coef)
+        rewards_b = rewards_b + penalty_b.to(rewards_b.dtype)
+        metrics["overlong_penalty_mean"] = penalty_b.mean()
+    if params.clip:
+        rewards_b, clip_metrics = clip_rewards(rewards_b, -params.clip, params.clip)
+        metrics |= clip_metrics
+    return rewards_b, metrics
 
 
 def clip_rewards(rewards_b: Tensor, low: float = -10.0, high: float = 10.0) -> tuple[Tensor, Metrics]:

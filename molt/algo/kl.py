@@ -79,9 +79,14 @@ class AdaptiveKLController:
 
     def update(self, kl: float, num_samples: int) -> float:
         """Update from the measured KL of the last step over `num_samples` samples; new coef."""
-        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
-        self.coef *= 1.0 + error * num_samples / self.horizon
+        self.coef = adaptive_kl_coef(self.coef, kl, self.target, num_samples, self.horizon)
         return self.coef
+
+
+def adaptive_kl_coef(coef: float, kl: float, target: float, num_samples: int, horizon: int) -> float:
+    """One adaptive step: coef * (1 + clip(kl / target - 1, -0.2, 0.2) * num_samples / horizon)."""
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * num_samples / horizon)
 
 
 def make_kl_controller(name: str, **kwargs: float) -> FixedKLController | AdaptiveKLController:

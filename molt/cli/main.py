@@ -1,10 +1,11 @@
 """`molt <command>`: flags generated from the config tree by tyro; `--config FILE` sets defaults.
 
 Commands are registered functions taking the resolved `Config`; their docstrings are the top-level
-help. A user mistake (`molt.errors.UserError`: config, data, agent file, checkpoint, device, port) is
-one line `molt <command>: <kind>: <file:line or key>: <what is wrong and what to do>` with exit code 2
-and no traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed with its
-traceback and exit code 1.
+help; each assembles its run in its own module here (`train.py`, `sft.py`, `eval.py`, `serve.py`). A
+user mistake (`molt.errors.UserError`: config, data, agent file, checkpoint, device, port) is one line
+`molt <command>: <kind>: <file:line or key>: <what is wrong and what to do>` with exit code 2 and no
+traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed with its traceback and
+exit code 1.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def command(name: str, **defaults: dict):
 @command("train")
 def train(cfg: Config) -> object:
     """Asynchronous RL (default: warm-started tiny model, GRPO on the calculator tool-use task)."""
-    from molt.loop.run import run_train
+    from molt.cli.train import run_train
 
     return run_train(cfg)
 
@@ -50,7 +51,7 @@ def train(cfg: Config) -> object:
 @command("sft", train={"lr": 2e-3, "max_steps": 150})
 def sft(cfg: Config) -> object:
     """Supervised fine-tuning on chat data (loss on assistant tokens); writes an HF checkpoint."""
-    from molt.train.sft import run_sft
+    from molt.cli.sft import run_sft
 
     return run_sft(cfg)
 
@@ -58,7 +59,7 @@ def sft(cfg: Config) -> object:
 @command("eval")
 def eval_(cfg: Config) -> object:
     """Score a checkpoint, run directory or model folder on held-out rows: `molt eval TARGET` (pass@k, per-row)."""
-    from molt.loop.eval_cmd import run_eval
+    from molt.cli.eval import run_eval
 
     return run_eval(cfg)
 
@@ -66,7 +67,7 @@ def eval_(cfg: Config) -> object:
 @command("serve", chat={"port": 8000})
 def serve(cfg: Config) -> object:
     """OpenAI/Anthropic-compatible chat server over a checkpoint: `molt serve CHECKPOINT` (= --model.path)."""
-    from molt.agents.chat.serve import run_serve
+    from molt.cli.serve import run_serve
 
     return run_serve(cfg)
 
@@ -114,6 +115,21 @@ def _resume_args(args: list[str]) -> list[str]:
     return args
 
 
+def _replay_args(args: list[str]) -> list[str]:
+    """`--replay DIR` = `--rollout.replay DIR`, with the dumped run's config.yaml (when DIR is a run or its
+    rollouts folder) as the config file: its seed, model and algorithm; not its run_dir or resume."""
+    args = ["--rollout.replay" if a == "--replay" else a for a in args]
+    if "--rollout.replay" in args and _config_path(args) is None:
+        at = args.index("--rollout.replay") + 1
+        target = args[at] if at < len(args) else ""
+        if not target or target.startswith("--"):
+            raise ConfigError("rollout.replay: --replay needs a run directory (or its rollouts folder) with a dump")
+        run = next((p for p in (Path(target), Path(target).parent) if (p / "config.yaml").exists()), None)
+        if run is not None:
+            args = ["--config", str(run / "config.yaml"), "--log.run_dir", "", "--ckpt.resume", "", *args]
+    return args
+
+
 def _run_of(target: str) -> Path | None:
     """The run directory `target` is (or is a checkpoint of), if any."""
     path = Path(target)
@@ -143,12 +159,12 @@ def _usage() -> str:
 
 
 def command_flags(name: str, rest: list[str]) -> list[str]:
-    """The flags `molt <name> <rest...>` stands for: positional targets and `--resume` spelled out."""
+    """The flags `molt <name> <rest...>` stands for: positional targets, `--resume` and `--replay` spelled out."""
     if name == "serve" and rest and not rest[0].startswith("-"):
         rest = ["--model.path", *rest]  # `molt serve CHECKPOINT`
     if name == "eval" and rest and not rest[0].startswith("-"):
         rest = _eval_args(rest[0], rest[1:])  # `molt eval CHECKPOINT|RUN_DIR`
-    return _resume_args(rest)
+    return _resume_args(_replay_args(rest))
 
 
 def parse_command(argv: list[str]) -> Config:
@@ -175,7 +191,10 @@ def check_port(host: str, port: int) -> None:
 
 
 def preflight(name: str, cfg: Config) -> None:
-    """Checks that need the command as well as the config, before any model is built."""
+    """Checks that need the command (or user code) as well as the config, before any model is built."""
+    from molt.cli.inputs import check_user_code
+
+    check_user_code(cfg)
     if cfg.chat.port and (name == "serve" or cfg.rollout.agent):
         check_port(cfg.chat.host, cfg.chat.port)
 

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from molt.errors import UserError
+from molt.registry import Registry
 
 Row = dict[str, Any]
 Located = list[tuple[str, Any]]  # (where, raw row) pairs; `where` names the file and its 1-based line or row index
 
-READERS: dict[str, Callable[[Path], Located]] = {}
+READERS: Registry[Callable[[Path], Located]] = Registry("data format")
 
 
 class DataError(UserError):
@@ -31,11 +32,7 @@ class DataError(UserError):
 def register_reader(name: str):
     """Register `fn(path) -> [(where, row)]` as the reader of format `name`."""
 
-    def wrap(fn):
-        READERS[name] = fn
-        return fn
-
-    return wrap
+    return READERS.register(name)
 
 
 def detect_format(path: str | Path) -> str:

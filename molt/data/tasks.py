@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 from typing import Any, Protocol
 
+from molt.registry import Registry
+
 Row = dict[str, Any]
 
 
@@ -25,18 +27,15 @@ class Task(Protocol):
     def grade(self, row: Row, text: str) -> float: ...
 
 
-TASKS: dict[str, type] = {}
+TASKS: Registry[type] = Registry("task")
 
 
 def register_task(name: str):
     """Register a task class under `name` (`--data.task name`)."""
 
     def wrap(cls):
-        if name in TASKS:
-            raise ValueError(f"task {name!r} registered twice")
         cls.name = name
-        TASKS[name] = cls
-        return cls
+        return TASKS.add(name, cls)
 
     return wrap
 

@@ -13,19 +13,30 @@ layout, nothing of requests or scheduling. See docs/engine.md.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from molt.engine import kernels
+from molt.engine.cpu import kernels
+from molt.engine.cpu.packed import LinearPacks
 from molt.engine.transfer import to_device
 from molt.models.attention import additive_mask, per_kv_head
 from molt.models.transformer import Transformer
 
-if TYPE_CHECKING:
-    from molt.engine.runner import ModelRunner
-
 log = logging.getLogger(__name__)
+
+
+class SlotRunner(Protocol):
+    """What the compiled step uses of its runner (`runner.ModelRunner`, which owns it)."""
+
+    model: Transformer
+    k: torch.Tensor  # [layers, slots + 1, kv_heads, max_seq_len, head_dim]
+    v: torch.Tensor
+    packs: LinearPacks
+    own_attention: bool
+    device: torch.device
+    kv_heads: int
+    max_seq_len: int
 
 
 class DecodeOverCache:
@@ -97,7 +108,7 @@ def decode_logits(model: Transformer, ids_1n, pos_1n, k, v, slots_b, key_pos_s, 
 class CompiledDecode:
     """The compiled step of a `ModelRunner` (its model, cache, packs and attention choice)."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: SlotRunner):
         self.runner = runner
         # no guards on the model's modules (~0.4 ms a step): the runner's model never changes shape or type,
         # and its weights load in place. In bf16 / fp16, fused ops round where the eager model (the trainer's)

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from molt.engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager
 from molt.engine.cache import SlotCacheManager
 from molt.engine.images import chunk_image_embeds
-from molt.engine.interface import Completion, Weights
+from molt.engine.interface import Completion, Weights, work_since  # noqa: F401 - work_since: declared there
 from molt.engine.paged import PagedRunner, PagedScheduler, PagedSlots
 from molt.engine.runner import ModelRunner
-from molt.engine.sampling import RowParams, sample
+from molt.engine.sampling import RowParams, TopLogprobs, sample, sample_top
 from molt.engine.scheduler import Group, Scheduler
 from molt.engine.scheduler import Sequence as Seq
 from molt.engine.transfer import to_device
@@ -32,20 +32,6 @@ from molt.engine.weights import load_weights
 from molt.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
-
-
-def work_since(now: dict, last: dict) -> dict[str, float]:
-    """Engine work between two snapshots of `EngineCore.stats`: seconds in model steps (`busy_s`), of which in
-    decode-only steps (`decode_s`: no prompt or observation token computed), and mean rows per decoding step
-    (`decode_batch_mean`, 0 without decoding). A restarted engine's counts start again."""
-    if not last or now["steps"] < last["steps"]:
-        last = dict.fromkeys(now, 0)
-    decode_steps = now["decode_steps"] - last["decode_steps"]
-    return {
-        "busy_s": now["busy_s"] - last["busy_s"],
-        "decode_s": now["decode_s"] - last["decode_s"],
-        "decode_batch_mean": (now["decode_tokens"] - last["decode_tokens"]) / max(decode_steps, 1),
-    }
 
 
 class EngineCore:
@@ -66,11 +52,14 @@ class EngineCore:
         compile: bool = False,
         kv_blocks: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        graphs: bool | None = None,
     ):
         self.model, self.tokenizer, self.version, self.max_seq_len = model, tokenizer, version, max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
         if kv_blocks is not None:  # the paged KV cache (paged.py); otherwise the slot cache
-            self._init_paged(model, num_slots, max_seq_len, max_num_batched_tokens, prefix_cache, kv_blocks, block_size)
+            self._init_paged(
+                model, num_slots, max_seq_len, max_num_batched_tokens, prefix_cache, kv_blocks, block_size, graphs
+            )
         else:
             self.runner = ModelRunner(model, num_slots, max_seq_len, record_routing, compile)
             # Molt's attention kernel takes each row's slot: no compaction moves (torch ops want rows 0..B-1)
@@ -78,6 +67,8 @@ class EngineCore:
             self.manager = SlotCacheManager(num_slots, max_seq_len, prefix_cache, compact=compact)
             self.scheduler = Scheduler(self.manager, max_num_batched_tokens)
         self.groups: dict[str, Group] = {}
+        self.listeners: dict[str, Callable[[list[tuple[int, int, float]]], None]] = {}  # streamed requests
+        self.tops: dict[str, list[list[TopLogprobs]]] = {}  # per sample, of requests asking for top_logprobs
         self.num_pending = 0
         self.stats = dict(
             steps=0,
@@ -90,19 +81,27 @@ class EngineCore:
             decode_s=0.0,
         )
 
-    def _init_paged(self, model, num_slots, max_seq_len, max_num_batched_tokens, prefix_cache, kv_blocks, block_size):
+    def _init_paged(
+        self, model, num_slots, max_seq_len, max_num_batched_tokens, prefix_cache, kv_blocks, block_size, graphs
+    ):
         if kv_blocks * block_size < max_seq_len:  # a lone sequence must always fit, or preemption could not help it
             raise ValueError(f"kv_blocks={kv_blocks} x block_size={block_size} < max_seq_len={max_seq_len}")
         self.manager = PagedSlots(BlockManager(kv_blocks, block_size, prefix_cache), num_slots)
-        self.runner = PagedRunner(model, self.manager)
+        self.runner = PagedRunner(model, self.manager, max_seq_len, graphs)
         self.scheduler = PagedScheduler(self.manager, max_num_batched_tokens)
 
     # ---- requests and commands -----------------------------------------------------------------
-    def add(self, group: Group) -> None:
+    def add(self, group: Group, on_tokens: Callable[[list[tuple[int, int, float]]], None] | None = None) -> None:
+        """Queue a request; `on_tokens([(sample_index, token, logprob), ...])` after each step that sampled
+        tokens of it (streaming), always before `group.on_done`."""
         if group.request_id in self.groups:
             group.on_done(ValueError(f"request_id {group.request_id!r} is already in flight"))
             return
         self.groups[group.request_id] = group
+        if on_tokens is not None:
+            self.listeners[group.request_id] = on_tokens
+        if group.sampling.top_logprobs > 0:
+            self.tops[group.request_id] = [[] for _ in range(group.sampling.n)]
         self.num_pending += group.sampling.n
         self.scheduler.add(group)
 
@@ -140,6 +139,8 @@ class EngineCore:
                 if any(s in self.scheduler.running for s in group.seqs):
                     self.scheduler.remove_group(group, "abort")
                     self.groups.pop(group.request_id)
+                    self.listeners.pop(group.request_id, None)
+                    self.tops.pop(group.request_id, None)
                     self.num_pending -= group.sampling.n
                     group.on_done(e)
         finally:
@@ -185,16 +186,39 @@ class EngineCore:
         with torch.inference_mode():
             if len(picks) > logits_rv.shape[0]:  # n > 1: siblings sample from their leader's logits
                 logits_rv = logits_rv.index_select(0, to_device(picks, torch.long, logits_rv.device))
-            token_ids, logprobs = sample(logits_rv, self._row_params(rows))
+            if self.tops:  # only while a request asks for top_logprobs
+                token_ids, logprobs = self._sample_with_tops(logits_rv, rows)
+            else:
+                token_ids, logprobs = sample(logits_rv, self._row_params(rows))
         done = [
             (seq, end)
             for seq, t, lp in zip(rows, token_ids, logprobs, strict=True)
             if (end := self._append(seq, t, lp))
         ]
+        if self.listeners:
+            self._notify_tokens(rows, token_ids, logprobs)
         # highest slot first: each freed slot is then the last active one, so the cache manager moves nothing
         for seq, (reason, stop_reason) in sorted(done, key=lambda d: -self.manager.slot_of(d[0].seq_id, -1)):
             self._finish(seq, reason, stop_reason)
         return decode_only
+
+    def _sample_with_tops(self, logits_rv: torch.Tensor, rows: list[Seq]) -> tuple[list[int], list[float]]:
+        """`sample`, recording each asking row's top_logprobs (one device -> host copy, as always)."""
+        ks = [s.sampling.top_logprobs if s.group.request_id in self.tops else 0 for s in rows]
+        token_ids, logprobs, tops = sample_top(logits_rv, self._row_params(rows), max(ks))
+        for seq, k, top in zip(rows, ks, tops, strict=True):
+            if k:
+                self.tops[seq.group.request_id][seq.sample_index].append(top[:k])
+        return token_ids, logprobs
+
+    def _notify_tokens(self, rows: list[Seq], token_ids: list[int], logprobs: list[float]) -> None:
+        """One call per streamed request with the tokens this step sampled for it."""
+        batches: dict[str, list[tuple[int, int, float]]] = {}
+        for seq, t, lp in zip(rows, token_ids, logprobs, strict=True):
+            if seq.group.request_id in self.listeners:
+                batches.setdefault(seq.group.request_id, []).append((seq.sample_index, t, lp))
+        for request_id, batch in batches.items():
+            self.listeners[request_id](batch)
 
     def _row_params(self, rows: list[Seq]) -> RowParams:
         sps = [s.sampling for s in rows]
@@ -254,12 +278,14 @@ class EngineCore:
 
     def _complete(self, group: Group) -> None:
         self.groups.pop(group.request_id, None)
+        self.listeners.pop(group.request_id, None)
+        tops = self.tops.pop(group.request_id, None)
         self.num_pending -= group.sampling.n
         now = time.perf_counter()
-        group.on_done([_completion(group, seq, now) for seq in group.seqs])
+        group.on_done([_completion(group, seq, now, tops[seq.sample_index] if tops else None) for seq in group.seqs])
 
 
-def _completion(group: Group, seq: Seq, now: float) -> Completion:
+def _completion(group: Group, seq: Seq, now: float, tops: list[TopLogprobs] | None) -> Completion:
     return Completion(
         request_id=group.request_id,
         token_ids=seq.tokens[seq.num_prompt :],
@@ -271,5 +297,6 @@ def _completion(group: Group, seq: Seq, now: float) -> Completion:
         stop_reason=seq.stop_reason,
         num_cached_tokens=seq.num_cached,
         routing=seq.routing,
+        top_logprobs=tops,
         metrics=dict(ttft_s=(seq.first_token_at or now) - group.submitted_at, latency_s=now - group.submitted_at),
     )

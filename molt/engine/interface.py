@@ -9,12 +9,14 @@ caches, agents or trainers.
 from __future__ import annotations
 
 import abc
+import asyncio
 import itertools
 import os
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from types import MappingProxyType
+from typing import Literal, TypeVar
 
 import torch
 
@@ -39,6 +41,7 @@ FinishReason = Literal["stop", "length", "abort"]
 SyncMode = Literal["drain", "interrupt"]
 LogprobMode = Literal["scaled", "processed"]
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+R = TypeVar("R")
 
 
 class ContextLengthError(ValueError):
@@ -56,6 +59,9 @@ class SamplingParams:
       restrict where the token is drawn from but do not renormalise this number.
     - `"processed"`: the distribution actually sampled from: temperature applied, tokens outside
       top-k / top-p (and stop tokens banned by min_tokens) removed, renormalised. Greedy gives 0.
+
+    `top_logprobs` > 0 also reports, per generated token, that many most likely tokens with their log-probs
+    under the "scaled" distribution (`Completion.top_logprobs`); 0 (default) computes none.
     """
 
     n: int = 1
@@ -69,6 +75,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprob_mode: LogprobMode = "scaled"
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -84,6 +91,7 @@ class SamplingParams:
                 (not 0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
                 (self.logprob_mode not in ("scaled", "processed"), f"unknown logprob_mode {self.logprob_mode!r}"),
                 (any(not s for s in self.stop), "stop strings must be non-empty"),
+                (self.top_logprobs < 0, f"top_logprobs must be >= 0, got {self.top_logprobs}"),
             ]
             if bad
         ]
@@ -112,10 +120,35 @@ class Completion:
     # MoE engines that capture routing: int tensor [num_prompt + num_generated, MoE layers, k] of the
     # experts each position was computed with, by absolute position; -1 where none was recorded
     routing: torch.Tensor | None = None
+    # sampling.top_logprobs > 0: per generated token, the most likely (token id, log-prob) pairs, best first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def num_generated_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass
+class TokenDelta:
+    """Tokens one sample appended since its previous delta (`Engine.generate_streamed`)."""
+
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def work_since(now: Mapping[str, float], last: Mapping[str, float]) -> dict[str, float]:
+    """Engine work between two snapshots of `Engine.stats`: seconds in model steps (`busy_s`), of which in
+    decode-only steps (`decode_s`: no prompt or observation token computed), and mean rows per decoding step
+    (`decode_batch_mean`, 0 without decoding). A restarted engine's counts start again."""
+    if not last or now["steps"] < last["steps"]:
+        last = dict.fromkeys(now, 0)
+    decode_steps = now["decode_steps"] - last["decode_steps"]
+    return {
+        "busy_s": now["busy_s"] - last["busy_s"],
+        "decode_s": now["decode_s"] - last["decode_s"],
+        "decode_batch_mean": (now["decode_tokens"] - last["decode_tokens"]) / max(decode_steps, 1),
+    }
 
 
 class Engine(abc.ABC):
@@ -124,6 +157,16 @@ class Engine(abc.ABC):
     version: int = 0
     vision = None  # the policy's VisionConfig (VLMs): image size and tokens per image
     image_token_id: int | None = None
+    # What an engine can report, with defaults: cumulative work counters (`busy_s`, `decode_s`, `steps`,
+    # `decode_steps`, `decode_tokens`; differences by `work_since`) for engines that count their work
+    stats: Mapping[str, float] = MappingProxyType({})
+
+    async def run_on_engine_thread(self, fn: Callable[..., R], *args) -> R:
+        """`fn(*args)` where this engine wants the process's other model compute (the trainer step) to run.
+
+        The built-in engine runs it on its own thread between two steps (one OpenMP pool per process); the
+        default is a worker thread."""
+        return await asyncio.to_thread(fn, *args)
 
     async def generate(
         self,
@@ -158,6 +201,28 @@ class Engine(abc.ABC):
 
         `images` (VLMs): uint8 pixel tensors [3, S, S], one per image placeholder run in the prompt, in order.
         """
+
+    async def generate_streamed(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None,
+        on_tokens: Callable[[TokenDelta], None],
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        images: Sequence[torch.Tensor] | None = None,
+    ) -> list[Completion]:
+        """`generate_group`, calling `on_tokens` (on the caller's event loop) as samples grow; every delta
+        arrives before the call returns, and a sample's deltas concatenate to its completion's ids.
+        Cancelling the call aborts the request. Default, for engines that cannot stream: one delta per sample
+        once the whole group is done."""
+        kw = {"images": images} if images else {}
+        completions = await self.generate_group(
+            prompt_token_ids, sampling, request_id=request_id, session_id=session_id, **kw
+        )
+        for c in completions:
+            on_tokens(TokenDelta(c.sample_index, list(c.token_ids), list(c.logprobs)))
+        return completions
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections import deque
 
 import torch
@@ -35,11 +36,14 @@ from molt.engine.blocks import (
     kv_budget_bytes,
     num_blocks_for_budget,
 )
-from molt.engine.packed import LinearPacks
+from molt.engine.cpu.packed import LinearPacks
+from molt.engine.graphs import GraphDecode
 from molt.engine.runner import gqa_attention
 from molt.engine.scheduler import Group, Plan, Scheduler, Sequence
 from molt.engine.transfer import to_device
 from molt.models.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 
 def num_kv_blocks(
@@ -164,8 +168,9 @@ class PagedScheduler(Scheduler):
         return super().has_work(admit) or bool(self.preempted)
 
     def schedule(self, admit: bool = True) -> Plan:
-        for seq in list(self.running):
-            if seq in self.running and seq.waits_for is None:
+        preempted = len(self.preempted)
+        for seq in list(self.running):  # a reservation may preempt sequences later in the list: skip those
+            if seq.waits_for is None and (len(self.preempted) == preempted or seq in self.running):
                 self._reserve(seq)
         self._readmit()
         return super().schedule(admit and not self.preempted)
@@ -308,7 +313,7 @@ class PagedRunner:
 
     own_attention, compiled, routes = False, None, None
 
-    def __init__(self, model: Transformer, manager: PagedSlots):
+    def __init__(self, model: Transformer, manager: PagedSlots, max_seq_len: int, graphs: bool | None = None):
         cfg = model.cfg
         if cfg.num_moe_layers() or cfg.image_token_id is not None:
             raise ValueError("the paged KV cache serves dense text models (MoE and VLMs keep the slot cache)")
@@ -316,20 +321,38 @@ class PagedRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size, self.kv_heads, self.head_dim = manager.blocks.block_size, cfg.num_kv_heads, cfg.head_dim
-        shape = (cfg.num_layers, manager.blocks.num_blocks, cfg.num_kv_heads, self.block_size, cfg.head_dim)
+        on_cuda = self.device.type == "cuda"
+        graphs = on_cuda if graphs is None else graphs
+        # with graphs, one block past the manager's: the scratch block that padding rows read and write
+        scratch = manager.blocks.num_blocks
+        shape = (cfg.num_layers, scratch + graphs, cfg.num_kv_heads, self.block_size, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.packs = LinearPacks(model)  # Molt's GEMM kernel for the linear layers on CPU in fp32, as ModelRunner
+        self.graphs = None
+        if graphs:
+            max_blocks = -(-max_seq_len // self.block_size)
+            self.graphs = GraphDecode(self, manager.num_slots, max_blocks, scratch, capture=on_cuda)
 
     def cache_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
     def warm_up(self) -> None:
-        """Nothing is compiled on the paged path."""
+        """Capture the decode graphs (CUDA) on the calling thread, before serving; decode stays eager if it fails."""
+        if self.graphs is None:
+            return
+        try:
+            self.graphs.capture_all()
+        except Exception:  # noqa: BLE001 - e.g. a kernel that cannot be captured: the eager path still serves
+            log.exception("capturing the decode CUDA graphs failed; decoding eagerly")
+            self.graphs = None
 
     @torch.inference_mode()
     def forward(self, decode, chunks, sampled_chunks, image_embeds_nh=None) -> torch.Tensor:
-        """Logits [D + S, V], as `ModelRunner.forward` (same arguments; no images)."""
+        """Logits [D + S, V], as `ModelRunner.forward` (same arguments; no images). Decode-only steps run the
+        captured graph of their batch bucket (`graphs.py`)."""
+        if self.graphs is not None and not chunks and self.graphs.fits(len(decode)):
+            return self.graphs.step(decode)
         ids = [token for _, token, _ in decode] + [t for _, c, _ in chunks for t in c]
         positions = [pos for _, _, pos in decode] + [p for _, c, s in chunks for p in range(s, s + len(c))]
         rows = [(slot, pos, 1) for slot, _, pos in decode] + [(slot, s, len(c)) for slot, c, s in chunks]

@@ -32,10 +32,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from molt.engine import kernels
 from molt.engine.cache import SCRATCH, Move
 from molt.engine.compiled import CompiledDecode
-from molt.engine.packed import LinearPacks
+from molt.engine.cpu import kernels
+from molt.engine.cpu.packed import LinearPacks
 from molt.engine.transfer import to_device
 from molt.models.moe import NO_ROUTE, Routing
 from molt.models.transformer import Transformer

@@ -9,7 +9,9 @@ per-request generator state exists. Knows nothing of models, caches or requests.
 Log-probs: see `SamplingParams` (`"scaled"` = trainer-side log_softmax(logits / T);
 `"processed"` = the renormalised distribution actually sampled from). Whatever the model's dtype,
 both are computed in fp32 from the logits (`logits.float() / T`, as the trainer does), on the
-logits' device, with one device -> host copy per call.
+logits' device, with one device -> host copy per call. `sample_top` also returns each row's k most likely
+tokens under the "scaled" distribution (OpenAI's `top_logprobs`), read from the same log-softmax and
+carried in that same copy; plain `sample` computes none of it.
 """
 
 from __future__ import annotations
@@ -75,17 +77,42 @@ def _inverse_cdf(logp_rv: torch.Tensor, u_r: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf_rv, target_r1, right=True).clamp(max=logp_rv.shape[-1] - 1).squeeze(-1)
 
 
+TopLogprobs = list[tuple[int, float]]  # (token id, log-prob) of one row's most likely tokens, best first
+
+
 def sample(logits_rv: torch.Tensor, params: RowParams) -> tuple[list[int], list[float]]:
     """(token id, log-prob) per row of `logits_rv` [R, V] (any float dtype).
 
     Everything runs in fp32 on the logits' device, the way the trainer scores tokens (`logits.float() / T`,
     then log-softmax); the per-row parameters go to the device without a sync (`transfer.to_device`) and
     the only device -> host copy is the final one of the ids and log-probs."""
+    token_r, logprob_r, _ = _sample_on_device(logits_rv, params)
+    # one device -> host transfer per step: ids (< 2**53) travel exactly as float64 beside the log-probs
+    token_f64, logprob_f64 = torch.stack((token_r.double(), logprob_r.double())).tolist()
+    return [int(t) for t in token_f64], logprob_f64
+
+
+def sample_top(
+    logits_rv: torch.Tensor, params: RowParams, top_logprobs: int
+) -> tuple[list[int], list[float], list[TopLogprobs]]:
+    """`sample`, plus per row the `top_logprobs` most likely tokens under log_softmax(logits / T) (the
+    "scaled" distribution: temperature applied, no top-k / top-p / bans), best first; still one copy."""
+    token_r, logprob_r, logp_rv = _sample_on_device(logits_rv, params)
+    k = min(top_logprobs, logp_rv.shape[-1])
+    top_lp_rk, top_id_rk = logp_rv.topk(k, dim=-1)  # exact fp32 values: a greedy row's first is its log-prob
+    cols = (token_r.double()[:, None], logprob_r.double()[:, None], top_id_rk.double(), top_lp_rk.double())
+    rows = torch.cat(cols, dim=1).tolist()
+    tops = [[(int(i), lp) for i, lp in zip(row[2 : 2 + k], row[2 + k :], strict=True)] for row in rows]
+    return [int(row[0]) for row in rows], [row[1] for row in rows], tops
+
+
+def _sample_on_device(logits_rv: torch.Tensor, params: RowParams):
+    """(token ids [R], reported log-probs [R], scaled log-softmax [R, V]), all on the logits' device."""
     device = logits_rv.device
     logits_rv = logits_rv.float()
     temp_r = to_device([t if t != 0 else 1.0 for t in params.temperature], torch.float32, device)  # T = 0 -> 1
     scaled_rv = logits_rv / temp_r[:, None]
-    masked_rv = scaled_rv
+    masked_rv, logp_rv = scaled_rv, None
     if params.banned:
         rows = [row for row, ids in params.banned for _ in ids]
         cols = [int(i) for _, ids in params.banned for i in ids]
@@ -115,10 +142,10 @@ def sample(logits_rv: torch.Tensor, params: RowParams) -> tuple[list[int], list[
             greedy_r = to_device([t == 0 for t in params.temperature], torch.bool, device)
             token_r = torch.where(greedy_r, masked_rv.argmax(dim=-1), token_r)
             processed_lp_r = torch.where(greedy_r, 0.0, processed_lp_r)
-    scaled_lp_r = torch.log_softmax(scaled_rv, dim=-1).gather(1, token_r[:, None]).squeeze(1)
+    if logp_rv is None or params.banned:  # else the distribution sampled from is the scaled one: reuse it
+        logp_rv = torch.log_softmax(scaled_rv, dim=-1)
+    scaled_lp_r = logp_rv.gather(1, token_r[:, None]).squeeze(1)
     if any(params.processed):
         use_r = to_device(params.processed, torch.bool, device)
         scaled_lp_r = torch.where(use_r, processed_lp_r, scaled_lp_r)
-    # one device -> host transfer per step: ids (< 2**53) travel exactly as float64 beside the log-probs
-    token_f64, logprob_f64 = torch.stack((token_r.double(), scaled_lp_r.double())).tolist()
-    return [int(t) for t in token_f64], logprob_f64
+    return token_r, scaled_lp_r, logp_rv

@@ -38,6 +38,7 @@ from molt.engine.interface import (
     Engine,
     SamplingParams,
     SyncMode,
+    TokenDelta,
     Weights,
     new_request_id,
 )
@@ -62,7 +63,7 @@ class TorchEngine(Engine):
     see docs/moe.md). `compile`: decode steps through `torch.compile` (see `ModelRunner`), compiled when
     the engine thread starts. `kv_blocks`, or `kv_bytes`, or `kv_memory_fraction` (of free CUDA memory): a paged
     KV cache of that many blocks of `block_size` positions instead of the slot cache (`paged.py`; dense text
-    models, torch-ops attention, eager).
+    models). `graphs` (paged cache; None: on CUDA): decode steps replay captured CUDA graphs (`graphs.py`).
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class TorchEngine(Engine):
         kv_bytes: int | None = None,
         kv_memory_fraction: float | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        graphs: bool | None = None,
     ):
         if kv_on_update not in KV_POLICIES:
             raise ValueError(f"kv_on_update must be one of {KV_POLICIES}, got {kv_on_update!r}")
@@ -105,6 +107,7 @@ class TorchEngine(Engine):
             compile=compile,
             kv_blocks=num_kv_blocks(model, block_size, kv_blocks, kv_bytes, kv_memory_fraction),
             block_size=block_size,
+            graphs=graphs,
         )
         self.manager, self.stats = self.core.manager, self.core.stats
         self._rng = random.Random(seed)
@@ -129,6 +132,21 @@ class TorchEngine(Engine):
         session_id: str | None = None,
         images: Sequence[torch.Tensor] | None = None,
     ) -> list[Completion]:
+        return await self._generate(prompt_token_ids, sampling, request_id, images, None)
+
+    async def generate_streamed(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None,
+        on_tokens: Callable[[TokenDelta], None],
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        images: Sequence[torch.Tensor] | None = None,
+    ) -> list[Completion]:
+        return await self._generate(prompt_token_ids, sampling, request_id, images, on_tokens)
+
+    async def _generate(self, prompt_token_ids, sampling, request_id, images, on_tokens) -> list[Completion]:
         sampling = sampling or SamplingParams()
         prompt = self._validate(prompt_token_ids, sampling)
         pixels = check_request_images(self.model.cfg, prompt, images)
@@ -140,13 +158,17 @@ class TorchEngine(Engine):
             with contextlib.suppress(RuntimeError):  # the caller's loop is gone
                 loop.call_soon_threadsafe(_settle, future, result)
 
+        def on_step(batch: list[tuple[int, int, float]]) -> None:  # engine thread: one hop per step
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_deliver, on_tokens, batch)
+
         base_seed = self._rng.getrandbits(63) if sampling.seed is None else sampling.seed
         seeds = [sample_seed(base_seed, i) for i in range(sampling.n)]
         stop_ids = frozenset(sampling.stop_token_ids) | (
             frozenset() if sampling.ignore_eos else self.core.eos_token_ids
         )
         group = Group(request_id, prompt, sampling, seeds, on_done, stop_ids, time.perf_counter(), images=pixels)
-        self._post(lambda: self.core.add(group))
+        self._post(lambda: self.core.add(group, on_step if on_tokens is not None else None))
         try:
             return await future
         except asyncio.CancelledError:
@@ -286,6 +308,17 @@ def _default_eos(model: Transformer, tokenizer) -> list[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)
     return eos
+
+
+def _deliver(on_tokens: Callable[[TokenDelta], None], batch: list[tuple[int, int, float]]) -> None:
+    """One step's tokens of a streamed request as one delta per sample (on the caller's loop)."""
+    samples: dict[int, TokenDelta] = {}
+    for index, token, logprob in batch:
+        delta = samples.setdefault(index, TokenDelta(index, [], []))
+        delta.token_ids.append(token)
+        delta.logprobs.append(logprob)
+    for delta in samples.values():
+        on_tokens(delta)
 
 
 def _settle(future: asyncio.Future, result) -> None:

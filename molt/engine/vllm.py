@@ -15,7 +15,7 @@ request is its own vLLM request (the prompt's KV is shared through vLLM's prefix
 
 Weights reach the workers through `collective_rpc` -> `MoltWorkerExtension.molt_load_weights`, which
 calls the vLLM model's own `load_weights` with HF-named tensors (Molt names are translated by
-`molt.models.hf_io`'s rules). Before anything is sent, the names are checked against the checkpoint
+`molt.models.hf_io.hf_tensors`). Before anything is sent, the names are checked against the checkpoint
 vLLM loaded: a missing or unknown weight is an error listing them. Log-probs are vLLM's
 `processed_logprobs`: `log_softmax(logits / T)` after vLLM's logits processors, renormalised over
 top-k / top-p when those are set (greedy: T = 1). Knows the engine interface and vLLM; nothing of
@@ -29,7 +29,7 @@ import glob
 import json
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +41,14 @@ from molt.engine.interface import (
     Completion,
     ContextLengthError,
     Engine,
+    R,
     SamplingParams,
     SyncMode,
     Weights,
     new_request_id,
 )
-from molt.models.hf_io import _rule_for, load_config, save_pretrained
+from molt.engine.torch_engine import with_threads
+from molt.models.hf_io import IGNORED_HF_KEYS, hf_tensors, load_config, save_pretrained
 
 SEED_STRIDE = 1_000_003  # sample i of a seeded request uses seed + SEED_STRIDE * i (+ resubmission count)
 
@@ -73,6 +75,7 @@ class VLLMEngine(Engine):
         eos_token_ids: Sequence[int] | None = None,
         version: int = 0,
         max_model_len: int = 4096,
+        compute_threads: int | None = None,
         **engine_args: Any,
     ):
         import vllm  # lazy: optional dependency
@@ -99,6 +102,7 @@ class VLLMEngine(Engine):
         self._open.set()
         self._interrupted = False
         self._owned_folder: Path | None = None
+        self.compute_threads = compute_threads or torch.get_num_threads()
 
     @classmethod
     def from_model(cls, model, tokenizer=None, *, num_slots: int = 64, **kwargs: Any) -> VLLMEngine:
@@ -113,6 +117,11 @@ class VLLMEngine(Engine):
         engine = cls(str(folder), tokenizer=tokenizer, **kwargs)
         engine._owned_folder = folder
         return engine
+
+    async def run_on_engine_thread(self, fn: Callable[..., R], *args) -> R:
+        """vLLM computes in its own workers: the process's other model compute (the trainer step) runs on a
+        worker thread with `compute_threads` torch threads."""
+        return await asyncio.to_thread(with_threads, self.compute_threads, fn, *args)
 
     async def generate_group(
         self,
@@ -239,8 +248,7 @@ class VLLMEngine(Engine):
                 named[name] = tensor.detach().contiguous()
                 continue
             cfg = cfg or load_config(self.folder)
-            names, rule = _rule_for(name, cfg)
-            named.update((n, t.contiguous()) for n, t in zip(names, rule.split(tensor.detach(), cfg), strict=True))
+            named.update((n, t.contiguous()) for n, t in hf_tensors(name, tensor.detach(), cfg))
         if "lm_head.weight" not in self.hf_names:  # tied embeddings: the head is the embedding
             named.pop("lm_head.weight", None)
         missing, unknown = sorted(self.hf_names - named.keys()), sorted(named.keys() - self.hf_names)
@@ -269,7 +277,7 @@ def _checkpoint_names(folder: Path) -> set[str]:
     names: set[str] = set()
     for file in glob.glob(str(folder / "*.safetensors")):
         with safe_open(file, "pt") as f:
-            names.update(n for n in f.keys() if not n.endswith("rotary_emb.inv_freq"))  # noqa: SIM118
+            names.update(n for n in f.keys() if not IGNORED_HF_KEYS.search(n))  # noqa: SIM118
     if not names:
         raise FileNotFoundError(f"{folder}: no *.safetensors weights (vLLM loads an HF model folder)")
     return names

@@ -3,35 +3,17 @@
 Resolves every incoming name to a view of an existing parameter (HF per-expert tensors land in a
 slice of Molt's stacked expert weights), checks all shapes first, then copies. Nothing is
 reallocated, so the KV cache and any compiled state stay where they are. Knows the model's
-parameter naming (as `molt.models.hf_io` defines it), nothing of requests or caches.
+parameter naming (through `molt.models.hf_io`, where it is defined), nothing of requests or caches.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 
 import torch
 
+from molt.models.hf_io import IGNORED_HF_KEYS, hf_views
 from molt.models.transformer import Transformer
-
-HF_EXPERT = re.compile(r"model\.(layers\.\d+\.mlp\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-IGNORED = re.compile(r"(rotary_emb\.)?inv_freq$")
-
-
-def _destination(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
-    """The parameter view `name` writes into, or None when the name is unknown."""
-    m = HF_EXPERT.match(name)
-    if m:
-        stacked = params.get(m[1] + ("down_proj" if m[3] == "down_proj" else "gate_up_proj"))
-        if stacked is None or int(m[2]) >= stacked.shape[0]:
-            return None
-        expert = stacked[int(m[2])]
-        if m[3] == "down_proj":
-            return expert
-        half = expert.shape[0] // 2
-        return expert[:half] if m[3] == "gate_proj" else expert[half:]
-    return params.get(name.removeprefix("model."))
 
 
 @torch.no_grad()
@@ -42,11 +24,12 @@ def load_weights(model: Transformer, weights: Mapping[str, torch.Tensor] | Itera
     """
     items = list(weights.items() if isinstance(weights, Mapping) else weights)
     params = model.state_dict(keep_vars=True)
+    params |= hf_views(params, model.cfg)  # HF names too: per-expert tensors land in a slice of the stacked ones
     plan, unknown, mismatched = [], [], []
     for name, tensor in items:
-        if IGNORED.search(name):
+        if IGNORED_HF_KEYS.search(name):
             continue
-        dest = _destination(params, name)
+        dest = params.get(name)
         if dest is None:
             unknown.append(name)
         elif tuple(dest.shape) != tuple(tensor.shape):

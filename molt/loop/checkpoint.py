@@ -20,6 +20,7 @@ import torch
 
 from molt.log import atomic_write_text
 from molt.loop.rl import LoopState
+from molt.train.interface import Trainer
 
 
 def remove_orphans(checkpoints: Path) -> list[Path]:
@@ -53,20 +54,11 @@ def share_like_new_files(folder: Path) -> None:
             path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
-def save_checkpoint(run_dir: Path, trainer, loop_state: LoopState, tokenizer) -> Path:
+def save_checkpoint(run_dir: Path, trainer: Trainer, loop_state: LoopState, tokenizer) -> Path:
     """Write step-<N>/ with weights and full training state; return its path."""
     folder = Path(run_dir) / "checkpoints" / f"step-{loop_state.step}"
     remove_orphans(folder.parent)
-    if hasattr(trainer, "save_sharded"):  # data-parallel ranks: HF export + torch.distributed.checkpoint shards
-        state = trainer.save_sharded(folder, tokenizer)
-    else:
-        trainer.save_pretrained(folder, tokenizer)  # LoRA: merged weights, the PEFT adapter in adapter/
-        state = {
-            "optimizer": trainer.opt.state_dict(),
-            "schedule": trainer.schedule.state_dict(),
-            "ref": trainer.ref.state_dict() if trainer.ref is not None else None,
-            **trainer.extra_state(),  # the critic, LoRA adapters and base weights
-        }
+    state = trainer.save(folder, tokenizer)  # LoRA: merged weights, the PEFT adapter in adapter/
     state |= {
         "version": trainer.version,
         "num_skipped_steps": trainer.num_skipped_steps,
@@ -97,22 +89,15 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
     return folder
 
 
-def load_training_state(folder: Path, trainer) -> LoopState:
-    """Restore optimizer, schedule, version, reference and RNG into `trainer`; return the loop state."""
+def load_training_state(folder: Path, trainer: Trainer) -> LoopState:
+    """Restore the trainer state (optimizer, schedule, extra models), version and RNG; return the loop state."""
     state = torch.load(folder / "trainer_state.pt", weights_only=False)
-    if bool(state.get("sharded")) != hasattr(trainer, "load_sharded"):
+    if bool(state.get("sharded")) != trainer.sharded:
         written = "runtime.backend ray" if state.get("sharded") else "runtime.backend local"
         raise ValueError(f"ckpt.resume: {folder} was written by {written}; resume it with the same backend")
-    if state.get("sharded"):
-        trainer.load_sharded(folder, state)  # any number of ranks: the shards are re-split on load
-    else:
-        trainer.opt.load_state_dict(state["optimizer"])
-        trainer.schedule.load_state_dict(state["schedule"])
-        trainer.load_extra_state(state)
+    trainer.load(folder, state)  # sharded: any number of ranks, the shards are re-split on load
     trainer.version = state["version"]
     trainer.num_skipped_steps = state["num_skipped_steps"]
-    if trainer.ref is not None and state.get("ref") is not None:
-        trainer.ref.load_state_dict(state["ref"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     loop = LoopState(**state["loop"])

@@ -1,8 +1,9 @@
 """Held-out evaluation: mean reward, named rewards and unbiased pass@k over n samples per prompt.
 
-Used by training's eval and by `molt eval` (`molt/loop/eval_cmd.py`), so both score a checkpoint the
-same way: the same episodes, sampling seeds (`seed + row * n + k`) and rewards. Episodes run with the
-reward functions' `EVALUATING` flag set, so training's per-step reward metrics leave them out.
+Used by training's eval and by `molt eval` (`molt/cli/eval.py`), so both score a checkpoint the
+same way: the same episodes (`run_agent`), sampling settings (`rollout_sampling`), seeds
+(`eval.seed + row * n + k`) and rewards. Episodes run with the reward functions' `EVALUATING` flag set,
+so training's per-step reward metrics leave them out.
 """
 
 from __future__ import annotations
@@ -14,11 +15,40 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from molt.agents.chat.agent import last_completion_text
+from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatAgent, ChatRunner, last_completion_text
 from molt.agents.reward_fn import EVALUATING
 from molt.agents.runner import EpisodeLimits, run_episode
+from molt.config import Config
+from molt.data.trajectory import Trajectory
+from molt.engine.interface import Engine, SamplingParams
 
-EVAL_SEED = 12345  # base sampling seed of every evaluation (training's eval uses the same)
+
+def rollout_sampling(cfg: Config, tokenizer, temperature: float) -> SamplingParams:
+    """The rollout's SamplingParams at `temperature` (training's rollouts and every eval; 0 = greedy)."""
+    ro, stop = cfg.rollout, tuple(t for t in {tokenizer.eos_token_id} if t is not None)
+    return SamplingParams(
+        temperature=temperature, top_p=ro.top_p, top_k=ro.top_k, max_tokens=ro.max_tokens, stop_token_ids=stop, seed=0
+    )
+
+
+def episode_limits(cfg: Config) -> EpisodeLimits:
+    """Per-episode budgets of the rollout settings."""
+    ro = cfg.rollout
+    return EpisodeLimits(ro.max_turns, ro.max_len, ro.step_timeout_s)
+
+
+def chat_runner(cfg: Config, engine: Engine, tokenizer) -> ChatRunner:
+    """The ChatAgent runner of a run (its chat server starts on first use)."""
+    return ChatRunner(engine, tokenizer, cfg.chat.api_key, **{k: getattr(cfg.chat, k) for k in CHAT_SERVER_OPTIONS})
+
+
+async def run_agent(
+    chat: ChatRunner, engine: Engine, tokenizer, agent, row: dict, sampling: SamplingParams, limits: EpisodeLimits, **kw
+) -> list[Trajectory]:
+    """One rollout of an Env (one segment) or a ChatAgent (one or more segments, through `chat`)."""
+    if isinstance(agent, ChatAgent):
+        return await chat.run(agent, row, sampling, limits, **kw)
+    return [await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -56,11 +86,12 @@ def _sample_record(tokenizer, traj, error: BaseException | None) -> dict[str, An
 
 
 async def evaluate(
-    engine,
+    engine: Engine,
     tokenizer,
+    *,
     make_env: Callable,
     rows: list[dict],
-    sampling,
+    sampling: SamplingParams,
     limits: EpisodeLimits,
     n: int,
     seed: int,

@@ -13,7 +13,8 @@ first failure of each kind is written with its full traceback to `<run_dir>/roll
 Its group trains on its other samples unless the estimator needs complete groups (registered with
 `complete_groups=True`), which drops the group and says so. Group filters decide on `reward` (the
 trained signal; `rollout.filter_on score` for the 0/1 score), and every logged step names how many
-groups were dropped since the last line and why.
+groups were dropped since the last line and why. `rollout.dump` writes each step's batch, as trained, to
+`<run_dir>/rollouts/` (`molt/loop/dump.py`); `molt/loop/replay.py` trains on such a dump without an engine.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,14 +33,13 @@ from typing import Any
 import torch
 
 from molt import algo
-from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatAgent, ChatRunner
-from molt.agents.runner import EpisodeLimits, run_episode
 from molt.config import Config
 from molt.data.trajectory import Trajectory
-from molt.engine.core import work_since
-from molt.engine.torch_engine import with_threads
-from molt.errors import UserError
-from molt.loop.evaluate import evaluate
+from molt.engine.interface import Engine, work_since
+from molt.errors import RolloutDrop, RunFatalError, UserError
+from molt.loop.dump import ROLLOUTS, write_shard
+from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling, run_agent
+from molt.train.interface import Trainer
 
 log = logging.getLogger("molt.loop")
 Group = list[Trajectory]
@@ -58,6 +58,28 @@ class LoopState:
     buffer: list[list[dict]] = field(default_factory=list)  # groups not yet trained (serialised)
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """A rollout that ran: its segments (one for an Env; a ChatAgent may rewrite its history into several)."""
+
+    segments: list[Trajectory]
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A rollout that could not run as asked (`RolloutDrop`): its group is dropped under `reason`."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A rollout whose agent raised or timed out (counted; its group may still train)."""
+
+    error: Exception
+
+
+RolloutOutcome = Sampled | Dropped | Failed
 FAILURE_LOG = "rollout_failures.log"  # in the run directory: full tracebacks of the first failure of each kind
 
 DROP_WHY = {  # what a group drop reason means, for the progress lines
@@ -97,15 +119,25 @@ class RLLoop:
     """Drives one RL run; `make_env()` builds a fresh Env per episode."""
 
     def __init__(
-        self, cfg: Config, engine, trainer, tokenizer, make_env, train_rows, eval_rows, state=None, run_dir=None
+        self,
+        cfg: Config,
+        *,
+        engine: Engine,
+        trainer: Trainer,
+        tokenizer,
+        make_env: Callable[[], Any],
+        train_rows: list[dict],
+        eval_rows: list[dict],
+        state: LoopState | None = None,
+        run_dir: str | Path | None = None,
     ):
         self.cfg, self.engine, self.trainer, self.tokenizer = cfg, engine, trainer, tokenizer
         self.make_env, self.train_rows, self.eval_rows = make_env, train_rows, eval_rows
         self.state = state or LoopState()
         ro = cfg.rollout
         self.group_size, self.groups_per_step = ro.n_samples_per_prompt, ro.prompts_per_step
-        self.limits = EpisodeLimits(ro.max_turns, ro.max_len, ro.step_timeout_s)
-        self.sampling = self._sampling(ro.temperature)
+        self.limits = episode_limits(cfg)
+        self.sampling = rollout_sampling(cfg, tokenizer, ro.temperature)
         self.buffer: asyncio.Queue[Group] = asyncio.Queue()
         self.in_flight = asyncio.Semaphore(ro.episodes_in_flight)
         self.version_changed = asyncio.Condition()
@@ -119,28 +151,14 @@ class RLLoop:
         self.complete_groups = bool(algo.ESTIMATORS.info(cfg.algo.estimator).get("complete_groups", False))
         run_dir = run_dir or cfg.log.run_dir or cfg.ckpt.resume  # where run.py puts the run (when it is known)
         self.failure_log = Path(run_dir) / FAILURE_LOG if run_dir else None
+        self.dump_dir = Path(run_dir) / ROLLOUTS if run_dir and cfg.rollout.dump else None
         self.failure_kinds: set[tuple[str, str]] = set()
         self.said_no_eval = False
         self.drop_details: dict[str, str] = {}  # reason -> the last such drop's message
         self.history: list[dict[str, Any]] = []
         self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()
         self.engine_stats: dict[str, float] = {}
-        options = {k: getattr(cfg.chat, k) for k in CHAT_SERVER_OPTIONS}  # the server starts on first use
-        self.chat = ChatRunner(engine, tokenizer, cfg.chat.api_key, **options)
-
-    def _sampling(self, temperature: float):
-        from molt.engine import SamplingParams
-
-        ro = self.cfg.rollout
-        stop = tuple(t for t in {self.tokenizer.eos_token_id} if t is not None)
-        return SamplingParams(
-            temperature=temperature,
-            top_p=ro.top_p,
-            top_k=ro.top_k,
-            max_tokens=ro.max_tokens,
-            stop_token_ids=stop,
-            seed=0,
-        )
+        self.chat = chat_runner(cfg, engine, tokenizer)  # the server starts on first use
 
     # ---- rollout ---------------------------------------------------------------------------------
     def _may_start(self) -> bool:
@@ -174,10 +192,10 @@ class RLLoop:
     async def _group(self, group_index: int) -> None:
         row = self.train_rows[group_index % len(self.train_rows)]
         try:
-            rollouts = await asyncio.gather(*(self._episode(row, group_index, k) for k in range(self.group_size)))
-            group = [segment for segments in rollouts if isinstance(segments, list) for segment in segments]
-            reason = next((r for r in rollouts if isinstance(r, str)), None)  # a drop (e.g. over the context)
-            num_failed = sum(r is None for r in rollouts)
+            outcomes = await asyncio.gather(*(self._episode(row, group_index, k) for k in range(self.group_size)))
+            group = [segment for o in outcomes if isinstance(o, Sampled) for segment in o.segments]
+            reason = next((o.reason for o in outcomes if isinstance(o, Dropped)), None)  # e.g. over the context
+            num_failed = sum(isinstance(o, Failed) for o in outcomes)
             if reason is None and num_failed and (self.complete_groups or num_failed == self.group_size):
                 reason = "agent_failure"
             if reason is not None:
@@ -196,13 +214,11 @@ class RLLoop:
             self.running.discard(group_index)
         await self._notify()
 
-    async def _run_agent(self, engine, tokenizer, agent, row, sampling, limits, **kw) -> list[Trajectory]:
-        """One rollout of an Env (one segment) or a ChatAgent (one or more segments)."""
-        if isinstance(agent, ChatAgent):
-            return await self.chat.run(agent, row, sampling, limits, **kw)
-        return [await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)]
+    async def _run_agent(self, *args, **kw) -> list[Trajectory]:
+        """One rollout of an Env or a ChatAgent (`run_agent`'s arguments after the chat runner)."""
+        return await run_agent(self.chat, *args, **kw)
 
-    async def _episode(self, row: dict, group_index: int, k: int) -> list[Trajectory] | str | None:
+    async def _episode(self, row: dict, group_index: int, k: int) -> RolloutOutcome:
         rollout_id = group_index * self.group_size + k
         sampling = dataclasses.replace(self.sampling, seed=self.cfg.train.seed * 1_000_003 + rollout_id)
         async with self.in_flight:
@@ -218,17 +234,17 @@ class RLLoop:
                     rollout_id=rollout_id,
                     group_id=group_index,
                 )
+            except RolloutDrop as e:  # e.g. an image that does not fit the context: dropped, not failed
+                self.drop_details[e.drop_reason] = str(e)
+                return Dropped(e.drop_reason)
+            except RunFatalError:  # e.g. an engine replica that is gone for good
+                raise
             except Exception as e:  # noqa: BLE001 - agent code fails this rollout only
-                if hasattr(e, "drop_reason"):  # e.g. an image that does not fit the context: dropped, not failed
-                    self.drop_details[e.drop_reason] = str(e)
-                    return e.drop_reason
-                if getattr(e, "fatal_to_run", False):  # e.g. an engine replica that is gone for good
-                    raise
                 self._count_failure(e, rollout_id, group_index)
-                return None
+                return Failed(e)
         self.state.rollouts += 1
         self.rollout_tokens += sum(s.num_action_tokens for s in segments)
-        return segments
+        return Sampled(segments)
 
     def _count_failure(self, error: Exception, rollout_id: int, group_index: int) -> None:
         """One line per failed rollout; the first of each kind with its traceback in the failure log."""
@@ -339,6 +355,8 @@ class RLLoop:
         while self.state.step < self.cfg.train.max_steps:
             t0 = time.perf_counter()
             batch = await self._next_batch()
+            if self.dump_dir is not None:  # exactly what this step trains on, before it trains
+                await asyncio.to_thread(write_shard, self.dump_dir, self.state.step + 1, self.trainer.version, batch)
             metrics = await self._compute(self.trainer.step, batch)
             self.state.step += 1
             self.scheduled -= self.groups_per_step
@@ -353,13 +371,9 @@ class RLLoop:
             self._say_drops()
 
     async def _compute(self, fn, *args):
-        """Model compute off the event loop: on the engine's thread when it has one (one OpenMP pool for the
-        process, see `TorchEngine`), else on a worker thread with `runtime.threads` torch threads."""
-        on_engine = getattr(self.engine, "run_on_engine_thread", None)
-        if on_engine is not None:
-            return await on_engine(fn, *args)
-        threads = self.cfg.runtime.threads or os.cpu_count() or 1
-        return await asyncio.to_thread(with_threads, threads, fn, *args)
+        """Model compute off the event loop, where the engine wants it (`Engine.run_on_engine_thread`: the
+        built-in engine's own thread, one OpenMP pool for the process)."""
+        return await self.engine.run_on_engine_thread(fn, *args)
 
     def _say_drops(self) -> None:
         """On logged steps: how many groups were dropped since the last such line, and why."""
@@ -401,12 +415,11 @@ class RLLoop:
         }
 
     def _engine_snapshot(self) -> dict[str, float]:
-        stats = getattr(self.engine, "stats", None)
-        return dict(stats) if isinstance(stats, dict) else {}
+        return dict(self.engine.stats)
 
     async def evaluate(self) -> dict[str, float]:
         ev = self.cfg.eval
-        sampling = self._sampling(ev.temperature)  # 0 = greedy
+        sampling = rollout_sampling(self.cfg, self.tokenizer, ev.temperature)  # 0 = greedy
         rows = self.eval_rows[: ev.num_prompts]
         if not rows:
             if not self.said_no_eval:
@@ -421,9 +434,8 @@ class RLLoop:
         async def episode(*args, **kw) -> Trajectory:
             return (await self._run_agent(*args, **kw))[-1]  # segments share reward and score
 
-        return await evaluate(
-            self.engine, self.tokenizer, self.make_env, rows, sampling, self.limits, ev.n_samples, 12345, episode
-        )
+        return await evaluate(self.engine, self.tokenizer, make_env=self.make_env, rows=rows, sampling=sampling,
+                              limits=self.limits, n=ev.n_samples, seed=ev.seed, episode=episode)  # fmt: skip
 
     async def run(self, on_step=lambda m: None) -> list[dict[str, Any]]:
         """Run rollout and train concurrently until the last step; returns per-step metrics."""

@@ -121,7 +121,10 @@ class FlexPacked:
     def __init__(self, doc_ids_bt: torch.Tensor, parent_ids_bt: torch.Tensor | None = None, cols_bq=None):
         self.doc_ids_bt, self.parent_ids_bt, self.cols_bq = doc_ids_bt, parent_ids_bt, cols_bq
         self.packed = not bool((doc_ids_bt == 0).all())
-        self.block_mask = None  # built on first use: the key length is known only then
+        # built here, once per forward and outside any compiled layer (a compiled layer then only reads it;
+        # built lazily inside one, the first layer's graph would differ from the others'); keys: every column
+        needs_mask = self.packed or cols_bq is not None
+        self.block_mask = self._mask(doc_ids_bt.shape[1]) if needs_mask else None
 
     def _mask(self, kv_len: int):
         from torch.nn.attention.flex_attention import create_block_mask
@@ -147,26 +150,36 @@ class FlexPacked:
     def __call__(
         self, layer_idx: int, q_bhtd: torch.Tensor, k_bhtd: torch.Tensor, v_bhtd: torch.Tensor
     ) -> torch.Tensor:
-        if not self.packed and self.cols_bq is None:  # one sample per row: SDPA's causal kernel needs no mask
+        if self.block_mask is None:  # one sample per row: SDPA's causal kernel needs no mask
             return sdpa(q_bhtd, k_bhtd, v_bhtd, None, causal=True)
-        if self.block_mask is None:
-            self.block_mask = self._mask(k_bhtd.shape[2])
         gqa = q_bhtd.shape[1] != k_bhtd.shape[1]
         q_bhtd, k_bhtd = q_bhtd.to(v_bhtd.dtype), k_bhtd.to(v_bhtd.dtype)  # autocast: normed q/k may be fp32
-        return _flex_attention(q_bhtd.device.type)(q_bhtd, k_bhtd, v_bhtd, block_mask=self.block_mask, enable_gqa=gqa)
+        flex = _flex_attention("compiling" if torch.compiler.is_compiling() else q_bhtd.device.type)
+        return flex(q_bhtd, k_bhtd, v_bhtd, block_mask=self.block_mask, enable_gqa=gqa, kernel_options=FLEX_OPTIONS)
 
     def select_queries(self, cols_bq: torch.Tensor) -> FlexPacked:
         """The same attention for queries at columns `cols_bq` [B, Q] only (keys: every column)."""
         return FlexPacked(self.doc_ids_bt, self.parent_ids_bt, cols_bq)
 
 
+# the training kernel for every query length: inductor's flex-decoding kernel (chosen for short rows without
+# grad, e.g. SFT's eval pass) found no valid configuration for the tiny preset on an H200 and failed the run
+FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+
+
 @functools.cache
 def _flex_attention(device_type: str):
-    """FlexAttention compiled for CUDA; on CPU its eager (unfused, forward-only) form, for tests."""
+    """FlexAttention compiled for CUDA (eager FlexAttention materialises the scores: slow and big); on CPU its
+    eager (unfused, forward-only) form, for tests. Inside a compiled decoder layer (`molt.train.compile`)
+    FlexAttention itself is traced into the layer's graph (`device_type` "compiling"). A second row width
+    recompiles once, with dynamic shapes; each forward's new mask closure is guarded by its code, not its
+    identity, so it does not recompile."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    if device_type == "compiling":  # traced into the caller's graph, on any device
+        return flex_attention
     if device_type == "cuda":
-        return torch.compile(flex_attention)  # a second row width recompiles once with dynamic shapes
+        return torch.compile(flex_attention)
 
     def eager(*args, **kwargs):
         with warnings.catch_warnings():

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from molt.registry import Registry
+
 
 @dataclass
 class VisionConfig:
@@ -111,16 +113,14 @@ class Family:
     read: Callable[[dict[str, Any]], dict[str, Any]]
 
 
-FAMILIES: dict[str, Family] = {}
+FAMILIES: Registry[Family] = Registry("model family")
 
 
 def register_family(model_type: str, architecture: str):
     """Register the decorated config reader for `model_type`; all families share one writer."""
 
     def wrap(read: Callable[[dict[str, Any]], dict[str, Any]]):
-        if model_type in FAMILIES:
-            raise ValueError(f"model family {model_type!r} registered twice")
-        FAMILIES[model_type] = Family(architecture, read)
+        FAMILIES.add(model_type, Family(architecture, read))
         return read
 
     return wrap

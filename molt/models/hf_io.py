@@ -1,7 +1,8 @@
 """Hugging Face model folders in and out: `config.json` + `*.safetensors` (sharded or not).
 
 Molt's parameter names are HF's without the `model.` prefix, except MoE experts, which Molt stacks
-into [E, ...] tensors; `to_hf_state` / `from_hf_state` translate with a few regex rules. Loading is
+into [E, ...] tensors; `to_hf_state` / `from_hf_state` translate with a few regex rules (the one place these
+names are known: the engines' weight loading and the vLLM adapter use `hf_tensors` / `hf_views`). Loading is
 strict: a missing or unexpected weight is an error listing the names. Saving is atomic (temp folder, then rename).
 """
 
@@ -25,7 +26,7 @@ from molt.models.config import TransformerConfig, config_from_hf, config_to_hf
 from molt.models.tokenizer import save_tokenizer
 from molt.models.transformer import Transformer
 
-IGNORED_HF_KEYS = re.compile(r"rotary_emb\.inv_freq$")
+IGNORED_HF_KEYS = re.compile(r"(rotary_emb\.)?inv_freq$")  # rotary buffers: recomputed, never loaded
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,18 @@ def _rule_for(name: str, cfg: TransformerConfig) -> tuple[list[str], Rule]:
     return [n if n.startswith("lm_head") else f"model.{n}" for n in rule.hf_names(m, cfg)], rule
 
 
+def hf_tensors(name: str, tensor: torch.Tensor, cfg: TransformerConfig) -> list[tuple[str, torch.Tensor]]:
+    """Molt parameter `name` as HF-named tensors (one per expert projection for stacked MoE experts); views of
+    `tensor` where the layouts allow, so writing into them writes into it."""
+    names, rule = _rule_for(name, cfg)
+    return list(zip(names, rule.split(tensor, cfg), strict=True))
+
+
+def hf_views(params: Mapping[str, torch.Tensor], cfg: TransformerConfig) -> dict[str, torch.Tensor]:
+    """HF name -> the view of a Molt parameter it is (an expert's slice of a stacked tensor, or the whole one)."""
+    return {hf: view for name, param in params.items() for hf, view in hf_tensors(name, param, cfg)}
+
+
 def _own_params(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in model.state_dict().items():
         if not (name == "lm_head.weight" and model.cfg.tie_word_embeddings):
@@ -74,8 +87,7 @@ def to_hf_state(model: Transformer) -> dict[str, torch.Tensor]:
     """The model's weights under HF names and layouts (what transformers and vLLM expect)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in _own_params(model):
-        names, rule = _rule_for(name, model.cfg)
-        out.update(zip(names, rule.split(tensor.detach(), model.cfg), strict=True))
+        out.update(hf_tensors(name, tensor.detach(), model.cfg))
     return out
 
 

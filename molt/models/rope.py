@@ -13,16 +13,14 @@ from typing import Any
 
 import torch
 
+from molt.registry import Registry
+
 RopeFn = Callable[[int, float, dict[str, Any], int], tuple[torch.Tensor, float]]
-ROPE_TYPES: dict[str, RopeFn] = {}
+ROPE_TYPES: Registry[RopeFn] = Registry("rope type")
 
 
 def register_rope(name: str) -> Callable[[RopeFn], RopeFn]:
-    def wrap(fn: RopeFn) -> RopeFn:
-        ROPE_TYPES[name] = fn
-        return fn
-
-    return wrap
+    return ROPE_TYPES.register(name)
 
 
 def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:

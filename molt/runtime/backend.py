@@ -15,16 +15,15 @@ from typing import Any
 import ray
 
 from molt.config import Config
-from molt.engine.core import work_since
+from molt.engine.interface import work_since
 from molt.engine.router import Router
 from molt.runtime import cluster
+from molt.runtime.base import Runtime
 from molt.runtime.engines import RemoteEngine
 from molt.runtime.ranks import RayTrainer, spawn_rank
-from molt.runtime.sizing import engine_kwargs
-from molt.train.precision import resolve_dtype
 
 
-class RayRuntime:
+class RayRuntime(Runtime):
     """Builds the trainer ranks first (a resume loads their shards), then the engine replicas."""
 
     def __init__(self, cfg: Config, model):
@@ -34,7 +33,7 @@ class RayRuntime:
         self.engines: list[RemoteEngine] = []
         self.router: Router | None = None
         self.engine_stats: dict[int, dict] = {}  # each replica's counters as of the previous step's metrics
-        self.model_ref, self.model_cfg = ray.put(model), model.cfg
+        self.model_ref = ray.put(model)
         options = [self.placement.options(rt.engines + r, f"molt-rank-{r}") for r in range(rt.trainer_ranks)]
         self.ranks = [spawn_rank(cfg, self.model_ref, r, rt.trainer_ranks, o) for r, o in enumerate(options)]
         try:
@@ -46,9 +45,7 @@ class RayRuntime:
     def start_engines(self, tokenizer, version: int) -> Router:
         """`runtime.engines` replicas holding the driver's model at `version`, behind one router."""
         cfg, rt = self.cfg, self.cfg.runtime
-        kwargs = engine_kwargs(cfg, self.model_cfg) | dict(version=version, num_threads=rt.engine_threads or 1)
-        dtype = resolve_dtype(cfg.model.dtype, rt.device)
-        args = (self.model_ref, tokenizer, kwargs, rt.engine_threads or 1, rt.device, dtype)
+        args = (cfg, self.model_ref, tokenizer, version)
         for i in range(rt.engines):
             options = self.placement.options(i, f"molt-engine-{i}", max_restarts=rt.engine_restarts)
             self.engines.append(RemoteEngine.spawn(i, options, args, version, rt.sync_chunk_mb << 20))
@@ -81,6 +78,7 @@ class RayRuntime:
         return out
 
     async def close(self) -> None:
+        """Close the replicas, then kill every actor of the run."""
         if self.router is not None:
             await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
         self.shutdown()

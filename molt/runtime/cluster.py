@@ -17,12 +17,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from molt.config import RuntimeConfig
+from molt.errors import RunFatalError
 
 
-class ActorFailedError(RuntimeError):
-    """A Ray actor raised or died; the message carries the actor's name and its traceback."""
-
-    fatal_to_run = True  # the loop stops on it instead of counting a failed rollout
+class ActorFailedError(RunFatalError, RuntimeError):
+    """A Ray actor raised or died; the message carries the actor's name and its traceback (the run stops)."""
 
 
 def connect(rt: RuntimeConfig) -> bool:

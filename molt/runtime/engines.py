@@ -1,6 +1,7 @@
 """Engine replicas as Ray actors, and the driver-side `RemoteEngine` that is one `Engine` to the loop.
 
-`EngineActor` holds a `TorchEngine` in its own process (an async actor: many requests in flight).
+`EngineActor` holds an engine from the one factory (`molt/runtime/factory.py`) in its own process (an
+async actor: many requests in flight).
 `RemoteEngine` forwards the `Engine` interface to it and counts the replica's requests for the
 metrics. Weights arrive as `ChunkedWeights`: object-store references to chunks of at most
 `runtime.sync_chunk_mb`, fetched by the actor; a full sync that misses any of the engine's
@@ -27,6 +28,7 @@ import numpy as np
 import ray
 import torch
 
+from molt.config import Config
 from molt.engine.interface import Completion, Engine, SamplingParams, SyncMode, Weights
 from molt.runtime.cluster import ActorFailedError
 
@@ -82,14 +84,15 @@ def chunk_weights(weights: Weights, chunk_bytes: int) -> ChunkedWeights:
 
 
 class EngineActor:
-    """A `TorchEngine` in its own process (wrapped with `ray.remote` by `RemoteEngine.spawn`)."""
+    """A rollout engine in its own process, from the one engine factory (wrapped with `ray.remote` by
+    `RemoteEngine.spawn`)."""
 
-    def __init__(self, model, tokenizer, engine_kwargs: dict, threads: int, device: str, dtype: torch.dtype):
+    def __init__(self, cfg: Config, model, tokenizer, version: int):
+        from molt.runtime.factory import build_engine
+
+        threads = cfg.runtime.engine_threads or 1
         torch.set_num_threads(threads)
-        from molt.engine import TorchEngine
-
-        model = model.to(device=device, dtype=dtype).eval()  # the compute dtype; synced weights are cast into it
-        self.engine = TorchEngine(model, tokenizer=tokenizer, **engine_kwargs)
+        self.engine = build_engine(cfg, model, tokenizer, version=version, threads=threads, owned=True)
         self.expected = set(self.engine.model.state_dict())
 
     async def ready(self) -> int:
@@ -102,7 +105,7 @@ class EngineActor:
         return await self.engine.abort(request_id)
 
     async def update_weights(self, refs: list, version: int, mode: SyncMode) -> dict:
-        """Swap in the chunked weights; returns the engine's work counters (`EngineCore.stats`)."""
+        """Swap in the chunked weights; returns the engine's work counters (`Engine.stats`)."""
         weights = {k: _decode(v) for chunk in await asyncio.gather(*refs) for k, v in chunk.items()}
         missing = sorted(self.expected - set(weights))
         if missing:

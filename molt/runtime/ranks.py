@@ -4,7 +4,7 @@ Each `TrainerRank` joins a torch.distributed group (gloo on CPU, NCCL on CUDA), 
 with FSDP2 (`molt.train.parallel.parallelize`) and runs the ordinary `Trainer.step` on its shard
 of the batch (whole groups, balanced by token count); denominators and metric sums are
 all-reduced, so the step equals single-process training. `RayTrainer` has the surface the loop
-and checkpoints use: `step(batch)`, `version`, `weights()`, `save_sharded`/`load_sharded`.
+and checkpoints use: `step(batch)`, `version`, `weights()`, `save`/`load` (the `Trainer` protocol).
 Knows Ray, the trainer and torch.distributed.checkpoint; nothing of engines or the loop.
 """
 
@@ -104,7 +104,6 @@ class RayTrainer:
     def __init__(self, cfg: Config, ranks: list, version: int = 0):
         self.cfg, self.ranks, self.version = cfg, ranks, version
         self.num_skipped_steps = 0
-        self.ref = None
         address, port = get(ranks[0].address.remote(), "trainer rank 0")
         get([r.setup.remote(address, port) for r in ranks], "trainer setup")
         self.last_weights: ChunkedWeights | None = None
@@ -126,11 +125,13 @@ class RayTrainer:
         self.last_weights = get([r.weights.remote(chunk) for r in self.ranks], "weight gather")[0]
         return self.last_weights
 
-    def save_sharded(self, folder: Path, tokenizer) -> dict:
+    sharded = True  # model and optimizer as torch.distributed.checkpoint shards
+
+    def save(self, folder: Path, tokenizer) -> dict:
         states = get([r.save.remote(str(folder), tokenizer) for r in self.ranks], "checkpoint save")
         return {"sharded": True, "num_ranks": len(self.ranks), **states[0]}
 
-    def load_sharded(self, folder: Path, state: dict) -> None:
+    def load(self, folder: Path, state: dict) -> None:
         if self.cfg.algo.kl_coef > 0:
             raise NotImplementedError("ckpt.resume with runtime.backend ray and algo.kl_coef > 0: the sharded "
                                       "checkpoint does not hold the reference model yet")  # fmt: skip

@@ -1,9 +1,10 @@
 """How big the built-in engine is: sequence slots, context length and KV cache, from the config.
 
-One place for the local loop and the Ray engine actors. The KV cache is either the slot cache (`slot`:
-num_slots x max_len positions preallocated; the fastest on CPU, where Molt's kernels read it) or the paged
-cache (`paged`: blocks of positions sized from a memory budget, prefix blocks shared by reference, so memory
-follows the tokens in flight); `auto` takes the paged cache on CUDA for dense text models.
+One formula for every engine `molt/runtime/factory.py` starts (local, Ray replicas, eval, serve). The KV
+cache is either the slot cache (`slot`: num_slots x max_len positions preallocated; the fastest on CPU, where
+Molt's kernels read it) or the paged cache (`paged`: blocks of positions sized from a memory budget, prefix
+blocks shared by reference, so memory follows the tokens in flight); `auto` takes the paged cache on CUDA for
+dense text models.
 """
 
 from __future__ import annotations
@@ -23,17 +24,22 @@ def kv_cache_kind(cfg: Config, model_cfg: TransformerConfig) -> str:
     return "paged" if cfg.runtime.device.startswith("cuda") and dense_text else "slot"
 
 
-def engine_kwargs(cfg: Config, model_cfg: TransformerConfig) -> dict[str, Any]:
-    """Keyword arguments of `TorchEngine` for this run's engine (not the model, tokenizer or version)."""
+def engine_kwargs(
+    cfg: Config, model_cfg: TransformerConfig, *, num_slots: int | None = None, max_len: int | None = None
+) -> dict[str, Any]:
+    """Keyword arguments of `TorchEngine` for this run's engine (not the model, tokenizer or version): twice the
+    episodes in flight in slots of `rollout.max_len` (+1) positions, unless `num_slots` / `max_len` are given."""
     rt = cfg.runtime
-    slots = cfg.rollout.episodes_in_flight * 2
-    kwargs: dict[str, Any] = dict(num_slots=slots, max_seq_len=cfg.rollout.max_len + 1, compile=rt.engine_compile)
+    slots = num_slots or cfg.rollout.episodes_in_flight * 2
+    max_len = max_len or cfg.rollout.max_len
+    kwargs: dict[str, Any] = dict(num_slots=slots, max_seq_len=max_len + 1, compile=rt.engine_compile)
     if kv_cache_kind(cfg, model_cfg) == "paged":
+        kwargs["graphs"] = rt.cuda_graphs and rt.device.startswith("cuda")
         if rt.kv_gb > 0:
             kwargs["kv_bytes"] = int(rt.kv_gb * 1e9)
         elif rt.device.startswith("cuda"):
             kwargs["kv_memory_fraction"] = rt.kv_memory_fraction
         else:  # the slot cache's positions, in blocks
-            kwargs["kv_blocks"] = -(-slots * (cfg.rollout.max_len + 1) // 16)
+            kwargs["kv_blocks"] = -(-slots * (max_len + 1) // 16)
             kwargs["block_size"] = 16
     return kwargs

@@ -53,6 +53,7 @@ class Critic:
         body = from_pretrained(cfg.critic.path) if cfg.critic.path else copy.deepcopy(policy)
         self.model = ValueModel(body.requires_grad_(True)).to(cfg.runtime.device, precision.params).train()
         self.clip = cfg.critic.clip or None
+        self.updates = cfg.critic.updates
         self.scaler = precision.scaler()
         train_cfg = dataclasses.replace(cfg.train, lr=cfg.critic.lr or cfg.train.lr)
         self.opt, self.schedule = build_optimizer(self.model.parameters(), train_cfg)

@@ -5,6 +5,9 @@ The model returns final hidden states; the head (`lm_head`), the fp32 log-softma
 holds the whole [T, V] fp32 logits (V is 150K for Qwen models): a chunk's logits are recomputed in backward (when a
 chunk's logits are small, e.g. the built-in byte vocabulary, they are kept instead: nothing to save).
 Log-probs are computed exactly as the engines compute theirs: `logits.float() / temperature`, log-softmax.
+A chunk holds at most `MAX_CHUNK_ELEMENTS` logits (fewer tokens than asked for large vocabularies: 883 at 150K),
+which bounds the eager chunk's fp32 temporaries. `molt.train.compile.compile_model` gives the head a compiled
+chunk function (`compiled_chunk`: the matmul's logits, then fused fp32 reductions, no fp32 [chunk, V] copies).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from molt.train.packing import PackedBatch
 
 DEFAULT_CHUNK_TOKENS = 4096
 REMAT_MIN = 1 << 24  # logits elements of a chunk (64 MB in fp32) above which backward recomputes them
+MAX_CHUNK_ELEMENTS = 1 << 27  # logits elements of a chunk at most (512 MB in fp32)
 
 
 def head_logprobs(
@@ -27,20 +31,36 @@ def head_logprobs(
         empty = hidden_nh.new_zeros(0, dtype=torch.float32)
         return empty, empty
     vocab = head.weight.shape[0]
+    chunk_tokens = max(1, min(chunk_tokens, MAX_CHUNK_ELEMENTS // vocab))
     remat = (
         torch.is_grad_enabled() and hidden_nh.requires_grad and min(chunk_tokens, len(hidden_nh)) * vocab > REMAT_MIN
     )
-    outs = []
-    for h_ch, t_ch in zip(hidden_nh.split(chunk_tokens), targets_n.split(chunk_tokens), strict=True):
-        if remat:
-            outs.append(checkpoint(_chunk, head, h_ch, t_ch, temperature, use_reentrant=False))
-        else:
-            outs.append(_chunk(head, h_ch, t_ch, temperature))
+    chunk_fn = getattr(head, "_molt_chunk_fn", head_chunk)  # compiled by `compile_model`
+    outs = [
+        chunk_fn(head, h_ch, t_ch, temperature, remat)
+        for h_ch, t_ch in zip(hidden_nh.split(chunk_tokens), targets_n.split(chunk_tokens), strict=True)
+    ]
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
+def head_chunk(
+    head: torch.nn.Module, hidden_ch: torch.Tensor, targets_c: torch.Tensor, temperature: float, remat: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), entropy) of one chunk; `remat`: its logits are recomputed in backward, not kept."""
+    if remat:
+        return checkpoint(_chunk, head, hidden_ch, targets_c, temperature, use_reentrant=False)
+    return _chunk(head, hidden_ch, targets_c, temperature)
+
+
+def compiled_chunk(backend: str = "inductor", dynamic: bool | None = True):
+    """`head_chunk` through `torch.compile` (the head's matmul stays a matmul; the rest fuses into reductions)."""
+    return torch.compile(head_chunk, backend=backend, dynamic=dynamic)
+
+
 def _chunk(head: torch.nn.Module, hidden_ch: torch.Tensor, targets_c: torch.Tensor, temperature: float):
-    logits_cv = head(hidden_ch).float() / temperature
+    logits_cv = head(hidden_ch).float()
+    if temperature != 1.0:  # dividing by 1 is exact: skip the copy
+        logits_cv = logits_cv / temperature
     logz_c = torch.logsumexp(logits_cv, dim=-1)
     logp_c = logits_cv.gather(1, targets_c[:, None])[:, 0] - logz_c
     entropy_c = logz_c - (torch.softmax(logits_cv, dim=-1) * logits_cv).sum(-1)

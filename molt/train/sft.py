@@ -3,16 +3,14 @@
 Samples are tokenized once (assistant spans derived from the chat template), packed into dense
 rows, and trained with a global token-mean cross-entropy: each step's gradient is the gradient of
 (sum of token losses) / (number of loss tokens in the step), however it is split into micro-batches.
-Writes metrics.jsonl and an HF checkpoint (model + tokenizer) that `transformers` loads.
+The command that assembles a run of them is `molt/cli/sft.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,22 +19,11 @@ from molt.config import Config
 from molt.data.formats import DataError
 from molt.data.rows import row_location
 from molt.data.tasks import dataset_rows, get_task
-from molt.log import RunDir, plot_metrics
-from molt.models import Transformer, save_pretrained
+from molt.models import Transformer
 from molt.models.tokenizer import assistant_mask
 from molt.models.vision import expand_row_images
-from molt.train.build import build_model, build_tokenizer
-from molt.train.optim import build_optimizer
-from molt.train.packing import PackedBatch, pack
+from molt.train.packing import PackedBatch
 from molt.train.precision import Precision, clip_and_step
-
-
-@dataclass
-class SftResult:
-    run_dir: str
-    checkpoint: str
-    eval_before: dict[str, float]
-    eval_after: dict[str, float]
 
 
 def sft_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -133,49 +120,3 @@ def shuffled_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
             picked += take
             cursor += len(take)
         yield picked
-
-
-def run_sft(cfg: Config) -> SftResult:
-    """The `molt sft` command."""
-    torch.manual_seed(cfg.train.seed)
-    if cfg.runtime.threads:
-        torch.set_num_threads(cfg.runtime.threads)
-    run = RunDir(cfg.log.run_dir, "sft", cfg)
-    tokenizer = build_tokenizer(cfg.model)
-    precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
-    model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device, precision.params)
-    scaler = precision.scaler()
-    train_rows, eval_rows = sft_rows(cfg)
-    source = cfg.data.path or f"task {cfg.data.task}"
-    ids, masks, pixels = tokenize_rows(tokenizer, train_rows, cfg.data.max_len, source, model.cfg)
-    eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, cfg.data.max_len, source, model.cfg)
-    row_len, mb = cfg.data.max_len, cfg.train.micro_batch_tokens
-    eval_batches = pack(eval_ids, eval_masks, row_len, mb, eval_pixels) if eval_ids else []
-    eval_batches = [b.to(cfg.runtime.device) for b in eval_batches]
-    run.print(f"model {model.num_params() / 1e6:.2f}M params, {len(ids)} train / {len(eval_ids)} eval samples")
-    opt, schedule = build_optimizer(model.parameters(), cfg.train)
-    before = evaluate(model, eval_batches) if eval_batches else {}
-    sampler = shuffled_batches(len(ids), cfg.train.batch_size, cfg.train.seed)
-    for step in range(cfg.train.max_steps):
-        t0 = time.perf_counter()
-        picked = next(sampler)
-        batches = pack([ids[i] for i in picked], [masks[i] for i in picked], row_len, mb, [pixels[i] for i in picked])
-        batches = [b.to(cfg.runtime.device) for b in batches]
-        metrics = train_step(model, opt, schedule, batches, cfg.train.grad_clip, precision, scaler)
-        tokens = sum(b.num_tokens for b in batches)
-        dt = time.perf_counter() - t0
-        metrics |= {"step": step + 1, "train/tokens_per_s": tokens / dt, "time/step_s": dt}
-        run.log(metrics)
-        if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.max_steps:
-            run.print(
-                f"step {step + 1}/{cfg.train.max_steps} loss {metrics['train/loss']:.4f} "
-                f"lr {metrics['train/lr']:.2e} {metrics['train/tokens_per_s']:.0f} tok/s"
-            )
-    after = evaluate(model, eval_batches) if eval_batches else {}
-    if after:
-        run.log({"step": cfg.train.max_steps, **after})
-    ckpt = save_pretrained(model, run.path / "checkpoint", tokenizer=tokenizer)
-    run.close()
-    plot = plot_metrics(run.path, ["train/loss", "train/lr"])
-    run.print(f"eval before {before} -> after {after}; checkpoint: {ckpt}; plot: {plot}")
-    return SftResult(str(run.path), str(ckpt), before, after)

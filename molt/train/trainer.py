@@ -9,17 +9,21 @@ Order of one step with the models some estimators need (one trainer process):
 1. micro-batches and step denominators of the batch;
 2. token signals over those micro-batches: the teacher's no-grad log-probs (`--algo.teacher`: reverse KL of the
    sampled tokens) and the critic's pass (`gae`): values with grad, each row's GAE returns from its own values,
-   clipped value loss, backward, then one critic optimizer step. A row's returns need only its own values, so
-   one critic forward serves both the advantages and its loss (V_old = V: one update per batch);
-3. advantages over the whole batch (group statistics, whitening) from rewards, values and teacher KL;
+   clipped value loss, backward, then a critic optimizer step (`--critic.updates` of them, on the same returns,
+   the clip bounding V - V_old). A row's returns need only its own values, so the first critic forward serves both
+   the advantages and its loss;
+3. advantages over the whole batch (group statistics, whitening) from the shaped rewards (overlong penalty, clip),
+   values and teacher KL;
 4. the policy's forward + loss + backward per micro-batch, one optimizer step.
-LoRA (`--train.lora_rank`): only the adapters train; `weights()` and checkpoints give the merged policy.
+LoRA (`--train.lora_rank`): only the adapters train; `weights()` and checkpoints give the merged policy. The KL-loss
+coefficient is `--algo.kl_coef`, adapted after each step toward `--algo.kl_target` when set (`train/kl_coef`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +31,11 @@ from pathlib import Path
 import torch
 
 from molt import algo
-from molt.config import Config
+from molt.config import Config, ConfigError, TrainConfig
 from molt.data.trajectory import Trajectory
 from molt.models import Transformer, save_pretrained
 from molt.train import parallel
+from molt.train.compile import compile_model, resolve_compile
 from molt.train.critic import Critic, explained_variance
 from molt.train.images import trajectory_pixels
 from molt.train.logprobs import token_logprobs, token_logprobs_entropy
@@ -48,6 +53,15 @@ from molt.train.routing import (
     routing_stats,
 )
 from molt.train.teacher import load_teacher, teacher_logprobs
+
+
+def check_rl_settings(cfg: Config) -> None:
+    """Settings of the shared config tree that an RL step cannot use: a ConfigError saying why (no silent no-ops)."""
+    if cfg.train.batch_size != TrainConfig.__dataclass_fields__["batch_size"].default:
+        raise ConfigError(
+            "train.batch_size: has no effect here: it is molt sft's batch; an RL step trains "
+            "rollout.prompts_per_step x rollout.n_samples_per_prompt samples"
+        )
 
 
 class TokenMismatchError(RuntimeError):
@@ -123,14 +137,22 @@ class Trainer:
     """Owns the policy's training copy, its optimizer and version; `step` trains on one batch."""
 
     def __init__(self, model: Transformer, cfg: Config):
+        check_rl_settings(cfg)
         self.precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
         self.model, self.cfg = model.to(self.precision.params), cfg
         if cfg.train.activation_checkpointing:
             checkpoint_layers(model)
+        if resolve_compile(cfg.train.compile, cfg.runtime.device):  # after checkpointing: recompute in the graph
+            compile_model(model, cfg.train.compile_backend)
         self.scaler = self.precision.scaler()
         self.moe_shape = (model.cfg.num_moe_layers(), model.cfg.num_experts_per_tok)
         self.frozen = freeze_routers(model, cfg)
         self.objective = cfg.algo.objective()
+        a = cfg.algo
+        kl = dict(coef=a.kl_coef, target=a.kl_target, horizon=a.kl_horizon) if a.kl_target else dict(coef=a.kl_coef)
+        self.kl_control = algo.make_kl_controller("adaptive" if a.kl_target else "fixed", **kl)
+        overlong_max_len = a.overlong_max_len or cfg.rollout.max_tokens
+        self.shaping = algo.RewardShapingParams(a.reward_clip, a.overlong_buffer, overlong_max_len, a.overlong_coef)
         self.critic = Critic(model, cfg, self.precision) if cfg.algo.estimator == "gae" else None
         compute = resolve_dtype(cfg.model.dtype, cfg.runtime.device)
         self.teacher = load_teacher(cfg.algo.teacher, model, cfg.runtime.device, compute) if cfg.algo.teacher else None
@@ -165,7 +187,7 @@ class Trainer:
     def extra_state(self) -> dict:
         """Checkpoint entries beside the optimizer's: the critic (weights, optimizer, schedule) and the LoRA
         adapters with the frozen targets' base weights (the HF folder holds merged ones)."""
-        state = {}
+        state = {"kl_coef": self.kl_control.coef}
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
         if self.lora is not None:
@@ -174,11 +196,31 @@ class Trainer:
 
     def load_extra_state(self, state: dict) -> None:
         """Restore what `extra_state` saved (entries a checkpoint lacks keep their fresh values)."""
+        if state.get("kl_coef") is not None:  # the adaptive KL coefficient where the run left it
+            self.kl_control.coef = state["kl_coef"]
+            self.objective = dataclasses.replace(self.objective, kl_loss_coef=state["kl_coef"])
         if self.critic is not None and state.get("critic") is not None:
             self.critic.load_state_dict(state["critic"])
         if self.lora is not None and state.get("lora") is not None:
             self.lora.load_state_dict(state["lora"]["adapters"])
             self.lora.load_base_weights(state["lora"]["base"])
+
+    sharded = False  # checkpoints are this process's state dicts (`RayTrainer` writes sharded ones)
+
+    def save(self, folder: Path, tokenizer) -> dict:
+        """The HF policy folder (`save_pretrained`); returns the optimizer, schedule and extra models' state."""
+        self.save_pretrained(folder, tokenizer)
+        ref = self.ref.state_dict() if self.ref is not None else None
+        return {"optimizer": self.opt.state_dict(), "schedule": self.schedule.state_dict(), "ref": ref,
+                **self.extra_state()}  # fmt: skip
+
+    def load(self, folder: Path, state: dict) -> None:
+        """Restore what `save` returned (the policy's weights come from the HF folder when it is built)."""
+        self.opt.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.load_extra_state(state)
+        if self.ref is not None and state.get("ref") is not None:
+            self.ref.load_state_dict(state["ref"])
 
     def micro_batches(self, trajs: list[Trajectory]) -> list[MicroBatch]:
         ids = [t.tokens for t in trajs]
@@ -201,19 +243,29 @@ class Trainer:
         and, where the run has them, the critic's `values` and the reverse KL to the teacher (`teacher_kl`)."""
         algo_cfg = self.cfg.algo
         distill = algo_cfg.estimator == "on_policy_distill"
+        rewards_b, shaping_metrics = self.rewards(trajs)
         inputs = algo.AdvantageInputs(
             mask_bt=_padded([t.loss_mask for t in trajs]),
-            rewards_b=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+            rewards_b=rewards_b,
             group_ids_b=torch.tensor([t.group_id for t in trajs]),
             rollout_ids_b=torch.tensor([t.rollout_id for t in trajs]),
             values_bt=_padded(values) if values is not None else None,
             kl_bt=_padded(teacher_kl) if teacher_kl is not None and distill else None,
         )
         adv_bt, _, metrics = algo.compute_advantages(algo_cfg.estimator, inputs, self._advantage_params())
+        metrics |= shaping_metrics
         if teacher_kl is not None and not distill:  # distillation added to the task estimator's advantage
             adv_bt, kl_metrics = algo.add_teacher_kl(adv_bt, _padded(teacher_kl), inputs.mask_bt, algo_cfg.teacher_coef)
             metrics |= kl_metrics
         return [adv_bt[b, : len(t.tokens)].tolist() for b, t in enumerate(trajs)], metrics
+
+    def rewards(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, dict]:
+        """Each trajectory's reward [B] as the estimator and the critic's returns see it, and the shaping metrics: the
+        DAPO overlong penalty on its rollout's generated tokens (`--algo.overlong_buffer`) then `--algo.reward_clip`."""
+        rewards_b = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        lengths_b = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32)
+        rollout_ids_b = torch.tensor([t.rollout_id for t in trajs])
+        return algo.shape_rewards(rewards_b, lengths_b, self.shaping, rollout_ids_b)
 
     def _advantage_params(self, whiten: bool | None = None) -> algo.AdvantageParams:
         a = self.cfg.algo
@@ -253,6 +305,7 @@ class Trainer:
         lr = self.schedule.get_last_lr()[0]
         self.schedule.step()
         metrics = self._step_metrics(trajs, sums, mbs, adv_metrics) | model_metrics
+        metrics |= self._adapt_kl(metrics.get("train/kl", 0.0), len(trajs))
         self.version += 1
         dt = time.perf_counter() - t0
         num_tokens = sum(len(t.tokens) for t in trajs)
@@ -264,20 +317,63 @@ class Trainer:
             "time/train_s": dt,
         }
 
+    def _adapt_kl(self, kl: float, num_samples: int) -> dict[str, float]:
+        """`train/kl_coef`, the KL-loss coefficient this step used; then the controller's update from the step's
+        measured KL (`--algo.kl_target`; fixed otherwise), which the next step uses."""
+        if not self.cfg.algo.kl_coef:
+            return {}
+        used = self.objective.kl_loss_coef
+        self.objective = dataclasses.replace(self.objective, kl_loss_coef=self.kl_control.update(kl, num_samples))
+        return {"train/kl_coef": used}
+
     def _critic_pass(self, mbs: list[MicroBatch], trajs, denoms) -> tuple[list[list[float]], dict[str, float]]:
-        """Values at every token of every sample (before the update) and the critic's optimizer step: per
-        micro-batch a forward with grad, its rows' GAE returns, the clipped value loss (token-mean), backward."""
-        t0, critic, device = time.perf_counter(), self.critic, self.cfg.runtime.device
+        """Values at every token of every sample (before the update) and `--critic.updates` critic optimizer steps.
+        The first update's forward gives the values V_old that GAE reads and, from them, each row's returns (the
+        targets of every update); each update is a forward with grad per micro-batch, the clipped value loss
+        (token-mean over the step) and backward, then one optimizer step. The clip bounds V - V_old, so it binds
+        from the second update on."""
+        t0, critic = time.perf_counter(), self.critic
         values: list[list[float]] = [[] for _ in trajs]
+        targets: list[tuple[torch.Tensor, torch.Tensor]] = []  # per micro-batch: (V_old, returns)
+        shaped_b = self.rewards(trajs)[0]
+        passes = []
+        for _ in range(critic.updates):
+            sums = self._critic_update(mbs, trajs, denoms, shaped_b, targets, values)
+            grad_norm, _ = clip_and_step(critic.opt, critic.model.parameters(), self.cfg.train.grad_clip, critic.scaler)
+            passes.append((sums, float(grad_norm)))
+        lr = critic.schedule.get_last_lr()[0]
+        critic.schedule.step()  # once per batch: the schedule counts policy steps
+        (first, _), (last, grad_norm) = passes[0], passes[-1]
+        n = max(first["n"], 1.0)
+        return values, {
+            "critic/value_loss": first["loss"],  # at V_old: the loss of the values GAE used
+            "critic/value_loss_last": last["loss"],
+            "critic/explained_variance": explained_variance(first),
+            "critic/value_mean": first["value"] / n,
+            "critic/return_mean": first["ret"] / n,
+            "critic/clip_frac": last["clip"] / n,
+            "critic/grad_norm": grad_norm,
+            "critic/lr": lr,
+            "time/critic_s": time.perf_counter() - t0,
+        }
+
+    def _critic_update(self, mbs, trajs, denoms, shaped_b, targets, values) -> dict[str, float]:
+        """One critic update's forward + clipped value loss + backward per micro-batch; the first one fills
+        `targets` (V_old and the GAE returns) and `values` (V_old per trajectory). Sums for the metrics."""
+        critic, device = self.critic, self.cfg.runtime.device
         sums = dict.fromkeys(("loss", "clip", "n", "value", "ret", "ret2", "err", "err2"), 0.0)
-        for mb in mbs:
+        for k, mb in enumerate(mbs):
             with self.precision.autocast():
                 values_bt = _unpack(critic.model(mb.packed.to(device)), mb)
             mask_bt = mb.mask_bt.to(device)
-            rewards_b = torch.tensor([trajs[i].reward for i in mb.samples], dtype=torch.float32, device=device)
-            inputs = algo.AdvantageInputs(mask_bt, rewards_b, values_bt=values_bt.detach())
-            _, returns_bt, _ = algo.compute_advantages("gae", inputs, self._advantage_params(whiten=False))
-            loss_bt, metrics = algo.value_loss(values_bt, values_bt.detach(), returns_bt, mask_bt, critic.clip)
+            if k == len(targets):  # the first update: these are V_old
+                inputs = algo.AdvantageInputs(mask_bt, shaped_b[mb.samples].to(device), values_bt=values_bt.detach())
+                _, returns_bt, _ = algo.compute_advantages("gae", inputs, self._advantage_params(whiten=False))
+                targets.append((values_bt.detach(), returns_bt))
+                for b, i in enumerate(mb.samples):
+                    values[i] = values_bt[b, : len(trajs[i].tokens)].detach().tolist()
+            old_bt, returns_bt = targets[k]
+            loss_bt, metrics = algo.value_loss(values_bt, old_bt, returns_bt, mask_bt, critic.clip)
             loss = algo.aggregate("token-mean", loss_bt, mask_bt, denoms)
             (critic.scaler.scale(loss) if critic.scaler is not None else loss).backward()
             n, err_bt = float(mask_bt.sum()), (returns_bt - values_bt.detach()) * mask_bt
@@ -285,22 +381,7 @@ class Trainer:
             sums["clip"] += float(metrics.get("value_clip_frac", 0.0)) * n
             _add(sums, n=mask_bt, value=values_bt.detach() * mask_bt, ret=returns_bt, ret2=returns_bt**2)
             _add(sums, err=err_bt, err2=err_bt**2)
-            for b, i in enumerate(mb.samples):
-                values[i] = values_bt[b, : len(trajs[i].tokens)].detach().tolist()
-        grad_norm, _ = clip_and_step(critic.opt, critic.model.parameters(), self.cfg.train.grad_clip, critic.scaler)
-        lr = critic.schedule.get_last_lr()[0]
-        critic.schedule.step()
-        n = max(sums["n"], 1.0)
-        return values, {
-            "critic/value_loss": sums["loss"],
-            "critic/explained_variance": explained_variance(sums),
-            "critic/value_mean": sums["value"] / n,
-            "critic/return_mean": sums["ret"] / n,
-            "critic/clip_frac": sums["clip"] / n,
-            "critic/grad_norm": float(grad_norm),
-            "critic/lr": lr,
-            "time/critic_s": time.perf_counter() - t0,
-        }
+        return sums
 
     @torch.no_grad()
     def _teacher_kl(self, mbs: list[MicroBatch], trajs, metrics: dict[str, float]) -> list[list[float]]:

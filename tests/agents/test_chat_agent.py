@@ -58,7 +58,7 @@ def test_compaction_yields_two_segments_with_one_shared_reward():
     async def late_request():  # the rollout is over: its session is gone
         async with AsyncOpenAI(base_url=agent.ctx.base_url, api_key=agent.ctx.api_key, max_retries=0) as client:
             with pytest.raises(NotFoundError):
-                await client.chat.completions.create(model="m", messages=ROW["messages"])
+                await client.chat.completions.create(model="molt", messages=ROW["messages"])
 
     segments = _run(ChatRunner(engine, TOK), agent, after=late_request)
     assert [s.segment for s in segments] == [0, 1] and {s.num_segments for s in segments} == {2}

@@ -21,6 +21,20 @@ def served(request):
     server.stop()
 
 
+def reassemble_calls(chunks) -> list[dict]:
+    """OpenAI streamed `tool_calls` deltas -> the calls (id and name first, arguments in pieces)."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            call = calls.setdefault(
+                delta.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            call["id"] += delta.id or ""
+            call["function"]["name"] += delta.function.name or ""
+            call["function"]["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
+
+
 def _openai(server, session, key=KEY):
     return openai.OpenAI(base_url=server.session_url(session) + "/v1", api_key=key, max_retries=0)
 
@@ -34,13 +48,13 @@ def test_openai_plain_and_streaming_with_usage(served):
     session = server.open()
     client = _openai(server, session)
     messages = [{"role": "user", "content": "hi"}]
-    reply = client.chat.completions.create(model="m", messages=messages)
+    reply = client.chat.completions.create(model="molt", messages=messages)
     assert reply.choices[0].message.content == "hello there" and reply.choices[0].finish_reason == "stop"
     assert reply.usage.prompt_tokens == len(engine.prompts[0]) and reply.usage.completion_tokens == 12
     messages += [{"role": "assistant", "content": "hello there"}, {"role": "user", "content": "more"}]
     chunks = list(
         client.chat.completions.create(
-            model="m", messages=messages, stream=True, stream_options={"include_usage": True}
+            model="molt", messages=messages, stream=True, stream_options={"include_usage": True}
         )
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -58,12 +72,11 @@ def test_openai_three_turn_tool_conversation_is_token_exact(served):
     client = _openai(server, session)
     messages = [{"role": "user", "content": "12*345="}]
     for turn in range(3):
-        reply = client.chat.completions.create(model="m", messages=messages, tools=[CALC_TOOL], stream=turn == 1)
+        reply = client.chat.completions.create(model="molt", messages=messages, tools=[CALC_TOOL], stream=turn == 1)
         if turn == 1:  # rebuild the message from the stream, as SDK users do
             chunks = list(reply)
-            call = chunks[1].choices[0].delta.tool_calls[0]
             assert chunks[-1].choices[0].finish_reason == "tool_calls"
-            message = {"role": "assistant", "tool_calls": [call.model_dump(exclude={"index"}, exclude_none=True)]}
+            message = {"role": "assistant", "tool_calls": reassemble_calls(chunks)}
         else:
             message = reply.choices[0].message.model_dump(exclude_none=True)
             assert reply.choices[0].finish_reason == ("tool_calls" if turn == 0 else "stop")
@@ -85,7 +98,7 @@ def test_anthropic_tool_use_plain_and_streaming(served):
     client = _anthropic(server, session)
     messages = [{"role": "user", "content": "12*345="}]
     reply = client.messages.create(
-        model="m", max_tokens=100, system="be exact", messages=messages, tools=[ANTHROPIC_TOOL]
+        model="molt", max_tokens=100, system="be exact", messages=messages, tools=[ANTHROPIC_TOOL]
     )
     assert reply.stop_reason == "tool_use" and reply.usage.output_tokens == len(engine.emitted[0])
     (block,) = reply.content
@@ -95,7 +108,7 @@ def test_anthropic_tool_use_plain_and_streaming(served):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "4140"}]},
     ]
     with client.messages.stream(
-        model="m", max_tokens=100, system="be exact", messages=messages, tools=[ANTHROPIC_TOOL]
+        model="molt", max_tokens=100, system="be exact", messages=messages, tools=[ANTHROPIC_TOOL]
     ) as stream:
         final = stream.get_final_message()
     assert final.content[0].text == "4140" and final.stop_reason == "end_turn"
@@ -110,8 +123,8 @@ def test_idempotent_retry_does_not_duplicate_tokens(served):
     session = server.open()
     client = _openai(server, session)
     messages = [{"role": "user", "content": "hi"}]
-    first = client.chat.completions.create(model="m", messages=messages)
-    retry = client.chat.completions.create(model="m", messages=messages)
+    first = client.chat.completions.create(model="molt", messages=messages)
+    retry = client.chat.completions.create(model="molt", messages=messages)
     assert retry.choices[0].message.content == first.choices[0].message.content and len(engine.emitted) == 1
     (segment,) = server.server.close_session(session.id)
     assert masked_ids(segment) == engine.emitted[0] and segment.num_turns == 1
@@ -122,16 +135,20 @@ def test_error_codes(served):
     session, other = server.open(), server.open()
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.AuthenticationError):
-        _openai(server, session, key="wrong").chat.completions.create(model="m", messages=messages)
+        _openai(server, session, key="wrong").chat.completions.create(model="molt", messages=messages)
     with pytest.raises(anthropic.AuthenticationError):
-        _anthropic(server, session, key="wrong").messages.create(model="m", max_tokens=8, messages=messages)
+        _anthropic(server, session, key="wrong").messages.create(model="molt", max_tokens=8, messages=messages)
     with pytest.raises(openai.NotFoundError):
         openai.OpenAI(base_url=f"{server.server.url}/s/nosuchsession/v1", api_key=KEY, max_retries=0).models.list()
-    with pytest.raises(openai.UnprocessableEntityError, match="n must be 1"):
-        _openai(server, session).chat.completions.create(model="m", messages=messages, n=2)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        _openai(server, session).chat.completions.create(model="gpt-5", messages=messages)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        _openai(server, session).chat.completions.create(
+            model="molt", messages=messages, response_format={"type": "json_object"}
+        )
     with pytest.raises(anthropic.UnprocessableEntityError):
         _anthropic(server, session).messages.create(
-            model="m", max_tokens=8, messages=[{"role": "robot", "content": "x"}]
+            model="molt", max_tokens=8, messages=[{"role": "robot", "content": "x"}]
         )
     url, auth = server.session_url(session) + "/v1/chat/completions", {"authorization": f"Bearer {KEY}"}
     assert httpx.post(url, content=b"{not json", headers=auth).status_code == 400
@@ -143,10 +160,10 @@ def test_error_codes(served):
     assert httpx.post(url, json={"messages": messages}).status_code == 401
     assert httpx.get(f"{server.server.url}/health").json()["status"] == "ok"
     assert engine.emitted == []  # no failed request generated anything
-    _openai(server, other).chat.completions.create(model="m", messages=messages)
+    _openai(server, other).chat.completions.create(model="molt", messages=messages)
     assert server.server.close_session(session.id) == []  # a request on `other` never touches `session`
     with pytest.raises(openai.NotFoundError):  # finished session
-        _openai(server, session).chat.completions.create(model="m", messages=messages)
+        _openai(server, session).chat.completions.create(model="molt", messages=messages)
     (segment,) = server.server.close_session(other.id)
     assert masked_ids(segment) == engine.emitted[0]
 
@@ -158,7 +175,7 @@ def test_engine_failure_is_503_and_a_retry_succeeds(served):
     client = _openai(server, session)
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.InternalServerError):
-        client.chat.completions.create(model="m", messages=messages)
-    assert client.chat.completions.create(model="m", messages=messages).choices[0].message.content == "hello there"
+        client.chat.completions.create(model="molt", messages=messages)
+    assert client.chat.completions.create(model="molt", messages=messages).choices[0].message.content == "hello there"
     (segment,) = server.server.close_session(session.id)
     assert masked_ids(segment) == engine.emitted[0] and segment.num_turns == 1

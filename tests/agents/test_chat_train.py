@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from molt.cli.main import parse_config
-from molt.loop.run import run_train
+from molt.cli.train import run_train
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 FAST = [

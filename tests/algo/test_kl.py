@@ -69,3 +69,12 @@ def test_controller_errors():
         make_kl_controller("pid", coef=0.1)
     with pytest.raises(ValueError, match="unknown KL estimator"):
         kl_estimate("k4", torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1))
+
+
+def test_adaptive_coef_pure_function_hand_numbers():
+    """beta * (1 + clip(kl / target - 1, +-0.2) * n / horizon): the error is clipped at 0.2 both ways."""
+    from molt.algo import adaptive_kl_coef
+
+    assert adaptive_kl_coef(0.1, kl=1.1, target=1.0, num_samples=50, horizon=100) == pytest.approx(0.1 * 1.05)
+    assert adaptive_kl_coef(0.1, kl=9.0, target=1.0, num_samples=50, horizon=100) == pytest.approx(0.1 * 1.1)
+    assert adaptive_kl_coef(0.1, kl=0.0, target=1.0, num_samples=50, horizon=100) == pytest.approx(0.1 * 0.9)

@@ -96,6 +96,6 @@ def test_readme_command_parses(argv, tmp_path, monkeypatch):
     cfg = parse_command(argv)
     assert isinstance(cfg, Config)
     if argv[0] in ("train", "eval") and cfg.runtime.backend == "local":
-        from molt.loop.run import load_inputs
+        from molt.cli.inputs import load_inputs
 
         load_inputs(cfg)  # its data, reward function and agent load too

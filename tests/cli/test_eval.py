@@ -3,9 +3,9 @@
 import json
 
 from molt.cli.main import main, parse_config
+from molt.cli.train import run_train
 from molt.data.tasks import get_task
 from molt.log import read_metrics
-from molt.loop.run import run_train
 
 FAST = [
     "--model.warmstart_steps", "0", "--model.preset", "tiny", "--rollout.prompts_per_step", "2",

@@ -1,4 +1,4 @@
-"""Prepacked linear weights and Molt's kernels in the engine (`molt/engine/packed.py`, `kernels.py`): the
+"""Prepacked linear weights and Molt's kernels in the engine (`molt/engine/cpu/packed.py`, `kernels.py`): the
 kernels equal `F.linear`, softmax attention and `F.rms_norm` up to rounding, the packs are invisible outside the
 engine's forward and never stale after an in-place weight load, and the engine stays exact (eager and compiled)."""
 
@@ -11,8 +11,9 @@ import torch
 from engine_refs import assert_old_then_new, molt_model, prompts, random_hf, swap_while_decoding, trainer_logprobs
 from test_engine import staggered
 
-from molt.engine import SamplingParams, TorchEngine, kernels
-from molt.engine.packed import MAX_ROWS, KernelRMSNorm, LinearPacks, PackedLinear
+from molt.engine import SamplingParams, TorchEngine
+from molt.engine.cpu import kernels
+from molt.engine.cpu.packed import MAX_ROWS, KernelRMSNorm, LinearPacks, PackedLinear
 from molt.models import from_pretrained
 from molt.models.transformer import RMSNorm
 

@@ -21,7 +21,8 @@ def models(tmp_path_factory):
 
 
 def paged(model, kv_blocks=64, block_size=4, **kw) -> TorchEngine:
-    kw = dict(num_slots=8, max_seq_len=64, eos_token_ids=()) | kw
+    """The paged engine as it runs on CUDA: decode-only steps through the graphed path (`graphs.py`, eager here)."""
+    kw = dict(num_slots=8, max_seq_len=64, eos_token_ids=(), graphs=True) | kw
     return TorchEngine(model, kv_blocks=kv_blocks, block_size=block_size, **kw)
 
 

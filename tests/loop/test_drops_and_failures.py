@@ -22,7 +22,9 @@ class StubLoop(RLLoop):
 
     def __init__(self, cfg, reward=lambda k: k / 4, score=lambda k: None):
         tokenizer = SimpleNamespace(eos_token_id=0)
-        super().__init__(cfg, SimpleNamespace(version=0), None, tokenizer, object, [{"messages": []}], [])
+        engine = SimpleNamespace(version=0)
+        super().__init__(cfg, engine=engine, trainer=None, tokenizer=tokenizer, make_env=object,
+                         train_rows=[{"messages": []}], eval_rows=[])  # fmt: skip
         self.reward, self.score = reward, score
 
     async def _run_agent(self, engine, tokenizer, agent, row, sampling, limits, **ids):

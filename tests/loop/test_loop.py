@@ -5,8 +5,8 @@ import json
 import pytest
 
 from molt.cli.main import parse_config
+from molt.cli.train import run_train
 from molt.loop.evaluate import pass_at_k
-from molt.loop.run import run_train
 
 FAST = [
     "--model.warmstart_steps", "0", "--model.preset", "tiny", "--rollout.prompts_per_step", "2",

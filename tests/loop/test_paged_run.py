@@ -5,7 +5,7 @@ import copy
 from test_loop import FAST  # noqa: I001 - tests/loop/test_loop.py
 
 from molt.cli.main import parse_config
-from molt.loop.run import run_train
+from molt.cli.train import run_train
 from molt.models import PRESETS
 from molt.runtime.sizing import engine_kwargs, kv_cache_kind
 
@@ -19,8 +19,12 @@ def test_auto_is_slot_on_cpu_and_paged_on_cuda_for_dense_text_models():
     assert kv_cache_kind(cuda, PRESETS["tiny"]) == "paged"
     assert kv_cache_kind(cuda, PRESETS["tiny-moe"]) == kv_cache_kind(cuda, PRESETS["tiny-vlm"]) == "slot"
     assert engine_kwargs(cuda, PRESETS["tiny"])["kv_memory_fraction"] == 0.4
+    assert engine_kwargs(cuda, PRESETS["tiny"])["graphs"] is True  # decode from captured CUDA graphs
+    cuda.runtime.cuda_graphs = False
+    assert engine_kwargs(cuda, PRESETS["tiny"])["graphs"] is False
     paged = parse_config(["--runtime.kv_cache", "paged", "--runtime.kv_gb", "0.5"])
     assert engine_kwargs(paged, PRESETS["tiny"])["kv_bytes"] == 500_000_000
+    assert engine_kwargs(paged, PRESETS["tiny"])["graphs"] is False  # CPU: no capture
     slots = engine_kwargs(parse_config(["--runtime.kv_cache", "paged"]), PRESETS["tiny"])
     assert slots["kv_blocks"] * 16 >= slots["num_slots"] * slots["max_seq_len"]  # the slot cache's positions
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from molt.cli.main import parse_config
+from molt.cli.train import run_train
 from molt.data.tasks import get_task
-from molt.loop.run import run_train
 
 FAST = [
     "--model.preset", "tiny", "--rollout.prompts_per_step", "2", "--rollout.n_samples_per_prompt", "4",

@@ -4,29 +4,16 @@ import asyncio
 import copy
 import dataclasses
 
+from conftest import RecordingEngine  # noqa: I001 - tests/conftest.py
+
 from molt.agents.builtin import env_for_task
+from molt.cli.build import build_model, build_tokenizer
 from molt.cli.main import parse_config
+from molt.cli.warm_start import warm_start
 from molt.data.tasks import get_task
 from molt.engine import TorchEngine
 from molt.loop.rl import RLLoop
-from molt.loop.run import warm_start
-from molt.train.build import build_model, build_tokenizer
 from molt.train.trainer import Trainer
-
-
-class RecordingEngine:
-    """Wraps the real engine and keeps every (prompt ids, emitted ids) pair."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    async def generate(self, prompt_ids, sampling, **kw):
-        completion = await self.engine.generate(prompt_ids, sampling, **kw)
-        self.calls.append((tuple(prompt_ids), tuple(completion.token_ids)))
-        return completion
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
 
 
 class RecordingTrainer(Trainer):
@@ -46,7 +33,8 @@ def test_trained_tokens_are_exactly_the_engine_outputs():
     engine = RecordingEngine(TorchEngine(copy.deepcopy(model), tokenizer=tokenizer, num_slots=16, max_seq_len=256))
     trainer = RecordingTrainer(model, cfg)
     rows = get_task("calculator").rows(32, seed=0)
-    loop = RLLoop(cfg, engine, trainer, tokenizer, lambda: env_for_task("calculator"), rows, rows[:4])
+    loop = RLLoop(cfg, engine=engine, trainer=trainer, tokenizer=tokenizer,
+                  make_env=lambda: env_for_task("calculator"), train_rows=rows, eval_rows=rows[:4])  # fmt: skip
 
     async def main():
         try:

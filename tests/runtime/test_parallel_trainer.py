@@ -4,7 +4,7 @@ sharded checkpoint resumes on a different number of ranks."""
 import copy
 
 import pytest
-from conftest import batch, small_model  # noqa: I001 - tests/runtime/conftest.py
+from conftest import batch, small_model  # noqa: I001 - tests/conftest.py
 
 from molt.cli.main import parse_config
 from molt.models import from_pretrained
@@ -62,7 +62,7 @@ def test_two_ranks_match_one_process_and_resume_on_one_rank(ray_cluster, tmp_pat
                 assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
         _assert_same_params(remote, local)
         assert remote.version == local.version == 3
-        state = remote.save_sharded(tmp_path / "ckpt", tokenizer=None) | {"version": remote.version}
+        state = remote.save(tmp_path / "ckpt", tokenizer=None) | {"version": remote.version}
     finally:
         for r in ranks:
             ray.kill(r)
@@ -71,7 +71,7 @@ def test_two_ranks_match_one_process_and_resume_on_one_rank(ray_cluster, tmp_pat
     ranks = _ranks(ray, cfg1, from_pretrained(tmp_path / "ckpt"), 1)
     try:
         resumed = RayTrainer(cfg1, ranks)
-        resumed.load_sharded(tmp_path / "ckpt", state)
+        resumed.load(tmp_path / "ckpt", state)
         expected, got = local.step(batches[3]), resumed.step(batches[3])
         assert got["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-5)
         _assert_same_params(resumed, local)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from molt.cli.main import parse_config
-from molt.loop.run import run_train
+from molt.cli.train import run_train
 
 pytestmark = pytest.mark.slow
 

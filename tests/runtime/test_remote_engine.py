@@ -4,8 +4,9 @@ import asyncio
 
 import pytest
 import torch
-from conftest import small_model  # noqa: I001 - tests/runtime/conftest.py
+from conftest import small_model  # noqa: I001 - tests/conftest.py
 
+from molt.cli.main import parse_config
 from molt.engine import SamplingParams
 from molt.runtime.cluster import ActorFailedError
 
@@ -17,7 +18,8 @@ def test_chunked_sync_then_missing_names_then_dead_replica_stops_the_run(ray_clu
 
     ray = ray_cluster
     model = small_model()
-    args = (ray.put(model), None, {"num_slots": 4, "max_seq_len": 64}, 1, "cpu", torch.float32)
+    cfg = parse_config(["--rollout.max_len", "63", "--rollout.max_in_flight", "2"])  # 4 slots of 64 positions
+    args = (cfg, ray.put(model), None, 0)
     engine = RemoteEngine.spawn(0, {"num_cpus": 1, "max_restarts": 0}, args, version=0, chunk_bytes=1 << 14)
     sampling = SamplingParams(max_tokens=4, seed=1)
 

@@ -14,6 +14,8 @@ from molt.cli.main import parse_config
         (["--runtime.backend", "ray", "--runtime.engines", "0"], "runtime.engines: engines and trainer_ranks"),
         (["--runtime.collective_timeout_s", "0"], "runtime.collective_timeout_s: must be > 0"),
         (["--runtime.engine_compile", "--runtime.engine", "vllm"], "runtime.engine_compile: is for runtime.engine"),
+        (["--runtime.backend", "ray", "--runtime.engine", "vllm"],  # refused, never silently the torch engine
+         "runtime.engine: vllm runs with --runtime.backend local only"),
     ],
 )  # fmt: skip
 def test_bad_runtime_flags_name_the_key(flags, message, capsys):

@@ -92,3 +92,21 @@ def test_critic_flags_need_gae_and_a_local_trainer():
         Config(critic=CriticConfig(lr=1e-3))
     with pytest.raises(ConfigError, match="runtime.backend local"):
         Config(algo=AlgoConfig(estimator="gae"), runtime=RuntimeConfig(backend="ray"))
+
+
+def test_value_clip_binds_from_the_second_critic_update_against_the_values_gae_used():
+    """critic.updates 3: V_old are the first forward's values (GAE's); later updates' V - V_old is clipped, so a
+    tight clip holds the critic back and reports its clip fraction. With one update the clip cannot bind."""
+    model = _model()
+    trajs = _trajs(model)
+    runs = {}
+    for clip in ("0.2", "0.001"):
+        trainer = Trainer(copy.deepcopy(model), _cfg(*GAE, "--critic.updates", "3", "--critic.clip", clip))
+        runs[clip] = (trainer, trainer.step(trajs))
+    (loose, loose_m), (tight, tight_m) = runs["0.2"], runs["0.001"]
+    assert loose_m["critic/value_loss"] == tight_m["critic/value_loss"]  # the first update sees V = V_old
+    assert tight_m["critic/clip_frac"] > 0.5 and tight_m["critic/value_loss_last"] > loose_m["critic/value_loss_last"]
+    assert loose_m["critic/value_loss_last"] < loose_m["critic/value_loss"]  # three steps on one batch
+    assert not torch.equal(loose.critic.model.head.weight, tight.critic.model.head.weight)
+    with pytest.raises(SystemExit):  # one update per batch: V = V_old, the clip never binds
+        _cfg(*GAE, "--critic.clip", "0.5")

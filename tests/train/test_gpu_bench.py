@@ -15,5 +15,5 @@ def test_gpu_trainer_benchmark_smoke(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_trainer_smoke.json").read_text())
     systems = {(r["case"], r["system"]) for r in report["rows"] if "error" not in r}
-    assert len(systems) == 9, report["rows"]  # 3 cases x (molt, molt+AC, transformers)
-    assert "| 512 sample | molt |" in (tmp_path / "gpu_trainer_smoke.md").read_text()
+    assert len(systems) == 10, report["rows"]  # 2 cases x (molt, +compile, +compile+AC, +AC, transformers)
+    assert "| 128 sample | molt |" in (tmp_path / "gpu_trainer_smoke.md").read_text()

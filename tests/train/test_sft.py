@@ -7,10 +7,10 @@ import torch
 import transformers
 
 from molt.cli.main import parse_config
+from molt.cli.sft import run_sft
 from molt.data.chat import read_jsonl
 from molt.data.formats import DataError
 from molt.models import from_pretrained
-from molt.train.sft import run_sft
 
 
 def test_sft_learns_and_checkpoint_loads_in_transformers(tmp_path):

@@ -48,19 +48,19 @@ def test_openai_image_url_turns_are_recorded_with_their_pixels(served):
     client = openai.OpenAI(base_url=served.session_url(session) + "/v1", api_key=KEY, max_retries=0)
     part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(RED)}}
     messages = [{"role": "user", "content": [{"type": "text", "text": "what?"}, part]}]
-    reply = client.chat.completions.create(model="m", messages=messages)
+    reply = client.chat.completions.create(model="molt", messages=messages)
     messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
     messages += [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:;base64," + _b64(BLUE)}}]}
     ]
-    client.chat.completions.create(model="m", messages=messages)
+    client.chat.completions.create(model="molt", messages=messages)
     traj = _recorded(served, session)
     assert [r["hash"] for r in traj.images] == _hashes(RED, BLUE) and traj.num_turns == 2
     bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
     other = served.open()
     with pytest.raises(openai.UnprocessableEntityError, match="image 0: cannot decode"):
         openai.OpenAI(base_url=served.session_url(other) + "/v1", api_key=KEY, max_retries=0).chat.completions.create(
-            model="m", messages=bad
+            model="molt", messages=bad
         )
 
 
@@ -68,6 +68,6 @@ def test_anthropic_image_blocks_are_recorded_with_their_pixels(served):
     session = served.open(SamplingParams(temperature=1.0, max_tokens=4, seed=0))
     client = anthropic.Anthropic(base_url=served.session_url(session), api_key=KEY, max_retries=0)
     block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(BLUE)}}
-    client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [block]}])
+    client.messages.create(model="molt", max_tokens=4, messages=[{"role": "user", "content": [block]}])
     traj = _recorded(served, session)
     assert [r["hash"] for r in traj.images] == _hashes(BLUE)

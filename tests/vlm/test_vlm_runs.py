@@ -6,8 +6,8 @@ import json
 import pytest
 
 from molt.cli.main import parse_config
+from molt.cli.train import run_train
 from molt.data.tasks import get_task
-from molt.loop.run import run_train
 
 pytestmark = pytest.mark.slow
 FAST = ["--runtime.threads", "1", "--runtime.engine_threads", "1"]  # 2 shared cores: one OpenMP pool each

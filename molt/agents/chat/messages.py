@@ -32,6 +32,12 @@ class ChatRequest:
     parse_tools: bool = True  # False for tool_choice "none"
     stream: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # wire-specific options (e.g. include_usage)
+    n: int = 1  # samples of this request (siblings sharing the prompt)
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: the k most likely tokens per generated token
+    force_tool: str | None = None  # tool_choice required/any: "" (some tool), named: the function's name
+    size: int = 0  # the request body's bytes (large ones are rendered off the event loop)
 
 
 def text_content(content: Any) -> str | list[dict[str, Any]]:
@@ -46,13 +52,35 @@ def text_content(content: Any) -> str | list[dict[str, Any]]:
     return parts
 
 
+MAX_DEPTH = 64  # JSON nesting a request may use (tool schemas, arguments); deeper is refused (400)
+
+
+class TooDeep(ValueError):
+    """A request value nests deeper than MAX_DEPTH (its rendering would exhaust the interpreter's stack)."""
+
+
+def check_depth(value: Any, where: str = "request body", max_depth: int = MAX_DEPTH) -> None:
+    """Raise TooDeep if `value` (parsed JSON) nests more than `max_depth` levels; iterative, so never recurses."""
+    level, frontier = 0, [value] if isinstance(value, dict | list) else []
+    while frontier:
+        frontier = [v for x in frontier for v in (x.values() if isinstance(x, dict) else x)
+                    if isinstance(v, dict | list)]  # fmt: skip
+        level += 1
+        if frontier and level >= max_depth:
+            raise TooDeep(f"{where} nests deeper than {max_depth} levels")
+
+
 def decode_arguments(arguments: Any) -> Any:
-    """Tool-call arguments as a JSON value (a string that is not JSON stays a string)."""
+    """Tool-call arguments as a JSON value (a string that is not JSON stays a string); TooDeep if too nested."""
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
+            value = json.loads(arguments)
+        except RecursionError:
+            raise TooDeep(f"tool-call arguments nest deeper than {MAX_DEPTH} levels") from None
         except ValueError:
             return arguments
+        check_depth(value, "tool-call arguments")
+        return value
     return arguments
 
 
@@ -81,5 +109,6 @@ def fingerprints(messages: list[Message]) -> list[str]:
 
 def request_key(request: ChatRequest) -> str:
     """Identity of a request for idempotent retries: its messages, tools and generation bounds."""
-    key = [fingerprints(request.messages), request.tools, request.max_tokens, list(request.stop)]
+    key = [fingerprints(request.messages), request.tools, request.max_tokens, list(request.stop), request.n]
+    key += [request.seed, request.force_tool, request.logprobs, request.top_logprobs]
     return json.dumps(key, sort_keys=True, ensure_ascii=False, default=str)

@@ -6,9 +6,17 @@ Routes: `POST /s/{session}/v1/chat/completions`, `POST /s/{session}/v1/messages`
 `GET /s/{session}/v1/models`, `GET /v1/models`, `GET /health`; with `serve_sampling` set (`molt serve`)
 also `POST /v1/chat/completions` and `POST /v1/messages`, each in an implicit one-request session.
 
-Errors, in the wire's own error format: 401 without the API key (when one is set), 404 for an unknown
-or finished session, 413 for a body over `max_body_bytes`, 400 for a body that is not JSON, 422 for
-a body that does not match the schema (or that the template cannot render), 503 when the engine fails.
+Errors, in the wire's own error format, never a 500 for what a client sent: 401 without the API key (when
+one is set), 404 for an unknown or finished session or an unknown `model` (not the served name or an
+alias), 413 for a body over `max_body_bytes`, 400 for a body that is not JSON, nests deeper than
+`MAX_DEPTH` or asks for something unsupported (and, in serve mode, `context_length_exceeded`), 422 for a
+body that does not match the schema (or that the template cannot render), 503 when the engine fails.
+Anything else is Molt's own bug: a 500 naming a request id, logged with its traceback under that id.
+Streams are sent as the engine generates (`Session.stream`); a client that goes away mid-stream aborts
+the generation and nothing is recorded. `count_tokens` (Anthropic) renders without generating.
+The server is itself the ASGI app, with `direct_route` for in-process clients (`loopback.py`): the two
+completion routes' handler, called without FastAPI's routing and middleware (~1 ms a request), the same
+function with the same validation and responses as over HTTP.
 Knows sessions and wires; nothing of the trainer.
 """
 
@@ -16,20 +24,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
 import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from molt.agents.chat import wire_anthropic, wire_openai
-from molt.agents.chat.session import GenerationError, RequestError, Session, SessionClosed, SessionStore
+from molt.agents.chat.ids import new_id
+from molt.agents.chat.messages import ChatRequest, TooDeep, check_depth
+from molt.agents.chat.session import (
+    RENDER_INLINE_BYTES,
+    GenerationError,
+    RequestError,
+    Session,
+    SessionClosed,
+    SessionStore,
+)
 from molt.agents.chat.tool_parser import get_parser
+from molt.agents.runner import first_prompt_ids
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import SamplingParams
 
@@ -52,10 +73,32 @@ def _summary(error: ValidationError, limit: int = 3) -> str:
     return "invalid request: " + "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
 
 
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket whose accepted connections get TCP_NODELAY from asyncio.
+
+    asyncio sets TCP_NODELAY only on sockets whose `proto` is IPPROTO_TCP, and `socket.create_server` leaves
+    it 0; accepted sockets inherit it. Without it every response (headers and body are two writes) waits
+    ~40 ms for the client's delayed ACK (Nagle), which capped a sequential agent at ~20 requests/s.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):  # the host program (e.g. the RL loop) owns SIGINT/SIGTERM
         yield
+
+
+WIRES = {"/v1/chat/completions": wire_openai, "/v1/messages": wire_anthropic}  # the completion routes
 
 
 class ChatServer:
@@ -75,9 +118,11 @@ class ChatServer:
         render_tools: bool = True,
         serve_sampling: SamplingParams | None = None,
         serve_max_len: int = 2048,
+        model_aliases: tuple[str, ...] = (),
     ):
         self.engine, self.tokenizer = engine, tokenizer
         self.host, self.port, self.api_key, self.model_name = host, port, api_key, model_name
+        self.model_names = frozenset((model_name, *model_aliases))  # what a request's `model` may say
         self.max_body_bytes, self.render_tools = max_body_bytes, render_tools
         self.parser = get_parser(tool_parser, tokenizer)
         self.serve_sampling, self.serve_max_len = serve_sampling, serve_max_len
@@ -120,9 +165,8 @@ class ChatServer:
             lifespan="off",
             timeout_graceful_shutdown=2,
         )
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         try:  # bound here, so a taken port is a clear OSError (uvicorn would sys.exit inside the task)
-            sock = socket.create_server((self.host, self.port), family=family)
+            sock = _listening_socket(self.host, self.port)
         except OSError as e:
             raise RuntimeError(f"chat server cannot bind {self.host}:{self.port}: {e}") from None
         self.port = sock.getsockname()[1]
@@ -142,6 +186,24 @@ class ChatServer:
         self._server = self._task = None
 
     # ---- HTTP -------------------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send) -> None:  # ASGI: the FastAPI app
+        await self.app(scope, receive, send)
+
+    def direct_route(self, method: str, path: str) -> Callable[[Request], Awaitable[Response]] | None:
+        """The handler `self.app` would route a completion request to (`path` URL-decoded), else None."""
+        if method != "POST":
+            return None
+        session_id = None
+        if path.startswith("/s/"):
+            session_id, slash, rest = path[3:].partition("/")
+            if not session_id or not slash:
+                return None
+            path = "/" + rest
+        elif self.serve_sampling is None:
+            return None
+        wire = WIRES.get(path)
+        return None if wire is None else functools.partial(self._complete, session_id=session_id, wire=wire)
+
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="Molt chat server", docs_url=None, redoc_url=None, openapi_url=None)
         app.get("/health")(self._health)
@@ -156,6 +218,8 @@ class ChatServer:
         async def anthropic_session(request: Request, session_id: str) -> Response:
             return await self._complete(request, session_id, wire_anthropic)
 
+        app.post("/s/{session_id}/v1/messages/count_tokens")(self._count_tokens)
+
         if self.serve_sampling is not None:
 
             @app.post("/v1/chat/completions")
@@ -165,6 +229,8 @@ class ChatServer:
             @app.post("/v1/messages")
             async def anthropic_serve(request: Request) -> Response:
                 return await self._complete(request, None, wire_anthropic)
+
+            app.post("/v1/messages/count_tokens")(self._count_tokens)
 
         return app
 
@@ -214,35 +280,97 @@ class ChatServer:
         except (ValueError, RecursionError) as e:
             raise HTTPError(400, f"request body is not valid JSON: {e}") from None
 
-    async def _turn(self, request: Request, session_id: str | None, wire):
-        self._authorize(request)
-        session = self._implicit_session() if session_id is None else self.store.get(session_id)
+    async def _decode(self, request: Request, wire) -> ChatRequest:
+        body = await self._read_json(request)
         try:
-            body = await self._read_json(request)
-            try:
-                chat = wire.decode(body)
-            except ValidationError as e:
-                raise HTTPError(422, _summary(e)) from None
-            return chat, await session.turn(chat)
-        finally:
-            if session_id is None:
-                self.store.close(session.id)
+            check_depth(body)
+            chat = wire.decode(body)
+        except ValidationError as e:
+            raise HTTPError(422, _summary(e)) from None
+        model = chat.extra.get("model") or ""
+        if model and model not in self.model_names:
+            raise HTTPError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}")
+        chat.size = int(request.headers.get("content-length") or 0)
+        chat.extra["decode_token"] = self._decode_token
+        return chat
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def _implicit_session(self) -> Session:
         return self.open_session(self.serve_sampling, max_len=self.serve_max_len, honor_sampling=True)
 
     async def _complete(self, request: Request, session_id: str | None, wire) -> Response:
+        """One completion request -> JSON or an event stream; every failure in the wire's error format."""
+        session, owned = None, session_id is None
         try:
-            chat, reply = await self._turn(request, session_id, wire)
-        except HTTPError as e:
-            return JSONResponse(wire.error(e.status, e.message), e.status)
-        except SessionClosed as e:
-            return JSONResponse(wire.error(404, str(e)), 404)
-        except RequestError as e:
-            return JSONResponse(wire.error(422, str(e)), 422)
-        except GenerationError as e:
-            log.warning("chat session %s: %s", (session_id or "implicit")[:6], e)
-            return JSONResponse(wire.error(503, str(e)), 503)
-        if chat.stream:  # the configured model name, never the client's string echoed back
-            return StreamingResponse(wire.stream(reply, self.model_name, chat), media_type="text/event-stream")
-        return JSONResponse(wire.encode(reply, self.model_name))
+            self._authorize(request)
+            session = self._implicit_session() if owned else self.store.get(session_id)
+            chat = await self._decode(request, wire)
+            if not chat.stream:
+                return JSONResponse(wire.encode(await session.turn(chat), self.model_name, chat))
+            events = session.stream(chat)
+            first = await anext(events)  # errors before anything was generated are plain HTTP errors
+            owned = False  # the stream closes an implicit session when it ends
+            body = self._sse(wire, chat, first, events, session if session_id is None else None)
+            return StreamingResponse(body, media_type="text/event-stream")
+        except Exception as e:  # noqa: BLE001 - every failure answers in the wire's format
+            status, message = self._failure(e, session_id)
+            return JSONResponse(wire.error(status, message, getattr(e, "code", None)), status)
+        finally:
+            if owned and session is not None:
+                self.store.close(session.id)
+
+    async def _sse(self, wire, chat: ChatRequest, first, events, implicit: Session | None) -> AsyncIterator[str]:
+        async def all_events():
+            yield first
+            async for event in events:
+                yield event
+
+        try:
+            async for text in wire.stream(all_events(), self.model_name, chat):
+                yield text
+        except Exception as e:  # noqa: BLE001 - mid-stream: an error event, then the stream ends
+            status, message = self._failure(e, None)
+            yield wire.stream_error(status, message)
+        finally:
+            await events.aclose()  # a client gone mid-stream: aborts the generation, records nothing
+            if implicit is not None:
+                self.store.close(implicit.id)
+
+    def _failure(self, error: Exception, session_id: str | None) -> tuple[int, str]:
+        """(HTTP status, message) of an exception; Molt's own bugs are logged with a request id."""
+        if isinstance(error, HTTPError):
+            return error.status, error.message
+        if isinstance(error, SessionClosed):
+            return 404, str(error)
+        if isinstance(error, RequestError):
+            return error.status, str(error)
+        if isinstance(error, TooDeep | RecursionError):
+            return 400, str(error) if isinstance(error, TooDeep) else "the request nests too deeply"
+        if isinstance(error, GenerationError):
+            log.warning("chat session %s: %s", (session_id or "implicit")[:6], error)
+            return 503, str(error)
+        request_id = new_id("req_", 8)
+        log.exception("chat server: internal error in request %s", request_id)
+        return 500, f"internal error (request id {request_id}; see the server log)"
+
+    async def _count_tokens(self, request: Request, session_id: str | None = None) -> Response:
+        """Anthropic `count_tokens`: the prompt's tokens as the template renders it (nothing is generated)."""
+        wire = wire_anthropic
+        try:
+            self._authorize(request)
+            session = self.store.get(session_id) if session_id is not None else None
+            chat = await self._decode(request, wire)
+            tools = chat.tools if self.render_tools else None
+            count = functools.partial(first_prompt_ids, self.tokenizer, chat.messages, tools)
+            ids = await asyncio.to_thread(count) if chat.size > RENDER_INLINE_BYTES else count()
+            del session  # only checked to exist
+            return JSONResponse({"input_tokens": len(ids)})
+        except (TemplateError, TypeError, KeyError, ValueError) as e:
+            if isinstance(e, TooDeep):
+                return JSONResponse(wire.error(400, str(e)), 400)
+            return JSONResponse(wire.error(422, f"the chat template cannot render these messages: {e}"), 422)
+        except Exception as e:  # noqa: BLE001
+            status, message = self._failure(e, session_id)
+            return JSONResponse(wire.error(status, message), status)

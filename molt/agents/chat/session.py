@@ -11,20 +11,31 @@ Per request, under the session's lock:
    re-tokenized.
 3. Otherwise (first turn, compaction, changed tools, or a template that re-renders history) the
    whole conversation is rendered as the prompt of a new segment; the current one is sealed.
-4. Nothing is recorded until generation succeeds; a failed or aborted generation leaves the session
-   as it was, so a client retry re-runs cleanly. No room left (context or turn budget) answers an
-   empty "length" reply without generating.
+4. Nothing is recorded until generation succeeds; a failed or aborted generation (or a stream whose
+   client went away) leaves the session as it was, so a client retry re-runs cleanly. No room left
+   (context or turn budget) answers an empty "length" reply without generating; in serve mode
+   (`honor_sampling`) an over-context prompt is a 400 `context_length_exceeded` instead.
+5. `n > 1`: the samples share the prompt (one prefill). The current segment is sealed, and each sample
+   becomes a segment over the whole context (earlier actions there have loss mask 0, so nothing is
+   trained twice); sample 0's segment is the one later requests extend.
+
+Streaming (`stream`) yields `TextDelta`s as the engine produces tokens (no live text when tool calls
+are parsed: the call is only known at the end), then the `TurnReply`; the text sent is a prefix of
+the reply's content, which is the decoded action minus a trailing stop string. Large requests are
+rendered and tokenized in a worker thread so the event loop keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
+from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import (
     ChatRequest,
     Message,
@@ -33,13 +44,15 @@ from molt.agents.chat.messages import (
     fingerprints,
     request_key,
 )
-from molt.agents.chat.tool_parser import Parser, ToolCall, parse_none
+from molt.agents.chat.textstream import TextStream, trim_at_stop
+from molt.agents.chat.tool_parser import Parser, ToolCall, call_prefix, parse_none
 from molt.agents.images import expand_images, message_images
-from molt.agents.runner import TemplateRewriteError, observation_ids
+from molt.agents.runner import TemplateRewriteError, first_prompt_ids, observation_ids
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Completion, ContextLengthError, SamplingParams
-from molt.models.tokenizer import apply_chat_template
 from molt.models.vision import ImageError
+
+RENDER_INLINE_BYTES = 64 << 10  # smaller requests render on the event loop (a thread hop costs more)
 
 
 class SessionClosed(LookupError):
@@ -49,6 +62,20 @@ class SessionClosed(LookupError):
 class RequestError(ValueError):
     """The request is well-formed JSON but cannot be served (e.g. the template cannot render it)."""
 
+    status, code = 422, None
+
+
+class InvalidRequest(RequestError):
+    """The request asks for something invalid or unsupported (HTTP 400)."""
+
+    status = 400
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Serve mode: the prompt leaves no room to generate (OpenAI's `context_length_exceeded`)."""
+
+    code = "context_length_exceeded"
+
 
 class GenerationError(RuntimeError):
     """The engine failed or aborted the generation; nothing was recorded."""
@@ -56,7 +83,7 @@ class GenerationError(RuntimeError):
 
 @dataclass
 class TurnReply:
-    """What one request answers, wire-independent."""
+    """What one request answers, wire-independent: the first sample, and `siblings` when n > 1."""
 
     content: str
     tool_calls: list[ToolCall]
@@ -64,6 +91,22 @@ class TurnReply:
     num_prompt_tokens: int
     num_completion_tokens: int
     stop_sequence: str | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # the engine's, as trained on
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when the request asked for them
+    siblings: list[TurnReply] = dataclasses.field(default_factory=list)
+
+    @property
+    def choices(self) -> list[TurnReply]:
+        return [self, *self.siblings]
+
+
+@dataclass
+class TextDelta:
+    """Text of sample `index` that can be sent now (streaming)."""
+
+    index: int
+    text: str
 
 
 @dataclass
@@ -72,6 +115,7 @@ class _Plan:
     new_ids: list[int]  # the new segment's prompt, or the delta appended to the current segment
     new_segment: bool
     images: list = dataclasses.field(default_factory=list)  # records of the images in new_ids (absolute starts)
+    prefix: str = ""  # a forced tool-call opening at the end of `context` (tool_choice required/named)
 
 
 class Session:
@@ -108,86 +152,195 @@ class Session:
 
     async def turn(self, request: ChatRequest) -> TurnReply:
         """Answer one request (idempotent for retries); raises SessionClosed, RequestError, GenerationError."""
+        reply = None
+        async for event in self.stream(request, live=False):
+            reply = event
+        return reply
+
+    async def stream(self, request: ChatRequest, live: bool = True) -> AsyncIterator[TextDelta | TurnReply]:
+        """`TextDelta`s as tokens are generated (with `live`), then the `TurnReply`. Closing the iterator
+        before the reply aborts the generation and records nothing."""
         async with self.lock:
             if self.closed:
                 raise SessionClosed(f"session {self.id[:6]}... is finished")
             key = request_key(request)
             if key == self.last_key:
-                return self.last_reply
-            reply = await self._answer(request)
+                yield self.last_reply
+                return
+            prepared = await self._prepare(request)
+            if isinstance(prepared, TurnReply):
+                yield prepared
+                return
+            plan, sampling, tools = prepared
+            texts = [TextStream(self.tokenizer, request.stop) for _ in range(request.n)]
+            queue: asyncio.Queue = asyncio.Queue()
+            live = live and not (request.parse_tools and request.tools) and not plan.prefix
+            task = asyncio.ensure_future(self._generate(plan, sampling, queue.put_nowait if live else None))
+            task.add_done_callback(lambda _: queue.put_nowait(None))
+            try:
+                while (delta := await queue.get()) is not None:
+                    if text := texts[delta.sample_index].push(delta.token_ids):
+                        yield TextDelta(delta.sample_index, text)
+                completions = task.result()
+            finally:
+                if not task.done():  # the consumer went away: abort, record nothing
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+            if self.closed:
+                raise SessionClosed(f"session {self.id[:6]}... finished during generation")
+            if not completions:
+                yield TurnReply("", [], "length", len(plan.context), 0)
+                return
+            reply = self._commit(request, tools, plan, completions)
+            for i, choice in enumerate(reply.choices):
+                if live and (rest := choice.content[len(texts[i].sent) :]):
+                    yield TextDelta(i, rest)
             self.last_key, self.last_reply = key, reply
-            return reply
+            yield reply
 
     def close(self) -> list[Trajectory]:
         """Finish the session (later requests get SessionClosed); its segments in order."""
         self.closed = True
         return self.sealed + ([self.current] if self.current is not None else [])
 
-    async def _answer(self, request: ChatRequest) -> TurnReply:
+    async def _prepare(self, request: ChatRequest) -> tuple[_Plan, SamplingParams, list | None] | TurnReply:
+        """The plan and sampling of a request, or the empty "length" reply when nothing fits."""
         if not request.messages:
             raise RequestError("messages must not be empty")
         tools = request.tools if self.render_tools else None
-        plan = self._plan(request.messages, tools)
+        if request.size > RENDER_INLINE_BYTES:  # keep the event loop (every other session's) responsive
+            plan = await asyncio.to_thread(self._plan, request, tools)
+        else:
+            plan = self._plan(request, tools)
         room = self.max_len - len(plan.context)
+        if room <= 0 and self.honor_sampling:
+            raise ContextLengthExceeded(
+                f"this model's context is {self.max_len} tokens; the prompt is {len(plan.context)} tokens "
+                "and leaves no room to generate"
+            )
         if room <= 0 or (self.max_turns is not None and self.num_turns >= self.max_turns):
             self.truncated = True
             return TurnReply("", [], "length", len(plan.context), 0)
-        sampling = self._sampling(request, room)
+        return plan, self._sampling(request, room), tools
+
+    async def _generate(self, plan: _Plan, sampling: SamplingParams, on_tokens) -> list[Completion]:
+        images = ([] if plan.new_segment else self.current.images or []) + plan.images
+        kw = {"images": [r["pixels"] for r in images]} if images else {}
         try:
-            images = ([] if plan.new_segment else self.current.images or []) + plan.images
-            kw = {"images": [r["pixels"] for r in images]} if images else {}
-            completion = await self.engine.generate(plan.context, sampling, session_id=self.id, **kw)
-        except ContextLengthError:
+            if on_tokens is not None:
+                completions = await self.engine.generate_streamed(
+                    plan.context, sampling, on_tokens, session_id=self.id, **kw
+                )
+            else:
+                completions = await self.engine.generate_group(plan.context, sampling, session_id=self.id, **kw)
+        except ContextLengthError as e:
+            if self.honor_sampling:
+                raise ContextLengthExceeded(str(e)) from e
             self.truncated = True
-            return TurnReply("", [], "length", len(plan.context), 0)
+            return []  # training: an empty "length" reply, as when the session's own budget is used up
         except Exception as e:  # noqa: BLE001 - any engine failure: nothing is recorded
             raise GenerationError(f"generation failed: {type(e).__name__}: {e}") from e
-        if completion.finish_reason == "abort":
-            raise GenerationError("generation was aborted (engine shutting down?)")
-        if len(completion.logprobs) != len(completion.token_ids):
-            raise GenerationError("the engine returned log-probs not aligned with its tokens")
-        if self.closed:
-            raise SessionClosed(f"session {self.id[:6]}... finished during generation")
-        return self._commit(request, tools, plan, completion)
+        for c in completions:
+            if c.finish_reason == "abort":
+                raise GenerationError("generation was aborted (engine shutting down?)")
+            if len(c.logprobs) != len(c.token_ids):
+                raise GenerationError("the engine returned log-probs not aligned with its tokens")
+            if sampling.top_logprobs and len(c.top_logprobs or ()) != len(c.token_ids):
+                raise InvalidRequest("top_logprobs is not supported by this engine")  # nothing recorded
+        return completions
 
-    def _plan(self, messages: list[Message], tools: list | None) -> _Plan:
+    def _plan(self, request: ChatRequest, tools: list | None) -> _Plan:
+        messages = request.messages
         try:
-            n = len(self.history_fps)
-            if self.current is not None and tools == self.tools and fingerprints(messages[:n]) == self.history_fps:
-                try:
-                    delta = observation_ids(self.tokenizer, self.history, messages[n:], self.ended_with_eos, tools)
-                    offset = len(self.current.tokens)
-                    delta, images = expand_images(self.engine, delta, message_images(messages[n:]), offset)
-                    return _Plan(self.current.tokens + delta, delta, False, images)
-                except TemplateRewriteError:
-                    pass  # the template re-renders history: start a new segment
-            prompt = apply_chat_template(self.tokenizer, messages, tools=tools, add_generation_prompt=True)
-            prompt, images = expand_images(self.engine, prompt, message_images(messages), 0)
+            plan = self._extension(messages, tools) or self._new_segment(messages, tools)
         except ImageError as e:
             raise RequestError(str(e)) from e
+        except RecursionError:
+            raise InvalidRequest("the request nests too deeply to render") from None
         except (TemplateError, TypeError, KeyError, AttributeError, ValueError) as e:
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
+        if request.force_tool is not None:
+            return self._force_call(plan, request)
+        return plan
+
+    def _extension(self, messages: list[Message], tools: list | None) -> _Plan | None:
+        n = len(self.history_fps)
+        if self.current is None or tools != self.tools or fingerprints(messages[:n]) != self.history_fps:
+            return None
+        try:
+            delta = observation_ids(self.tokenizer, self.history, messages[n:], self.ended_with_eos, tools)
+        except TemplateRewriteError:
+            return None  # the template re-renders history: start a new segment
+        offset = len(self.current.tokens)
+        delta, images = expand_images(self.engine, delta, message_images(messages[n:]), offset)
+        return _Plan(self.current.tokens + delta, delta, False, images)
+
+    def _new_segment(self, messages: list[Message], tools: list | None) -> _Plan:
+        prompt = first_prompt_ids(self.tokenizer, messages, tools)  # a group's n sessions render it once
+        prompt, images = expand_images(self.engine, prompt, message_images(messages), 0)
         return _Plan(prompt, prompt, True, images)
+
+    def _force_call(self, plan: _Plan, request: ChatRequest) -> _Plan:
+        """tool_choice required / named: the tool-call opening goes after the generation prompt (as prompt)."""
+        if not request.tools:
+            raise InvalidRequest("tool_choice requires a tool call, but the request offers no tools")
+        prefix = call_prefix(self.parser, request.force_tool)
+        if prefix is None:
+            raise InvalidRequest("tool_choice required/named needs a tool-call format (chat.tool_parser hermes/molt)")
+        ids = self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
+        return dataclasses.replace(plan, context=plan.context + ids, new_ids=plan.new_ids + ids, prefix=prefix)
 
     def _sampling(self, request: ChatRequest, room: int) -> SamplingParams:
         base = self.sampling
-        max_tokens = min(base.max_tokens, request.max_tokens or base.max_tokens, room)
+        if self.honor_sampling:  # serve: the request's max_tokens, up to the context
+            max_tokens = min(request.max_tokens or base.max_tokens, room)
+        else:  # training: the rollout's max_tokens bounds every turn
+            max_tokens = min(base.max_tokens, request.max_tokens or base.max_tokens, room)
         changes = {
+            "n": request.n,
             "max_tokens": max_tokens,
             "min_tokens": min(base.min_tokens, max_tokens),
             "seed": None if base.seed is None else base.seed * 64 + self.num_turns,  # distinct, reproducible
+            "top_logprobs": request.top_logprobs if request.logprobs else 0,  # reported only: sampling unchanged
         }
         if request.stop:
             changes["stop"] = tuple(request.stop)
         if self.honor_sampling:  # training sessions keep the rollout's settings: the trainer assumes them
-            changes |= {k: v for k in ("temperature", "top_p") if (v := getattr(request, k)) is not None}
+            changes |= {k: v for k in ("temperature", "top_p", "seed") if (v := getattr(request, k)) is not None}
         try:
             return dataclasses.replace(base, **changes)
         except ValueError as e:
-            raise RequestError(str(e)) from e
+            raise InvalidRequest(str(e)) from e
 
-    def _commit(self, request: ChatRequest, tools: list | None, plan: _Plan, completion: Completion) -> TurnReply:
-        ids = list(completion.token_ids)
+    def _commit(
+        self, request: ChatRequest, tools: list | None, plan: _Plan, completions: list[Completion]
+    ) -> TurnReply:
+        replies = [self._reply(request, plan, c) for c in completions]
+        if len(completions) == 1:
+            self._record(self._extended(plan, tools), completions[0])
+        else:  # siblings: each a segment over the whole context; sample 0's is extended later
+            images = ([] if plan.new_segment or self.current is None else self.current.images or []) + plan.images
+            if self.current is not None:
+                self.sealed.append(self.current)
+            segments = [Trajectory() for _ in completions]
+            for segment, completion in zip(segments, completions, strict=True):
+                segment.extend_prompt(plan.context)
+                segment.images = list(images) or None
+                self._record(segment, completion)
+            self.sealed += segments[1:]
+            self.current, self.tools = segments[0], tools
+        self.num_turns += 1
+        first = replies[0]
+        self.history = list(request.messages)
+        self.history_fps = fingerprints(request.messages)
+        self.history_fps.append(fingerprint(assistant_message(first.content, first.tool_calls)))
+        self.ended_with_eos = bool(first.token_ids) and first.token_ids[-1] == self.tokenizer.eos_token_id
+        first.siblings = replies[1:]
+        return first
+
+    def _extended(self, plan: _Plan, tools: list | None) -> Trajectory:
+        """The current segment with the plan's new ids: extended, or a new one (the old one sealed)."""
         if plan.new_segment:
             if self.current is not None:
                 self.sealed.append(self.current)
@@ -195,18 +348,27 @@ class Session:
         self.current.extend_prompt(plan.new_ids)
         if plan.images:
             self.current.images = (self.current.images or []) + plan.images
-        self.current.extend_action(ids, list(completion.logprobs), list(completion.versions), self.keep_ids)
-        self.current.add_routing(getattr(completion, "routing", None))
-        self.current.finish_reason = completion.finish_reason
-        self.num_turns += 1
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        content, calls = self.parser(text, request.tools) if request.parse_tools and request.tools else (text, [])
-        self.history = list(request.messages)
-        self.history_fps = fingerprints(request.messages) + [fingerprint(assistant_message(content, calls))]
-        self.ended_with_eos = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
+        return self.current
+
+    def _record(self, segment: Trajectory, completion: Completion) -> None:
+        segment.extend_action(list(completion.token_ids), list(completion.logprobs), list(completion.versions),
+                              self.keep_ids)  # fmt: skip
+        segment.add_routing(getattr(completion, "routing", None))
+        segment.finish_reason = completion.finish_reason
+
+    def _reply(self, request: ChatRequest, plan: _Plan, completion: Completion) -> TurnReply:
+        ids = list(completion.token_ids)
+        text = plan.prefix + self.tokenizer.decode(ids, skip_special_tokens=True)
         stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+        if request.stop:
+            text, found = trim_at_stop(text, request.stop)
+            stop = stop or found
+        parse = request.parse_tools and request.tools
+        content, calls = self.parser(text, request.tools) if parse else (text, [])
         finish = "tool_calls" if calls else completion.finish_reason
-        return TurnReply(content, calls, finish, len(plan.context), len(ids), stop)
+        reply = TurnReply(content, calls, finish, len(plan.context), len(ids), stop, ids, list(completion.logprobs))
+        reply.top_logprobs = completion.top_logprobs
+        return reply
 
 
 class SessionStore:
@@ -216,7 +378,7 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
 
     def open(self, engine, tokenizer, sampling: SamplingParams, **options) -> Session:
-        session_id = secrets.token_urlsafe(24)
+        session_id = new_id(num_bytes=24)
         session = Session(session_id, engine, tokenizer, sampling, **options)
         self._sessions[session_id] = session
         return session

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from molt.agents.chat.ids import new_id
 from molt.models.tokenizer import BUILTIN_CHAT_TEMPLATE, BUILTIN_VLM_CHAT_TEMPLATE
+from molt.registry import Registry
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 Tools = Sequence[dict[str, Any]]
@@ -41,23 +42,17 @@ class ToolCall:
 
 
 Parser = Callable[[str, Tools], tuple[str, list[ToolCall]]]
-PARSERS: dict[str, Parser] = {}
+PARSERS: Registry[Parser] = Registry("tool parser")
 
 
 def register_parser(name: str):
     """Register `parse(text, tools) -> (content, calls)` under `name` (`--chat.tool_parser name`)."""
 
-    def wrap(fn: Parser) -> Parser:
-        if name in PARSERS:
-            raise ValueError(f"tool parser {name!r} registered twice")
-        PARSERS[name] = fn
-        return fn
-
-    return wrap
+    return PARSERS.register(name)
 
 
 def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
+    return new_id("call_")
 
 
 def function_specs(tools: Tools) -> dict[str, dict[str, Any]]:
@@ -74,7 +69,7 @@ def function_specs(tools: Tools) -> dict[str, dict[str, Any]]:
 def _json_call(body: str, specs: dict[str, dict[str, Any]]) -> ToolCall | None:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # the policy's text: malformed (or absurdly nested) is plain text
         return None
     if not isinstance(obj, dict) or obj.get("name") not in specs:
         return None
@@ -82,7 +77,7 @@ def _json_call(body: str, specs: dict[str, dict[str, Any]]) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return ToolCall(new_call_id(), obj["name"], args) if isinstance(args, dict) else None
 
@@ -132,6 +127,20 @@ def parse_molt(text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
 def parse_none(text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
     """Tool calls are not parsed; the agent sees the raw text."""
     return text, []
+
+
+def _hermes_prefix(name: str) -> str:
+    return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
+
+
+CALL_PREFIXES: dict[Parser, Callable[[str], str]] = {parse_hermes: _hermes_prefix, parse_molt: _hermes_prefix}
+
+
+def call_prefix(parser: Parser, name: str) -> str | None:
+    """Text that opens a tool call in `parser`'s format (of function `name`, or any when ""), which a request
+    with tool_choice required/named puts after the generation prompt; None if the parser has no format."""
+    make = CALL_PREFIXES.get(parser)
+    return make(name) if make is not None else None
 
 
 def get_parser(name: str, tokenizer=None) -> Parser:

@@ -6,20 +6,22 @@ before the user's remaining text); `tools` (`input_schema`) become OpenAI functi
 template path renders both wires. Base64 `image` blocks become image parts (for a VLM policy);
 document blocks are refused (422).
 Encoding: `text` and `tool_use` content blocks, `stop_reason` (end_turn, max_tokens, tool_use,
-stop_sequence) and `usage`; streaming sends the standard event sequence after the generation.
+stop_sequence) and `usage`; `tool_choice` any / tool opens the reply with a tool call. Streaming
+sends the standard event sequence as the engine generates: text deltas live, then each `tool_use` block
+with its input in `input_json_delta` pieces.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, text_content
-from molt.agents.chat.session import TurnReply
+from molt.agents.chat.session import InvalidRequest, TextDelta, TurnReply
 
 
 class _Model(BaseModel):
@@ -64,6 +66,17 @@ class ToolIn(_Model):
 
 class ToolChoice(_Model):
     type: Literal["auto", "any", "tool", "none"] = "auto"
+    name: str | None = None
+
+    def forced(self) -> str | None:
+        """The function a reply must call ("" any) or None."""
+        if self.type == "any":
+            return ""
+        if self.type == "tool":
+            if not self.name:
+                raise InvalidRequest("tool_choice type 'tool' needs a name")
+            return self.name
+        return None
 
 
 class MessagesRequest(_Model):
@@ -140,6 +153,7 @@ def decode(body: Any) -> ChatRequest:
         parse_tools=not (req.tool_choice and req.tool_choice.type == "none"),
         stream=req.stream,
         extra={"model": req.model},
+        force_tool=req.tool_choice.forced() if req.tool_choice and tools else None,
     )
 
 
@@ -155,9 +169,9 @@ def _blocks(reply: TurnReply) -> list[dict[str, Any]]:
     return blocks + [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in reply.tool_calls]
 
 
-def encode(reply: TurnReply, model: str) -> dict[str, Any]:
+def encode(reply: TurnReply, model: str, request: ChatRequest | None = None) -> dict[str, Any]:
     return {
-        "id": "msg_" + secrets.token_hex(12),
+        "id": new_id("msg_"),
         "type": "message",
         "role": "assistant",
         "model": model,
@@ -172,24 +186,49 @@ def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
 
 
-def stream(reply: TurnReply, model: str, request: ChatRequest) -> Iterator[str]:
-    """message_start, one start/delta/stop triple per content block, message_delta, message_stop."""
-    message = encode(reply, model)
-    usage = message["usage"]
-    head = message | {"content": [], "stop_reason": None, "stop_sequence": None}
-    yield _event("message_start", {"message": head | {"usage": usage | {"output_tokens": 0}}})
-    for i, block in enumerate(message["content"]):
-        if block["type"] == "text":
-            yield _event("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
-            delta = {"type": "text_delta", "text": block["text"]}
-        else:
-            yield _event("content_block_start", {"index": i, "content_block": block | {"input": {}}})
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-        yield _event("content_block_delta", {"index": i, "delta": delta})
-        yield _event("content_block_stop", {"index": i})
-    stop = {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}
-    yield _event("message_delta", {"delta": stop, "usage": usage})
+ARGUMENT_PIECE = 16  # characters of a tool_use input per input_json_delta
+
+
+def _tool_use_events(index: int, call) -> Iterator[str]:
+    block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+    yield _event("content_block_start", {"index": index, "content_block": block})
+    text = json.dumps(call.arguments, ensure_ascii=False)
+    for at in range(0, len(text), ARGUMENT_PIECE):
+        delta = {"type": "input_json_delta", "partial_json": text[at : at + ARGUMENT_PIECE]}
+        yield _event("content_block_delta", {"index": index, "delta": delta})
+    yield _event("content_block_stop", {"index": index})
+
+
+async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, request: ChatRequest) -> AsyncIterator[str]:
+    """message_start, text deltas as they are generated, then tool_use blocks (input_json_delta pieces),
+    message_delta and message_stop."""
+    head = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": model, "content": []}
+    yield _event("message_start", {"message": head | {"stop_reason": None, "stop_sequence": None, "usage": {
+        "input_tokens": 0, "output_tokens": 0}}})  # fmt: skip
+    sent, text_open = "", False
+    async for event in events:
+        text = event.text if isinstance(event, TextDelta) else event.content[len(sent) :]
+        if text:
+            if not text_open:
+                yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                text_open = True
+            sent += text
+            yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+        if isinstance(event, TextDelta):
+            continue
+        if text_open:
+            yield _event("content_block_stop", {"index": 0})
+        for k, call in enumerate(event.tool_calls):
+            for line in _tool_use_events(k + text_open, call):
+                yield line
+        usage = {"input_tokens": event.num_prompt_tokens, "output_tokens": event.num_completion_tokens}
+        stop = {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_sequence}
+        yield _event("message_delta", {"delta": stop, "usage": usage})
     yield _event("message_stop", {})
+
+
+def stream_error(status: int, message: str) -> str:
+    return _event("error", {"error": error(status, message)["error"]})
 
 
 ERROR_TYPES = {
@@ -201,6 +240,6 @@ ERROR_TYPES = {
 }
 
 
-def error(status: int, message: str) -> dict[str, Any]:
+def error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
     kind = ERROR_TYPES.get(status, "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}

@@ -2,25 +2,33 @@
 
 Decoding: `developer` becomes `system`; content is a string or text and `image_url` parts (data URIs,
 for a VLM policy; audio is refused with 422); assistant `tool_calls`
-arguments are decoded from their JSON string. `n` must be 1 (each sample is its own rollout).
-Encoding: one choice whose message carries `content` and parsed `tool_calls`; `usage` counts the
-engine's prompt (the whole context) and generated tokens. Streaming sends the reply as chunks
-(role, content, each tool call, finish, then usage when `stream_options.include_usage`) and
-`[DONE]`; the engine interface returns whole completions, so chunks follow the generation.
+arguments are decoded from their JSON string. `n` samples share the prompt; `seed` (serve mode);
+`tool_choice` required / named opens the reply with a tool call; `response_format` other than `text`
+is refused (400), and so is `top_logprobs` without `logprobs` (as OpenAI does).
+Encoding: one choice per sample whose message carries `content` and parsed `tool_calls`; with `logprobs`
+each generated token's log-prob is the engine's (`SamplingParams.logprob_mode`, by default
+log_softmax(logits / T) over the whole vocabulary: the number the trainer's ratio uses), and
+`top_logprobs` lists the k most likely tokens under that same log_softmax(logits / T) (so at
+temperature 0 the first is the generated token, with its log-prob); `usage` counts
+the engine's prompt (the whole context) and generated tokens. Streaming sends chunks as the engine
+generates: role, content deltas, then each tool call (id and name, then its arguments in pieces, as
+OpenAI does), finish, usage when `stream_options.include_usage`, and `[DONE]`.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, decode_arguments, text_content
-from molt.agents.chat.session import TurnReply
+from molt.agents.chat.session import InvalidRequest, TextDelta, TurnReply
+
+MAX_N = 16  # samples per request (each holds a sequence slot)
 
 
 class _Model(BaseModel):
@@ -89,16 +97,13 @@ class CompletionRequest(_Model):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_sample(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("n must be 1 (each sample is its own rollout: open more sessions)")
-        return n
 
     @field_validator("stop")
     @classmethod
@@ -126,9 +131,30 @@ def _message(m: MessageIn) -> dict[str, Any]:
     return out
 
 
+def _forced_tool(choice: str | dict[str, Any] | None) -> str | None:
+    """tool_choice -> the function a call must open with ("" any), or None (auto / none)."""
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if choice == "required":
+        return ""
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest("tool_choice must be none, auto, required or {type: function, function: {name}}")
+    return name
+
+
+def _check_supported(req: CompletionRequest) -> None:
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise InvalidRequest(f"response_format {kind!r} is not supported (only 'text'): the output is unconstrained")
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true")
+
+
 def decode(body: Any) -> ChatRequest:
-    """A validated request (raises pydantic.ValidationError)."""
+    """A validated request (raises pydantic.ValidationError, or InvalidRequest for unsupported options)."""
     req = CompletionRequest.model_validate(body)
+    _check_supported(req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     return ChatRequest(
         messages=[_message(m) for m in req.messages],
@@ -140,6 +166,11 @@ def decode(body: Any) -> ChatRequest:
         parse_tools=req.tool_choice != "none",
         stream=req.stream,
         extra={"include_usage": bool(req.stream_options and req.stream_options.include_usage), "model": req.model},
+        n=req.n,
+        seed=req.seed,
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs or 0,
+        force_tool=_forced_tool(req.tool_choice) if req.tools else None,
     )
 
 
@@ -151,50 +182,105 @@ def _tool_calls(reply: TurnReply) -> list[dict[str, Any]]:
 
 
 def _usage(reply: TurnReply) -> dict[str, int]:
+    completion = sum(c.num_completion_tokens for c in reply.choices)
     return {
         "prompt_tokens": reply.num_prompt_tokens,
-        "completion_tokens": reply.num_completion_tokens,
-        "total_tokens": reply.num_prompt_tokens + reply.num_completion_tokens,
+        "completion_tokens": completion,
+        "total_tokens": reply.num_prompt_tokens + completion,
     }
 
 
-def encode(reply: TurnReply, model: str) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content or (None if reply.tool_calls else "")}
-    if reply.tool_calls:
-        message["tool_calls"] = _tool_calls(reply)
+def _logprobs(choice: TurnReply, tokenizer_decode) -> dict[str, Any]:
+    """OpenAI `logprobs.content`: each generated token with the engine's log-prob (the one trained on) and
+    its `top_logprobs` alternatives when asked for."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer_decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    tops = choice.top_logprobs or [()] * len(choice.token_ids)
+    content = [
+        entry(token_id, logprob) | {"top_logprobs": [entry(i, lp) for i, lp in top]}
+        for token_id, logprob, top in zip(choice.token_ids, choice.logprobs, tops, strict=True)
+    ]
+    return {"content": content}
+
+
+def _message_of(choice: TurnReply) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": choice.content or (None if choice.tool_calls else "")}
+    if choice.tool_calls:
+        message["tool_calls"] = _tool_calls(choice)
+    return message
+
+
+def encode(reply: TurnReply, model: str, request: ChatRequest | None = None) -> dict[str, Any]:
+    decode_token = request.extra.get("decode_token") if request is not None else None
+    choices = [
+        {
+            "index": i,
+            "message": _message_of(choice),
+            "finish_reason": choice.finish_reason,
+            "logprobs": _logprobs(choice, decode_token) if request is not None and request.logprobs else None,
+        }
+        for i, choice in enumerate(reply.choices)
+    ]
     return {
-        "id": "chatcmpl-" + secrets.token_hex(12),
+        "id": new_id("chatcmpl-"),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": None}],
+        "choices": choices,
         "usage": _usage(reply),
     }
 
 
-def stream(reply: TurnReply, model: str, request: ChatRequest) -> Iterator[str]:
-    """Server-sent events of `chat.completion.chunk` objects, then `[DONE]`."""
-    head = {"id": "chatcmpl-" + secrets.token_hex(12), "object": "chat.completion.chunk", "created": int(time.time())}
-    head["model"] = model
+ARGUMENT_PIECE = 16  # characters of tool-call arguments per streamed chunk
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        body = head | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]} | extra
+
+async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, request: ChatRequest) -> AsyncIterator[str]:
+    """`chat.completion.chunk` events as text is generated, then tool calls, finish reasons, usage, `[DONE]`."""
+    head = {"id": new_id("chatcmpl-"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> str:
+        body = head | {"choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]}
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
-    if reply.content:
-        yield chunk({"content": reply.content})
-    for i, call in enumerate(_tool_calls(reply)):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, reply.finish_reason)
-    if request.extra.get("include_usage"):
-        yield f"data: {json.dumps(head | {'choices': [], 'usage': _usage(reply)})}\n\n"
+    for i in range(request.n):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    sent = [""] * request.n
+    async for event in events:
+        if isinstance(event, TextDelta):
+            sent[event.index] += event.text
+            yield chunk(event.index, {"content": event.text})
+            continue
+        for i, choice in enumerate(event.choices):
+            if rest := choice.content[len(sent[i]) :]:
+                yield chunk(i, {"content": rest})
+            for k, call in enumerate(_tool_calls(choice)):
+                opening = {
+                    "index": k,
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": ""},
+                }
+                yield chunk(i, {"tool_calls": [opening]})
+                arguments = call["function"]["arguments"]
+                for at in range(0, len(arguments), ARGUMENT_PIECE):
+                    piece = arguments[at : at + ARGUMENT_PIECE]
+                    yield chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
+            yield chunk(i, {}, choice.finish_reason)
+        if request.extra.get("include_usage"):
+            yield f"data: {json.dumps(head | {'choices': [], 'usage': _usage(event)})}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def stream_error(status: int, message: str) -> str:
+    return f"data: {json.dumps(error(status, message))}\n\n"
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
 
 
-def error(status: int, message: str) -> dict[str, Any]:
+def error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": None, "code": code or status}}

@@ -2,8 +2,8 @@
 
 Every request to `/v1/chat/completions` or `/v1/messages` runs in its own implicit session (nothing
 is recorded); the request's `temperature` / `top_p` are honoured, unlike in training sessions.
-The checkpoint is a Hugging Face model folder or a run directory (its latest checkpoint). Like
-`molt/loop/run.py` this is a command: it builds the model, the engine and the server.
+The checkpoint is a Hugging Face model folder or a run directory (its latest checkpoint). This command
+assembles the model, an engine from the one factory (32 sequences of `chat.max_len`) and the server.
 """
 
 from __future__ import annotations
@@ -11,35 +11,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from pathlib import Path
+
+import torch
 
 from molt.agents.chat.server import ChatServer
-from molt.config import Config, ConfigError
-
-
-def resolve_checkpoint(path: str) -> str:
-    """A model folder as given, or a run directory's latest checkpoint."""
-    folder = Path(path)
-    pointer = folder / "checkpoints" / "latest"
-    if not (folder / "config.json").exists() and pointer.exists():
-        return str(pointer.parent / pointer.read_text().strip())
-    if not folder.is_dir():
-        raise ConfigError(f"model.path: checkpoint {path!r} is not a folder")
-    return str(folder)
+from molt.cli.build import build_model, build_tokenizer, resolve_checkpoint
+from molt.cli.inputs import check_user_code
+from molt.config import Config
+from molt.engine.interface import SamplingParams
+from molt.runtime.factory import build_engine
 
 
 def build_server(cfg: Config) -> ChatServer:
     """Model, engine and a serve-mode ChatServer (not started) from the config."""
-    from molt.engine import SamplingParams, TorchEngine
-    from molt.train.build import build_model, build_tokenizer
-
+    check_user_code(cfg)
     model_cfg = cfg.model
     if model_cfg.path:
         model_cfg = dataclasses.replace(model_cfg, path=resolve_checkpoint(model_cfg.path))
     tokenizer = build_tokenizer(model_cfg)
-    model = build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device).eval()
+    model = build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device)
     chat = cfg.chat
-    engine = TorchEngine(model, tokenizer=tokenizer, num_slots=32, max_seq_len=chat.max_len + 1)
+    threads = cfg.runtime.threads or torch.get_num_threads()
+    engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True, num_slots=32, max_len=chat.max_len)
     stop = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
     sampling = SamplingParams(
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_tokens=chat.max_tokens, stop_token_ids=stop
@@ -51,6 +44,7 @@ def build_server(cfg: Config) -> ChatServer:
         port=chat.port,
         api_key=chat.api_key,
         model_name=chat.model_name,
+        model_aliases=tuple(chat.model_aliases),
         max_body_bytes=chat.max_body_bytes,
         tool_parser=chat.tool_parser,
         render_tools=chat.render_tools,

@@ -3,7 +3,7 @@
 The target is a checkpoint folder, a run directory (its latest checkpoint) or any HF model folder
 (`--model.path`; the CLI fills it from `molt eval TARGET`, reading the run's `config.yaml` for data,
 rollout and eval settings when TARGET belongs to a run). Same data split, agent or reward function,
-built-in engine, episode limits, sampling settings and per-sample seeds as training's eval, so it
+engine, episode limits, sampling settings and per-sample seeds (`eval.seed`) as training's eval, so it
 reproduces the in-training eval of the checkpoint's step. Writes `metrics.jsonl` (mean reward, named
 rewards, pass@k for every k up to `eval.n_samples`) and `results.jsonl` (one line per row).
 """
@@ -18,15 +18,13 @@ from typing import Any
 
 import torch
 
-from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatAgent, ChatRunner
-from molt.agents.chat.serve import resolve_checkpoint
-from molt.agents.runner import EpisodeLimits, run_episode
+from molt.cli.build import build_model, build_tokenizer, resolve_checkpoint
+from molt.cli.inputs import load_inputs
 from molt.config import Config, ConfigError
 from molt.engine.torch_engine import on_fresh_thread
 from molt.log import RunDir, atomic_write_text
-from molt.loop.evaluate import EVAL_SEED, evaluate
-from molt.loop.run import _engine, load_inputs
-from molt.train.build import build_model, build_tokenizer
+from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling, run_agent
+from molt.runtime.factory import build_engine
 
 
 @dataclasses.dataclass
@@ -35,21 +33,6 @@ class EvalResult:
     checkpoint: str
     metrics: dict[str, float]
     rows: list[dict[str, Any]]
-
-
-def eval_sampling(cfg: Config, tokenizer):
-    """The eval SamplingParams (as the RL loop builds them); temperature 0 is greedy."""
-    from molt.engine import SamplingParams
-
-    ro, stop = cfg.rollout, tuple(t for t in {tokenizer.eos_token_id} if t is not None)
-    return SamplingParams(
-        temperature=cfg.eval.temperature,
-        top_p=ro.top_p,
-        top_k=ro.top_k,
-        max_tokens=ro.max_tokens,
-        stop_token_ids=stop,
-        seed=0,
-    )
 
 
 def _model(cfg: Config, checkpoint: str):
@@ -65,20 +48,17 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
 
 async def _eval_async(cfg: Config, checkpoint: str, rows: list[dict], make_env, threads: int, out: list) -> dict:
     tokenizer, model = on_fresh_thread(_model, cfg, checkpoint, threads=threads)
-    engine = _engine(cfg, model, tokenizer, 0, threads)
-    chat = ChatRunner(engine, tokenizer, cfg.chat.api_key, **{k: getattr(cfg.chat, k) for k in CHAT_SERVER_OPTIONS})
+    engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True)
+    chat = chat_runner(cfg, engine, tokenizer)
 
-    async def episode(engine, tokenizer, agent, row, sampling, limits, **kw):
-        if isinstance(agent, ChatAgent):
-            return (await chat.run(agent, row, sampling, limits, **kw))[-1]
-        return await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)
+    async def episode(*args, **kw):
+        return (await run_agent(chat, *args, **kw))[-1]  # segments share reward and score
 
-    ro, n = cfg.rollout, cfg.eval.n_samples
-    limits = EpisodeLimits(ro.max_turns, ro.max_len, ro.step_timeout_s)
+    n = cfg.eval.n_samples
     try:
-        sampling = eval_sampling(cfg, tokenizer)
-        ks = list(range(1, n + 1))
-        return await evaluate(engine, tokenizer, make_env, rows, sampling, limits, n, EVAL_SEED, episode, ks, out)
+        return await evaluate(engine, tokenizer, make_env=make_env, rows=rows, limits=episode_limits(cfg), n=n,
+                              sampling=rollout_sampling(cfg, tokenizer, cfg.eval.temperature), seed=cfg.eval.seed,
+                              episode=episode, ks=list(range(1, n + 1)), results=out)  # fmt: skip
     finally:
         await chat.close()
         await engine.close()

@@ -1,12 +1,15 @@
-"""`molt train`: warm start (cached SFT), then asynchronous RL with eval, checkpoints and a summary."""
+"""`molt train`: assemble a run (inputs, policy, runtime, loop), then asynchronous RL with eval and checkpoints.
+
+The order: start-up checks of the run directory, inputs (data, reward, agent: a bad row stops here), the
+policy (resumed, loaded, or a cached warm start), the runtime of `runtime.backend` (trainer and extra models
+placed, engines started from the one factory), the loop; at the end a summary line. With `rollout.replay` the
+loop trains on a rollout dump and no engine is started (`molt/loop/replay.py`).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
-import hashlib
-import json
 import sys
 import time
 from collections.abc import Coroutine
@@ -17,19 +20,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from molt import cache_root
-from molt.agents.reward_env import agent_factory
-from molt.agents.reward_fn import RewardFunction, load_reward
+from molt.cli.build import build_model, build_tokenizer
+from molt.cli.inputs import RunInputs, load_inputs
+from molt.cli.warm_start import wants_warm_start, warm_start
 from molt.config import Config, ConfigError
-from molt.data.dataset import dataset_rows, has_demonstrations
 from molt.engine.torch_engine import on_fresh_thread
 from molt.log import RunDir, check_new_run_dir, plot_metrics
 from molt.loop.checkpoint import checkpoint_step, latest_checkpoint, load_training_state, save_checkpoint
+from molt.loop.replay import ReplayLoop, compute_threads, replay_folder
 from molt.loop.rl import RLLoop
-from molt.runtime.sizing import engine_kwargs
-from molt.train.build import build_model, build_tokenizer
-from molt.train.precision import Precision, resolve_dtype
-from molt.train.trainer import Trainer
+from molt.runtime.base import Runtime, start_runtime
+from molt.train.precision import Precision
 
 T = TypeVar("T")
 
@@ -46,70 +47,6 @@ class TrainResult:
     seconds: float
 
 
-def _model_key(m) -> dict[str, Any]:
-    """The model fields that name a cached warm start (router_fp32 only when off: older caches stay valid)."""
-    fields = dataclasses.asdict(m)
-    if fields.get("router_fp32", False):
-        del fields["router_fp32"]
-    return fields
-
-
-def _data_key(d) -> dict[str, Any]:
-    """The data fields that name a cached warm start (newer fields only when set: older caches stay valid)."""
-    fields, defaults = dataclasses.asdict(d), dataclasses.asdict(type(d)())
-    for key in ("eval_path", "split", "columns", "system_prompt", "shuffle"):
-        if fields[key] == defaults[key]:
-            del fields[key]
-    return fields
-
-
-def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
-    """Path of an SFT checkpoint of the preset on the task's demonstrations (trained once, then cached)."""
-    from molt.train.sft import run_sft
-
-    m = cfg.model
-    sft_cfg = dataclasses.replace(
-        cfg,
-        train=dataclasses.replace(
-            cfg.train,
-            max_steps=m.warmstart_steps,
-            lr=m.warmstart_lr,
-            batch_size=32,
-            warmup_steps=min(10, m.warmstart_steps),
-        ),
-    )
-    rows = train_rows if train_rows is not None else dataset_rows(cfg.data)[0]
-    sample = rows[:8]  # the data itself, so a changed task definition is not served stale
-    key_fields = {
-        "model": _model_key(m),
-        "data": _data_key(cfg.data),
-        "seed": cfg.train.seed,
-        "sample": sample,
-        "version": 1,
-    }
-    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
-    folder = cache_root() / "warmstart" / key
-    if not (folder / "checkpoint" / "config.json").exists():
-        sft_cfg.log = dataclasses.replace(cfg.log, run_dir=str(folder), wandb_project="")  # a cache, not a run
-        run_sft(sft_cfg)
-    return str(folder / "checkpoint")
-
-
-def wants_warm_start(cfg: Config, train_rows: list[dict], say=print) -> bool:
-    """Warm-start a preset (not `--model.path`, not a resume) on a task's demonstrations, or on a data file
-    whose every row has an assistant turn; prompt-only data skips it, saying so."""
-    if cfg.ckpt.resume or cfg.model.path or cfg.model.warmstart_steps <= 0:
-        return False
-    if not cfg.data.path or has_demonstrations(train_rows):
-        return True
-    say(
-        f"warm start skipped: {cfg.data.path} has prompts without assistant turns (nothing to imitate), so preset "
-        f"{cfg.model.preset!r} starts from random weights; pass a pretrained model with --model.path (e.g. a "
-        "`molt sft` checkpoint), or --model.warmstart_steps 0 to silence this"
-    )
-    return False
-
-
 def _policy(cfg: Config, train_rows: list[dict], warm: bool):
     """(tokenizer, trainer model): resumed, loaded, or warm-started preset."""
     if cfg.ckpt.resume:
@@ -122,23 +59,6 @@ def _policy(cfg: Config, train_rows: list[dict], warm: bool):
     tokenizer = build_tokenizer(model_cfg)
     params = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device).params
     return tokenizer, build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device, params)
-
-
-def _engine(cfg: Config, model, tokenizer, version: int, threads: int):
-    from molt.engine import TorchEngine
-
-    slots = cfg.rollout.episodes_in_flight * 2
-    if cfg.runtime.engine == "vllm":
-        from molt.engine.vllm import VLLMEngine
-
-        return VLLMEngine.from_model(model, tokenizer, num_slots=slots, max_model_len=cfg.rollout.max_len + 1)
-    return TorchEngine(
-        copy.deepcopy(model).eval().to(resolve_dtype(cfg.model.dtype, cfg.runtime.device)),  # compute dtype
-        tokenizer=tokenizer,
-        num_threads=cfg.runtime.engine_threads or threads,
-        version=version,
-        **engine_kwargs(cfg, model.cfg),
-    )
 
 
 class Progress:
@@ -171,49 +91,33 @@ class Progress:
             self.bar.close()
 
 
-@dataclass
-class RunInputs:
-    """What a run reads before any model is built: data rows, reward function and agent factory."""
-
-    train_rows: list[dict]
-    eval_rows: list[dict]
-    reward: RewardFunction | None
-    make_env: Any
-
-
-def load_inputs(cfg: Config) -> RunInputs:
-    """Data, reward and agent of a run; a bad row, file or function is an error here, before any model."""
-    train_rows, eval_rows = dataset_rows(cfg.data)
-    ro = cfg.rollout
-    reward = load_reward(ro.reward, ro.reward_weights) if ro.reward else None
-    return RunInputs(train_rows, eval_rows, reward, agent_factory(ro.agent, reward, cfg.data.task, ro.max_turns))
+async def _start(cfg: Config, run: RunDir, threads: int, inputs: RunInputs) -> tuple[Runtime, RLLoop]:
+    """The runtime (policy trainer, extra models, engines) and the loop over them; a resume restores both.
+    `rollout.replay`: the trainer alone and the loop over the dump (no engine is built)."""
+    warm = wants_warm_start(cfg, inputs.train_rows, run.print)
+    tokenizer, model = on_fresh_thread(_policy, cfg, inputs.train_rows, warm, threads=threads)
+    runtime = start_runtime(cfg, model, threads)
+    try:
+        trainer = runtime.trainer
+        state = load_training_state(latest_checkpoint(cfg.ckpt.resume), trainer) if cfg.ckpt.resume else None
+        if cfg.rollout.replay:  # no engine: the trainer steps on the dumped batches
+            vocab_size, compute = model.cfg.vocab_size, compute_threads(cfg, threads)
+            return runtime, ReplayLoop(cfg, trainer=trainer, tokenizer=tokenizer, vocab_size=vocab_size,
+                                       threads=compute, state=state, run_dir=run.path)  # fmt: skip
+        engine = runtime.start_engines(tokenizer, trainer.version)
+    except BaseException:
+        runtime.shutdown()
+        raise
+    if state is not None:  # the engines copied the checkpoint folder (LoRA: the unmerged base): the trainer wins
+        await engine.update_weights(trainer.weights(), trainer.version)
+    loop = RLLoop(cfg, engine=engine, trainer=trainer, tokenizer=tokenizer, make_env=inputs.make_env,
+                  train_rows=inputs.train_rows, eval_rows=inputs.eval_rows, state=state, run_dir=run.path)  # fmt: skip
+    return runtime, loop
 
 
 async def _train_async(cfg: Config, run: RunDir, threads: int, inputs: RunInputs) -> TrainResult:
     t0 = time.perf_counter()
-    warm = wants_warm_start(cfg, inputs.train_rows, run.print)
-    tokenizer, model = on_fresh_thread(_policy, cfg, inputs.train_rows, warm, threads=threads)
-    runtime = None
-    if cfg.runtime.backend == "ray":
-        from molt.runtime.backend import RayRuntime
-
-        runtime = RayRuntime(cfg, model)
-    try:
-        trainer = runtime.trainer if runtime else Trainer(model, cfg)
-        state = load_training_state(latest_checkpoint(cfg.ckpt.resume), trainer) if cfg.ckpt.resume else None
-        engine = (
-            runtime.start_engines(tokenizer, trainer.version)
-            if runtime
-            else _engine(cfg, model, tokenizer, trainer.version, threads)
-        )
-    except BaseException:
-        if runtime:
-            runtime.shutdown()
-        raise
-    if state is not None and getattr(trainer, "lora", None) is not None:  # the engine copied the unmerged base
-        await engine.update_weights(trainer.weights(), trainer.version)
-    loop = RLLoop(cfg, engine, trainer, tokenizer, inputs.make_env, inputs.train_rows, inputs.eval_rows, state,
-                  run_dir=run.path)  # fmt: skip
+    runtime, loop = await _start(cfg, run, threads, inputs)
     progress = Progress(run, cfg.train.max_steps, cfg.log.every)
     try:
         before = await loop.evaluate() if cfg.eval.every and not cfg.ckpt.resume else {}
@@ -221,18 +125,18 @@ async def _train_async(cfg: Config, run: RunDir, threads: int, inputs: RunInputs
             run.log({"step": loop.state.step, **before})
 
         def on_step(metrics: dict[str, Any]) -> None:
-            metrics |= runtime.metrics() if runtime else {}
+            metrics |= runtime.metrics()
             metrics |= inputs.reward.log.drain() if inputs.reward else {}
             progress(metrics)
             if cfg.ckpt.every and loop.state.step % cfg.ckpt.every == 0:
-                save_checkpoint(run.path, trainer, loop.snapshot(), tokenizer)
+                save_checkpoint(run.path, loop.trainer, loop.snapshot(), loop.tokenizer)
 
         history = await loop.run(on_step)
-        ckpt = save_checkpoint(run.path, trainer, loop.snapshot(), tokenizer)
+        ckpt = save_checkpoint(run.path, loop.trainer, loop.snapshot(), loop.tokenizer)
     finally:
         progress.close()
         await loop.chat.close()
-        await (runtime.close() if runtime else engine.close())
+        await runtime.close()
         if inputs.reward:
             inputs.reward.close()
     after = next((m for m in reversed(history) if "eval/reward_mean" in m), {})
@@ -275,6 +179,8 @@ def _summary(run: RunDir, result: TrainResult) -> None:
 async def train_async(cfg: Config) -> TrainResult:
     """`molt train` as a coroutine, for callers that already run an event loop (`await molt.train_async(cfg)`)."""
     check_run_dir(cfg)
+    if cfg.rollout.replay:  # its shards cover the steps to train, before any data or model is read
+        replay_folder(cfg, checkpoint_step(latest_checkpoint(cfg.ckpt.resume)) if cfg.ckpt.resume else 0)
     torch.manual_seed(cfg.train.seed)
     threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
     torch.set_num_threads(1)  # this thread runs asyncio only; model compute runs on the engine's thread

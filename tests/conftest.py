@@ -1,4 +1,6 @@
-"""One local Ray cluster per test session (ray.init costs seconds and ~600 MB), and small helpers."""
+"""Shared test fixtures: one local Ray cluster per session, the tiny Molt model, engine-like batches, and a
+recording wrapper around an engine. Test modules import the helpers with `from conftest import ...`.
+"""
 
 import os
 import random
@@ -21,9 +23,13 @@ def ray_cluster():
     ray.shutdown()
 
 
-def small_model(seed=0):
-    cfg = preset("tiny", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, head_dim=16)
-    return Transformer(cfg).init_weights(0.05, torch.Generator().manual_seed(seed))
+def small_model(seed: int = 0, kind: str = "dense", std: float = 0.05, **sizes) -> Transformer:
+    """The tiny Molt model of the unit tests (random weights of std `std`): dense, or `kind="moe"`."""
+    kw = dict(vocab_size=64, hidden_size=64, num_layers=2, head_dim=16)
+    moe = kind == "moe"
+    kw |= (dict(moe_intermediate_size=32) if moe else dict(intermediate_size=128)) | sizes
+    arch = preset("tiny-moe" if moe else "tiny", **kw)
+    return Transformer(arch).init_weights(std, torch.Generator().manual_seed(seed))
 
 
 @torch.no_grad()
@@ -42,3 +48,18 @@ def batch(model, num_groups=4, n=4, seed=0):
             traj.rollout_logprobs = [x if m else 0.0 for x, m in zip([0.0, *lp.tolist()], traj.loss_mask, strict=True)]
             out.append(traj)
     return out
+
+
+class RecordingEngine:
+    """Wraps a real engine and keeps every (prompt ids, emitted ids) pair it served."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    async def generate(self, prompt_ids, sampling, **kw):
+        completion = await self.engine.generate(prompt_ids, sampling, **kw)
+        self.calls.append((tuple(prompt_ids), tuple(completion.token_ids)))
+        return completion
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from molt.engine import kernels
+from molt.engine.cpu import kernels
 from molt.models.transformer import RMSNorm
 
 MAX_ROWS = 1024  # measured ahead of sgemm up to 512 rows; larger prefill chunks stay on sgemm

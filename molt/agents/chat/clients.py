@@ -1,0 +1,78 @@
+"""SDK clients bound to one session, sharing one HTTP client per runner (`ctx.openai()`, `ctx.anthropic()`).
+
+Building an `AsyncOpenAI` / `AsyncAnthropic` client from nothing loads the system CA bundle for TLS
+(20-90 ms of CPU, paid on the event loop the rollouts share), opens new connections and, on its first
+request, detects the platform in a worker thread; one built on an existing `http_client` with the platform
+already known costs ~0.2 ms. So `ClientPool` keeps one HTTP client per SDK and hands out session-bound SDK
+clients on it. With the server (the runner's case: same event loop) that HTTP client sends requests
+into it in-process (`loopback.py`: completions straight to their handler); without it, over a keep-alive
+loopback pool (no proxy lookups). Closing a session client (`async with ctx.openai() as client`) leaves the
+shared one open; the runner closes it. Imports the SDKs only when asked for their client.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from molt.agents.chat.ids import new_id
+from molt.agents.chat.loopback import transport_class
+
+MAX_KEEPALIVE = 512  # idle loopback connections kept (one per concurrent request at most)
+
+
+@functools.cache
+def _session_client_class(sdk: str) -> type:
+    """The SDK's async client with `close()` leaving the shared pool open."""
+    module = importlib.import_module(sdk)
+    base = module.AsyncOpenAI if sdk == "openai" else module.AsyncAnthropic
+
+    async def close(self) -> None:  # the pool belongs to the runner
+        return None
+
+    def _idempotency_key(self) -> str:  # the SDK's is a uuid4 per request: an os.urandom call
+        return new_id("molt-retry-")
+
+    body = {"close": close, "_idempotency_key": _idempotency_key, "__module__": __name__}
+    return type(f"Session{base.__name__}", (base,), body)
+
+
+def _new_pool(sdk: str, app=None):
+    """The SDK's own default httpx client class (its timeouts, its httpx flavour): in-process into `app`, or
+    a keep-alive pool sized for many concurrent loopback sessions."""
+    pool_cls = importlib.import_module(sdk).DefaultAsyncHttpxClient
+    httpx = importlib.import_module(pool_cls.__mro__[1].__module__.split(".")[0])  # httpx or httpx2
+    if app is not None:
+        return pool_cls(transport=transport_class(httpx)(app), trust_env=False)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=MAX_KEEPALIVE)
+    return pool_cls(limits=limits, trust_env=False)
+
+
+@functools.cache
+def _platform(sdk: str) -> Any:
+    """The SDK's platform headers, computed once (the SDK does it per client instance, in a thread)."""
+    get_platform = getattr(importlib.import_module(f"{sdk}._base_client"), "get_platform", None)
+    return get_platform() if get_platform is not None else None
+
+
+class ClientPool:
+    """One HTTP client per SDK, created on first use on the caller's event loop; `app`: in-process."""
+
+    def __init__(self, app=None):
+        self.app = app
+        self._pools: dict[str, Any] = {}
+
+    def client(self, sdk: str, base_url: str, api_key: str, **options: Any) -> Any:
+        """An `AsyncOpenAI` (`sdk="openai"`) or `AsyncAnthropic` client on the shared HTTP client."""
+        if sdk not in self._pools:
+            self._pools[sdk] = _new_pool(sdk, self.app)
+        client = _session_client_class(sdk)(base_url=base_url, api_key=api_key, http_client=self._pools[sdk], **options)
+        if getattr(client, "_platform", False) is None:  # SDK-internal cache; skips a thread hop per client
+            client._platform = _platform(sdk)
+        return client
+
+    async def close(self) -> None:
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            await pool.aclose()

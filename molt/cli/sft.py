@@ -1,0 +1,75 @@
+"""`molt sft`: assemble supervised fine-tuning (tokenizer, model, rows, optimizer), train, evaluate, save.
+
+The stage's pieces (tokenization, packing, the token-mean loss, the step) live in `molt/train/sft.py`.
+Writes metrics.jsonl and an HF checkpoint (model + tokenizer) that `transformers` loads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from molt.cli.build import build_model, build_tokenizer
+from molt.config import Config
+from molt.log import RunDir, plot_metrics
+from molt.models import save_pretrained
+from molt.train.optim import build_optimizer
+from molt.train.packing import pack
+from molt.train.precision import Precision
+from molt.train.sft import evaluate, sft_rows, shuffled_batches, tokenize_rows, train_step
+
+
+@dataclass
+class SftResult:
+    run_dir: str
+    checkpoint: str
+    eval_before: dict[str, float]
+    eval_after: dict[str, float]
+
+
+def run_sft(cfg: Config) -> SftResult:
+    """The `molt sft` command."""
+    torch.manual_seed(cfg.train.seed)
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
+    run = RunDir(cfg.log.run_dir, "sft", cfg)
+    tokenizer = build_tokenizer(cfg.model)
+    precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
+    model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device, precision.params)
+    scaler = precision.scaler()
+    train_rows, eval_rows = sft_rows(cfg)
+    source = cfg.data.path or f"task {cfg.data.task}"
+    ids, masks, pixels = tokenize_rows(tokenizer, train_rows, cfg.data.max_len, source, model.cfg)
+    eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, cfg.data.max_len, source, model.cfg)
+    row_len, mb = cfg.data.max_len, cfg.train.micro_batch_tokens
+    eval_batches = pack(eval_ids, eval_masks, row_len, mb, eval_pixels) if eval_ids else []
+    eval_batches = [b.to(cfg.runtime.device) for b in eval_batches]
+    run.print(f"model {model.num_params() / 1e6:.2f}M params, {len(ids)} train / {len(eval_ids)} eval samples")
+    opt, schedule = build_optimizer(model.parameters(), cfg.train)
+    before = evaluate(model, eval_batches) if eval_batches else {}
+    sampler = shuffled_batches(len(ids), cfg.train.batch_size, cfg.train.seed)
+    for step in range(cfg.train.max_steps):
+        t0 = time.perf_counter()
+        picked = next(sampler)
+        batches = pack([ids[i] for i in picked], [masks[i] for i in picked], row_len, mb, [pixels[i] for i in picked])
+        batches = [b.to(cfg.runtime.device) for b in batches]
+        metrics = train_step(model, opt, schedule, batches, cfg.train.grad_clip, precision, scaler)
+        tokens = sum(b.num_tokens for b in batches)
+        dt = time.perf_counter() - t0
+        metrics |= {"step": step + 1, "train/tokens_per_s": tokens / dt, "time/step_s": dt}
+        run.log(metrics)
+        if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.max_steps:
+            run.print(
+                f"step {step + 1}/{cfg.train.max_steps} loss {metrics['train/loss']:.4f} "
+                f"lr {metrics['train/lr']:.2e} {metrics['train/tokens_per_s']:.0f} tok/s"
+            )
+    after = evaluate(model, eval_batches) if eval_batches else {}
+    if after:
+        run.log({"step": cfg.train.max_steps, **after})
+    ckpt = save_pretrained(model, run.path / "checkpoint", tokenizer=tokenizer)
+    run.close()
+    plot = plot_metrics(run.path, ["train/loss", "train/lr"])
+    run.print(f"eval before {before} -> after {after}; checkpoint: {ckpt}; plot: {plot}")
+    return SftResult(str(run.path), str(ckpt), before, after)

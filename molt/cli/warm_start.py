@@ -1,0 +1,80 @@
+"""The warm start of `molt train`: a preset SFT-trained on the task's demonstrations, trained once and cached.
+
+Cached under `cache_root()/warmstart/<key>`, the key naming the model and data settings, the seed and a
+sample of the rows (a changed task definition is not served stale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from molt import cache_root
+from molt.config import Config
+from molt.data.dataset import dataset_rows, has_demonstrations
+
+
+def _model_key(m) -> dict[str, Any]:
+    """The model fields that name a cached warm start (router_fp32 only when off: older caches stay valid)."""
+    fields = dataclasses.asdict(m)
+    if fields.get("router_fp32", False):
+        del fields["router_fp32"]
+    return fields
+
+
+def _data_key(d) -> dict[str, Any]:
+    """The data fields that name a cached warm start (newer fields only when set: older caches stay valid)."""
+    fields, defaults = dataclasses.asdict(d), dataclasses.asdict(type(d)())
+    for key in ("eval_path", "split", "columns", "system_prompt", "shuffle"):
+        if fields[key] == defaults[key]:
+            del fields[key]
+    return fields
+
+
+def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
+    """Path of an SFT checkpoint of the preset on the task's demonstrations (trained once, then cached)."""
+    from molt.cli.sft import run_sft
+
+    m = cfg.model
+    sft_cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(
+            cfg.train,
+            max_steps=m.warmstart_steps,
+            lr=m.warmstart_lr,
+            batch_size=32,
+            warmup_steps=min(10, m.warmstart_steps),
+        ),
+    )
+    rows = train_rows if train_rows is not None else dataset_rows(cfg.data)[0]
+    sample = rows[:8]  # the data itself, so a changed task definition is not served stale
+    key_fields = {
+        "model": _model_key(m),
+        "data": _data_key(cfg.data),
+        "seed": cfg.train.seed,
+        "sample": sample,
+        "version": 1,
+    }
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
+    folder = cache_root() / "warmstart" / key
+    if not (folder / "checkpoint" / "config.json").exists():
+        sft_cfg.log = dataclasses.replace(cfg.log, run_dir=str(folder), wandb_project="")  # a cache, not a run
+        run_sft(sft_cfg)
+    return str(folder / "checkpoint")
+
+
+def wants_warm_start(cfg: Config, train_rows: list[dict], say=print) -> bool:
+    """Warm-start a preset (not `--model.path`, not a resume) on a task's demonstrations, or on a data file
+    whose every row has an assistant turn; prompt-only data skips it, saying so."""
+    if cfg.ckpt.resume or cfg.model.path or cfg.model.warmstart_steps <= 0:
+        return False
+    if not cfg.data.path or has_demonstrations(train_rows):
+        return True
+    say(
+        f"warm start skipped: {cfg.data.path} has prompts without assistant turns (nothing to imitate), so preset "
+        f"{cfg.model.preset!r} starts from random weights; pass a pretrained model with --model.path (e.g. a "
+        "`molt sft` checkpoint), or --model.warmstart_steps 0 to silence this"
+    )
+    return False

@@ -1,0 +1,244 @@
+"""Rollout dumps: every trained batch as one jsonl shard per step, and reading a shard back with its checks.
+
+`--rollout.dump` writes `<run_dir>/rollouts/step-<N>.jsonl` (atomically) before step N trains: one line per
+trajectory of the batch, in the trainer's order, holding the `Trajectory` fields (tokens, loss mask, engine
+log-probs, per-token versions, reward and score, group / rollout / segment ids, action spans with their hashes,
+MoE routing as nested ids with its dtype) plus `step` and `version` (the trainer version that step trained at).
+An image is recorded as its start and content hash; its uint8 pixels go once to `rollouts/images/<hash>.pt`.
+Floats are written with `repr` precision, so a read-back batch is bit-identical to the trained one.
+
+`read_shard` checks every line before a replay trains on it and fails with a `DumpError` naming the file,
+line and field: JSON and field types, aligned per-token lists, token ids inside the vocabulary, action hashes
+(the token check), image pixels against their hashes, and the versions against the replaying trainer.
+Knows trajectories; nothing of engines, agents or trainers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from molt.data.trajectory import Trajectory
+from molt.errors import UserError
+from molt.models.vision import pixel_hash
+
+ROLLOUTS = "rollouts"  # in the run directory
+IMAGES = "images"  # in the rollouts folder: content-addressed pixel tensors
+REQUIRED = ("step", "version", "tokens", "loss_mask", "rollout_logprobs", "versions", "reward", "group_id",
+            "rollout_id", "actions")  # fmt: skip
+OPTIONAL = {f.name for f in fields(Trajectory)} - set(REQUIRED) | {"routing_dtype"}
+
+
+class DumpError(UserError):
+    """A rollout dump that cannot be replayed: the message names the file, line and field."""
+
+    kind = "rollout dump"
+
+
+def shard_name(step: int) -> str:
+    return f"step-{step:06d}.jsonl"
+
+
+def _plain(value: Any) -> Any:
+    """JSON for what `info` may hold besides JSON types (tensors, numpy scalars, other objects as repr)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if hasattr(value, "item") and callable(value.item):
+        return value.item()
+    return repr(value)
+
+
+def trajectory_record(traj: Trajectory, step: int, version: int, images: Path) -> dict[str, Any]:
+    """`traj` as one JSON-ready line of step `step`'s shard; its images' pixels are saved under `images`."""
+    record = {"step": step, "version": version} | {f.name: getattr(traj, f.name) for f in fields(Trajectory)}
+    record["actions"] = [list(a) for a in traj.actions]
+    if traj.routing is not None:
+        record["routing"], record["routing_dtype"] = traj.routing.tolist(), str(traj.routing.dtype)
+    if traj.images:
+        record["images"] = [_save_image(im, images) for im in traj.images]
+    return record
+
+
+def _save_image(image: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """An image record without its pixels, which are written once to `folder/<hash>.pt`."""
+    path = folder / f"{image['hash']}.pt"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save(image["pixels"], tmp)
+        os.replace(tmp, path)
+    return {k: v for k, v in image.items() if k != "pixels"}
+
+
+def write_shard(folder: Path, step: int, version: int, batch: list[Trajectory]) -> Path:
+    """Write step `step`'s batch (trained at trainer `version`) to `folder/step-<step>.jsonl`, atomically."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(trajectory_record(t, step, version, folder / IMAGES), default=_plain) for t in batch]
+    path = folder / shard_name(step)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, path)
+    return path
+
+
+def rollouts_folder(path: str | os.PathLike) -> Path:
+    """The folder of shards `path` names: a run directory (its `rollouts/`) or the rollouts folder itself."""
+    path = Path(path)
+    return path / ROLLOUTS if (path / ROLLOUTS).is_dir() else path
+
+
+def shard_steps(folder: Path) -> list[int]:
+    """The steps that have a shard in `folder`, ascending."""
+    steps = []
+    for path in folder.glob("step-*.jsonl"):
+        digits = path.stem.removeprefix("step-")
+        if digits.isdigit():
+            steps.append(int(digits))
+    return sorted(steps)
+
+
+def read_shard(path: Path, *, step: int, vocab_size: int, trainer_version: int, max_staleness: int) -> list[Trajectory]:
+    """Step `step`'s batch from its shard, every line checked (see the module docstring); DumpError if wrong."""
+    if not path.exists():
+        raise DumpError(f"{path}: missing: the dump has no shard for step {step}")
+    batch = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DumpError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            traj = _trajectory(record, where, path.parent / IMAGES)
+            _check_tokens(traj, where, vocab_size)
+            _check_versions(record, traj, where, step, trainer_version, max_staleness)
+            batch.append(traj)
+    if not batch:
+        raise DumpError(f"{path}: empty: step {step} trained on no trajectories")
+    return batch
+
+
+def _fail(where: str, key: str, what: str) -> DumpError:
+    return DumpError(f"{where}: field {key!r}: {what}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_types(record: Any, where: str) -> None:
+    """Every required field present, no unknown one, and each per-token list of the right element type."""
+    if not isinstance(record, dict):
+        raise DumpError(f"{where}: a line must be a JSON object, got {type(record).__name__}")
+    for key in REQUIRED:
+        if key not in record:
+            raise _fail(where, key, "missing")
+    unknown = sorted(set(record) - set(REQUIRED) - OPTIONAL)
+    if unknown:
+        raise _fail(where, unknown[0], "unknown (not a Trajectory field)")
+    for key, ok, kind in [("tokens", _is_int, "int"), ("loss_mask", lambda m: m in (0, 1), "0 or 1"),
+                          ("versions", _is_int, "int"),
+                          ("rollout_logprobs", lambda x: isinstance(x, float | int) and not isinstance(x, bool),
+                           "number")]:  # fmt: skip
+        values = record[key]
+        bad = 0 if not isinstance(values, list) else next((i for i, x in enumerate(values) if not ok(x)), None)
+        if bad is not None:
+            raise _fail(where, key, f"must be a list of {kind}" + (f" (entry {bad})" if values else ""))
+    for key in ("step", "version", "group_id", "rollout_id"):
+        if not _is_int(record[key]):
+            raise _fail(where, key, f"must be an int, got {record[key]!r}")
+    if not isinstance(record["reward"], float | int) or isinstance(record["reward"], bool):
+        raise _fail(where, "reward", f"must be a number, got {record['reward']!r}")
+
+
+def _trajectory(record: Any, where: str, images: Path) -> Trajectory:
+    """The Trajectory a checked line holds (routing back to a tensor, images with their pixels)."""
+    _check_types(record, where)
+    data = {k: v for k, v in record.items() if k not in ("step", "version", "routing_dtype")}
+    try:
+        data["actions"] = [(int(s), int(e), int(h), ids) for s, e, h, ids in record["actions"]]
+    except (TypeError, ValueError):
+        raise _fail(where, "actions", "must be a list of [start, end, hash, ids or null]") from None
+    if record.get("routing") is not None:
+        dtype = getattr(torch, str(record.get("routing_dtype", "torch.int64")).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise _fail(where, "routing_dtype", f"unknown dtype {record.get('routing_dtype')!r}")
+        try:
+            data["routing"] = torch.tensor(record["routing"], dtype=dtype)
+        except (TypeError, ValueError) as e:
+            raise _fail(where, "routing", f"not a [positions, layers, k] list of ints ({e})") from None
+    if record.get("images"):
+        data["images"] = [_load_image(im, where, images) for im in record["images"]]
+    traj = Trajectory(**data)
+    try:
+        traj.check()
+    except ValueError as e:
+        raise DumpError(f"{where}: {e}") from None
+    return traj
+
+
+def _load_image(image: Any, where: str, folder: Path) -> dict[str, Any]:
+    """An image record with its pixels read back from `folder/<hash>.pt` and checked against the hash."""
+    if not isinstance(image, dict) or not isinstance(image.get("hash"), str) or not _is_int(image.get("start")):
+        raise _fail(where, "images", "each image must be {start: int, hash: str}")
+    path = folder / f"{image['hash']}.pt"
+    if not path.exists():
+        raise _fail(where, "images", f"pixels {path} are missing")
+    try:
+        pixels = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the dump's fault, named as such
+        raise _fail(where, "images", f"pixels {path} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(pixels, torch.Tensor) or pixel_hash(pixels) != image["hash"]:
+        raise _fail(where, "images", f"pixels {path} do not hash to {image['hash']}")
+    return image | {"pixels": pixels}
+
+
+def _check_tokens(traj: Trajectory, where: str, vocab_size: int) -> None:
+    """Ids inside the policy's vocabulary; mask 1 exactly on the recorded actions, whose ids hash as recorded."""
+    bad = next((i for i, t in enumerate(traj.tokens) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise _fail(
+            where, "tokens", f"id {traj.tokens[bad]} at position {bad} is outside the vocabulary (0..{vocab_size - 1})"
+        )
+    covered = 0
+    for start, end, digest, _ in traj.actions:
+        if not 0 <= start <= end <= len(traj.tokens) or hash(tuple(traj.tokens[start:end])) != digest:
+            raise _fail(where, "tokens", f"tokens {start}:{end} differ from the engine's (their hash does not match)")
+        if not all(traj.loss_mask[start:end]):
+            raise _fail(where, "loss_mask", f"engine tokens {start}:{end} have mask 0")
+        covered += end - start
+    if covered != traj.num_action_tokens:
+        raise _fail(where, "loss_mask", f"{traj.num_action_tokens - covered} mask-1 tokens were not generated")
+    if any(not math.isfinite(x) for x, m in zip(traj.rollout_logprobs, traj.loss_mask, strict=True) if m):
+        raise _fail(where, "rollout_logprobs", "a sampled token's log-prob is not finite")
+
+
+def _check_versions(record: dict, traj: Trajectory, where: str, step: int, trainer: int, max_staleness: int) -> None:
+    """The line belongs to `step`, was trained at the replaying trainer's version, and no token is newer than
+    that version or older than `max_staleness` versions."""
+    if record["step"] != step:
+        raise _fail(where, "step", f"{record['step']} in the shard of step {step}")
+    if record["version"] != trainer:
+        raise _fail(
+            where,
+            "version",
+            f"step {step} trained at version {record['version']}, the replaying trainer is at version {trainer}",
+        )
+    sampled = [v for v, m in zip(traj.versions, traj.loss_mask, strict=True) if m]
+    if any(v < 0 for v in sampled):
+        raise _fail(where, "versions", f"a sampled token has version {min(sampled)} (< 0)")
+    if sampled and max(sampled) > trainer:
+        raise _fail(
+            where,
+            "versions",
+            f"a token sampled at version {max(sampled)} is newer than the trainer (version {trainer} at step {step})",
+        )
+    if sampled and trainer - min(sampled) > max_staleness:
+        allowed = f"rollout.max_staleness={max_staleness} allows at version {trainer}"
+        raise _fail(where, "versions", f"a token sampled at version {min(sampled)} is older than {allowed}")

@@ -1,0 +1,107 @@
+"""`molt train --replay DIR`: the RL loop's train coroutine over a rollout dump, with no engine.
+
+Step N trains on the batch `--rollout.dump` wrote for step N (`molt/loop/dump.py`), in the dumped order,
+through the same `trainer.step` as a live run, so a loss change can be debugged against fixed data. Every
+line is checked before it trains (token ids, action hashes, versions against this trainer and
+`rollout.max_staleness`); a bad one stops the run naming its file and line. Nothing is generated: no engine
+is built, no weights are synced, no eval runs. The trainer steps on one compute thread with the torch thread
+count the built-in engine's thread would have had, so a replay of a run at `max_staleness 0` reproduces its
+losses bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from molt.config import Config, ConfigError
+from molt.data.trajectory import Trajectory
+from molt.engine.torch_engine import with_threads
+from molt.loop.dump import read_shard, rollouts_folder, shard_name, shard_steps
+from molt.loop.rl import LoopState, RLLoop
+from molt.train.interface import Trainer
+
+log = logging.getLogger("molt.loop")
+
+
+def replay_folder(cfg: Config, start_step: int) -> Path:
+    """The shards folder of `rollout.replay`, checked to hold steps `start_step + 1 .. train.max_steps` (a
+    ConfigError before any model is built otherwise)."""
+    folder = rollouts_folder(cfg.rollout.replay)
+    steps = set(shard_steps(folder))
+    if not steps:
+        raise ConfigError(f"rollout.replay: {cfg.rollout.replay} holds no rollout shards (step-*.jsonl)")
+    missing = [s for s in range(start_step + 1, cfg.train.max_steps + 1) if s not in steps]
+    if missing:
+        have = f"steps {min(steps)}..{max(steps)}" if len(steps) > 1 else f"step {min(steps)}"
+        raise ConfigError(
+            f"rollout.replay: {folder} has no shard for step {missing[0]} (it has {have}); train.max_steps is "
+            f"{cfg.train.max_steps}: lower it (the learning-rate schedule follows it) or replay a longer dump"
+        )
+    return folder
+
+
+def compute_threads(cfg: Config, threads: int) -> int:
+    """Torch threads of the thread a live run's trainer steps on (the built-in engine's, else `threads`)."""
+    return (cfg.runtime.engine_threads or threads) if cfg.runtime.engine == "torch" else threads
+
+
+class ReplayLoop(RLLoop):
+    """`RLLoop.train` fed from a dump: `_next_batch` reads the step's shard; rollout, sync and eval are off."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        trainer: Trainer,
+        tokenizer,
+        vocab_size: int,
+        threads: int,
+        state: LoopState | None = None,
+        run_dir: str | Path | None = None,
+    ):
+        super().__init__(cfg, engine=None, trainer=trainer, tokenizer=tokenizer, make_env=lambda: None,  # type: ignore[arg-type]
+                         train_rows=[], eval_rows=[], state=state, run_dir=run_dir)  # fmt: skip
+        self.folder = replay_folder(cfg, self.state.step)
+        self.vocab_size = vocab_size
+        if cfg.eval.every:
+            log.warning("replay of %s: no eval (eval.every=%d): nothing generates without an engine",
+                        self.folder, cfg.eval.every)  # fmt: skip
+        self.pool = ThreadPoolExecutor(1, "molt-replay", initializer=with_threads, initargs=(threads, lambda: None))
+
+    async def _next_batch(self) -> list[Trajectory]:
+        """This step's dumped batch, every line checked against the trainer's version."""
+        step = self.state.step + 1
+        path = self.folder / shard_name(step)
+        return await asyncio.to_thread(read_shard, path, step=step, vocab_size=self.vocab_size,
+                                       trainer_version=self.trainer.version,
+                                       max_staleness=self.cfg.rollout.max_staleness)  # fmt: skip
+
+    async def _compute(self, fn, *args):
+        """On the one compute thread, with the torch threads a live run's trainer step has."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def sync(self) -> None:
+        """Nothing to sync: no engine."""
+        self.sync_s = 0.0
+
+    async def evaluate(self) -> dict[str, float]:
+        """No eval without an engine."""
+        return {}
+
+    def _engine_snapshot(self) -> dict[str, float]:
+        return {}
+
+    async def run(self, on_step=lambda m: None) -> list[dict[str, Any]]:
+        """Train on the dumped batches until `train.max_steps`; returns per-step metrics."""
+        self.state.buffer = []  # a resumed live run's buffered groups: the dump has what trained instead
+        self.sync_s, self.run_t0 = 0.0, time.perf_counter()
+        try:
+            await self.train(on_step)
+        finally:
+            self.pool.shutdown()
+        return self.history

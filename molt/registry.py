@@ -1,0 +1,71 @@
+"""`Registry`: the one name -> variant table of Molt (estimators, losses, tasks, engines, runtimes, ...).
+
+Every named variant a config flag or a file picks (`--algo.estimator grpo`, `--runtime.engine vllm`, a data
+format, a tool-call parser) is registered under its name in a `Registry` and looked up by it; an unknown or
+duplicate name is a ValueError listing the known names. Imports nothing, so every stage may use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+F = TypeVar("F")
+
+
+class Registry(Generic[F]):
+    """A named family of interchangeable variants (functions or classes), each with optional static info."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._fns: dict[str, F] = {}
+        self._info: dict[str, dict[str, Any]] = {}
+
+    def register(self, name: str, **info: Any) -> Callable[[F], F]:
+        """Decorator: register `fn` under `name`; `info` is static metadata read by callers."""
+
+        def add(fn: F) -> F:
+            return self.add(name, fn, **info)
+
+        return add
+
+    def add(self, name: str, variant: F, **info: Any) -> F:
+        """Register `variant` under `name` (the decorator's work, for values that are not defined by a `def`)."""
+        if name in self._fns:
+            owner = getattr(self._fns[name], "__name__", repr(self._fns[name]))
+            raise ValueError(f"{self.kind} {name!r} is already registered (by {owner})")
+        self._fns[name] = variant
+        self._info[name] = dict(info)
+        return variant
+
+    def get(self, name: str) -> F:
+        """The variant registered as `name`; ValueError naming the choices otherwise."""
+        if name not in self._fns:
+            raise ValueError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}")
+        return self._fns[name]
+
+    __getitem__ = get
+
+    def info(self, name: str) -> dict[str, Any]:
+        """Static metadata given at registration (a copy)."""
+        self.get(name)
+        return dict(self._info[name])
+
+    def names(self) -> list[str]:
+        return sorted(self._fns)
+
+    def items(self) -> list[tuple[str, F]]:
+        """(name, variant) pairs in registration order."""
+        return list(self._fns.items())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fns
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fns)
+
+    def __len__(self) -> int:
+        return len(self._fns)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {self.names()})"

@@ -1,0 +1,63 @@
+"""The runtime interface: where a run's trainer, extra models and rollout engines live.
+
+A `Runtime` places the policy trainer (with the models the trainer builds beside the policy: reference,
+critic, teacher; the local backend only, see `Config._check_models`), starts the rollout engines from
+the one engine factory (`molt/runtime/factory.py`), and reports its own metrics. Weight sync goes through the two
+interfaces it hands out: `trainer.weights()` into `engine.update_weights(...)`; checkpoints through
+`Trainer.save` / `Trainer.load`. Backends are registered in `RUNTIMES` by `runtime.backend` name:
+`local` (`LocalRuntime`, one process) and `ray` (`RayRuntime`, actors; Ray is imported only then).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from molt.config import Config
+from molt.engine.interface import Engine
+from molt.models.transformer import Transformer
+from molt.registry import Registry
+from molt.train.interface import Trainer
+
+
+class Runtime(abc.ABC):
+    """One backend's placement of a run: built from the config and the policy model (on the driver)."""
+
+    trainer: Trainer
+
+    @abc.abstractmethod
+    def start_engines(self, tokenizer, version: int) -> Engine:
+        """The rollout engine(s) holding the policy at `version`, as one `Engine`."""
+
+    def metrics(self) -> dict[str, Any]:
+        """Per-step metrics of the runtime itself (replica load, weight-sync bandwidth); none by default."""
+        return {}
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop the engines and release everything this runtime placed."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release what was placed so far (synchronous: for a start-up that fails half-way)."""
+
+
+def _local(cfg: Config, model: Transformer, threads: int) -> Runtime:
+    from molt.runtime.local import LocalRuntime
+
+    return LocalRuntime(cfg, model, threads)
+
+
+def _ray(cfg: Config, model: Transformer, threads: int) -> Runtime:
+    from molt.runtime.backend import RayRuntime
+
+    return RayRuntime(cfg, model)
+
+
+RUNTIMES: Registry = Registry("runtime.backend")
+RUNTIMES.add("local", _local)
+RUNTIMES.add("ray", _ray)
+
+
+def start_runtime(cfg: Config, model: Transformer, threads: int) -> Runtime:
+    """The `runtime.backend` runtime of this run, holding the trainer of `model` (`threads`: local compute)."""
+    return RUNTIMES.get(cfg.runtime.backend)(cfg, model, threads)

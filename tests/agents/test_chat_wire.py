@@ -1,0 +1,305 @@
+"""The rest of the wire through the official SDKs on a real (tiny) engine: streaming, n, logprobs, bounds, errors."""
+
+import asyncio
+import json
+import logging
+
+import anthropic
+import httpx
+import openai
+import pytest
+import torch
+from chat_support import TOK, ScriptedEngine, ServerThread, masked_ids
+from test_chat_server import ANTHROPIC_TOOL, reassemble_calls
+
+from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatAgent, ChatRunner
+from molt.agents.chat.clients import ClientPool
+from molt.agents.chat.server import ChatServer
+from molt.agents.chat.textstream import TextStream
+from molt.agents.env import Result
+from molt.agents.runner import EpisodeLimits
+from molt.config import ChatConfig
+from molt.engine import SamplingParams, TorchEngine
+from molt.engine.interface import Completion, TokenDelta
+from molt.models import Transformer, preset
+
+KEY = "k"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, seed=0)
+DEEP = 200  # nesting levels of the hostile requests (the template used to raise RecursionError at ~600)
+
+
+def _engine():
+    arch = preset("tiny", vocab_size=len(TOK), eos_token_id=TOK.eos_token_id, pad_token_id=TOK.pad_token_id)
+    model = Transformer(arch).init_weights(0.02, torch.Generator().manual_seed(0)).eval()
+    return TorchEngine(model, tokenizer=TOK, num_slots=8, max_seq_len=1024, version=2)
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine = _engine()
+    serve = SamplingParams(max_tokens=16, stop_token_ids=(TOK.eos_token_id,))
+    server = ServerThread(engine, api_key=KEY, serve_sampling=serve, serve_max_len=128)
+    yield server
+    server.stop()
+    asyncio.run(engine.close())
+
+
+def _openai(server, session=None):
+    base = server.session_url(session) if session is not None else server.server.url
+    return openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+
+
+def _anthropic(server, session=None):
+    base = server.session_url(session) if session is not None else server.server.url
+    return anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "12+7="}]
+
+
+def test_streamed_text_equals_plain_text_and_the_captured_tokens(served):
+    plain_session, stream_session = served.open(GREEDY), served.open(GREEDY)
+    plain = _openai(served, plain_session).chat.completions.create(model="molt", messages=MESSAGES, logprobs=True)
+    chunks = list(_openai(served, stream_session).chat.completions.create(model="molt", messages=MESSAGES, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == plain.choices[0].message.content
+    assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) > 1  # sent in pieces
+    (segment,) = served.server.close_session(stream_session.id)
+    assert TOK.decode(masked_ids(segment), skip_special_tokens=True) == streamed
+    (plain_segment,) = served.server.close_session(plain_session.id)
+    logprobs = [t.logprob for t in plain.choices[0].logprobs.content]
+    captured = [lp for lp, m in zip(plain_segment.rollout_logprobs, plain_segment.loss_mask, strict=True) if m]
+    assert logprobs == pytest.approx(captured, abs=1e-6) and len(logprobs) == plain.usage.completion_tokens
+
+
+def test_top_logprobs_are_the_engines_alternatives(served):
+    session = served.open(GREEDY)
+    client = _openai(served, session)
+    reply = client.chat.completions.create(model="molt", messages=MESSAGES, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens > 0
+    for token in content:
+        assert len(token.top_logprobs) == 3
+        assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs), reverse=True)
+        assert token.top_logprobs[0].logprob == token.logprob  # greedy: the sampled token is the most likely
+        assert token.top_logprobs[0].token == token.token
+    (segment,) = served.server.close_session(session.id)
+    captured = [lp for lp, m in zip(segment.rollout_logprobs, segment.loss_mask, strict=True) if m]
+    assert [t.logprob for t in content] == pytest.approx(captured, abs=1e-6)
+    serve = _openai(served)
+    sampled = serve.chat.completions.create(
+        model="molt", messages=MESSAGES, temperature=1.0, n=2, logprobs=True, top_logprobs=5, max_tokens=8
+    )
+    for choice in sampled.choices:
+        assert choice.logprobs.content and all(len(t.top_logprobs) == 5 for t in choice.logprobs.content)
+        for token in choice.logprobs.content:  # a sampled token is never likelier than the most likely one
+            assert token.logprob <= token.top_logprobs[0].logprob + 1e-6
+    with pytest.raises(openai.BadRequestError):
+        serve.chat.completions.create(model="molt", messages=MESSAGES, top_logprobs=2)  # needs logprobs
+
+
+class GatedEngine(ScriptedEngine):
+    """Streams the first tokens of its reply, then waits for `gate` before generating the rest."""
+
+    async def generate_streamed(self, prompt_token_ids, sampling, on_tokens, *, request_id=None, session_id=None):
+        ids = TOK.encode("hello world", add_special_tokens=False) + [TOK.eos_token_id]
+        on_tokens(TokenDelta(0, ids[:3], [-0.5] * 3))
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:  # aborted: the client went away
+            self.aborted += 1
+            raise
+        on_tokens(TokenDelta(0, ids[3:], [-0.5] * (len(ids) - 3)))
+        return [Completion("r", ids, [-0.5] * len(ids), [self.version] * len(ids), "stop", len(prompt_token_ids))]
+
+
+def test_first_chunk_arrives_before_the_generation_ends():
+    """Ordering, no clock: the engine holds the rest of the reply until the client has the first chunk."""
+
+    async def first_then_rest(client) -> tuple[str, str]:
+        engine.gate = asyncio.Event()
+        stream = await client.chat.completions.create(model="molt", messages=MESSAGES, stream=True)
+        pieces = [c.choices[0].delta.content async for c in _until_content(stream)]
+        assert not engine.gate.is_set()  # the generation has not finished: the chunk was streamed
+        engine.gate.set()
+        rest = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        return "".join(pieces), rest
+
+    async def run():
+        server = await ChatServer(engine, TOK, api_key=KEY).start()
+        pools = {"direct": ClientPool(server), "asgi": ClientPool(server.app)}  # ctx.openai()'s in-process paths
+        aborted = engine.aborted = 0
+        try:
+            for path in ("direct", "asgi", "http"):
+                session = server.open_session(GREEDY, max_len=256)
+                base = f"{server.url}/s/{session.id}/v1"
+                client = (
+                    pools[path].client("openai", base, KEY, max_retries=0)
+                    if path in pools
+                    else openai.AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0)
+                )
+                first, rest = await asyncio.wait_for(first_then_rest(client), 30)
+                assert first == "hel" and first + rest == "hello world"
+                assert server.close_session(session.id)
+                session = server.open_session(GREEDY, max_len=256)  # a client that hangs up after one chunk
+                client = client.with_options(base_url=f"{server.url}/s/{session.id}/v1")
+                engine.gate = asyncio.Event()
+                stream = await client.chat.completions.create(model="molt", messages=MESSAGES, stream=True)
+                assert [c async for c in _until_content(stream)]
+                await stream.close()
+                await asyncio.sleep(0.05)  # the server sees the disconnect
+                assert server.close_session(session.id) == [] and engine.aborted == aborted + 1, path
+                aborted += 1
+        finally:
+            for pool in pools.values():
+                await pool.close()
+            await server.stop()
+
+    engine = GatedEngine()
+    asyncio.run(run())
+
+
+async def _until_content(stream):
+    """The stream's chunks up to and including its first one with content."""
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            yield chunk
+            return
+
+
+def test_anthropic_stream_equals_plain(served):
+    plain_session, stream_session = served.open(GREEDY), served.open(GREEDY)
+    plain = _anthropic(served, plain_session).messages.create(model="molt", max_tokens=24, messages=MESSAGES)
+    with _anthropic(served, stream_session).messages.stream(model="molt", max_tokens=24, messages=MESSAGES) as s:
+        pieces = list(s.text_stream)
+        final = s.get_final_message()
+    assert "".join(pieces) == plain.content[0].text == final.content[0].text
+    served.server.close_session(plain_session.id)
+    (segment,) = served.server.close_session(stream_session.id)
+    assert masked_ids(segment) and final.usage.output_tokens == segment.num_action_tokens
+
+
+def test_n2_returns_two_independent_samples_captured_as_siblings(served):
+    session = served.open(SamplingParams(temperature=1.0, max_tokens=24, stop_token_ids=(TOK.eos_token_id,), seed=3))
+    reply = _openai(served, session).chat.completions.create(model="molt", messages=MESSAGES, n=2)
+    assert [c.index for c in reply.choices] == [0, 1]
+    first, second = served.server.close_session(session.id)
+    assert first.tokens[: first.actions[0][0]] == second.tokens[: second.actions[0][0]]  # one shared prompt
+    assert masked_ids(first) != masked_ids(second)  # independent samples
+    texts = {TOK.decode(masked_ids(s), skip_special_tokens=True) for s in (first, second)}
+    assert texts == {c.message.content for c in reply.choices}
+
+
+def test_serve_mode_context_seed_stop_and_max_tokens(served):
+    client = _openai(served)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="molt", messages=[{"role": "user", "content": "x " * 200}])
+    assert error.value.body["code"] == "context_length_exceeded"
+    kw = {"model": "molt", "messages": MESSAGES, "temperature": 1.0, "max_tokens": 40}
+    a, b = (client.chat.completions.create(seed=7, **kw) for _ in range(2))
+    assert a.choices[0].message.content == b.choices[0].message.content  # seeded
+    assert a.usage.completion_tokens > 16  # max_tokens above the serve default is honoured
+    text = a.choices[0].message.content
+    if len(text) > 4:
+        stop = text[2:4]
+        cut = client.chat.completions.create(seed=7, stop=[stop], **kw).choices[0].message.content
+        assert cut == text[: text.index(stop)]  # the stop string is trimmed from the text
+
+
+def test_deep_nesting_is_a_400_on_both_wires_without_a_traceback(served, caplog):
+    deep: dict = {"type": "string"}
+    for _ in range(DEEP):
+        deep = {"type": "object", "properties": {"x": deep}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    session = served.open(GREEDY)
+    url, auth = served.session_url(session), {"authorization": f"Bearer {KEY}"}
+    arguments = "[" * DEEP + "]" * DEEP
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    bodies = [
+        ("/v1/chat/completions", {"model": "molt", "messages": MESSAGES, "tools": [tool]}),
+        (
+            "/v1/messages",
+            {"model": "molt", "max_tokens": 4, "messages": MESSAGES, "tools": [{"name": "f", "input_schema": deep}]},
+        ),  # fmt: skip
+        (
+            "/v1/chat/completions",
+            {"model": "molt", "messages": [*MESSAGES, {"role": "assistant", "tool_calls": [call]}]},
+        ),
+    ]
+    with caplog.at_level(logging.WARNING):
+        for path, body in bodies:
+            response = httpx.post(url + path, content=json.dumps(body), headers=auth, timeout=30)
+            assert response.status_code == 400 and "nest" in response.text, response.text
+    assert not [r for r in caplog.records if r.exc_info]
+    assert served.server.close_session(session.id) == []
+
+
+def test_client_disconnect_mid_stream_records_nothing(served):
+    session = served.open(SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=1))
+    url, auth = served.session_url(session) + "/v1/chat/completions", {"authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", url, json={"model": "molt", "messages": MESSAGES, "stream": True}, headers=auth) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first chunk, then hang up
+    assert served.server.close_session(session.id) == []
+
+
+def test_count_tokens_and_anthropic_tool_choice(served):
+    session = served.open(GREEDY)
+    client = _anthropic(served, session)
+    count = client.messages.count_tokens(model="molt", messages=MESSAGES)
+    reply = client.messages.create(model="molt", max_tokens=4, messages=MESSAGES)
+    assert count.input_tokens == reply.usage.input_tokens
+    forced = client.messages.create(
+        model="molt", max_tokens=4, messages=MESSAGES, tools=[ANTHROPIC_TOOL], tool_choice={"type": "any"}
+    )
+    assert forced.usage.output_tokens <= 4  # the tool-call opening is prompt, not counted as generated
+    segments = served.server.close_session(session.id)
+    assert len(segments) == 2, [TOK.decode(s.tokens) for s in segments]
+    assert "<tool_call>" in TOK.decode(segments[-1].tokens)
+
+
+def test_text_stream_holds_back_stop_prefixes_and_stops():
+    stream = TextStream(TOK, stops=("END",))
+    pieces = [stream.push(TOK.encode(t, add_special_tokens=False)) for t in ("ab", "cE", "N", "Dxyz")]
+    assert pieces == ["ab", "c", "", ""] and stream.sent == "abc"
+
+
+def test_reassemble_calls_helper_matches_plain_tool_calls():
+    class Delta:  # the shape of the SDK's streamed tool-call delta
+        def __init__(self, index, id=None, name=None, arguments=None):
+            self.index, self.id = index, id
+            self.function = type("F", (), {"name": name, "arguments": arguments})()
+
+    chunk = lambda d: type("C", (), {"choices": [type("Ch", (), {"delta": type("D", (), {"tool_calls": d})()})()]})()  # noqa: E731
+    chunks = [
+        chunk([Delta(0, "c1", "f", "")]),
+        chunk([Delta(0, arguments='{"a"')]),
+        chunk([Delta(0, arguments=": 1}")]),
+    ]
+    assert reassemble_calls(chunks) == [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    ]
+
+
+def test_model_aliases_from_the_config_reach_the_training_server():
+    """`chat.model_aliases` passes through CHAT_SERVER_OPTIONS; other names are a 404 on `ctx.openai()` too."""
+
+    class NamedModels(ChatAgent):
+        async def run(self, ctx):
+            client = ctx.openai(max_retries=0)
+            with pytest.raises(openai.NotFoundError):
+                await client.chat.completions.create(model="gpt-4o", messages=ctx.messages)
+            reply = await client.chat.completions.create(model="my-agent-model", messages=ctx.messages)
+            return Result(reward=float(bool(reply.choices)))
+
+    chat = ChatConfig(model_aliases=("my-agent-model",))
+    runner = ChatRunner(ScriptedEngine(["19"]), TOK, **{k: getattr(chat, k) for k in CHAT_SERVER_OPTIONS})
+
+    async def main():
+        try:
+            return await runner.run(NamedModels(), {"messages": MESSAGES}, GREEDY, EpisodeLimits(max_len=256))
+        finally:
+            await runner.close()
+
+    (segment,) = asyncio.run(main())
+    assert segment.reward == 1.0 and TOK.decode(masked_ids(segment), skip_special_tokens=True) == "19"

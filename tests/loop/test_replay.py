@@ -1,0 +1,134 @@
+"""Rollout dump and replay: a replay of an on-policy run's dump reproduces its losses bit for bit, with no
+engine; a corrupted dump stops the replay naming its file, line and field."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_loop import FAST  # noqa: I001 - tests/loop/test_loop.py
+
+import molt.runtime.local
+from molt.cli.main import parse_command
+from molt.cli.train import run_train
+from molt.config import ConfigError
+from molt.data.trajectory import Trajectory
+from molt.loop.dump import DumpError, read_shard, shard_name, write_shard
+from molt.models.vision import pixel_hash
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """A 3-step on-policy run with `--rollout.dump`: its run directory and per-step metrics."""
+    folder = tmp_path_factory.mktemp("dump")
+    (folder / "reward.py").write_text("def reward(completion, row):\n    return float(sum(map(ord, completion)) % 3)\n")
+    run = folder / "run"
+    flags = [*FAST, "--log.run_dir", str(run), "--train.max_steps", str(STEPS), "--rollout.max_staleness", "0",
+             "--train.lr", "1e-3", "--rollout.dump", "--rollout.reward", f"{folder / 'reward.py'}:reward"]  # fmt: skip
+    history = run_train(parse_command(["train", *flags])).history
+    assert all(m["train/loss"] != 0 and m["train/grad_norm"] > 0 for m in history)  # the weights do change
+    return run, history
+
+
+def _replay(target: Path, run_dir: Path, *flags: str):
+    return run_train(parse_command(["train", "--replay", str(target), "--log.run_dir", str(run_dir), *flags]))
+
+
+def _no_engine(monkeypatch) -> None:
+    def refuse(*args, **kw):
+        raise AssertionError("a replay must not build an engine")
+
+    monkeypatch.setattr(molt.runtime.local, "build_engine", refuse)
+
+
+def test_dump_holds_every_trained_sample(dumped):
+    run, history = dumped
+    shards = sorted((run / "rollouts").glob("step-*.jsonl"))
+    assert [p.name for p in shards] == [shard_name(s) for s in range(1, STEPS + 1)]
+    for step, (path, metrics) in enumerate(zip(shards, history, strict=True), 1):
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        assert len(lines) == metrics["train/num_samples"]
+        assert all(x["step"] == step and x["version"] == step - 1 for x in lines)
+        assert sum(sum(x["loss_mask"]) for x in lines) == metrics["train/action_tokens"]
+        assert all(v == step - 1 for x in lines for v, m in zip(x["versions"], x["loss_mask"], strict=True) if m)
+
+
+def test_replay_reproduces_the_on_policy_run_bit_exactly(dumped, tmp_path, monkeypatch):
+    run, history = dumped
+    _no_engine(monkeypatch)
+    replay = _replay(run, tmp_path / "replay")
+    for key in ("train/loss", "train/grad_norm", "train/logprob_diff", "train/reward_mean", "train/num_samples"):
+        assert [m[key] for m in replay.history] == [m[key] for m in history], key
+    logged = [json.loads(x) for x in (tmp_path / "replay" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["train/loss"] for m in logged if "train/loss" in m] == [m["train/loss"] for m in history]
+    # the rollouts folder names the dump as well as its run directory
+    again = _replay(run / "rollouts", tmp_path / "again", "--config", str(run / "config.yaml"))
+    assert [m["train/loss"] for m in again.history] == [m["train/loss"] for m in history]
+
+
+CORRUPTIONS = {  # an edit of one line (the second of step 1's shard) and what the error says
+    "token out of vocab": (lambda r: r["tokens"].__setitem__(0, 10**6), "field 'tokens': id 1000000"),
+    "missing field": (lambda r: r.pop("loss_mask"), "field 'loss_mask': missing"),
+    "version newer than the step": (
+        lambda r: r["versions"].__setitem__(r["loss_mask"].index(1), 5),
+        "field 'versions': a token sampled at version 5 is newer than the trainer",
+    ),
+    "token changed": (
+        lambda r: r["tokens"].__setitem__(r["loss_mask"].index(1), (r["tokens"][r["loss_mask"].index(1)] + 1) % 256),
+        "differ from the engine's",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_a_corrupted_dump_fails_naming_file_line_and_field(dumped, tmp_path, monkeypatch, kind):
+    run, _ = dumped
+    copy = tmp_path / "copy"
+    shutil.copytree(run / "rollouts", copy / "rollouts")
+    shutil.copy(run / "config.yaml", copy / "config.yaml")
+    shard = copy / "rollouts" / shard_name(1)
+    lines = shard.read_text().splitlines()
+    record = json.loads(lines[1])
+    edit, message = CORRUPTIONS[kind]
+    edit(record)
+    lines[1] = json.dumps(record)
+    shard.write_text("\n".join(lines) + "\n")
+    _no_engine(monkeypatch)
+    with pytest.raises(DumpError, match=re.escape(f"{shard}:2: ") + ".*" + re.escape(message)):
+        _replay(copy, tmp_path / "replay")
+
+
+def test_a_dump_shorter_than_max_steps_is_refused_before_any_model(dumped, tmp_path):
+    run, _ = dumped
+    with pytest.raises(ConfigError, match=f"no shard for step {STEPS + 1}"):
+        _replay(run, tmp_path / "replay", "--train.max_steps", str(STEPS + 1))
+
+
+def test_shard_round_trip_keeps_routing_images_and_floats_exactly(tmp_path):
+    pixels = torch.arange(48, dtype=torch.uint8).reshape(3, 4, 4)
+    traj = Trajectory(reward=0.1 + 0.2, score=1.0, group_id=3, rollout_id=7, info={"t": torch.tensor(2.5)})
+    traj.extend_prompt([1, 2, 3])
+    traj.extend_action([4, 5], [-0.123456789012345678, -1e-30], [2, 2])
+    traj.routing = torch.tensor([[[0, 1]], [[1, -1]], [[3, 2]], [[2, 0]], [[-1, -1]]], dtype=torch.int16)
+    traj.images = [{"start": 1, "pixels": pixels, "hash": pixel_hash(pixels)}]
+    folder = tmp_path / "rollouts"
+    path = write_shard(folder, 3, 3, [traj])  # tokens of version 2 trained at version 3
+    (back,) = read_shard(path, step=3, vocab_size=8, trainer_version=3, max_staleness=1)
+    for f in ("tokens", "loss_mask", "rollout_logprobs", "versions", "reward", "score", "actions", "group_id"):
+        assert getattr(back, f) == getattr(traj, f), f
+    assert back.routing.dtype == torch.int16 and torch.equal(back.routing, traj.routing)
+    assert torch.equal(back.images[0]["pixels"], pixels) and back.images[0]["hash"] == traj.images[0]["hash"]
+    assert back.info == {"t": 2.5}
+    with pytest.raises(DumpError, match=re.escape(f"{path}:1: field 'versions'") + ".*older than"):
+        read_shard(path, step=3, vocab_size=8, trainer_version=3, max_staleness=0)
+    with pytest.raises(DumpError, match=re.escape(f"{path}:1: field 'step'")):
+        read_shard(path, step=4, vocab_size=8, trainer_version=3, max_staleness=1)
+    next(folder.glob("images/*.pt")).write_bytes(b"")
+    with pytest.raises(DumpError, match=re.escape(f"{path}:1: field 'images'")):
+        read_shard(path, step=3, vocab_size=8, trainer_version=3, max_staleness=1)

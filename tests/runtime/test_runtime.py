@@ -1,0 +1,75 @@
+"""The runtime interface: backends and engine kinds are registered variants; the local runtime places the
+trainer and starts one engine from the factory that the loop drives through the engine interface only."""
+
+import asyncio
+
+import pytest
+import torch
+from conftest import small_model  # noqa: I001 - tests/conftest.py
+
+from molt.cli.main import parse_config
+from molt.engine import SamplingParams, TorchEngine
+from molt.engine.interface import Engine
+from molt.runtime.base import RUNTIMES, start_runtime
+from molt.runtime.factory import ENGINES, build_engine
+from molt.runtime.local import LocalRuntime
+from molt.train.trainer import Trainer
+
+
+def test_backends_and_engines_are_registered_by_their_flag_names():
+    assert RUNTIMES.names() == ["local", "ray"] and ENGINES.names() == ["torch", "vllm"]
+    with pytest.raises(ValueError, match="unknown runtime.engine 'sglang'; choose one of: torch, vllm"):
+        ENGINES.get("sglang")
+
+
+def test_the_engine_factory_sizes_every_engine_by_one_formula():
+    cfg = parse_config(["--rollout.max_len", "63", "--rollout.max_in_flight", "3"])
+    model = small_model()
+    engine = build_engine(cfg, model, None, threads=1, version=4)
+    assert isinstance(engine, TorchEngine) and engine.version == 4
+    assert engine.max_seq_len == 64 and engine.core.manager.num_slots == 6  # 2 x episodes in flight
+    assert engine.model is not model  # a copy: the trainer keeps its own
+    served = build_engine(cfg, model, None, threads=1, owned=True, num_slots=2, max_len=31)
+    assert served.model is model and served.max_seq_len == 32 and served.core.manager.num_slots == 2
+
+
+def test_local_runtime_places_the_trainer_and_an_engine_the_loop_can_drive():
+    cfg = parse_config(["--rollout.max_len", "63", "--rollout.max_in_flight", "2"])
+    runtime = start_runtime(cfg, small_model(), threads=1)
+    assert isinstance(runtime, LocalRuntime) and isinstance(runtime.trainer, Trainer)
+    assert runtime.metrics() == {}
+
+    async def drive():
+        engine = runtime.start_engines(None, runtime.trainer.version)
+        await engine.generate([1, 2, 3], SamplingParams(max_tokens=3, seed=0))
+        assert engine.stats["steps"] > 0  # declared on the interface; the built-in engine counts its work
+        thread = await engine.run_on_engine_thread(lambda: torch.get_num_threads())
+        await runtime.close()
+        return thread
+
+    assert asyncio.run(drive()) >= 1
+
+
+def test_the_engine_interface_declares_what_an_engine_may_report():
+    class Minimal(Engine):
+        async def generate_group(self, prompt_token_ids, sampling=None, **kw):
+            return []
+
+        async def abort(self, request_id):
+            return False
+
+        async def update_weights(self, weights, version, mode="interrupt"):
+            self.version = version
+
+        async def pause(self):
+            pass
+
+        async def resume(self):
+            pass
+
+        def num_pending(self):
+            return 0
+
+    engine = Minimal()
+    assert dict(engine.stats) == {}  # no counters: the loop reports no engine work
+    assert asyncio.run(engine.run_on_engine_thread(lambda a, b: a + b, 2, 3)) == 5  # default: a worker thread
