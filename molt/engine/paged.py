@@ -12,7 +12,8 @@ its block table (`blocks.BlockManager`), so memory follows the tokens in flight.
   preempts the latest admitted sequence (its blocks freed, its tokens kept) and readmits it first, recomputing
   what prefix hits do not cover. Admission waits for blocks as well as slots.
 - `PagedRunner` writes each new key/value at (block, offset) and attends by gathering a row's blocks through
-  its block table (SDPA over the gathered keys, in the model's dtype).
+  its block table (SDPA over the gathered keys, in the model's dtype); on CUDA its decode-only steps replay
+  captured graphs that attend through the block tables with a Triton kernel (`graphs.py`, `paged_attention.py`).
 
 The default engine (slot cache, Molt's CPU kernels) does not use this file. Dense text models only (MoE
 routing capture and images keep the slot cache). Knows the model, the block manager and the scheduler; nothing
