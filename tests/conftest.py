@@ -1,5 +1,6 @@
-"""Shared test fixtures: one local Ray cluster per session, the tiny Molt model, engine-like batches, and a
-recording wrapper around an engine. Test modules import the helpers with `from conftest import ...`.
+"""Shared test fixtures: one local Ray cluster per session, the tiny Molt model, engine-like batches, a
+recording wrapper around an engine, and a base for fake engines. Test modules import the helpers with
+`from conftest import ...`.
 """
 
 import os
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from molt.data.trajectory import Trajectory
+from molt.engine.interface import Engine
 from molt.models import Transformer, preset
 
 
@@ -63,3 +65,25 @@ class RecordingEngine:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
+
+
+class IdleEngine(Engine):
+    """A fake engine's base: every control call does nothing (abort finds nothing, a weight update only sets the
+    version, nothing pending); subclasses give `generate_group` and override what they record."""
+
+    version = 0
+
+    async def abort(self, request_id):
+        return False
+
+    async def update_weights(self, weights, version, mode="interrupt"):
+        self.version = version
+
+    async def pause(self):
+        pass
+
+    async def resume(self):
+        pass
+
+    def num_pending(self):
+        return 0

@@ -6,8 +6,10 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
+from conftest import IdleEngine  # noqa: I001 - tests/conftest.py
+
 from molt.agents.chat.server import ChatServer
-from molt.engine.interface import Completion, Engine, SamplingParams
+from molt.engine.interface import Completion, SamplingParams
 from molt.models.tokenizer import build_builtin_tokenizer
 
 TOK = build_builtin_tokenizer()
@@ -23,7 +25,7 @@ CALC_TOOL = {
 
 
 @dataclass
-class ScriptedEngine(Engine):
+class ScriptedEngine(IdleEngine):
     """Replies with fixed texts (+ eos) in turn; records every prompt and the ids it emitted."""
 
     replies: list[str] = field(default_factory=lambda: ["ok"])
@@ -44,21 +46,6 @@ class ScriptedEngine(Engine):
         finish = "stop" if ids[-1] == TOK.eos_token_id else "length"
         n = len(ids)
         return [Completion("r", ids, [-0.25] * n, [self.version] * n, finish, len(prompt_token_ids))]
-
-    async def abort(self, request_id):
-        return False
-
-    async def update_weights(self, weights, version, mode="interrupt"):
-        self.version = version
-
-    async def pause(self):
-        pass
-
-    async def resume(self):
-        pass
-
-    def num_pending(self):
-        return 0
 
 
 class ServerThread:

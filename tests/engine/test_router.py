@@ -3,14 +3,15 @@
 import asyncio
 
 import pytest
+from conftest import IdleEngine  # noqa: I001 - tests/conftest.py
 from engine_refs import molt_model, prompts
 
 from molt.engine import SamplingParams, TorchEngine
-from molt.engine.interface import Completion, Engine
+from molt.engine.interface import Completion
 from molt.engine.router import Router
 
 
-class HeldEngine(Engine):
+class HeldEngine(IdleEngine):
     """Records what it was asked; every request waits until `release` is set."""
 
     def __init__(self):
@@ -30,15 +31,6 @@ class HeldEngine(Engine):
     async def update_weights(self, weights, version, mode="interrupt"):
         self.updates.append((dict(weights), version, mode))
         self.version = version
-
-    async def pause(self):
-        pass
-
-    async def resume(self):
-        pass
-
-    def num_pending(self):
-        return 0
 
 
 def test_least_loaded_and_session_affinity():

@@ -5,11 +5,10 @@ import asyncio
 
 import pytest
 import torch
-from conftest import small_model  # noqa: I001 - tests/conftest.py
+from conftest import IdleEngine, small_model  # noqa: I001 - tests/conftest.py
 
 from molt.cli.main import parse_config
 from molt.engine import SamplingParams, TorchEngine
-from molt.engine.interface import Engine
 from molt.runtime.base import RUNTIMES, start_runtime
 from molt.runtime.factory import ENGINES, build_engine
 from molt.runtime.local import LocalRuntime
@@ -51,24 +50,9 @@ def test_local_runtime_places_the_trainer_and_an_engine_the_loop_can_drive():
 
 
 def test_the_engine_interface_declares_what_an_engine_may_report():
-    class Minimal(Engine):
+    class Minimal(IdleEngine):  # only what the interface requires
         async def generate_group(self, prompt_token_ids, sampling=None, **kw):
             return []
-
-        async def abort(self, request_id):
-            return False
-
-        async def update_weights(self, weights, version, mode="interrupt"):
-            self.version = version
-
-        async def pause(self):
-            pass
-
-        async def resume(self):
-            pass
-
-        def num_pending(self):
-            return 0
 
     engine = Minimal()
     assert dict(engine.stats) == {}  # no counters: the loop reports no engine work
