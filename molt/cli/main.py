@@ -99,14 +99,22 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
         fail(prog, e)
 
 
+def _value_of(args: list[str], flag: str, missing: str) -> str:
+    """The value after `flag` in `args`; a ConfigError saying `missing` when there is none."""
+    at = args.index(flag) + 1
+    value = args[at] if at < len(args) else ""
+    if not value or value.startswith("--"):
+        raise ConfigError(missing)
+    return value
+
+
 def _resume_args(args: list[str]) -> list[str]:
     """`--resume DIR` = `--ckpt.resume DIR` with the run's own config.yaml as the config file."""
     args = ["--ckpt.resume" if a == "--resume" else a for a in args]
     if "--ckpt.resume" in args and _config_path(args) is None:
-        at = args.index("--ckpt.resume") + 1
-        run_dir = args[at] if at < len(args) else ""
-        if not run_dir or run_dir.startswith("--"):
-            raise ConfigError("ckpt.resume: --resume needs a run directory, e.g. --resume runs/train-<time>")
+        run_dir = _value_of(
+            args, "--ckpt.resume", "ckpt.resume: --resume needs a run directory, e.g. --resume runs/train-<time>"
+        )
         if not Path(run_dir).is_dir():
             raise ConfigError(f"ckpt.resume: run directory {run_dir!r} does not exist")
         if not (Path(run_dir) / "config.yaml").exists():
@@ -120,10 +128,8 @@ def _replay_args(args: list[str]) -> list[str]:
     rollouts folder) as the config file: its seed, model and algorithm; not its run_dir or resume."""
     args = ["--rollout.replay" if a == "--replay" else a for a in args]
     if "--rollout.replay" in args and _config_path(args) is None:
-        at = args.index("--rollout.replay") + 1
-        target = args[at] if at < len(args) else ""
-        if not target or target.startswith("--"):
-            raise ConfigError("rollout.replay: --replay needs a run directory (or its rollouts folder) with a dump")
+        missing = "rollout.replay: --replay needs a run directory (or its rollouts folder) with a dump"
+        target = _value_of(args, "--rollout.replay", missing)
         run = next((p for p in (Path(target), Path(target).parent) if (p / "config.yaml").exists()), None)
         if run is not None:
             args = ["--config", str(run / "config.yaml"), "--log.run_dir", "", "--ckpt.resume", "", *args]
