@@ -153,7 +153,7 @@ class FlexPacked:
         if self.block_mask is None:  # one sample per row: SDPA's causal kernel needs no mask
             return sdpa(q_bhtd, k_bhtd, v_bhtd, None, causal=True)
         gqa = q_bhtd.shape[1] != k_bhtd.shape[1]
-        q_bhtd, k_bhtd = q_bhtd.to(v_bhtd.dtype), k_bhtd.to(v_bhtd.dtype)  # autocast: normed q/k may be fp32
+        q_bhtd, k_bhtd = q_bhtd.to(v_bhtd.dtype), k_bhtd.to(v_bhtd.dtype)  # flex needs one dtype (a no-op now)
         flex = _flex_attention("compiling" if torch.compiler.is_compiling() else q_bhtd.device.type)
         return flex(q_bhtd, k_bhtd, v_bhtd, block_mask=self.block_mask, enable_gqa=gqa, kernel_options=FLEX_OPTIONS)
 

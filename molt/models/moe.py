@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from molt.models.dtypes import no_autocast
+
 NO_ROUTE = -1  # a position without a recorded routing: it routes live
 
 
@@ -25,8 +27,12 @@ def route(
     top-k; their weights are still the live router probabilities of those experts (so the router
     keeps learning through them).
     """
-    probs_ne = F.softmax(logits_ne.float() if fp32 else logits_ne, dim=-1)
-    return select(probs_ne, top_k, normalize, replay_nk)[:2]
+    return select(router_probs(logits_ne, fp32), top_k, normalize, replay_nk)[:2]
+
+
+def router_probs(logits_ne: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """Softmax over experts, in fp32 or in the logits' dtype (cast back: autocast would return fp32)."""
+    return F.softmax(logits_ne.float(), dim=-1) if fp32 else F.softmax(logits_ne, dim=-1).to(logits_ne.dtype)
 
 
 def select(
@@ -63,7 +69,7 @@ class Routing:
     def route(self, logits_ne: torch.Tensor, top_k: int, normalize: bool, fp32: bool):
         """Route one MoE layer (the next in layer order) and record it; returns (weights, experts)."""
         replay = None if self.replay_nlk is None else self.replay_nlk[:, len(self.chosen)]
-        probs_ne = F.softmax(logits_ne.float() if fp32 else logits_ne, dim=-1)
+        probs_ne = router_probs(logits_ne, fp32)
         weights_nk, experts_nk, live_nk = select(probs_ne, top_k, normalize, replay)
         self.chosen.append(experts_nk)
         self.live.append(live_nk)
@@ -91,8 +97,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x_bth: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         x_nh = x_bth.reshape(-1, x_bth.shape[-1])
-        if self.fp32 and x_nh.dtype != torch.float32:
-            logits_ne = F.linear(x_nh.float(), self.gate.weight.float())
+        if self.fp32:  # autocast off, so that the trainer's mixed precision too has an fp32 router, and the weight
+            # as a copy in the activations' dtype holds it (an fp32 master's rounded, as the engine's bf16 copy)
+            with no_autocast(x_nh.device.type):
+                logits_ne = F.linear(x_nh.float(), self.gate.weight.to(x_nh.dtype).float())
         else:
             logits_ne = self.gate(x_nh)
         if routing is None:

@@ -14,13 +14,15 @@ from torch import nn
 
 from molt.models.attention import Cache, packed_attention, take_columns
 from molt.models.config import TransformerConfig
+from molt.models.dtypes import activation_dtype
 from molt.models.moe import Routing, SparseMoE
 from molt.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from molt.models.vision import VisionTower
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32, scaled by a learned weight."""
+    """Root-mean-square norm computed in fp32, rounded to the input's dtype, then scaled by the learned weight in
+    that dtype (as `transformers` does; under autocast the fp32 master weight is cast first, see `dtypes.py`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -32,7 +34,7 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight.to(x.dtype) * x32.to(x.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -132,6 +134,14 @@ class Transformer(nn.Module):
         )
         self.inv_freq = inv_freq.to(self.inv_freq.device)
 
+    def _apply(self, fn, recurse=True):
+        """Casts and moves (`to`, `cuda`, `to_empty`, ...) recompute the rotary frequencies in fp32: `.to(bf16)`
+        would round them, turning position p's angles by ~p * 2^-9 rad (an engine's bf16 copy then computes
+        another function than the trainer's fp32 master: vLLM, too, keeps them fp32)."""
+        super()._apply(fn, recurse)
+        self.reset_rope()
+        return self
+
     def forward(
         self,
         input_ids_bt: torch.Tensor,
@@ -170,7 +180,8 @@ class Transformer(nn.Module):
             attend = cache.prepare(position_ids_bt)
         else:
             attend = packed_attention(doc_ids_bt, parent_ids_bt, attention)
-        x_bth = self.embed_tokens(input_ids_bt)
+        # the residual stream runs in the compute dtype, under autocast too (see `dtypes.py`)
+        x_bth = self.embed_tokens(input_ids_bt).to(activation_dtype(self.embed_tokens.weight))
         if pixel_values is not None:
             image_embeds_nh = self.vision(pixel_values).flatten(0, 1)
         if image_embeds_nh is not None or self.cfg.image_token_id is not None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from molt.models.config import VisionConfig
+from molt.models.dtypes import activation_dtype
 
 
 class ImageError(ValueError):
@@ -143,16 +144,24 @@ def image_spans(ids: list[int], image_token_id: int, per_image: int, where: str 
 # ------------------------------------------------------------------------------------------ the tower
 
 
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` with its weight and bias in the input's dtype (under autocast too, see `dtypes.py`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight.to(x.dtype), self.bias.to(x.dtype)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
 class VisionBlock(nn.Module):
     """Pre-norm encoder layer: x + attn(norm(x)), then x + mlp(norm(x)) (bidirectional, GELU)."""
 
     def __init__(self, vc: VisionConfig):
         super().__init__()
         self.num_heads = vc.num_heads
-        self.attn_norm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
+        self.attn_norm = LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
         self.qkv = nn.Linear(vc.hidden_size, 3 * vc.hidden_size)
         self.proj = nn.Linear(vc.hidden_size, vc.hidden_size)
-        self.mlp_norm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
+        self.mlp_norm = LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
         self.fc1 = nn.Linear(vc.hidden_size, vc.intermediate_size)
         self.fc2 = nn.Linear(vc.intermediate_size, vc.hidden_size)
 
@@ -173,16 +182,16 @@ class VisionTower(nn.Module):
         self.patch_embed = nn.Linear(3 * vc.patch_size**2, vc.hidden_size)
         self.pos_embed = nn.Parameter(torch.zeros(vc.tokens_per_image, vc.hidden_size))
         self.layers = nn.ModuleList(VisionBlock(vc) for _ in range(vc.num_layers))
-        self.post_norm = nn.LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
+        self.post_norm = LayerNorm(vc.hidden_size, eps=vc.layer_norm_eps)
         self.proj_in = nn.Linear(vc.hidden_size, lm_hidden)
         self.proj_out = nn.Linear(lm_hidden, lm_hidden)
 
     def forward(self, pixels_n3ss: torch.Tensor) -> torch.Tensor:
         p = self.cfg.patch_size
-        dtype = self.patch_embed.weight.dtype
+        dtype = activation_dtype(self.patch_embed.weight)
         x = pixels_n3ss.to(dtype) / 127.5 - 1.0
         patches = F.unfold(x, kernel_size=p, stride=p).transpose(1, 2)  # [N, P, 3*p*p], row-major patches
-        x_nph = self.patch_embed(patches) + self.pos_embed
+        x_nph = self.patch_embed(patches) + self.pos_embed.to(dtype)
         for layer in self.layers:
             x_nph = layer(x_nph)
         return self.proj_out(F.gelu(self.proj_in(self.post_norm(x_nph))))

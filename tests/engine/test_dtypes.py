@@ -2,10 +2,12 @@
 dtype, and tokens and log-probs agree with the model's own forward, `transformers` and the trainer's scoring
 (`token_logprobs` over its packing: fp32 from the logits) within the dtype's rounding.
 
-Low-precision forwards of the same function differ with the batch's shape (another summation order), so exact
+Low-precision forwards of the same function may differ with the batch's shape (another summation order), so exact
 equality is not the contract here: a greedy token must be the reference's argmax up to a small logit gap, and
-log-probs must be close on average and at worst. Measured here (bf16 / fp16): mean |diff| 2.5e-3 / 6e-4,
-max 1.8e-2 / 4e-3.
+log-probs must be close on average and at worst. Measured here (bf16 / fp16, the worst of the two sampling
+settings): mean |diff| 2.9e-4 / 2.2e-4, max 1.7e-2 / 4.9e-3; most bf16 tokens are exact (before the engine read
+its cache in whole 16-position tiles: 3.1e-3 / 6e-4, max 3.2e-2 / 3.6e-3). The trainer's mixed precision (fp32
+master weights under autocast) computes the same function: tests/models/test_bf16_consistency.py.
 """
 
 import asyncio
@@ -27,8 +29,10 @@ from molt.engine.sampling import RowParams, sample
 from molt.models import Transformer, preset
 
 DTYPES = [torch.bfloat16, torch.float16]
-# (mean, max) |engine - trainer| log-prob bound, and the largest logit gap a greedy token may have to the argmax
-LOGPROB_TOL = {torch.bfloat16: (1e-2, 0.1), torch.float16: (3e-3, 0.03)}
+# (mean, max) |engine - trainer| log-prob bound, and the largest logit gap a greedy token may have to the argmax;
+# bf16's mean allows the trainer's packing at offsets that are not multiples of the engine's 16-position tiles
+# (the paged cache measured 1.2e-3, almost all tokens exactly equal)
+LOGPROB_TOL = {torch.bfloat16: (2e-3, 0.03), torch.float16: (1e-3, 0.01)}
 GAP_TOL = {torch.bfloat16: 0.1, torch.float16: 0.02}
 
 
@@ -139,8 +143,9 @@ def test_compiled_decode_in_bf16(folder):
 
 
 def test_moe_in_bf16_records_routing_and_matches_the_trainer():
-    """A tiny MoE in bf16 (router in fp32): log-probs within bf16 rounding of the trainer's, and the recorded
-    experts agree with a direct forward's on nearly every entry (bf16 noise may flip a near-tie)."""
+    """A tiny MoE in bf16 (router in fp32): log-probs within bf16 rounding of the trainer's (measured: mean 8e-8,
+    max 5e-7; before whole-tile cache reads 5.7e-3, 3.7e-2), and the recorded experts agree with a direct
+    forward's on nearly every entry (bf16 noise may flip a near-tie)."""
     from molt.models import Routing
 
     cfg = preset("tiny-moe", vocab_size=64, hidden_size=64, num_layers=2, head_dim=16, moe_intermediate_size=32)
