@@ -24,12 +24,13 @@ Design decisions (and the invariants `check()` asserts):
   and evicted in that order when a new block is needed and the free list is empty), or free.
   A sequence's blocks are released last block first, so a prefix's deeper blocks are evicted before
   its root (an evicted root would strand its descendants, since hits follow the chain from the root).
-- **Out of blocks** is never an error mid-step: `can_allocate` gates admission, `append_slot`
-  returns None and the scheduler preempts a victim (`pick_victim`: the latest admitted sequence,
+- **Out of blocks** is never an error mid-step: `can_allocate` gates admission, `append_slot` /
+  `extend` return None and the scheduler preempts a victim (`pick_victim`: the latest admitted sequence,
   as in vLLM's recompute policy); `preempt` frees its blocks, which stay cached, so the victim's
   recompute on readmission hits its own prefix unless the blocks were taken meanwhile.
 - **New weights** invalidate every registered digest (`clear_prefixes`); recomputing running
-  sequences is preempt-and-readmit for the scheduler.
+  sequences is preempt-and-readmit for the scheduler. A block is registered once, when it fills, so
+  blocks computed under old weights are never registered again.
 
 Sizing: `bytes_per_block` and `num_blocks_for_budget` turn a byte budget (a fraction of free device
 memory measured after loading the model, or a fixed number of bytes on CPU) into a block count.
@@ -217,21 +218,37 @@ class BlockManager:
         tokens.append(token_id)
         return table[-1], position % self.block_size
 
+    def extend(self, seq_id: int, token_ids: Sequence[int]) -> int | None:
+        """Reserve positions for the tokens of `token_ids` past the ones the sequence holds (a prefix of them):
+        the number of blocks added, or None when a block was needed and none was left (those taken are kept)."""
+        tokens, table, bs = self._tokens[seq_id], self._tables[seq_id], self.block_size
+        num_blocks = len(table)
+        for token in token_ids[len(tokens) :]:
+            if len(tokens) == len(table) * bs:
+                if not self.num_free_blocks():
+                    return None
+                table.append(self._take_block())
+            tokens.append(token)
+        return len(table) - num_blocks
+
     def set_computed(self, seq_id: int, num_computed: int) -> None:
-        """Record that positions [0, num_computed) hold KV; registers the full blocks among them."""
+        """Record that positions [0, num_computed) hold KV; registers the blocks this fills (each block once)."""
         if not self._num_computed[seq_id] <= num_computed <= len(self._tokens[seq_id]):
             # computed positions are never recomputed in place (they may be shared): preempt instead
             raise ValueError(
                 f"num_computed {num_computed} outside [{self._num_computed[seq_id]}, {len(self._tokens[seq_id])}]"
             )
+        num_full = self._num_computed[seq_id] // self.block_size
         self._num_computed[seq_id] = num_computed
-        if self.prefix_cache:
-            self._register_full_blocks(seq_id, num_computed // self.block_size)
+        if self.prefix_cache and num_computed // self.block_size > num_full:
+            self._register_full_blocks(seq_id, num_full, num_computed // self.block_size)
 
-    def _register_full_blocks(self, seq_id: int, num_full: int) -> None:
+    def _register_full_blocks(self, seq_id: int, start: int, end: int) -> None:
+        """Register blocks [start, end) of the sequence: only the newly full ones, so a decode step costs O(1)
+        (a block already full was registered then, or came registered from a prefix hit or a fork)."""
         tokens, table, digests = self._tokens[seq_id], self._tables[seq_id], self._digests[seq_id]
         bs = self.block_size
-        for i in range(num_full):
+        for i in range(start, end):
             if i == len(digests):
                 digests.append(block_digest(digests[-1] if digests else _ROOT, tokens[i * bs : (i + 1) * bs]))
             block, digest = table[i], digests[i]

@@ -86,8 +86,9 @@ class EngineCore:
     ):
         if kv_blocks * block_size < max_seq_len:  # a lone sequence must always fit, or preemption could not help it
             raise ValueError(f"kv_blocks={kv_blocks} x block_size={block_size} < max_seq_len={max_seq_len}")
-        self.manager = PagedSlots(BlockManager(kv_blocks, block_size, prefix_cache), num_slots)
-        self.runner = PagedRunner(model, self.manager, max_seq_len, graphs)
+        max_blocks = -(-max_seq_len // block_size)
+        self.manager = PagedSlots(BlockManager(kv_blocks, block_size, prefix_cache), num_slots, max_blocks)
+        self.runner = PagedRunner(model, self.manager, graphs)
         self.scheduler = PagedScheduler(self.manager, max_num_batched_tokens)
 
     # ---- requests and commands -----------------------------------------------------------------
@@ -156,9 +157,10 @@ class EngineCore:
         slot_of, set_length = self.manager.slot_of, self.manager.set_length
         decode = []
         for seq in plan.decode:
-            seq.num_computed = len(seq.tokens)
-            set_length(seq.seq_id, seq.num_computed)
-            decode.append((slot_of(seq.seq_id), seq.tokens[-1], seq.num_computed - 1))
+            tokens, seq_id = seq.tokens, seq.seq_id
+            seq.num_computed = n = len(tokens)
+            set_length(seq_id, n)
+            decode.append((slot_of(seq_id), tokens[-1], n - 1))
         chunks = [(slot_of(c.seq.seq_id), c.seq.tokens[c.start : c.end], c.start) for c in plan.prefill]
         sampled_chunks = [i for i, c in enumerate(plan.prefill) if c.samples]
         self.stats["decode_tokens"] += len(decode)
@@ -221,7 +223,7 @@ class EngineCore:
             self.listeners[request_id](batch)
 
     def _row_params(self, rows: list[Seq]) -> RowParams:
-        sps = [s.sampling for s in rows]
+        sps = [s.group.sampling for s in rows]
         return RowParams(
             temperature=[sp.temperature for sp in sps],
             top_p=[sp.top_p for sp in sps],
@@ -231,8 +233,8 @@ class EngineCore:
             processed=[sp.logprob_mode == "processed" for sp in sps],
             banned=[
                 (r, tuple(s.group.stop_ids))
-                for r, s in enumerate(rows)
-                if s.num_generated < s.sampling.min_tokens and s.group.stop_ids
+                for r, (s, sp) in enumerate(zip(rows, sps, strict=True))
+                if sp.min_tokens and s.num_generated < sp.min_tokens and s.group.stop_ids
             ]
             + self._banned_images(len(rows)),
         )
@@ -245,15 +247,17 @@ class EngineCore:
     # ---- after sampling ------------------------------------------------------------------------
     def _append(self, seq: Seq, token: int, logprob: float) -> tuple[str, int | str | None] | None:
         """Record a sampled token; returns (finish reason, stop reason) when `seq` ends with it."""
-        seq.tokens.append(token)
+        tokens, sp = seq.tokens, seq.group.sampling
+        tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self.version)
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
-        sp = seq.sampling
-        if seq.num_generated >= sp.min_tokens and (reason := self._stop_reason(seq, token)) is not None:
+        num_generated = len(tokens) - seq.num_prompt
+        stoppable = num_generated >= sp.min_tokens and (token in seq.group.stop_ids or sp.stop)
+        if stoppable and (reason := self._stop_reason(seq, token)) is not None:
             return "stop", reason
-        if seq.num_generated >= sp.max_tokens or len(seq.tokens) >= self.max_seq_len:
+        if num_generated >= sp.max_tokens or len(tokens) >= self.max_seq_len:
             return "length", None
         return None
 

@@ -3,10 +3,13 @@
 A decode-only step of B rows runs the graph of the smallest batch bucket >= B (1, 2, 4, 8, then multiples of
 16 up to the engine's slots). Each graph was captured once, at start-up, over static input buffers: token
 ids, positions, each row's block table (padded to the longest table a sequence can have) and length, and
-where each row's new key/value goes. A step fills those buffers with ONE host -> device copy, replays the
-graph (the model's forward, the paged attention kernel reading block tables on the device, the LM head) and
-returns a view of the bucket's logits; sampling then runs on them as for any step. Rows past B are padding:
-they read and write one scratch block that no sequence owns, so padding never touches a sequence's cache.
+where each row's new key/value goes. A step fills those buffers with ONE host -> device copy of a host buffer
+(pinned on CUDA) written by a few vectorised numpy ops: the block-table rows are gathered from the cache
+manager's per-slot mirror (`PagedSlots.tables_sm`, updated only when a table changes), so no Python runs per
+row or per block. It then replays the graph (the model's forward, the paged attention kernel reading block
+tables on the device, the LM head) and returns a view of the bucket's logits; sampling then runs on them as for
+any step. Rows past B are padding: they read and write one scratch block that no sequence owns, so padding never
+touches a sequence's cache.
 
 All buckets share one memory pool and one logits buffer (captured largest first). Weights load in place and the
 cache never moves, so a weight sync needs no recapture. Off CUDA the same buffers and forward run eagerly
@@ -16,13 +19,14 @@ layout and the model's cache protocol; nothing of requests, sampling or scheduli
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from molt.engine.paged_attention import paged_decode
-from molt.engine.transfer import to_device
 from molt.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -34,7 +38,7 @@ class PagedRunner(Protocol):
     model: Transformer
     k: torch.Tensor  # [layers, blocks (+ scratch), kv_heads, block_size, head_dim]
     v: torch.Tensor
-    manager: Any  # paged.PagedSlots: `table_at(slot)` gives a slot's block table
+    manager: Any  # paged.PagedSlots: `tables_sm[slot]` is a slot's block table, padded
     device: torch.device
     kv_heads: int
     head_dim: int
@@ -74,15 +78,19 @@ class GraphStep:
 class GraphDecode:
     """Static buffers, one captured graph per batch bucket, and the replay of a decode step (module docstring).
 
-    `scratch` is the cache block padding rows use; `max_blocks` the widest block table."""
+    `scratch` is the cache block padding rows use (the manager pads its block-table rows with it too)."""
 
-    def __init__(self, runner: PagedRunner, max_batch: int, max_blocks: int, scratch: int, capture: bool):
+    def __init__(self, runner: PagedRunner, max_batch: int, scratch: int, capture: bool):
         self.runner, self.scratch, self.capture = runner, scratch, capture
         self.buckets = batch_buckets(max_batch)
-        self.max_blocks, device = max_blocks, runner.device
+        max_blocks, device = runner.manager.tables_sm.shape[1], runner.device
         top = self.buckets[-1]
         # per row: id, position, length, write row, then the block table (one int64 buffer, one copy per step)
         self.inputs = torch.zeros(top, 4 + max_blocks, dtype=torch.long, device=device)
+        self.host = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.host_np = self.host.numpy()
+        self.pad_row = np.array([0, 0, 1, scratch * runner.kv_heads * runner.block_size] + [scratch] * max_blocks)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None  # the last host -> device copy
         self.ids = torch.zeros(top, dtype=torch.long, device=device)
         self.pos, self.write = torch.zeros_like(self.ids), torch.zeros_like(self.ids)
         self.lens = torch.ones(top, dtype=torch.int32, device=device)
@@ -119,7 +127,7 @@ class GraphDecode:
         """Capture every bucket's graph, largest first, into one memory pool (CUDA only)."""
         if not self.capture:
             return
-        self._fill([], self.buckets[-1])
+        self._fill(np.zeros((0, 3), dtype=np.int64), self.buckets[-1])
         pool = None
         for bucket in reversed(self.buckets):
             self._run(bucket)  # warm-up outside the graph: kernels compiled, workspaces allocated
@@ -136,21 +144,28 @@ class GraphDecode:
         torch.cuda.synchronize(self.runner.device)
         log.info("captured %d decode graphs (batch buckets up to %d)", len(self.graphs), self.buckets[-1])
 
-    def _fill(self, rows: list[list[int]], bucket: int) -> None:
-        """One host -> device copy of `rows` ([id, pos, len, write, table...]) padded to `bucket` rows."""
-        pad = [0, 0, 1, self.scratch * self.runner.kv_heads * self.runner.block_size] + [self.scratch] * self.max_blocks
-        self.inputs[:bucket].copy_(to_device(rows + [pad] * (bucket - len(rows)), torch.long, self.runner.device))
+    def _fill(self, decode_n3: np.ndarray, bucket: int) -> None:
+        """The input rows [id, pos, len, write, table...] of the decode rows (slot, token id, position), then
+        padding up to `bucket` rows: written into the host buffer at once, then ONE host -> device copy."""
+        r, n = self.runner, len(decode_n3)
+        if self.copied is not None:  # the previous step's copy may still be reading the host buffer
+            self.copied.synchronize()
+        slot_n, pos_n = decode_n3[:, 0], decode_n3[:, 2]
+        host = self.host_np
+        host[:n, 0], host[:n, 1], host[:n, 2] = decode_n3[:, 1], pos_n, pos_n + 1
+        block_n = r.manager.tables_sm[slot_n, pos_n // r.block_size]
+        host[:n, 3] = block_n * r.kv_heads * r.block_size + pos_n % r.block_size
+        host[:n, 4:] = r.manager.tables_sm[slot_n]
+        host[n:bucket] = self.pad_row
+        self.inputs[:bucket].copy_(self.host[:bucket], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
     def step(self, decode: list[tuple[int, int, int]]) -> torch.Tensor:
         """Logits [B, V] of decode rows (slot, token id, position), their new keys and values in the cache."""
-        r, bs = self.runner, self.runner.block_size
         bucket = next(b for b in self.buckets if b >= len(decode))
-        rows = []
-        for slot, token, pos in decode:
-            table = r.manager.table_at(slot)
-            write = (table[pos // bs] * r.kv_heads) * bs + pos % bs
-            rows.append([token, pos, pos + 1, write, *table, *[self.scratch] * (self.max_blocks - len(table))])
-        self._fill(rows, bucket)
+        flat = np.fromiter(itertools.chain.from_iterable(decode), dtype=np.int64, count=3 * len(decode))
+        self._fill(flat.reshape(-1, 3), bucket)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
             return self.logits[: len(decode)]

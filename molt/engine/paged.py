@@ -27,6 +27,7 @@ import itertools
 import logging
 from collections import deque
 
+import numpy as np
 import torch
 
 from molt.engine.blocks import (
@@ -72,15 +73,21 @@ def num_kv_blocks(
 
 
 class PagedSlots:
-    """The slot cache manager's interface over a `BlockManager` (see the module docstring)."""
+    """The slot cache manager's interface over a `BlockManager` (see the module docstring).
+
+    `tables_sm` mirrors each slot's block table as a row of block ids padded with `num_blocks` (the runner's
+    scratch block), for the graphed decode step to gather its rows from at once; a row is written only where its
+    table changed (a new block, a new table, a release), never rebuilt per step."""
 
     compact = False
 
-    def __init__(self, blocks: BlockManager, num_slots: int):
+    def __init__(self, blocks: BlockManager, num_slots: int, max_blocks: int):
         self.blocks, self.num_slots = blocks, num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._slot_of: dict[int, int] = {}
         self._seq_at: dict[int, int] = {}
+        self.tables_sm = np.full((num_slots, max_blocks), blocks.num_blocks, dtype=np.int64)
+        self._num_mirrored = [0] * num_slots  # blocks of each row that are not padding
 
     @property
     def num_active(self) -> int:
@@ -109,17 +116,38 @@ class PagedSlots:
         """A slot, and blocks for `prompt` when given: (slot, positions already cached)."""
         slot = self._free_slots.pop()
         self._slot_of[seq_id], self._seq_at[slot] = slot, seq_id
-        return slot, self.blocks.allocate(seq_id, prompt) if prompt else 0
+        if not prompt:
+            return slot, 0
+        cached = self.blocks.allocate(seq_id, prompt)
+        self._mirror(seq_id)
+        return slot, cached
 
     def reserve(self, seq_id: int, tokens: list[int]) -> int | None:
         """Blocks for every position of `tokens`: the positions already cached when it had none, else its
         computed count; None when blocks ran out (those reserved so far are kept)."""
-        if not self.holds(seq_id):
-            return self.blocks.allocate(seq_id, tokens) if self.blocks.can_allocate(len(tokens)) else None
-        for token in tokens[self.blocks.num_tokens(seq_id) :]:
-            if self.blocks.append_slot(seq_id, token) is None:
+        blocks = self.blocks
+        if not blocks.has(seq_id):
+            if not blocks.can_allocate(len(tokens)):
                 return None
-        return self.blocks.num_computed(seq_id)
+            cached = blocks.allocate(seq_id, tokens)
+            self._mirror(seq_id)
+            return cached
+        added = blocks.extend(seq_id, tokens)
+        if added != 0:
+            self._mirror(seq_id)
+        return None if added is None else blocks.num_computed(seq_id)
+
+    def _mirror(self, seq_id: int) -> None:
+        """Bring the slot's row of `tables_sm` up to the sequence's block table: a table only ever grows by
+        appended blocks, and a new one starts from a row its released predecessor left all padding."""
+        slot = self._slot_of[seq_id]
+        table = self.blocks.block_table(seq_id) if self.blocks.has(seq_id) else ()
+        row, held = self.tables_sm[slot], self._num_mirrored[slot]
+        if len(table) >= held:
+            row[held : len(table)] = table[held:]
+        else:
+            row[:held] = self.blocks.num_blocks
+        self._num_mirrored[slot] = len(table)
 
     def share(self, src_seq: int, dst_seq: int, length: int) -> None:
         """`dst_seq` forks `src_seq`'s first `length` positions; out of blocks, it is left without any and
@@ -127,6 +155,7 @@ class PagedSlots:
         self.release_blocks(dst_seq)
         with contextlib.suppress(OutOfBlocks):
             self.blocks.fork(src_seq, dst_seq, length)
+            self._mirror(dst_seq)
 
     def set_length(self, seq_id: int, length: int) -> None:
         self.blocks.set_computed(seq_id, length)
@@ -134,6 +163,7 @@ class PagedSlots:
     def release_blocks(self, seq_id: int) -> None:
         if self.holds(seq_id):
             self.blocks.free(seq_id)
+            self._mirror(seq_id)
 
     def free(self, seq_id: int, tokens=None) -> None:
         """Release blocks (registered ones stay cached as prefixes) and slot; `tokens` is not needed."""
@@ -314,7 +344,7 @@ class PagedRunner:
 
     own_attention, compiled, routes = False, None, None
 
-    def __init__(self, model: Transformer, manager: PagedSlots, max_seq_len: int, graphs: bool | None = None):
+    def __init__(self, model: Transformer, manager: PagedSlots, graphs: bool | None = None):
         cfg = model.cfg
         if cfg.num_moe_layers() or cfg.image_token_id is not None:
             raise ValueError("the paged KV cache serves dense text models (MoE and VLMs keep the slot cache)")
@@ -332,8 +362,7 @@ class PagedRunner:
         self.packs = LinearPacks(model)  # Molt's GEMM kernel for the linear layers on CPU in fp32, as ModelRunner
         self.graphs = None
         if graphs:
-            max_blocks = -(-max_seq_len // self.block_size)
-            self.graphs = GraphDecode(self, manager.num_slots, max_blocks, scratch, capture=on_cuda)
+            self.graphs = GraphDecode(self, manager.num_slots, scratch, capture=on_cuda)
 
     def cache_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()

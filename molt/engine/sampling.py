@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from molt.engine.transfer import to_device
@@ -42,6 +43,25 @@ def sample_seed(request_seed: int, sample_index: int) -> int:
 def uniform(seed: int, position: int) -> float:
     """A uniform number in [0, 1) with 24 bits, fixed by (seed, position)."""
     return (splitmix64(seed ^ splitmix64(position)) >> 40) / float(1 << 24)
+
+
+def uniforms(seeds: Sequence[int], positions: Sequence[int]) -> Sequence[float]:
+    """`uniform` of each (seed, position) pair; from a few dozen pairs on, at once in numpy (its uint64
+    arithmetic wraps as `MASK64` does): per-row Python here cost ~0.6 ms a step at 256 rows."""
+    if len(seeds) < 32:
+        return [uniform(s, p) for s, p in zip(seeds, positions, strict=True)]
+    x = _splitmix64_np(np.array(seeds, dtype=np.uint64) ^ _splitmix64_np(np.array(positions, dtype=np.uint64)))
+    return (x >> _U64[40]).astype(np.float64) / float(1 << 24)
+
+
+_U64 = {k: np.uint64(k) for k in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 27, 30, 31, 40)}
+
+
+def _splitmix64_np(x: np.ndarray) -> np.ndarray:
+    x = x + _U64[0x9E3779B97F4A7C15]
+    x = (x ^ (x >> _U64[30])) * _U64[0xBF58476D1CE4E5B9]
+    x = (x ^ (x >> _U64[27])) * _U64[0x94D049BB133111EB]
+    return x ^ (x >> _U64[31])
 
 
 @dataclass
@@ -124,8 +144,7 @@ def _sample_on_device(logits_rv: torch.Tensor, params: RowParams):
         token_r = masked_rv.argmax(dim=-1)
         processed_lp_r = torch.zeros_like(temp_r)
     else:
-        uniforms = [uniform(s, p) for s, p in zip(params.seed, params.position, strict=True)]
-        u_r = to_device(uniforms, torch.float64, device)
+        u_r = to_device(uniforms(params.seed, params.position), torch.float64, device)
         if any(p < 1 or k > 0 for p, k in zip(params.top_p, params.top_k, strict=True)):
             top_p_r = to_device(params.top_p, torch.float32, device)
             top_k_r = to_device(params.top_k, torch.long, device)

@@ -120,16 +120,16 @@ class Scheduler:
 
     def schedule(self, admit: bool = True) -> Plan:
         """This step's chunks and decodes; admits waiting groups when `admit`."""
-        budget = self.max_num_batched_tokens
-        decode, prefill = [], []
+        decode, prefilling, prefill = [], [], []
         for seq in self.running:
-            if seq.waits_for is None and len(seq.tokens) - seq.num_computed == 1:
-                decode.append(seq)
-        budget -= len(decode)
-        for seq in self.running:
-            if budget > 0 and seq.waits_for is None and len(seq.tokens) - seq.num_computed > 1:
-                prefill.append(self._chunk(seq, budget))
-                budget -= prefill[-1].end - prefill[-1].start
+            if seq.waits_for is None and (left := len(seq.tokens) - seq.num_computed):
+                (decode if left == 1 else prefilling).append(seq)
+        budget = self.max_num_batched_tokens - len(decode)
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            prefill.append(self._chunk(seq, budget))
+            budget -= prefill[-1].end - prefill[-1].start
         while admit and budget > 0 and self.waiting and self._fits(self.waiting[0]):
             leader = self._admit(self.waiting.popleft())
             if leader is not None:

@@ -1,5 +1,6 @@
 """Paged KV-cache bookkeeping without a model: allocation, prefix sharing, refcounts, eviction, fork, preemption,
-sizing, and a randomized run whose simulated KV must always read back as each sequence's own prefix."""
+sizing, a randomized run whose simulated KV must always read back as each sequence's own prefix, and the
+per-slot block-table rows graphed decode reads (`PagedSlots.tables_sm`) under random operations."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +15,7 @@ from molt.engine.blocks import (
     kv_budget_bytes,
     num_blocks_for_budget,
 )
+from molt.engine.paged import PagedSlots
 
 
 class FakeKV:
@@ -292,3 +294,62 @@ def test_random_operations_keep_invariants_and_kv(ops, block_size, num_blocks):
         mgr.free(seq)
     mgr.check()
     assert mgr.num_free_blocks() == num_blocks
+
+
+SLOT_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "sibling", "decode", "fork", "compute", "release", "free"]), st.integers(0, 2**16)
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=SLOT_OPS, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 12))
+def test_slot_rows_mirror_the_block_tables(ops, block_size, num_blocks):
+    """Admissions (with a prompt, or a sibling's bare slot), growth by one or more tokens (preempting the latest
+    admitted when out of blocks), forks, computed positions, releases and frees: after each, every slot's row of
+    `tables_sm` is its sequence's block table padded with `num_blocks` (all padding for a slot without blocks)."""
+    max_blocks, num_slots = 5, 4
+    slots = PagedSlots(BlockManager(num_blocks, block_size), num_slots, max_blocks)
+    tokens: dict[int, list[int]] = {}  # sequences holding a slot -> their tokens, admission order
+    max_len, next_id = max_blocks * block_size, 0
+    for op, r in ops:
+        live = list(tokens)
+        if op in ("add", "sibling") and slots.num_free():
+            prompt = [r % 3] * (1 + r % max_len)
+            if op == "add" and not slots.blocks.can_allocate(len(prompt)):
+                continue
+            slots.allocate(next_id, prompt if op == "add" else ())
+            tokens[next_id], next_id = prompt, next_id + 1
+        elif op == "decode" and live:
+            seq = live[r % len(live)]
+            new = min(1 + r % 3, max_len - len(tokens[seq]))  # several at once, as after a shorter fork
+            tokens[seq] += [r % 5] * new
+            while slots.reserve(seq, tokens[seq]) is None:
+                victim = live.pop()
+                slots.free(victim)
+                del tokens[victim]
+                if victim == seq:
+                    break
+        elif op == "fork" and len(live) > 1 and slots.holds(src := live[r % len(live)]):
+            dst = live[(r // 7) % len(live)]
+            if dst != src:
+                length = 1 + r % len(tokens[src])
+                slots.share(src, dst, length)
+                tokens[dst] = tokens[src][:length]
+        elif op == "compute" and live and slots.holds(seq := live[r % len(live)]):
+            done = slots.length_of(seq)
+            slots.set_length(seq, done + r % (slots.blocks.num_tokens(seq) - done + 1))
+        elif op == "release" and live:
+            slots.release_blocks(live[r % len(live)])
+        elif op == "free" and live:
+            seq = live[r % len(live)]
+            slots.free(seq)
+            del tokens[seq]
+        slots.blocks.check()
+        held = {slots.slot_of(seq): seq for seq in tokens if slots.holds(seq)}
+        for slot in range(num_slots):
+            table = slots.blocks.block_table(held[slot]) if slot in held else []
+            assert slots.tables_sm[slot].tolist() == table + [num_blocks] * (max_blocks - len(table)), (slot, table)

@@ -129,3 +129,35 @@ def test_padding_rows_touch_only_the_scratch_block(molt):
     scratch = runner.graphs.scratch
     assert scratch == runner.k.shape[1] - 1 and runner.k[:, scratch].abs().sum() > 0  # padding wrote there
     asyncio.run(e.close())
+
+
+def test_graph_inputs_are_each_rows_block_table_and_padding(molt):
+    """Each graphed step's one packed input buffer, written from the manager's per-slot table rows: per decode row
+    its token, position, length, write row and block table (the block manager's, padded with the scratch block),
+    then padding rows; under forks (n = 2) and preemption."""
+    e = engine(molt, True, kv_blocks=16)
+    graphs, manager, kv_heads = e.core.runner.graphs, e.core.manager, e.core.runner.kv_heads
+    width, bs, step, sizes = manager.tables_sm.shape[1], manager.blocks.block_size, graphs.step, []
+
+    def checked_step(decode):
+        out = step(decode)
+        bucket = next(b for b in graphs.buckets if b >= len(decode))
+        want = []
+        for slot, token, pos in decode:
+            table = manager.table_at(slot)
+            write = (table[pos // bs] * kv_heads) * bs + pos % bs
+            want.append([token, pos, pos + 1, write, *table] + [graphs.scratch] * (width - len(table)))
+        assert graphs.inputs[:bucket].tolist() == want + [graphs.pad_row.tolist()] * (bucket - len(decode))
+        sizes.append(len(decode))
+        return out
+
+    graphs.step = checked_step
+    ps = prompts([5, 23, 1, 14, 9], seed=3)
+    sps = [SamplingParams(n=1 + i % 2, temperature=1.0, max_tokens=9 + i, seed=i) for i in range(len(ps))]
+
+    async def go():
+        return await asyncio.gather(*(e.generate_group(p, sp) for p, sp in zip(ps, sps, strict=True)))
+
+    asyncio.run(go())
+    asyncio.run(e.close())
+    assert sizes and max(sizes) > 2 and e.core.scheduler.num_preemptions > 0

@@ -40,6 +40,7 @@ def check_drained(engine: TorchEngine) -> None:
     blocks = engine.manager.blocks
     blocks.check()
     assert engine.manager.num_active == 0 and blocks.num_free_blocks() == blocks.num_blocks
+    assert (engine.manager.tables_sm == blocks.num_blocks).all()  # every slot's block-table row back to padding
 
 
 def test_greedy_matches_transformers_and_logprobs_the_trainer(models):
