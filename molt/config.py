@@ -773,14 +773,7 @@ class Config:
         self._check_models()
 
     def _check_models(self) -> None:
-        """The critic, teacher and LoRA: each applies only where it is used and runs in one trainer process."""
+        """The critic's settings apply only where there is one (critic, teacher and LoRA run on either backend:
+        with `ray` the trainer ranks shard them like the policy)."""
         gae = self.algo.estimator == "gae"
         check(gae or self.critic == CriticConfig(), "critic", "critic.* settings need --algo.estimator gae")
-        for key, on in [("algo.estimator gae", gae), ("algo.teacher", bool(self.algo.teacher)),
-                        ("train.lora_rank", self.train.lora_rank > 0),
-                        ("algo.kl_target", self.algo.kl_target > 0)]:  # fmt: skip
-            check(
-                not on or self.runtime.backend == "local",
-                key,
-                "runs with --runtime.backend local only (the trainer ranks do not shard it yet)",
-            )

@@ -1,22 +1,32 @@
 """Data-parallel trainer ranks as Ray actors, and `RayTrainer`, the driver's one trainer.
 
-Each `TrainerRank` joins a torch.distributed group (gloo on CPU, NCCL on CUDA), wraps its model
-with FSDP2 (`molt.train.parallel.parallelize`) and runs the ordinary `Trainer.step` on its shard
-of the batch (whole groups, balanced by token count); denominators and metric sums are
-all-reduced, so the step equals single-process training. `RayTrainer` has the surface the loop
-and checkpoints use: `step(batch)`, `version`, `weights()`, `save`/`load` (the `Trainer` protocol).
+Each `TrainerRank` joins a torch.distributed group (gloo on CPU, NCCL on CUDA), builds the ordinary
+`Trainer` with every model (policy, critic, teacher, KL reference) wrapped with FSDP2
+(`molt.train.parallel.parallelize`; LoRA adapters stay whole on every rank) and runs `Trainer.step`
+on its shard of the batch (whole groups, balanced by token count); denominators and metric sums are
+all-reduced, so the step equals single-process training. The sharded checkpoint holds every model
+and optimizer (policy or LoRA adapters, critic, reference), so a run resumes on any number of ranks.
+`RayTrainer` has the surface the loop and checkpoints use: `step(batch)`, `version`, `weights()`,
+`save`/`load` (the `Trainer` protocol).
 Knows Ray, the trainer and torch.distributed.checkpoint; nothing of engines or the loop.
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from molt.config import Config
 from molt.data.trajectory import Trajectory
@@ -26,7 +36,7 @@ from molt.train import parallel
 
 
 class TrainerRank:
-    """One rank: a FSDP2-sharded model and its `Trainer` (wrapped with `ray.remote` by `RayTrainer`)."""
+    """One rank: a `Trainer` whose models are FSDP2-sharded (wrapped with `ray.remote` by `RayTrainer`)."""
 
     def __init__(self, cfg: Config, model, rank: int, world_size: int):
         torch.set_num_threads(cfg.runtime.threads or 1)
@@ -39,23 +49,25 @@ class TrainerRank:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, address: str, port: int) -> None:
-        from molt.train.optim import build_optimizer
         from molt.train.trainer import Trainer
 
         rt = self.cfg.runtime
         parallel.init_process_group(self.rank, self.world_size, address, port, rt.device, rt.collective_timeout_s)
-        self.trainer = Trainer(self.model, self.cfg)  # the reference copy (kl_coef > 0) stays unsharded
-        precision = self.trainer.precision
-        parallel.parallelize(self.model, precision.compute if precision.mixed else None)
-        self.trainer.precision = precision.unsharded()  # FSDP2 casts the parameters: no autocast on top
-        self.trainer.opt, self.trainer.schedule = build_optimizer(self.model.parameters(), self.cfg.train)
+        torch.manual_seed(self.cfg.train.seed)  # the replicated LoRA adapters start equal on every rank
+        self.trainer = Trainer(self.model, self.cfg, fsdp=True)
 
     def step(self, trajs: list[Trajectory], shard: list[int]) -> dict[str, float]:
         return self.trainer.step(trajs, shard)
 
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full CPU tensor) of the policy, with LoRA its merged weights; a collective: every rank iterates."""
+        lora = self.trainer.lora
+        for name, value in parallel.full_tensors(self.model):
+            yield name, value if lora is None else lora.merge(name, value)
+
     def weights(self, chunk_bytes: int) -> ChunkedWeights | None:
         """Gather full tensors (a collective); rank 0 puts them in the object store in chunks."""
-        items = parallel.full_tensors(self.model)
+        items = self.full_weights()
         if self.rank == 0:
             return chunk_weights(items, chunk_bytes)
         for _ in items:  # take part in every gather
@@ -63,34 +75,76 @@ class TrainerRank:
         return None
 
     def save(self, folder: str, tokenizer) -> dict:
-        """Sharded model+optimizer under `folder/dcp` (all ranks); the HF policy folder from rank 0."""
-        from molt.models import Transformer, save_pretrained
-
-        full = dict(parallel.full_tensors(self.model))
+        """Every model and optimizer as shards under `folder/dcp` (all ranks); from rank 0 the HF policy folder
+        (merged with LoRA, the PEFT adapter in `adapter/`). Returns the unsharded state: schedules, KL coefficient."""
+        full = dict(self.full_weights())
+        trainer = self.trainer
         if self.rank == 0:
-            cfg = self.model.cfg
-            with torch.device("meta"):
-                export = Transformer(cfg)
-            export = export.to_empty(device="cpu").to(next(iter(full.values())).dtype)
-            export.reset_rope()
-            if cfg.tie_word_embeddings:
-                export.lm_head.weight = export.embed_tokens.weight
-            export.load_state_dict(full)
-            save_pretrained(export, folder, tokenizer)
+            _export(self.model.cfg, full, folder, tokenizer)
+            if trainer.lora is not None:
+                trainer.lora.save_peft(Path(folder) / "adapter", self.cfg.model.path)
         torch.distributed.barrier()
-        model_sd, optim_sd = get_state_dict(self.model, self.trainer.opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(folder) / "dcp"))
-        return {"schedule": self.trainer.schedule.state_dict()}
+        dcp.save(self._state_dicts(), checkpoint_id=str(Path(folder) / "dcp"))
+        critic = trainer.critic.schedule.state_dict() if trainer.critic is not None else None
+        return {
+            "schedule": trainer.schedule.state_dict(),
+            "kl_coef": trainer.kl_control.coef,
+            "critic_schedule": critic,
+        }
 
     def load(self, folder: str, state: dict) -> None:
         """Load a sharded checkpoint written by any number of ranks (DCP reshards on load)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.trainer.opt)
-        sd = {"model": model_sd, "optim": optim_sd}
+        sd = self._state_dicts()
         dcp.load(sd, checkpoint_id=str(Path(folder) / "dcp"))
-        set_state_dict(self.model, self.trainer.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                       options=StateDictOptions(strict=True))  # fmt: skip
-        self.trainer.schedule.load_state_dict(state["schedule"])
-        self.trainer.version = state["version"]
+        strict = StateDictOptions(strict=True)
+        for key, module, opt, opt_key in self._parts():
+            if opt is None:
+                set_model_state_dict(module, sd[key], options=strict)
+            else:
+                set_state_dict(module, opt, model_state_dict=sd[key], optim_state_dict=sd[opt_key], options=strict)
+        trainer = self.trainer
+        trainer.schedule.load_state_dict(state["schedule"])
+        trainer.load_extra_state({"kl_coef": state.get("kl_coef")})
+        if trainer.critic is not None:
+            trainer.critic.schedule.load_state_dict(state["critic_schedule"])
+        trainer.version, trainer.num_skipped_steps = state["version"], state.get("num_skipped_steps", 0)
+
+    def _parts(self) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer | None, str]]:
+        """(key, module, the optimizer of its parameters or None, that optimizer's key) of each module in the
+        sharded checkpoint. With LoRA the policy's optimizer steps the adapters; the model holds the base weights."""
+        t = self.trainer
+        parts = [("model", t.model, t.opt if t.lora is None else None, "optim")]
+        if t.lora is not None:
+            parts.append(("lora", t.lora, t.opt, "optim"))
+        if t.critic is not None:
+            parts.append(("critic", t.critic.model, t.critic.opt, "critic_optim"))
+        if t.ref is not None:  # the initial policy: a resumed rank starts from the checkpoint's policy
+            parts.append(("ref", t.ref, None, ""))
+        return parts
+
+    def _state_dicts(self) -> dict:
+        """The DCP state: each part's (sharded) weights, and each optimizer's state under its key."""
+        out = {}
+        for key, module, opt, opt_key in self._parts():
+            if opt is None:
+                out[key] = get_model_state_dict(module)
+            else:
+                out[key], out[opt_key] = get_state_dict(module, opt)
+        return out
+
+
+def _export(cfg, full: dict[str, torch.Tensor], folder: str, tokenizer) -> None:
+    """The HF policy folder from gathered full weights (a plain CPU model of the policy's config)."""
+    from molt.models import Transformer, save_pretrained
+
+    with torch.device("meta"):
+        export = Transformer(cfg)
+    export = export.to_empty(device="cpu").to(next(iter(full.values())).dtype)
+    export.reset_rope()
+    if cfg.tie_word_embeddings:
+        export.lm_head.weight = export.embed_tokens.weight
+    export.load_state_dict(full)
+    save_pretrained(export, folder, tokenizer)
 
 
 def spawn_rank(cfg: Config, model_ref, rank: int, world_size: int, options: dict):
@@ -132,8 +186,5 @@ class RayTrainer:
         return {"sharded": True, "num_ranks": len(self.ranks), **states[0]}
 
     def load(self, folder: Path, state: dict) -> None:
-        if self.cfg.algo.kl_coef > 0:
-            raise NotImplementedError("ckpt.resume with runtime.backend ray and algo.kl_coef > 0: the sharded "
-                                      "checkpoint does not hold the reference model yet")  # fmt: skip
         get([r.load.remote(str(folder), state) for r in self.ranks], "checkpoint load")
         self.version = state["version"]

@@ -8,23 +8,31 @@ included: a tail's first value is read at the prefix's last position, as its fir
 
 The body starts as a copy of the initial policy (default) or the HF folder `--critic.path`; the head starts at
 zero (V = 0 before the first update). The LM head is dropped: a critic never needs the [T, V] logits.
-Knows the model and the packed layout; nothing of trajectories, advantages or the loop.
+`Critic.train` is the critic's part of a trainer step (values for GAE, then its updates); data parallel, the
+value model is sharded like the policy (FSDP2) and its loss sums are all-reduced. Knows the model, the packed
+micro-batches and the value loss; nothing of trajectories or the loop.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from molt import algo
 from molt.config import Config
 from molt.models import Transformer, from_pretrained
+from molt.train import parallel
 from molt.train.logprobs import laid_out_rows, packed_hidden
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch
-from molt.train.precision import Precision
+from molt.train.precision import Precision, clip_and_step
+
+SUMS = ("loss", "clip", "n", "value", "ret", "ret2", "err", "err2")
 
 
 class ValueModel(nn.Module):
@@ -47,16 +55,97 @@ class ValueModel(nn.Module):
 
 
 class Critic:
-    """The value model with its own AdamW and schedule (`--critic.lr`, the policy's warm-up and decay)."""
+    """The value model with its own AdamW and schedule (`--critic.lr`, the policy's warm-up and decay).
 
-    def __init__(self, policy: Transformer, cfg: Config, precision: Precision):
+    `shard` (data parallel): wraps the value model like the policy (FSDP2) before its optimizer is built; the
+    forward then runs without autocast (FSDP2 casts the parameters)."""
+
+    def __init__(self, policy: Transformer, cfg: Config, precision: Precision, shard: Callable | None = None):
         body = from_pretrained(cfg.critic.path) if cfg.critic.path else copy.deepcopy(policy)
         self.model = ValueModel(body.requires_grad_(True)).to(cfg.runtime.device, precision.params).train()
         self.clip = cfg.critic.clip or None
         self.updates = cfg.critic.updates
         self.scaler = precision.scaler()
+        self.precision, self.device, self.grad_clip = precision, cfg.runtime.device, cfg.train.grad_clip
+        if shard is not None:
+            shard(self.model)
+            self.precision = precision.unsharded()
         train_cfg = dataclasses.replace(cfg.train, lr=cfg.critic.lr or cfg.train.lr)
         self.opt, self.schedule = build_optimizer(self.model.parameters(), train_cfg)
+
+    def train(self, mbs: list, lengths: list[int], rewards_b: torch.Tensor, denoms, gae: algo.AdvantageParams,
+              num_mbs: int) -> tuple[list[list[float]], dict[str, float]]:  # fmt: skip
+        """Values at every token of every sample (before the update) and `--critic.updates` critic optimizer steps.
+
+        `mbs`: the trainer's micro-batches (packed rows, `samples`, `mask_bt`, `unpack`) of samples of `lengths`
+        tokens and (shaped) rewards `rewards_b`. The first update's forward gives the values V_old that GAE reads
+        and, from them, each row's returns (the targets of every update); each update is a forward with grad per
+        micro-batch, the clipped value loss (token-mean over the step: `denoms`) and backward, then one optimizer
+        step. The clip bounds V - V_old, so it binds from the second update on. Past its own micro-batches a rank
+        runs zero-scaled repeats of its last up to `num_mbs`, so every rank's FSDP collectives line up."""
+        t0 = time.perf_counter()
+        values: list[list[float]] = [[] for _ in lengths]
+        targets: list[tuple[torch.Tensor, torch.Tensor]] = []  # per micro-batch: (V_old, returns)
+        passes = []
+        for _ in range(self.updates):
+            sums = self._update(mbs, lengths, rewards_b, denoms, gae, targets, values)
+            for _ in range(num_mbs - len(mbs)):
+                self._loss(self._values(mbs[-1]), mbs[-1], denoms, *targets[-1])[0].mul(0.0).backward()
+            grad_norm, _ = clip_and_step(self.opt, self.model.parameters(), self.grad_clip, self.scaler)
+            passes.append((parallel.all_reduce_sums(sums), float(grad_norm)))
+        lr = self.schedule.get_last_lr()[0]
+        self.schedule.step()  # once per batch: the schedule counts policy steps
+        (first, _), (last, grad_norm) = passes[0], passes[-1]
+        n = max(first["n"], 1.0)
+        return values, {
+            "critic/value_loss": first["loss"],  # at V_old: the loss of the values GAE used
+            "critic/value_loss_last": last["loss"],
+            "critic/explained_variance": explained_variance(first),
+            "critic/value_mean": first["value"] / n,
+            "critic/return_mean": first["ret"] / n,
+            "critic/clip_frac": last["clip"] / n,
+            "critic/grad_norm": grad_norm,
+            "critic/lr": lr,
+            "time/critic_s": time.perf_counter() - t0,
+        }
+
+    def _update(self, mbs, lengths, rewards_b, denoms, gae, targets, values) -> dict[str, float]:
+        """One update's forward + clipped value loss + backward per micro-batch; the first one fills `targets`
+        (V_old and the GAE returns) and `values` (V_old per sample). Sums for the metrics."""
+        sums = dict.fromkeys(SUMS, 0.0)
+        for k, mb in enumerate(mbs):
+            values_bt = self._values(mb)
+            mask_bt = mb.mask_bt.to(values_bt.device)
+            if k == len(targets):  # the first update: these are V_old
+                inputs = algo.AdvantageInputs(
+                    mask_bt, rewards_b[mb.samples].to(mask_bt.device), values_bt=values_bt.detach()
+                )
+                targets.append((values_bt.detach(), algo.compute_advantages("gae", inputs, gae)[1]))
+                for b, i in enumerate(mb.samples):
+                    values[i] = values_bt[b, : lengths[i]].detach().tolist()
+            loss, clip_frac = self._loss(values_bt, mb, denoms, *targets[k])
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            returns_bt, values_bt = targets[k][1], values_bt.detach()
+            err_bt = (returns_bt - values_bt) * mask_bt
+            batch = dict(loss=loss.detach(), n=mask_bt, value=values_bt * mask_bt, ret=returns_bt, ret2=returns_bt**2,
+                         err=err_bt, err2=err_bt**2)  # fmt: skip
+            for key, value in batch.items():
+                sums[key] += float(value.sum())
+            sums["clip"] += clip_frac * float(mask_bt.sum())
+        return sums
+
+    def _values(self, mb) -> torch.Tensor:
+        """Values [b, T] of a micro-batch's samples, with grad."""
+        with self.precision.autocast():
+            return mb.unpack(self.model(mb.packed.to(self.device)))
+
+    def _loss(
+        self, values_bt, mb, denoms, old_bt: torch.Tensor, returns_bt: torch.Tensor
+    ) -> tuple[torch.Tensor, float]:
+        """The clipped value loss of one micro-batch (token-mean over the step) and its clip fraction."""
+        mask_bt = mb.mask_bt.to(values_bt.device)
+        loss_bt, metrics = algo.value_loss(values_bt, old_bt, returns_bt, mask_bt, self.clip)
+        return algo.aggregate("token-mean", loss_bt, mask_bt, denoms), float(metrics.get("value_clip_frac", 0.0))
 
     def state_dict(self) -> dict:
         """Weights, optimizer and schedule: everything a resumed run needs to continue exactly."""

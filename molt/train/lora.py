@@ -7,7 +7,8 @@ are untouched, so weight sync, HF export and checkpoints keep their names; the b
 only the adapters train. A hook fires only on the very module it was made for: a copy of the model
 (`copy.deepcopy`, e.g. the rollout engine's) is the plain base model and takes merged weights instead.
 
-`merged_weights()` is `W + scale * B @ A` for every target (what the engines get at each sync);
+`merged_weights()` is `W + scale * B @ A` for every target (what the engines get at each sync; `merge` does one
+full tensor gathered from FSDP2 shards, where the adapters stay whole on every rank and the base is sharded);
 `merged()` swaps those into the model for an HF export; `save_peft` writes the adapters in the PEFT format
 (`adapter_config.json` + `adapter_model.safetensors`, keys `base_model.model.model.layers.N.<module>.lora_A.weight`).
 Knows the decoder's module names; nothing of RL or the loop.
@@ -73,8 +74,8 @@ class LoRA(nn.Module):
         def add_update(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
             if module is not target or not self.enabled:  # a copy of the model, or adapters off
                 return None
-            x = args[0]
-            return out + self.scale * F.linear(F.linear(x, adapter.lora_A), adapter.lora_B)
+            x = args[0]  # in FSDP2's compute dtype when sharded: the (fp32, unsharded) adapters follow it
+            return out + self.scale * F.linear(F.linear(x, adapter.lora_A.to(x.dtype)), adapter.lora_B.to(x.dtype))
 
         return add_update
 
@@ -87,14 +88,19 @@ class LoRA(nn.Module):
         finally:
             self.enabled = True
 
-    @torch.no_grad()
     def merged_weights(self) -> dict[str, torch.Tensor]:
         """`{name.weight: W + scale * B @ A}` for every target (the model's own names)."""
-        out = {}
-        for name, linear in self.linears.items():
-            delta = self.adapters[_key(name)].delta().to(linear.weight.dtype)
-            out[f"{name}.weight"] = linear.weight.detach() + self.scale * delta
-        return out
+        return {f"{name}.weight": self.merge(f"{name}.weight", linear.weight) for name, linear in self.linears.items()}
+
+    @torch.no_grad()
+    def merge(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The state-dict entry `name` with its adapter merged (`weight + scale * B @ A`) if it is a target's weight,
+        else `weight` itself (e.g. each full tensor gathered from FSDP2 shards)."""
+        module = name.removesuffix(".weight")
+        if module == name or module not in self.linears:
+            return weight
+        delta = self.adapters[_key(module)].delta().to(weight.device, weight.dtype)
+        return weight.detach() + self.scale * delta
 
     def base_weights(self) -> dict[str, torch.Tensor]:
         """The frozen targets' own weights (a resumed run restores them exactly)."""

@@ -1,10 +1,11 @@
 """Data parallelism for the trainer: process group, FSDP2 wrapping, batch split, full-weight gather.
 
 `parallelize()` applies `fully_shard` to a built model from the outside (each decoder layer, then
-the root), so the model code stays free of parallelism. Each rank's loss already divides by the
-step's global denominators (all-reduced in `Trainer.step`), so the ranks' gradients must be
-summed, not averaged: the FSDP gradient divide factor is set to 1. Knows torch.distributed and
-the model's layer list; nothing of Ray, engines or the loop.
+the root; a value model's layers are its `.body`'s), so the model code stays free of parallelism.
+Each rank's loss already divides by the step's global denominators (all-reduced in `Trainer.step`),
+so the ranks' gradients must be summed, not averaged: the FSDP gradient divide factor is set to 1;
+plain (replicated) parameters such as LoRA adapters get theirs summed by `sum_replicated_grads`.
+Knows torch.distributed and the model's layer list; nothing of Ray, engines or the loop.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from molt.data.trajectory import Trajectory
 
@@ -41,7 +43,7 @@ def parallelize(model: torch.nn.Module, compute_dtype: torch.dtype | None = None
     policy = MixedPrecisionPolicy()
     if compute_dtype is not None:
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    for layer in model.layers:
+    for layer in getattr(model, "body", model).layers:  # the critic's `ValueModel` wraps a Transformer body
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     for module in model.modules():
@@ -67,6 +69,34 @@ def all_reduce_sums(sums: dict) -> dict:
         k: s.view_as(sums[k]).to(sums[k].dtype) if torch.is_tensor(sums[k]) else float(s)
         for k, s in zip(keys, summed, strict=True)
     }
+
+
+def sum_replicated_grads(params) -> None:
+    """Sum over the ranks the gradients FSDP does not reduce: those of plain (replicated) parameters, e.g. the
+    LoRA adapters beside a sharded frozen base. Every rank holds every such parameter, so the calls line up."""
+    params = [p for p in params if not isinstance(p, DTensor)]
+    if not params or not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    summed = all_reduce_sum(torch.cat([g.flatten() for g in grads])).split([g.numel() for g in grads])
+    for p, g in zip(params, summed, strict=True):
+        p.grad = g.view_as(p)
+
+
+def gather_samples(shard: list[int], num_samples: int, *per_sample: list | None) -> tuple[list | None, ...]:
+    """Per-sample lists each rank computed for its `shard` (indices into the step's batch), as lists over the
+    whole batch on every rank (a collective; None stays None)."""
+    parts: list = [(shard, per_sample)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (shard, per_sample))
+    out = [[[] for _ in range(num_samples)] if values is not None else None for values in per_sample]
+    for indices, lists in parts:
+        for full, values in zip(out, lists, strict=True):
+            if full is not None:
+                for i, v in zip(indices, values, strict=True):
+                    full[i] = v
+    return tuple(out)
 
 
 def all_reduce_max(value: int) -> int:

@@ -8,15 +8,17 @@ so the gradient does not depend on how the batch was split. The policy version i
 Order of one step with the models some estimators need (one trainer process):
 1. micro-batches and step denominators of the batch;
 2. token signals over those micro-batches: the teacher's no-grad log-probs (`--algo.teacher`: reverse KL of the
-   sampled tokens) and the critic's pass (`gae`): values with grad, each row's GAE returns from its own values,
-   clipped value loss, backward, then a critic optimizer step (`--critic.updates` of them, on the same returns,
-   the clip bounding V - V_old). A row's returns need only its own values, so the first critic forward serves both
-   the advantages and its loss;
+   sampled tokens) and the critic's pass (`gae`, `Critic.train`): values with grad, each row's GAE returns from its
+   own values, clipped value loss, backward, then a critic optimizer step (`--critic.updates` of them, on the same
+   returns, the clip bounding V - V_old). A row's returns need only its own values, so the first critic forward
+   serves both the advantages and its loss;
 3. advantages over the whole batch (group statistics, whitening) from the shaped rewards (overlong penalty, clip),
    values and teacher KL;
 4. the policy's forward + loss + backward per micro-batch, one optimizer step.
 LoRA (`--train.lora_rank`): only the adapters train; `weights()` and checkpoints give the merged policy. The KL-loss
 coefficient is `--algo.kl_coef`, adapted after each step toward `--algo.kl_target` when set (`train/kl_coef`).
+Data parallel (`Trainer(..., fsdp=True)` in each `molt.runtime.ranks.TrainerRank`): every model is FSDP2-sharded, each
+rank runs step 2 on its own samples and the per-sample values and KL are gathered, so step 3 sees the whole batch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +39,7 @@ from molt.data.trajectory import Trajectory
 from molt.models import Transformer, save_pretrained
 from molt.train import parallel
 from molt.train.compile import compile_model, resolve_compile
-from molt.train.critic import Critic, explained_variance
+from molt.train.critic import Critic
 from molt.train.images import trajectory_pixels
 from molt.train.logprobs import token_logprobs, token_logprobs_entropy
 from molt.train.lora import LoRA
@@ -96,6 +99,11 @@ class MicroBatch:
     gather_bt: torch.Tensor  # flat index into the packed [R*W] log-probs for (sample, t); 0 = pad
     mask_bt: torch.Tensor
 
+    def unpack(self, values_rw: torch.Tensor) -> torch.Tensor:
+        """Packed per-position values (log-probs, values; the layout of `token_logprobs`) as [b, T] per sample."""
+        flat = torch.cat([values_rw.new_zeros(1), values_rw.flatten()])
+        return flat[self.gather_bt.to(flat.device)]
+
 
 def _layout(packed: PackedBatch, trajs: list[Trajectory]) -> MicroBatch:
     """Index map from padded per-sample positions to the packed rows (token t comes from row pos t-1)."""
@@ -128,15 +136,12 @@ def _add(sums: dict[str, float], **values: torch.Tensor) -> None:
         sums[name] = sums.get(name, 0.0) + float(value.sum())
 
 
-def _unpack(logp_rw: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    flat = torch.cat([logp_rw.new_zeros(1), logp_rw.flatten()])
-    return flat[mb.gather_bt.to(flat.device)]
-
-
 class Trainer:
     """Owns the policy's training copy, its optimizer and version; `step` trains on one batch."""
 
-    def __init__(self, model: Transformer, cfg: Config):
+    def __init__(self, model: Transformer, cfg: Config, fsdp: bool = False):
+        """`fsdp` (a `TrainerRank`, in its process group): every model it builds is sharded like the policy (FSDP2,
+        `parallel.parallelize`) before the optimizers are built."""
         check_rl_settings(cfg)
         self.precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
         self.model, self.cfg = model.to(self.precision.params), cfg
@@ -153,7 +158,9 @@ class Trainer:
         self.kl_control = algo.make_kl_controller("adaptive" if a.kl_target else "fixed", **kl)
         overlong_max_len = a.overlong_max_len or cfg.rollout.max_tokens
         self.shaping = algo.RewardShapingParams(a.reward_clip, a.overlong_buffer, overlong_max_len, a.overlong_coef)
-        self.critic = Critic(model, cfg, self.precision) if cfg.algo.estimator == "gae" else None
+        mixed = self.precision.compute if self.precision.mixed else None
+        shard = functools.partial(parallel.parallelize, compute_dtype=mixed) if fsdp else None
+        self.critic = Critic(model, cfg, self.precision, shard) if cfg.algo.estimator == "gae" else None
         compute = resolve_dtype(cfg.model.dtype, cfg.runtime.device)
         self.teacher = load_teacher(cfg.algo.teacher, model, cfg.runtime.device, compute) if cfg.algo.teacher else None
         tr = cfg.train
@@ -161,6 +168,11 @@ class Trainer:
         # the KL reference is the initial policy: with LoRA, the frozen base itself (adapters off), no copy
         wants_ref = cfg.algo.kl_coef > 0 and self.lora is None
         self.ref = copy.deepcopy(model).eval().requires_grad_(False) if wants_ref else None
+        if fsdp:  # LoRA adapters stay whole on every rank (`parallel.sum_replicated_grads`)
+            for m in (self.teacher, self.ref, model):
+                if m is not None:
+                    shard(m)
+            self.precision = self.precision.unsharded()  # FSDP2 casts the parameters: no autocast on top
         self.opt, self.schedule = build_optimizer(self.trainable(), cfg.train)
         self.version = 0
         self.num_skipped_steps = 0
@@ -283,20 +295,20 @@ class Trainer:
         mbs = self.micro_batches(mine)
         denoms = algo.step_denominators([mb.mask_bt for mb in mbs], [self._group_ids(mb, mine) for mb in mbs])
         denoms = denoms.all_reduced(parallel.all_reduce_sum)
-        if (self.critic is not None or self.teacher is not None) and shard is not None:
-            raise NotImplementedError("the critic and the teacher run in one trainer process (runtime.backend local)")
-        values, model_metrics = self._critic_pass(mbs, trajs, denoms) if self.critic is not None else (None, {})
-        teacher_kl = self._teacher_kl(mbs, trajs, model_metrics) if self.teacher is not None else None
+        num_mbs = parallel.all_reduce_max(len(mbs))  # before any forward: FSDP collectives must line up
+        values, teacher_kl, model_metrics = self._model_signals(mbs, mine, denoms, num_mbs)
+        if shard is not None:  # each rank scored its own samples; the advantages see the whole batch
+            values, teacher_kl = parallel.gather_samples(shard, len(trajs), values, teacher_kl)
         advantages, adv_metrics = self.advantages(trajs, values, teacher_kl)
         if shard is not None:
             trajs_all, trajs, advantages = trajs, mine, [advantages[i] for i in shard]
         sums: dict[str, float] = {}
         self.step_tokens = int(parallel.all_reduce_sum(torch.tensor(sum(mb.packed.num_tokens for mb in mbs))))
-        num_mbs = parallel.all_reduce_max(len(mbs))  # before any forward: FSDP collectives must line up
         for mb in mbs:
             self._backward(mb, trajs, advantages, denoms, sums)
         for _ in range(num_mbs - len(mbs)):
             self._backward(mbs[-1], trajs, advantages, denoms, {}, scale=0.0)
+        parallel.sum_replicated_grads(list(self.trainable()))  # LoRA adapters beside a sharded base
         grad_norm, stepped = clip_and_step(self.opt, self.trainable(), self.cfg.train.grad_clip, self.scaler)
         self.num_skipped_steps += not stepped
         if shard is not None:
@@ -326,77 +338,34 @@ class Trainer:
         self.objective = dataclasses.replace(self.objective, kl_loss_coef=self.kl_control.update(kl, num_samples))
         return {"train/kl_coef": used}
 
-    def _critic_pass(self, mbs: list[MicroBatch], trajs, denoms) -> tuple[list[list[float]], dict[str, float]]:
-        """Values at every token of every sample (before the update) and `--critic.updates` critic optimizer steps.
-        The first update's forward gives the values V_old that GAE reads and, from them, each row's returns (the
-        targets of every update); each update is a forward with grad per micro-batch, the clipped value loss
-        (token-mean over the step) and backward, then one optimizer step. The clip bounds V - V_old, so it binds
-        from the second update on."""
-        t0, critic = time.perf_counter(), self.critic
-        values: list[list[float]] = [[] for _ in trajs]
-        targets: list[tuple[torch.Tensor, torch.Tensor]] = []  # per micro-batch: (V_old, returns)
-        shaped_b = self.rewards(trajs)[0]
-        passes = []
-        for _ in range(critic.updates):
-            sums = self._critic_update(mbs, trajs, denoms, shaped_b, targets, values)
-            grad_norm, _ = clip_and_step(critic.opt, critic.model.parameters(), self.cfg.train.grad_clip, critic.scaler)
-            passes.append((sums, float(grad_norm)))
-        lr = critic.schedule.get_last_lr()[0]
-        critic.schedule.step()  # once per batch: the schedule counts policy steps
-        (first, _), (last, grad_norm) = passes[0], passes[-1]
-        n = max(first["n"], 1.0)
-        return values, {
-            "critic/value_loss": first["loss"],  # at V_old: the loss of the values GAE used
-            "critic/value_loss_last": last["loss"],
-            "critic/explained_variance": explained_variance(first),
-            "critic/value_mean": first["value"] / n,
-            "critic/return_mean": first["ret"] / n,
-            "critic/clip_frac": last["clip"] / n,
-            "critic/grad_norm": grad_norm,
-            "critic/lr": lr,
-            "time/critic_s": time.perf_counter() - t0,
-        }
-
-    def _critic_update(self, mbs, trajs, denoms, shaped_b, targets, values) -> dict[str, float]:
-        """One critic update's forward + clipped value loss + backward per micro-batch; the first one fills
-        `targets` (V_old and the GAE returns) and `values` (V_old per trajectory). Sums for the metrics."""
-        critic, device = self.critic, self.cfg.runtime.device
-        sums = dict.fromkeys(("loss", "clip", "n", "value", "ret", "ret2", "err", "err2"), 0.0)
-        for k, mb in enumerate(mbs):
-            with self.precision.autocast():
-                values_bt = _unpack(critic.model(mb.packed.to(device)), mb)
-            mask_bt = mb.mask_bt.to(device)
-            if k == len(targets):  # the first update: these are V_old
-                inputs = algo.AdvantageInputs(mask_bt, shaped_b[mb.samples].to(device), values_bt=values_bt.detach())
-                _, returns_bt, _ = algo.compute_advantages("gae", inputs, self._advantage_params(whiten=False))
-                targets.append((values_bt.detach(), returns_bt))
-                for b, i in enumerate(mb.samples):
-                    values[i] = values_bt[b, : len(trajs[i].tokens)].detach().tolist()
-            old_bt, returns_bt = targets[k]
-            loss_bt, metrics = algo.value_loss(values_bt, old_bt, returns_bt, mask_bt, critic.clip)
-            loss = algo.aggregate("token-mean", loss_bt, mask_bt, denoms)
-            (critic.scaler.scale(loss) if critic.scaler is not None else loss).backward()
-            n, err_bt = float(mask_bt.sum()), (returns_bt - values_bt.detach()) * mask_bt
-            sums["loss"] += float(loss.detach())
-            sums["clip"] += float(metrics.get("value_clip_frac", 0.0)) * n
-            _add(sums, n=mask_bt, value=values_bt.detach() * mask_bt, ret=returns_bt, ret2=returns_bt**2)
-            _add(sums, err=err_bt, err2=err_bt**2)
-        return sums
+    def _model_signals(self, mbs: list[MicroBatch], trajs, denoms, num_mbs: int):
+        """(the critic's values V_old, the teacher's per-token KL, their metrics) for `trajs`; a model the run does
+        not have gives None. The critic updates here (`Critic.train`), before the policy."""
+        values, metrics = None, {}
+        if self.critic is not None:
+            lengths, rewards_b = [len(t.tokens) for t in trajs], self.rewards(trajs)[0]
+            gae = self._advantage_params(whiten=False)
+            values, metrics = self.critic.train(mbs, lengths, rewards_b, denoms, gae, num_mbs)
+        teacher_kl = self._teacher_kl(mbs, trajs, metrics, num_mbs) if self.teacher is not None else None
+        return values, teacher_kl, metrics
 
     @torch.no_grad()
-    def _teacher_kl(self, mbs: list[MicroBatch], trajs, metrics: dict[str, float]) -> list[list[float]]:
+    def _teacher_kl(self, mbs: list[MicroBatch], trajs, metrics: dict, num_mbs: int = 0) -> list[list[float]]:
         """Per token, the reverse KL to the teacher on the sampled token: log pi(a_t) - log teacher(a_t), with
-        pi the engine's recorded log-prob (the distribution that sampled it); 0 off the loss mask."""
+        pi the engine's recorded log-prob (the distribution that sampled it); 0 off the loss mask. A sharded
+        teacher repeats the last micro-batch's forward up to `num_mbs`, so the ranks' collectives line up."""
         t0, device = time.perf_counter(), self.cfg.runtime.device
         temp, chunk = self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens
         kl: list[list[float]] = [[] for _ in trajs]
         for mb in mbs:
             with self.precision.autocast():
-                teacher_bt = _unpack(teacher_logprobs(self.teacher, mb.packed.to(device), temp, chunk), mb)
+                teacher_bt = mb.unpack(teacher_logprobs(self.teacher, mb.packed.to(device), temp, chunk))
             rollout_bt = _per_sample([t.rollout_logprobs for t in trajs], mb).to(device)
             kl_bt = algo.kl_estimate("k1", rollout_bt, teacher_bt, mb.mask_bt.to(device))
             for b, i in enumerate(mb.samples):
                 kl[i] = kl_bt[b, : len(trajs[i].tokens)].tolist()
+        for _ in range(num_mbs - len(mbs)):
+            teacher_logprobs(self.teacher, mbs[-1].packed.to(device), temp, chunk)
         metrics["time/teacher_s"] = time.perf_counter() - t0
         return kl
 
@@ -450,8 +419,8 @@ class Trainer:
             ref_logp_bt = None
             if reference and self.cfg.algo.kl_coef > 0:
                 with torch.no_grad(), self._reference() as ref:
-                    ref_logp_bt = _unpack(token_logprobs(ref, packed, temp, None, routing is None, chunk), mb)
-        return _unpack(logp, mb), _unpack(entropy, mb), ref_logp_bt
+                    ref_logp_bt = mb.unpack(token_logprobs(ref, packed, temp, None, routing is None, chunk))
+        return mb.unpack(logp), mb.unpack(entropy), ref_logp_bt
 
     @contextlib.contextmanager
     def _reference(self):

@@ -1,51 +1,15 @@
 """RL trainer: token checks, exact log-probs through packing, micro-batch invariance, versions."""
 
 import copy
-import random
 
 import pytest
 import torch
-import torch.nn.functional as F
+from conftest import small_model as _model  # noqa: I001 - tests/conftest.py; the old names of these helpers,
+from conftest import trainer_cfg as _cfg  # which tests/train/test_{critic,lora,teacher,...}.py import from here
+from conftest import trajectories as _trajs
+from conftest import true_logprobs as _true_logprobs  # noqa: F401
 
-from molt.cli.main import parse_config
-from molt.data.trajectory import Trajectory
-from molt.models import Transformer, preset
-from molt.train.trainer import TokenMismatchError, Trainer, _unpack, check_tokens, token_logprobs
-
-
-def _model(seed=0):
-    cfg = preset("tiny", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, head_dim=16)
-    return Transformer(cfg).init_weights(0.05, torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def _true_logprobs(model, tokens, temperature):
-    logits = model(torch.tensor([tokens]))[0].float() / temperature
-    lp = F.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    return [0.0] + lp.tolist()
-
-
-def _trajs(model, num_groups=3, n=4, temperature=1.0, version=0, seed=0, same_prompt=False):
-    rng = random.Random(seed)
-    out = []
-    for g in range(num_groups):
-        prompt_rng = random.Random(seed * 1000 + g)
-        prompt = [prompt_rng.randrange(64) for _ in range(prompt_rng.randint(5, 12))]
-        for k in range(n):
-            traj = Trajectory(group_id=g, rollout_id=g * n + k, reward=float(rng.random() < 0.5))
-            traj.extend_prompt(prompt if same_prompt else [rng.randrange(64) for _ in range(rng.randint(3, 9))])
-            for _turn in range(rng.randint(1, 2)):
-                ids = [rng.randrange(64) for _ in range(rng.randint(2, 7))]
-                traj.extend_action(ids, [0.0] * len(ids), [version] * len(ids), keep_copy=True)
-                traj.extend_prompt([rng.randrange(64) for _ in range(2)])
-            lp = _true_logprobs(model, traj.tokens, temperature)
-            traj.rollout_logprobs = [x if m else 0.0 for x, m in zip(lp, traj.loss_mask, strict=True)]
-            out.append(traj)
-    return out
-
-
-def _cfg(*flags):
-    return parse_config(["--data.max_len", "64", "--rollout.max_len", "64", "--train.warmup_steps", "0", *flags])
+from molt.train.trainer import TokenMismatchError, Trainer, check_tokens, token_logprobs
 
 
 def test_logprob_diff_is_zero_on_policy_and_version_bumps():
@@ -126,7 +90,7 @@ def test_last_layer_on_trained_positions_only_equals_the_full_forward(same_promp
         grads = []
         for trained_only in (False, True):
             model.zero_grad()
-            logp_bt = _unpack(token_logprobs(model, mb.packed, 0.8, trained_only=trained_only), mb)
+            logp_bt = mb.unpack(token_logprobs(model, mb.packed, 0.8, trained_only=trained_only))
             (logp_bt * mb.mask_bt).sum().backward()
             grads.append((logp_bt.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
         (full, g_full), (pruned, g_pruned) = grads

@@ -13,7 +13,7 @@ from molt.config import Config
 from molt.engine import SamplingParams, TorchEngine
 from molt.models.vision import ImageError, pixel_hash, to_pixels
 from molt.train.images import ImageMismatchError
-from molt.train.trainer import Trainer, _unpack, token_logprobs
+from molt.train.trainer import Trainer, token_logprobs
 
 FIRST, SECOND = image((230, 30, 30)), image((30, 30, 230))
 
@@ -53,7 +53,7 @@ def test_an_image_added_in_turn_two_trains_with_its_pixels_at_its_positions():
     (mb,) = trainer.micro_batches([traj])
     assert [pixel_hash(p) for p in mb.packed.pixel_values] == expected
     with torch.no_grad():
-        logp = _unpack(token_logprobs(model, mb.packed, 1.0), mb)[0]
+        logp = mb.unpack(token_logprobs(model, mb.packed, 1.0))[0]
     mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
     assert torch.allclose(logp[mask], torch.tensor(traj.rollout_logprobs)[mask], atol=1e-5, rtol=0)
 
