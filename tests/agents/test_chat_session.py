@@ -2,12 +2,20 @@
 
 import asyncio
 import json
+import threading
 
 import pytest
 from chat_support import CALC_TOOL, SAMPLING, TOK, ScriptedEngine, masked_ids
 
 from molt.agents.chat.messages import ChatRequest
-from molt.agents.chat.session import GenerationError, RequestError, Session, SessionClosed
+from molt.agents.chat.session import (
+    RENDER_INLINE_BYTES,
+    GenerationError,
+    RequestError,
+    Session,
+    SessionClosed,
+    min_tokens,
+)
 from molt.agents.chat.tool_parser import get_parser
 from molt.models.tokenizer import apply_chat_template
 
@@ -153,3 +161,37 @@ def test_tool_parsers():
     assert hermes(CALL, []) == (CALL, [])  # no tools offered: never a call
     assert json.loads(call.arguments_json) == call.arguments
     assert get_parser("auto", TOK) is molt
+
+
+class ThreadRecordingTokenizer:
+    """TOK, recording which thread renders and how much text it tokenizes."""
+
+    def __init__(self):
+        self.renders, self.encoded = [], []
+
+    def __getattr__(self, name):
+        return getattr(TOK, name)
+
+    def apply_chat_template(self, *args, **kw):
+        self.renders.append(threading.get_ident())
+        return TOK.apply_chat_template(*args, **kw)
+
+    def encode(self, text, **kw):
+        self.encoded.append((threading.get_ident(), len(text)))
+        return TOK.encode(text, **kw)
+
+
+def test_large_requests_render_off_the_loop_and_an_overlong_one_is_never_tokenized():
+    big = [{"role": "user", "content": "x" * (RENDER_INLINE_BYTES + 1)}]
+    tok = ThreadRecordingTokenizer()
+    session = Session("sid", ScriptedEngine(["ok"]), tok, SAMPLING, max_len=1024)
+    reply = asyncio.run(session.turn(ChatRequest(messages=big, size=RENDER_INLINE_BYTES + 1)))
+    assert reply.finish_reason == "length" and reply.num_prompt_tokens >= 1024 and session.truncated
+    assert tok.renders and threading.get_ident() not in tok.renders  # rendered in a worker thread
+    assert not tok.encoded and min_tokens(TOK, RENDER_INLINE_BYTES) >= 1024  # the bound decided: not tokenized
+    fits = Session("sid", ScriptedEngine(["ok"]), tok, SAMPLING, max_len=1 << 20)  # may fit: tokenized, off the loop
+    reply = asyncio.run(fits.turn(ChatRequest(messages=big, size=RENDER_INLINE_BYTES + 1)))
+    assert reply.content == "ok" and [t for t, n in tok.encoded if n > RENDER_INLINE_BYTES] != []
+    assert threading.get_ident() not in [t for t, _ in tok.encoded]
+    (segment,) = fits.close()
+    assert segment.tokens[: reply.num_prompt_tokens] == apply_chat_template(TOK, big, add_generation_prompt=True)

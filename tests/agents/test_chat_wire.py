@@ -98,6 +98,31 @@ def test_top_logprobs_are_the_engines_alternatives(served):
         serve.chat.completions.create(model="molt", messages=MESSAGES, top_logprobs=2)  # needs logprobs
 
 
+def test_streamed_logprobs_equal_the_plain_ones_and_the_captured_ones(served):
+    sessions = [served.open(GREEDY) for _ in range(3)]
+    plain = _openai(served, sessions[0]).chat.completions.create(
+        model="molt", messages=MESSAGES, logprobs=True, top_logprobs=2
+    )
+
+    def streamed(session, **options) -> list[list]:
+        client = _openai(served, session)
+        chunks = client.chat.completions.create(model="molt", messages=MESSAGES, stream=True, logprobs=True, **options)
+        return [c.choices[0].logprobs.content for c in chunks if c.choices and c.choices[0].logprobs]
+
+    live, with_tops = streamed(sessions[1]), streamed(sessions[2], top_logprobs=2)
+    assert len(live) > 1  # sent as generated, not at the end
+    expected = plain.choices[0].logprobs.content
+    for pieces in (live, with_tops):
+        entries = [t for piece in pieces for t in piece]
+        assert [t.token for t in entries] == [t.token for t in expected]
+        assert [t.logprob for t in entries] == pytest.approx([t.logprob for t in expected], abs=1e-5)
+    tops = [[(a.token, a.logprob) for a in t.top_logprobs] for piece in with_tops for t in piece]
+    assert tops == [[(a.token, pytest.approx(a.logprob, abs=1e-5)) for a in t.top_logprobs] for t in expected]
+    (segment,) = served.server.close_session(sessions[1].id)
+    captured = [lp for lp, m in zip(segment.rollout_logprobs, segment.loss_mask, strict=True) if m]
+    assert [t.logprob for piece in live for t in piece] == pytest.approx(captured, abs=1e-6)
+
+
 class GatedEngine(ScriptedEngine):
     """Streams the first tokens of its reply, then waits for `gate` before generating the rest."""
 
@@ -303,3 +328,17 @@ def test_model_aliases_from_the_config_reach_the_training_server():
 
     (segment,) = asyncio.run(main())
     assert segment.reward == 1.0 and TOK.decode(masked_ids(segment), skip_special_tokens=True) == "19"
+
+
+def test_session_clients_are_copies_with_their_own_url_and_resources():
+    async def check():
+        pool = ClientPool()
+        a, b = (pool.client(sdk, f"http://127.0.0.1:9/s/{s}/v1", KEY) for sdk, s in (("openai", "a"), ("openai", "b")))
+        assert str(a.base_url).endswith("/s/a/v1/") and str(b.base_url).endswith("/s/b/v1/")
+        assert a.chat.completions._client is a and b.chat.completions._client is b
+        assert a._client is b._client  # one shared HTTP client
+        c = pool.client("anthropic", "http://127.0.0.1:9/s/c", KEY)
+        assert str(c.base_url).endswith("/s/c/") and c.messages._client is c
+        await pool.close()
+
+    asyncio.run(check())

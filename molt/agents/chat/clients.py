@@ -3,15 +3,17 @@
 Building an `AsyncOpenAI` / `AsyncAnthropic` client from nothing loads the system CA bundle for TLS
 (20-90 ms of CPU, paid on the event loop the rollouts share), opens new connections and, on its first
 request, detects the platform in a worker thread; one built on an existing `http_client` with the platform
-already known costs ~0.2 ms. So `ClientPool` keeps one HTTP client per SDK and hands out session-bound SDK
-clients on it. With the server (the runner's case: same event loop) that HTTP client sends requests
-into it in-process (`loopback.py`: completions straight to their handler); without it, over a keep-alive
-loopback pool (no proxy lookups). Closing a session client (`async with ctx.openai() as client`) leaves the
-shared one open; the runner closes it. Imports the SDKs only when asked for their client.
+already known costs ~0.2 ms, a copy of one less. So `ClientPool` keeps one HTTP client per SDK and hands
+out session-bound SDK clients on it, copies of a prototype. With the server (the runner's case: same event
+loop) that HTTP client sends requests into it in-process (`loopback.py`: completions straight to their
+handler); without it, over a keep-alive loopback pool (no proxy lookups). Closing a session client
+(`async with ctx.openai() as client`) leaves the shared one open; the runner closes it.
+Imports the SDKs only when asked for their client.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 from typing import Any
@@ -62,9 +64,23 @@ class ClientPool:
     def __init__(self, app=None):
         self.app = app
         self._pools: dict[str, Any] = {}
+        self._prototypes: dict[tuple[str, str], Any] = {}  # (sdk, api key) -> a client never used itself
 
     def client(self, sdk: str, base_url: str, api_key: str, **options: Any) -> Any:
-        """An `AsyncOpenAI` (`sdk="openai"`) or `AsyncAnthropic` client on the shared HTTP client."""
+        """An `AsyncOpenAI` (`sdk="openai"`) or `AsyncAnthropic` client on the shared HTTP client.
+
+        Without `options`, a shallow copy of a prototype with its own `base_url` (the constructor's
+        option and header processing, run per rollout, cost as much as the rollout's request)."""
+        if options:
+            return self._build(sdk, base_url, api_key, options)
+        prototype = self._prototypes.get((sdk, api_key))
+        if prototype is None:
+            prototype = self._prototypes[sdk, api_key] = self._build(sdk, base_url, api_key, {})
+        client = copy.copy(prototype)  # its resources (`client.chat`, ...) are cached on first use: its own
+        client.base_url = base_url.rstrip("/") + "/"  # one URL parse, not two (httpx parses URLs in Python)
+        return client
+
+    def _build(self, sdk: str, base_url: str, api_key: str, options: dict[str, Any]) -> Any:
         if sdk not in self._pools:
             self._pools[sdk] = _new_pool(sdk, self.app)
         client = _session_client_class(sdk)(base_url=base_url, api_key=api_key, http_client=self._pools[sdk], **options)
@@ -73,6 +89,6 @@ class ClientPool:
         return client
 
     async def close(self) -> None:
-        pools, self._pools = self._pools, {}
+        pools, self._pools, self._prototypes = self._pools, {}, {}
         for pool in pools.values():
             await pool.aclose()

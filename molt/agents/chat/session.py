@@ -21,8 +21,11 @@ Per request, under the session's lock:
 
 Streaming (`stream`) yields `TextDelta`s as the engine produces tokens (no live text when tool calls
 are parsed: the call is only known at the end), then the `TurnReply`; the text sent is a prefix of
-the reply's content, which is the decoded action minus a trailing stop string. Large requests are
-rendered and tokenized in a worker thread so the event loop keeps serving.
+the reply's content, which is the decoded action minus a trailing stop string. With `logprobs` each
+delta also carries its tokens and their log-probs (not with `top_logprobs`: the engine's token stream has
+no alternatives, so those come with the reply). Large requests are rendered and tokenized in a worker
+thread so the event loop keeps serving, and one whose text certainly overflows the context is not
+tokenized at all (`min_tokens`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -50,9 +54,32 @@ from molt.agents.images import expand_images, message_images
 from molt.agents.runner import TemplateRewriteError, first_prompt_ids, observation_ids
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Completion, ContextLengthError, SamplingParams
+from molt.models.tokenizer import render_chat
 from molt.models.vision import ImageError
 
 RENDER_INLINE_BYTES = 64 << 10  # smaller requests render on the event loop (a thread hop costs more)
+
+
+class _OverContext(Exception):  # noqa: N818 - a signal inside the session, never raised to a caller
+    def __init__(self, num_tokens: int):
+        self.num_tokens = num_tokens
+
+
+_MAX_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def min_tokens(tokenizer, num_chars: int) -> int:
+    """A lower bound on the tokens of any `num_chars` characters of text: a token spells at most its longest
+    vocabulary entry's characters, and normalizers (NFC, NFKC) shrink text at most ~3x (4 to be safe).
+    0 for a tokenizer with an unknown token (one can stand for a whole word)."""
+    if getattr(tokenizer, "unk_token", None) is not None or not hasattr(tokenizer, "get_vocab"):
+        return 0
+    try:
+        longest = _MAX_TOKEN_CHARS.get(tokenizer) or max(map(len, tokenizer.get_vocab()), default=1)
+        _MAX_TOKEN_CHARS[tokenizer] = longest
+    except TypeError:  # not weak-referenceable: no bound
+        return 0
+    return num_chars // (4 * longest)
 
 
 class SessionClosed(LookupError):
@@ -103,10 +130,12 @@ class TurnReply:
 
 @dataclass
 class TextDelta:
-    """Text of sample `index` that can be sent now (streaming)."""
+    """Text of sample `index` that can be sent now (streaming), and the tokens generated since the last
+    delta as (id, log-prob) pairs when the request asked for log-probs (else empty)."""
 
     index: int
     text: str
+    tokens: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclass
@@ -163,9 +192,8 @@ class Session:
         async with self.lock:
             if self.closed:
                 raise SessionClosed(f"session {self.id[:6]}... is finished")
-            key = request_key(request)
-            if key == self.last_key:
-                yield self.last_reply
+            if len(request.messages) == len(self.history) and request_key(request) == self.last_key:
+                yield self.last_reply  # a retry (only a request as long as the last can be one)
                 return
             prepared = await self._prepare(request)
             if isinstance(prepared, TurnReply):
@@ -177,10 +205,14 @@ class Session:
             live = live and not (request.parse_tools and request.tools) and not plan.prefix
             task = asyncio.ensure_future(self._generate(plan, sampling, queue.put_nowait if live else None))
             task.add_done_callback(lambda _: queue.put_nowait(None))
+            live_logprobs = request.logprobs and not request.top_logprobs  # engines stream no alternatives
             try:
                 while (delta := await queue.get()) is not None:
-                    if text := texts[delta.sample_index].push(delta.token_ids):
-                        yield TextDelta(delta.sample_index, text)
+                    index, text = delta.sample_index, texts[delta.sample_index].push(delta.token_ids)
+                    if live_logprobs:
+                        yield TextDelta(index, text, list(zip(delta.token_ids, delta.logprobs, strict=True)))
+                    elif text:
+                        yield TextDelta(index, text)
                 completions = task.result()
             finally:
                 if not task.done():  # the consumer went away: abort, record nothing
@@ -196,7 +228,7 @@ class Session:
             for i, choice in enumerate(reply.choices):
                 if live and (rest := choice.content[len(texts[i].sent) :]):
                     yield TextDelta(i, rest)
-            self.last_key, self.last_reply = key, reply
+            self.last_key, self.last_reply = request_key(request), reply
             yield reply
 
     def close(self) -> list[Trajectory]:
@@ -209,19 +241,23 @@ class Session:
         if not request.messages:
             raise RequestError("messages must not be empty")
         tools = request.tools if self.render_tools else None
-        if request.size > RENDER_INLINE_BYTES:  # keep the event loop (every other session's) responsive
-            plan = await asyncio.to_thread(self._plan, request, tools)
-        else:
-            plan = self._plan(request, tools)
-        room = self.max_len - len(plan.context)
+        try:
+            if request.size > RENDER_INLINE_BYTES:  # keep the event loop (every other session's) responsive
+                plan = await asyncio.to_thread(self._plan, request, tools)
+            else:
+                plan = self._plan(request, tools)
+            num_tokens, at_least = len(plan.context), ""
+        except _OverContext as e:
+            num_tokens, at_least = e.num_tokens, "at least "
+        room = self.max_len - num_tokens
         if room <= 0 and self.honor_sampling:
             raise ContextLengthExceeded(
-                f"this model's context is {self.max_len} tokens; the prompt is {len(plan.context)} tokens "
+                f"this model's context is {self.max_len} tokens; the prompt is {at_least}{num_tokens} tokens "
                 "and leaves no room to generate"
             )
         if room <= 0 or (self.max_turns is not None and self.num_turns >= self.max_turns):
             self.truncated = True
-            return TurnReply("", [], "length", len(plan.context), 0)
+            return TurnReply("", [], "length", num_tokens, 0)
         return plan, self._sampling(request, room), tools
 
     async def _generate(self, plan: _Plan, sampling: SamplingParams, on_tokens) -> list[Completion]:
@@ -251,9 +287,9 @@ class Session:
         return completions
 
     def _plan(self, request: ChatRequest, tools: list | None) -> _Plan:
-        messages = request.messages
+        messages, large = request.messages, request.size > RENDER_INLINE_BYTES
         try:
-            plan = self._extension(messages, tools) or self._new_segment(messages, tools)
+            plan = self._extension(messages, tools, large) or self._new_segment(messages, tools, large)
         except ImageError as e:
             raise RequestError(str(e)) from e
         except RecursionError:
@@ -264,10 +300,12 @@ class Session:
             return self._force_call(plan, request)
         return plan
 
-    def _extension(self, messages: list[Message], tools: list | None) -> _Plan | None:
+    def _extension(self, messages: list[Message], tools: list | None, large: bool) -> _Plan | None:
         n = len(self.history_fps)
         if self.current is None or tools != self.tools or fingerprints(messages[:n]) != self.history_fps:
             return None
+        if large:  # the new turns' text alone may not fit
+            self._check_fits(sum(len(c) for m in messages[n:] if isinstance(c := m.get("content"), str)))
         try:
             delta = observation_ids(self.tokenizer, self.history, messages[n:], self.ended_with_eos, tools)
         except TemplateRewriteError:
@@ -276,10 +314,25 @@ class Session:
         delta, images = expand_images(self.engine, delta, message_images(messages[n:]), offset)
         return _Plan(self.current.tokens + delta, delta, False, images)
 
-    def _new_segment(self, messages: list[Message], tools: list | None) -> _Plan:
-        prompt = first_prompt_ids(self.tokenizer, messages, tools)  # a group's n sessions render it once
+    def _new_segment(self, messages: list[Message], tools: list | None, large: bool) -> _Plan:
+        if large:  # not cached, and not tokenized at all if it cannot fit
+            text = render_chat(self.tokenizer, messages, tools=tools, add_generation_prompt=True)
+            self._check_fits(len(text), new_segment=True)
+            prompt = self.tokenizer.encode(text, add_special_tokens=False)  # = apply_chat_template
+        else:
+            prompt = first_prompt_ids(self.tokenizer, messages, tools)  # a group's n sessions render it once
         prompt, images = expand_images(self.engine, prompt, message_images(messages), 0)
         return _Plan(prompt, prompt, True, images)
+
+    def _check_fits(self, num_chars: int, new_segment: bool = False) -> None:
+        """Raise _OverContext if `num_chars` more characters of text certainly overflow the context.
+
+        Tokenizing megabytes of text takes seconds (off the event loop), but converting and freeing millions
+        of tokens holds the GIL for 100s of ms; a prompt that cannot fit need not be tokenized at all."""
+        before = 0 if new_segment or self.current is None else len(self.current.tokens)
+        num_tokens = before + min_tokens(self.tokenizer, num_chars)
+        if num_tokens >= self.max_len:
+            raise _OverContext(num_tokens)
 
     def _force_call(self, plan: _Plan, request: ChatRequest) -> _Plan:
         """tool_choice required / named: the tool-call opening goes after the generation prompt (as prompt)."""

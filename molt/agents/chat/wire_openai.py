@@ -11,8 +11,10 @@ log_softmax(logits / T) over the whole vocabulary: the number the trainer's rati
 `top_logprobs` lists the k most likely tokens under that same log_softmax(logits / T) (so at
 temperature 0 the first is the generated token, with its log-prob); `usage` counts
 the engine's prompt (the whole context) and generated tokens. Streaming sends chunks as the engine
-generates: role, content deltas, then each tool call (id and name, then its arguments in pieces, as
-OpenAI does), finish, usage when `stream_options.include_usage`, and `[DONE]`.
+generates: role, content deltas (with `logprobs`, each carries its tokens' `logprobs.content`; with
+`top_logprobs` they come in the chunk before the finish, as the engine streams no alternatives), then each
+tool call (id and name, then its arguments in pieces, as OpenAI does), finish, usage when
+`stream_options.include_usage`, and `[DONE]`.
 """
 
 from __future__ import annotations
@@ -190,20 +192,26 @@ def _usage(reply: TurnReply) -> dict[str, int]:
     }
 
 
-def _logprobs(choice: TurnReply, tokenizer_decode) -> dict[str, Any]:
-    """OpenAI `logprobs.content`: each generated token with the engine's log-prob (the one trained on) and
-    its `top_logprobs` alternatives when asked for."""
+def _logprobs(tokens, tops, tokenizer_decode) -> dict[str, Any]:
+    """OpenAI `logprobs.content`: each generated (token, log-prob) with the engine's log-prob (the one trained
+    on) and its `top_logprobs` alternatives (`tops`, one list per token, or None)."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = tokenizer_decode(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    tops = choice.top_logprobs or [()] * len(choice.token_ids)
-    content = [
-        entry(token_id, logprob) | {"top_logprobs": [entry(i, lp) for i, lp in top]}
-        for token_id, logprob, top in zip(choice.token_ids, choice.logprobs, tops, strict=True)
-    ]
-    return {"content": content}
+    tops = tops or [()] * len(tokens)
+    return {"content": [entry(i, lp) | {"top_logprobs": [entry(*t) for t in top]}
+                        for (i, lp), top in zip(tokens, tops, strict=True)]}  # fmt: skip
+
+
+def _choice_logprobs(choice: TurnReply, request: ChatRequest | None, start: int = 0) -> dict[str, Any] | None:
+    """The log-probs of `choice`'s tokens from `start` on, if the request asked for them."""
+    if request is None or not request.logprobs:
+        return None
+    tops = choice.top_logprobs[start:] if choice.top_logprobs else None
+    tokens = list(zip(choice.token_ids[start:], choice.logprobs[start:], strict=True))
+    return _logprobs(tokens, tops, request.extra["decode_token"])
 
 
 def _message_of(choice: TurnReply) -> dict[str, Any]:
@@ -214,13 +222,12 @@ def _message_of(choice: TurnReply) -> dict[str, Any]:
 
 
 def encode(reply: TurnReply, model: str, request: ChatRequest | None = None) -> dict[str, Any]:
-    decode_token = request.extra.get("decode_token") if request is not None else None
     choices = [
         {
             "index": i,
             "message": _message_of(choice),
             "finish_reason": choice.finish_reason,
-            "logprobs": _logprobs(choice, decode_token) if request is not None and request.logprobs else None,
+            "logprobs": _choice_logprobs(choice, request),
         }
         for i, choice in enumerate(reply.choices)
     ]
@@ -241,21 +248,24 @@ async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, reque
     """`chat.completion.chunk` events as text is generated, then tool calls, finish reasons, usage, `[DONE]`."""
     head = {"id": new_id("chatcmpl-"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> str:
-        body = head | {"choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs=None) -> str:
+        body = head | {"choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     for i in range(request.n):
         yield chunk(i, {"role": "assistant", "content": ""})
-    sent = [""] * request.n
+    sent, num_sent = [""] * request.n, [0] * request.n  # text and tokens (their log-probs) sent per choice
     async for event in events:
         if isinstance(event, TextDelta):
             sent[event.index] += event.text
-            yield chunk(event.index, {"content": event.text})
+            num_sent[event.index] += len(event.tokens)
+            logprobs = _logprobs(event.tokens, None, request.extra["decode_token"]) if event.tokens else None
+            yield chunk(event.index, {"content": event.text}, logprobs=logprobs)
             continue
         for i, choice in enumerate(event.choices):
-            if rest := choice.content[len(sent[i]) :]:
-                yield chunk(i, {"content": rest})
+            rest, logprobs = choice.content[len(sent[i]) :], _choice_logprobs(choice, request, num_sent[i])
+            if rest or (logprobs and logprobs["content"]):
+                yield chunk(i, {"content": rest}, logprobs=logprobs)
             for k, call in enumerate(_tool_calls(choice)):
                 opening = {
                     "index": k,
