@@ -13,17 +13,24 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temp file in the same folder and an atomic rename."""
+def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
+    """Write `path` with `write(temp path)` into a temp file in the same folder, then an atomic rename."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    write(tmp)
     os.replace(tmp, path)
+    return path
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Write `text` to `path` atomically (`atomic_write`)."""
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def _plain(value: Any) -> Any:

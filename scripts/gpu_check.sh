@@ -27,9 +27,9 @@ else
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$RAW/nvidia-smi.txt" 2>&1
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled
-# default: what is still unmeasured (gpu_engine was measured at f7a0e5f: benchmarks/results/gpu_engine.md; add it,
-# ~110 s, after engine changes). Limits fit one 15-minute lease: ~30 s start + ~560 s here.
-PARTS=${PARTS:-kernel_check gpu_trainer train_tiny_bf16 train_qwen06}  # a subset: PARTS="gpu_engine" ...
+# default: what is still unmeasured, and the engine again after the host-overhead and bf16-numerics changes of
+# session 15 (the kernel check passed on the H200 at f7a0e5f). Limits fit one 15-minute lease: ~30 s start + 560 s.
+PARTS=${PARTS:-gpu_engine train_tiny_bf16 train_qwen06 gpu_trainer}  # a subset: PARTS="kernel_check" ...
 
 part() {  # part NAME SECONDS CMD...: run with a limit, log to $RAW/NAME.log, archive, never stop the script
   local name=$1 limit=$2
@@ -58,10 +58,10 @@ for dtype, heads, kv in [(torch.bfloat16, 16, 8), (torch.bfloat16, 4, 4), (torch
     print(dtype, heads, kv, 'max |diff|', (out.float() - ref).abs().max().item())
 "
 part gpu_engine 130 $PY benchmarks/gpu_engine.py $BENCH --out "$RAW"
-# the first compile of each compiled system took > 100 s on the H200's host: two cases, 230 s
-part gpu_trainer 230 $PY benchmarks/gpu_trainer.py $BENCH --cases "$TCASES" --budget-s 215 --out "$RAW"
+# the first compile of each compiled system took > 100 s on the H200's host: last, with what time is left
+part gpu_trainer 190 $PY benchmarks/gpu_trainer.py $BENCH --cases "$TCASES" --budget-s 175 --out "$RAW"
 # the trainer issue's run: 32 prompts x 8 samples, episodes up to 384 tokens, bf16-mixed, random weights
-part train_qwen06 180 $PY -m molt.cli.main train $DEV --model.warmstart_steps 0 $SHAPE --rollout.max_len 384 \
+part train_qwen06 150 $PY -m molt.cli.main train $DEV --model.warmstart_steps 0 $SHAPE --rollout.max_len 384 \
   --rollout.filters \
   --train.max_steps $STEPS --train.warmup_steps 0 --train.micro_batch_tokens 16384 --train.activation_checkpointing \
   --train.compile off \

@@ -1,10 +1,12 @@
-"""Shared test fixtures: one local Ray cluster per session, the tiny Molt model, engine-like batches, a
+"""Shared test fixtures: one local Ray cluster per session, the flags of a tiny run, the tiny Molt model,
+engine-like trajectories with their true log-probs, the trainer tests' config, the `molt` CLI run in process, a
 recording wrapper around an engine, and a base for fake engines. Test modules import the helpers with
 `from conftest import ...`.
 """
 
 import os
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,6 +15,13 @@ import torch.nn.functional as F
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Engine
 from molt.models import Transformer, preset
+
+# a tiny RL run of the preset, not warm-started (tests add steps, data and eval; of a repeated flag the last wins)
+TINY_RUN = [
+    "--model.preset", "tiny", "--model.warmstart_steps", "0", "--rollout.prompts_per_step", "2",
+    "--rollout.n_samples_per_prompt", "4", "--rollout.max_tokens", "6", "--rollout.filters", "nonfinite",
+    "--eval.every", "0", "--train.warmup_steps", "0", "--log.every", "100",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +44,22 @@ def small_model(seed: int = 0, kind: str = "dense", std: float = 0.05, **sizes) 
 
 
 @torch.no_grad()
+def true_logprobs(model, tokens: list[int], temperature: float = 1.0) -> list[float]:
+    """What the trainer computes for `tokens` (0.0 at the first): log_softmax(logits / T) at the next ids."""
+    logits = model(torch.tensor([tokens]))[0].float() / temperature
+    lp = F.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return [0.0, *lp.tolist()]
+
+
+def with_true_logprobs(traj: Trajectory, model, temperature: float = 1.0) -> Trajectory:
+    """`traj` with its rollout log-probs set to the model's own at its generated tokens (0.0 elsewhere)."""
+    lp = true_logprobs(model, traj.tokens, temperature)
+    traj.rollout_logprobs = [x if m else 0.0 for x, m in zip(lp, traj.loss_mask, strict=True)]
+    return traj
+
+
 def batch(model, num_groups=4, n=4, seed=0):
-    """Complete groups of random engine-like trajectories with their true rollout log-probs."""
+    """Complete groups of random engine-like single-turn trajectories with their true rollout log-probs."""
     rng = random.Random(seed)
     out = []
     for g in range(num_groups):
@@ -45,11 +68,65 @@ def batch(model, num_groups=4, n=4, seed=0):
             traj.extend_prompt([rng.randrange(64) for _ in range(rng.randint(3, 9 + 8 * g))])
             ids = [rng.randrange(64) for _ in range(rng.randint(2, 7))]
             traj.extend_action(ids, [0.0] * len(ids), [0] * len(ids))
-            logits = model(torch.tensor([traj.tokens]))[0]
-            lp = F.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(traj.tokens[1:])[:, None])[:, 0]
-            traj.rollout_logprobs = [x if m else 0.0 for x, m in zip([0.0, *lp.tolist()], traj.loss_mask, strict=True)]
-            out.append(traj)
+            out.append(with_true_logprobs(traj, model))
     return out
+
+
+def trajectories(model, num_groups=3, n=4, temperature=1.0, version=0, seed=0, same_prompt=False):
+    """Complete groups of random one- or two-turn trajectories (tokens of `version`, observations between turns),
+    with their true rollout log-probs at `temperature`; `same_prompt`: each group shares one prompt."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(num_groups):
+        prompt_rng = random.Random(seed * 1000 + g)
+        prompt = [prompt_rng.randrange(64) for _ in range(prompt_rng.randint(5, 12))]
+        for k in range(n):
+            traj = Trajectory(group_id=g, rollout_id=g * n + k, reward=float(rng.random() < 0.5))
+            traj.extend_prompt(prompt if same_prompt else [rng.randrange(64) for _ in range(rng.randint(3, 9))])
+            for _turn in range(rng.randint(1, 2)):
+                ids = [rng.randrange(64) for _ in range(rng.randint(2, 7))]
+                traj.extend_action(ids, [0.0] * len(ids), [version] * len(ids), keep_copy=True)
+                traj.extend_prompt([rng.randrange(64) for _ in range(2)])
+            out.append(with_true_logprobs(traj, model, temperature))
+    return out
+
+
+def trainer_cfg(*flags: str):
+    """The trainer tests' config: 64-token rows, no LR warm-up, then `flags`."""
+    from molt.cli.main import parse_config
+
+    return parse_config(["--data.max_len", "64", "--rollout.max_len", "64", "--train.warmup_steps", "0", *flags])
+
+
+@dataclass
+class Ran:
+    """What a `molt` command left behind: its exit code and stderr."""
+
+    returncode: int
+    stderr: str
+
+
+def run_molt(capsys, *args: str) -> Ran:
+    """`molt ARGS` in this process, through the CLI's entry point (`molt.cli.main.main`)."""
+    from molt.cli.main import main
+
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return Ran(code, capsys.readouterr().err)
+
+
+def one_line(result, *needles: str) -> str:
+    """The single stderr line of a user error (exit code 2, no traceback), containing every needle."""
+    err = result.stderr.strip()
+    assert result.returncode == 2, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+    return err
 
 
 class RecordingEngine:

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from molt.agents.env import Env, Messages, Result
+from molt.agents.env import Env, Result
 from molt.data.tasks import calculate, get_task
 from molt.registry import Registry
 
 ENVS: Registry[type[Env]] = Registry("env")
-
-
-def register_env(name: str):
-    return ENVS.register(name)
 
 
 class TaskEnv(Env):
@@ -22,12 +17,8 @@ class TaskEnv(Env):
     def __init__(self, task: str):
         self.task = get_task(task)
 
-    async def reset(self, row: dict[str, Any]) -> Messages:
-        self.row = row
-        return list(row["messages"])
 
-
-@register_env("single_turn")
+@ENVS.register("single_turn")
 class SingleTurnEnv(TaskEnv):
     """One answer, graded by the task."""
 
@@ -39,7 +30,7 @@ class SingleTurnEnv(TaskEnv):
 TOOL_CALL_RE = re.compile(r"\s*<tool_call>(.*?)</tool_call>\s*", re.S)
 
 
-@register_env("calculator")
+@ENVS.register("calculator")
 class CalculatorEnv(TaskEnv):
     """A turn that is exactly one `<tool_call>expr</tool_call>` runs the calculator; any other ends it."""
 

@@ -28,6 +28,14 @@ def _info(named: dict[str, float]) -> dict[str, float]:
     return {f"reward/{k}": v for k, v in named.items()}
 
 
+async def _rescored(reward: RewardFunction, result: Result, answer: str, row: dict, agent_reward: float) -> Result:
+    """`result` with the reward function's score of `answer`; the agent's own reward logged as `reward/agent`."""
+    total, named = await reward.score(answer, row)
+    reward.log.add({"agent": agent_reward})
+    info = result.info | _info(named) | {"reward/agent": agent_reward}
+    return dataclasses.replace(result, reward=total, score=total, info=info)
+
+
 class RewardEnv(Env):
     """One policy turn, scored by the reward function."""
 
@@ -57,10 +65,7 @@ class ScoredEnv(Env):
         final = result.terminated or result.truncated or result.observation is None or self.turns >= self.max_turns
         if not final:
             return dataclasses.replace(result, reward=0.0, score=None)
-        total, named = await self.reward.score(action, self.row)
-        self.reward.log.add({"agent": self.agent_reward})
-        info = result.info | _info(named) | {"reward/agent": self.agent_reward}
-        return dataclasses.replace(result, reward=total, score=total, info=info)
+        return await _rescored(self.reward, result, action, self.row, self.agent_reward)
 
 
 class ScoredChatAgent(ChatAgent):
@@ -74,10 +79,7 @@ class ScoredChatAgent(ChatAgent):
 
     async def rescore(self, result: Result, answer: str, row: dict[str, Any]) -> Result:
         """`result` with the reward function's score of `answer` (called by `ChatRunner` after the run)."""
-        total, named = await self.reward.score(answer, row)
-        self.reward.log.add({"agent": float(result.reward)})
-        info = result.info | _info(named) | {"reward/agent": float(result.reward)}
-        return dataclasses.replace(result, reward=total, score=total, info=info)
+        return await _rescored(self.reward, result, answer, row, float(result.reward))
 
 
 def agent_factory(agent: str, reward: RewardFunction | None, task: str, max_turns: int) -> Callable[[], Any]:

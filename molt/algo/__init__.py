@@ -29,48 +29,14 @@ from molt.algo.kl import (
 )
 from molt.algo.objective import ObjectiveParams, PolicyBatch, policy_objective
 from molt.algo.policy_loss import POLICY_LOSSES, SurrogateParams, value_loss
-from molt.algo.registry import Registry
 from molt.algo.routing import expert_load, load_balance_loss, load_imbalance, routing_agreement
+from molt.registry import Registry
 
-__all__ = [
-    "AGGREGATIONS",
-    "ESTIMATORS",
-    "GROUP_FILTERS",
-    "IS_LEVELS",
-    "IS_MODES",
-    "KL_CONTROLLERS",
-    "KL_ESTIMATORS",
-    "POLICY_LOSSES",
-    "AdaptiveKLController",
-    "AdvantageInputs",
-    "AdvantageParams",
-    "FilterParams",
-    "FixedKLController",
-    "ISCorrectionParams",
-    "ObjectiveParams",
-    "PolicyBatch",
-    "Registry",
-    "RewardShapingParams",
-    "StepDenominators",
-    "SurrogateParams",
-    "adaptive_kl_coef",
-    "add_teacher_kl",
-    "aggregate",
-    "clip_rewards",
-    "compute_advantages",
-    "expert_load",
-    "filter_groups",
-    "is_correction",
-    "kl_estimate",
-    "load_balance_loss",
-    "load_imbalance",
-    "make_kl_controller",
-    "mask_truncated",
-    "overlong_penalty",
-    "policy_objective",
-    "rollout_totals",
-    "routing_agreement",
-    "shape_rewards",
-    "step_denominators",
-    "value_loss",
-]
+__all__ = ["AGGREGATIONS", "ESTIMATORS", "GROUP_FILTERS", "IS_LEVELS", "IS_MODES", "KL_CONTROLLERS", "KL_ESTIMATORS",
+           "POLICY_LOSSES", "AdaptiveKLController", "AdvantageInputs", "AdvantageParams", "FilterParams",
+           "FixedKLController", "ISCorrectionParams", "ObjectiveParams", "PolicyBatch", "Registry",
+           "RewardShapingParams", "StepDenominators", "SurrogateParams", "adaptive_kl_coef", "add_teacher_kl",
+           "aggregate", "clip_rewards", "compute_advantages", "expert_load", "filter_groups", "is_correction",
+           "kl_estimate", "load_balance_loss", "load_imbalance", "make_kl_controller", "mask_truncated",
+           "overlong_penalty", "policy_objective", "rollout_totals", "routing_agreement", "shape_rewards",
+           "step_denominators", "value_loss"]  # fmt: skip

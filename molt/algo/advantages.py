@@ -26,7 +26,7 @@ from molt.algo.masked import (
     next_action_index,
     reverse_linear_scan,
 )
-from molt.algo.registry import Registry
+from molt.registry import Registry
 
 Metrics = dict[str, Tensor]
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from molt.algo.masked import masked_sum
-from molt.algo.registry import Registry
+from molt.registry import Registry
 
 
 @dataclass(frozen=True)

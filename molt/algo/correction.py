@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from molt.algo.masked import LOG_RATIO_LIMIT, clamped_log_ratio, masked_mean
-from molt.algo.registry import Registry
+from molt.registry import Registry
 
 Metrics = dict[str, Tensor]
 

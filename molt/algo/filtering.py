@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from molt.algo.groups import RolloutGroups, rollout_groups
-from molt.algo.registry import Registry
+from molt.registry import Registry
 
 Metrics = dict[str, Tensor]
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from molt.algo.masked import clamped_log_ratio
-from molt.algo.registry import Registry
+from molt.registry import Registry
 
 KL_CLAMP = 10.0
 

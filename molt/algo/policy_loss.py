@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from molt.algo.masked import masked_mean, sanitized_log_ratio
-from molt.algo.registry import Registry
+from molt.registry import Registry
 
 Metrics = dict[str, Tensor]
 

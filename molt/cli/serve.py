@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from molt.agents.chat.agent import CHAT_SERVER_OPTIONS
 from molt.agents.chat.server import ChatServer
 from molt.cli.build import build_model, build_tokenizer, resolve_checkpoint
 from molt.cli.inputs import check_user_code
@@ -37,20 +38,9 @@ def build_server(cfg: Config) -> ChatServer:
     sampling = SamplingParams(
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_tokens=chat.max_tokens, stop_token_ids=stop
     )
-    return ChatServer(
-        engine,
-        tokenizer,
-        host=chat.host,
-        port=chat.port,
-        api_key=chat.api_key,
-        model_name=chat.model_name,
-        model_aliases=tuple(chat.model_aliases),
-        max_body_bytes=chat.max_body_bytes,
-        tool_parser=chat.tool_parser,
-        render_tools=chat.render_tools,
-        serve_sampling=sampling,
-        serve_max_len=chat.max_len,
-    )
+    options = {k: getattr(chat, k) for k in CHAT_SERVER_OPTIONS}  # as in training, plus serve's own settings
+    return ChatServer(engine, tokenizer, api_key=chat.api_key, serve_sampling=sampling, serve_max_len=chat.max_len,
+                      **options)  # fmt: skip
 
 
 async def _serve(cfg: Config) -> None:

@@ -8,7 +8,6 @@ validation split, or a seeded shuffled split of `data.path` (`data.num_eval` row
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 from molt.data.formats import DataError, dataset_splits, read_located
 from molt.data.rows import Row, parse_columns, prompt_rows
@@ -56,8 +55,3 @@ def dataset_rows(data) -> tuple[list[Row], list[Row]]:
 def has_demonstrations(rows: list[Row]) -> bool:
     """Whether every row's messages hold an assistant turn (something SFT can train on)."""
     return bool(rows) and all(any(m.get("role") == "assistant" for m in r["messages"]) for r in rows)
-
-
-def describe(data) -> str:
-    """Where the data comes from, for log lines."""
-    return str(Path(data.path)) if data.path else f"task {data.task}"

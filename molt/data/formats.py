@@ -20,19 +20,13 @@ from molt.registry import Registry
 Row = dict[str, Any]
 Located = list[tuple[str, Any]]  # (where, raw row) pairs; `where` names the file and its 1-based line or row index
 
-READERS: Registry[Callable[[Path], Located]] = Registry("data format")
+READERS: Registry[Callable[[Path], Located]] = Registry("data format")  # fn(path) -> [(where, row)]
 
 
 class DataError(UserError):
     """A dataset that cannot be used; the message names the file and line (or row) and the field."""
 
     kind = "data error"
-
-
-def register_reader(name: str):
-    """Register `fn(path) -> [(where, row)]` as the reader of format `name`."""
-
-    return READERS.register(name)
 
 
 def detect_format(path: str | Path) -> str:
@@ -61,7 +55,7 @@ def read_located(path: str | Path, split: str = "train") -> Located:
     return READERS[kind](path)
 
 
-@register_reader("jsonl")
+@READERS.register("jsonl")
 def read_json_lines(path: Path) -> Located:
     """One JSON value per non-blank line; a bad line is an error naming the file's own 1-based line."""
     out = []
@@ -79,7 +73,7 @@ def read_json_lines(path: Path) -> Located:
     return out
 
 
-@register_reader("json")
+@READERS.register("json")
 def read_json(path: Path) -> Located:
     """A JSON array of rows (each located at the line where it starts), else JSON lines (as `to_json` writes)."""
     try:
@@ -117,7 +111,7 @@ def _arrow_rows(path: Path, table) -> Located:
     return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist())]
 
 
-@register_reader("parquet")
+@READERS.register("parquet")
 def read_parquet(path: Path) -> Located:
     """Rows of a Parquet file (located by 0-based row index)."""
     import pyarrow.parquet as pq
@@ -143,7 +137,7 @@ def read_datasets_folder(path: Path, split: str = "train") -> Located:
         file = path / entry["filename"]
         with pa.memory_map(str(file)) as source:
             table = pa.ipc.open_stream(source).read_all()
-        out += [(f"{file} row {i}", row) for i, row in enumerate(table.to_pylist())]
+        out += _arrow_rows(file, table)
     return out
 
 
@@ -153,7 +147,7 @@ def dataset_splits(path: str | Path) -> list[str]:
     return json.loads(index.read_text())["splits"] if index.exists() else []
 
 
-@register_reader("folder")
+@READERS.register("folder")
 def read_folder(path: Path) -> Located:
     """Every .jsonl and .parquet file of a folder, in name order."""
     files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet"))

@@ -179,22 +179,8 @@ class ShapeColour:
         return float(text.strip() == row["label"])
 
 
-NAMES = (
-    "Ava",
-    "Ben",
-    "Chloe",
-    "Diego",
-    "Emma",
-    "Farah",
-    "Gus",
-    "Hana",
-    "Ivan",
-    "Jade",
-    "Kofi",
-    "Lena",
-    "Mateo",
-    "Nora",
-)
+NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farah", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena",
+         "Mateo", "Nora")  # fmt: skip
 ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "books", "shells", "cards", "eggs", "balloons")
 PLACES = ("the market", "a shop", "the fair", "school", "the library sale")
 Problem = tuple[str, list[str], int]  # (question, worked steps, integer answer)

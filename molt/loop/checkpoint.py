@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from molt.log import atomic_write_text
+from molt.log import atomic_write, atomic_write_text
 from molt.loop.rl import LoopState
 from molt.train.interface import Trainer
 
@@ -65,9 +65,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, loop_state: LoopState, toke
         "loop": dataclasses.asdict(loop_state),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
     }
-    tmp = folder / ".trainer_state.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, folder / "trainer_state.pt")
+    atomic_write(folder / "trainer_state.pt", lambda tmp: torch.save(state, tmp))
     share_like_new_files(folder)
     atomic_write_text(Path(run_dir) / "checkpoints" / "latest", folder.name)
     return folder

@@ -26,6 +26,7 @@ import torch
 
 from molt.data.trajectory import Trajectory
 from molt.errors import UserError
+from molt.log import atomic_write, atomic_write_text
 from molt.models.vision import pixel_hash
 
 ROLLOUTS = "rollouts"  # in the run directory
@@ -70,9 +71,7 @@ def _save_image(image: dict[str, Any], folder: Path) -> dict[str, Any]:
     path = folder / f"{image['hash']}.pt"
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        torch.save(image["pixels"], tmp)
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: torch.save(image["pixels"], tmp))
     return {k: v for k, v in image.items() if k != "pixels"}
 
 
@@ -80,11 +79,7 @@ def write_shard(folder: Path, step: int, version: int, batch: list[Trajectory]) 
     """Write step `step`'s batch (trained at trainer `version`) to `folder/step-<step>.jsonl`, atomically."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps(trajectory_record(t, step, version, folder / IMAGES), default=_plain) for t in batch]
-    path = folder / shard_name(step)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(folder / shard_name(step), "".join(line + "\n" for line in lines))
 
 
 def rollouts_folder(path: str | os.PathLike) -> Path:

@@ -2,17 +2,15 @@
 
 import json
 
+from conftest import TINY_RUN  # noqa: I001 - tests/conftest.py
+
 from molt.cli.main import main, parse_config
 from molt.cli.train import run_train
 from molt.data.tasks import get_task
 from molt.log import read_metrics
 
-FAST = [
-    "--model.warmstart_steps", "0", "--model.preset", "tiny", "--rollout.prompts_per_step", "2",
-    "--rollout.n_samples_per_prompt", "4", "--rollout.max_tokens", "6", "--rollout.filters", "nonfinite",
-    "--train.warmup_steps", "0", "--train.max_steps", "2", "--train.lr", "1e-3", "--log.every", "100",
-    "--eval.every", "2", "--eval.num_prompts", "6", "--eval.n_samples", "3",
-]  # fmt: skip
+FAST = [*TINY_RUN, "--train.max_steps", "2", "--train.lr", "1e-3", "--eval.every", "2", "--eval.num_prompts", "6",
+        "--eval.n_samples", "3"]  # fmt: skip
 
 
 def test_molt_eval_reproduces_the_in_training_eval_of_the_checkpoint(tmp_path):

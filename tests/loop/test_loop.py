@@ -3,17 +3,13 @@
 import json
 
 import pytest
+from conftest import TINY_RUN  # noqa: I001 - tests/conftest.py
 
 from molt.cli.main import parse_config
 from molt.cli.train import run_train
 from molt.loop.evaluate import pass_at_k
 
-FAST = [
-    "--model.warmstart_steps", "0", "--model.preset", "tiny", "--rollout.prompts_per_step", "2",
-    "--rollout.n_samples_per_prompt", "4", "--rollout.max_tokens", "6", "--rollout.max_turns", "2",
-    "--rollout.filters", "nonfinite", "--eval.every", "0", "--train.warmup_steps", "0",
-    "--data.num_train", "64", "--data.num_eval", "8", "--log.every", "100",
-]  # fmt: skip
+FAST = [*TINY_RUN, "--rollout.max_turns", "2", "--data.num_train", "64", "--data.num_eval", "8"]
 
 
 def _run(tmp_path, name, *flags):

@@ -4,32 +4,19 @@ checkpoints are readable by the group with an interrupted save's temp folders re
 import os
 import stat
 
-import pytest
+from conftest import TINY_RUN, one_line, run_molt  # noqa: I001 - tests/conftest.py
 
 from molt.cli.main import main
 from molt.loop.checkpoint import remove_orphans, share_like_new_files
 
-TINY = [
-    "--model.preset", "tiny", "--model.warmstart_steps", "0", "--data.task", "arithmetic", "--data.num_train", "32",
-    "--data.num_eval", "4", "--rollout.prompts_per_step", "2", "--rollout.n_samples_per_prompt", "2",
-    "--rollout.max_tokens", "4", "--rollout.filters", "nonfinite", "--eval.every", "0", "--train.warmup_steps", "0",
-    "--log.every", "100",
-]  # fmt: skip
-
-
-def _usage_error(capsys, argv: list[str]) -> str:
-    """The one stderr line of a `molt` command that must stop with exit code 2."""
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    err = capsys.readouterr().err.strip()
-    assert exit_.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
-    return err
+TINY = [*TINY_RUN, "--data.task", "arithmetic", "--data.num_train", "32", "--data.num_eval", "4",
+        "--rollout.n_samples_per_prompt", "2", "--rollout.max_tokens", "4"]  # fmt: skip
 
 
 def test_new_run_refuses_a_non_empty_run_dir(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
-    err = _usage_error(capsys, ["train", *TINY, "--log.run_dir", str(tmp_path / "run")])
+    err = one_line(run_molt(capsys, "train", *TINY, "--log.run_dir", str(tmp_path / "run")))
     assert f"log.run_dir: {tmp_path / 'run'} already holds files" in err and "--resume" in err
     assert sorted(os.listdir(tmp_path / "run")) == ["notes.txt"]  # nothing written
 
@@ -39,10 +26,9 @@ def test_resume_finished_run_orphans_and_group_readable_checkpoints(tmp_path, ca
     old_mask = os.umask(0o022)
     try:
         main(["train", *TINY, "--train.max_steps", "1", "--log.run_dir", str(run)])
-        capsys.readouterr()
-        err = _usage_error(capsys, ["train", *TINY, "--train.max_steps", "1", "--log.run_dir", str(run)])
+        err = one_line(run_molt(capsys, "train", *TINY, "--train.max_steps", "1", "--log.run_dir", str(run)))
         assert "already holds a run" in err and f"--resume {run}" in err
-        err = _usage_error(capsys, ["train", "--resume", str(run)])
+        err = one_line(run_molt(capsys, "train", "--resume", str(run)))
         assert "is finished (its latest checkpoint is step 1, train.max_steps is 1)" in err
         assert "raise --train.max_steps" in err
         orphan = run / "checkpoints" / ".step-2.crashed"  # what a save killed mid-write leaves

@@ -5,10 +5,11 @@ import copy
 
 import pytest
 import torch
-from test_trainer import _cfg, _model, _trajs  # noqa: I001 - tests/train/test_trainer.py
+from conftest import small_model as _model  # noqa: I001
+from conftest import trainer_cfg as _cfg
+from conftest import trajectories as _trajs
 from torch._dynamo.utils import counters
 
-from molt.models import Transformer, preset
 from molt.models.attention import FlexPacked
 from molt.train import logprobs
 from molt.train.compile import CompiledForward, compile_layers, compile_model, resolve_compile
@@ -88,8 +89,8 @@ def test_trainer_compile_flag_trains_like_eager():
     assert isinstance(compiled.model.layers[0].forward, CompiledForward)
     assert not isinstance(eager.model.layers[0].forward, CompiledForward)
     for step in range(2):
-        a = eager.step(_trajs(base, seed=step, version=eager.version))
-        b = compiled.step(_trajs(base, seed=step, version=compiled.version))
+        a = eager.step(_trajs(base, num_groups=2, n=2, seed=step, version=eager.version))
+        b = compiled.step(_trajs(base, num_groups=2, n=2, seed=step, version=compiled.version))
         assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5, (a["train/loss"], b["train/loss"])
     for (n, p), q in zip(eager.model.named_parameters(), compiled.model.parameters(), strict=True):
         torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-4, msg=n)
@@ -130,8 +131,7 @@ def test_flex_attention_traces_into_a_compiled_layer_without_graph_breaks():
 def test_inductor_compiled_layer_matches_eager():
     """The real backend (CPU inductor, C++ kernels): one layer of a tiny model, forward and backward."""
     torch._dynamo.reset()
-    cfg = preset("tiny", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, head_dim=16)
-    eager = Transformer(cfg).init_weights(0.05, torch.Generator().manual_seed(0))
+    eager = _model(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2)
     compiled = copy.deepcopy(eager)
     compile_layers(compiled)
     batch = _batch(width=16)
@@ -150,7 +150,8 @@ def test_compiled_layers_under_fsdp2_train_like_eager():
     from molt.train import parallel
     from molt.train.optim import build_optimizer
 
-    base, trajs = _model(), _trajs(_model())
+    base = _model()
+    trajs = _trajs(base, num_groups=2, n=2)
     expected = Trainer(copy.deepcopy(base), _cfg("--train.compile", "off")).step(trajs)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
