@@ -4,6 +4,7 @@ import asyncio
 
 import torch
 import transformers
+from conftest import packed_trainer_logprobs  # noqa: F401 - tests/conftest.py; re-exported
 
 from molt.models import from_pretrained
 
@@ -76,21 +77,3 @@ def assert_old_then_new(old, new, ps, outs, max_tokens):
         lp = torch.tensor(out.logprobs)
         assert (lp[:switch] - trainer_logprobs(old, p, out, 1.0)[:switch]).abs().max() <= 1e-5
         assert (lp[switch:] - trainer_logprobs(new, p, out, 1.0)[switch:]).abs().max() <= 1e-5
-
-
-def packed_trainer_logprobs(model, prompts_, completions, temperature) -> list[torch.Tensor]:
-    """The trainer's own scoring of each prompt + completion: its packing and `token_logprobs` (fp32 from the
-    logits, whatever the model's dtype), cut back to each completion's tokens."""
-    from molt.train.packing import pack, placements
-    from molt.train.trainer import token_logprobs
-
-    samples = [list(p) + c.token_ids for p, c in zip(prompts_, completions, strict=True)]
-    masks = [[0] * len(p) + [1] * len(c.token_ids) for p, c in zip(prompts_, completions, strict=True)]
-    out: list[torch.Tensor | None] = [None] * len(samples)
-    with torch.no_grad():
-        for batch in pack(samples, masks, max(map(len, samples)), 4096):
-            logp_rw = token_logprobs(model, batch.to(next(model.parameters()).device), temperature or 1.0).cpu()
-            for row, col, piece in placements(batch.rows):
-                first = col + len(prompts_[piece.sample]) - 1
-                out[piece.sample] = logp_rw[row, first : col + len(piece) - 1]
-    return out

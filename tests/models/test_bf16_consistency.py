@@ -11,11 +11,10 @@ import copy
 
 import pytest
 import torch
+from conftest import packed_trainer_logprobs  # noqa: I001 - tests/conftest.py
 
 from molt.engine import SamplingParams, TorchEngine
 from molt.models import Routing, Transformer, TransformerConfig, preset
-from molt.train.logprobs import token_logprobs
-from molt.train.packing import pack, placements
 from molt.train.precision import Precision
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -93,18 +92,9 @@ def test_vlm_autocast_forward_is_the_copys_forward():
 
 
 def scored(model: Transformer, pairs, precision: Precision) -> torch.Tensor:
-    """The trainer's log-probs of every completion token: its packing and `token_logprobs` under `precision`."""
-    samples = [p + c.token_ids for p, c in pairs]
-    masks = [[0] * len(p) + [1] * len(c.token_ids) for p, c in pairs]
-    out = [None] * len(samples)
-    with torch.no_grad():
-        for batch in pack(samples, masks, max(map(len, samples)), 4096):
-            with precision.autocast():
-                logp_rw = token_logprobs(model, batch, 1.0)
-            for row, col, piece in placements(batch.rows):
-                first = col + len(pairs[piece.sample][0]) - 1
-                out[piece.sample] = logp_rw[row, first : col + len(piece) - 1]
-    return torch.cat(out)
+    """The trainer's log-probs of every completion token (`packed_trainer_logprobs`) under `precision`."""
+    with precision.autocast():
+        return torch.cat(packed_trainer_logprobs(model, [p for p, _ in pairs], [c for _, c in pairs], 1.0))
 
 
 @pytest.mark.parametrize("paged", [False, True])
