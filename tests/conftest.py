@@ -1,7 +1,7 @@
-"""Shared test fixtures: one local Ray cluster per session, the flags of a tiny run, the tiny Molt model,
-engine-like trajectories with their true log-probs, the trainer tests' config, the `molt` CLI run in process, a
-recording wrapper around an engine, and a base for fake engines. Test modules import the helpers with
-`from conftest import ...`.
+"""Shared test fixtures: one local Ray cluster per session, the flags of a tiny run, the tiny Molt model, tiny
+random-weight `transformers` models (and the same weights loaded into Molt), engine-like trajectories with their
+true log-probs, the trainer tests' config, the `molt` CLI run in process, a recording wrapper around an engine,
+and a base for fake engines. Test modules import the helpers with `from conftest import ...`.
 """
 
 import os
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Engine
-from molt.models import Transformer, preset
+from molt.models import Transformer, from_pretrained, preset
 
 # a tiny RL run of the preset, not warm-started (tests add steps, data and eval; of a repeated flag the last wins)
 TINY_RUN = [
@@ -41,6 +41,44 @@ def small_model(seed: int = 0, kind: str = "dense", std: float = 0.05, **sizes) 
     kw |= (dict(moe_intermediate_size=32) if moe else dict(intermediate_size=128)) | sizes
     arch = preset("tiny-moe" if moe else "tiny", **kw)
     return Transformer(arch).init_weights(std, torch.Generator().manual_seed(seed))
+
+
+# the engine tests' tiny `transformers` architecture (Qwen3; `hf_config("qwen3-moe")` adds 4 experts, top 2)
+TINY_HF = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=12, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+TINY_HF_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True)
+
+
+def hf_config(name: str = "qwen3", **overrides):
+    """The tiny `transformers` config `qwen3` (dense) or `qwen3-moe`, with `overrides`."""
+    import transformers
+
+    if name == "qwen3-moe":
+        return transformers.Qwen3MoeConfig(**TINY_HF | TINY_HF_MOE | overrides)
+    return transformers.Qwen3Config(**TINY_HF | overrides)
+
+
+def random_hf(config="qwen3", seed: int = 0, std: float = 0.2):
+    """A `transformers` causal LM of `config` (a config, or an `hf_config` name): fp32, eager attention, eval mode,
+    random weights of std `std` (norm weights 1 + std 0.1), `generate` without EOS. At std 0.2 logits are a few
+    units; at 0.3 fp32 noise alone nears 1e-5 in log-prob."""
+    import transformers
+
+    config = hf_config(config) if isinstance(config, str) else config
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else std) + (1.0 if "norm" in name else 0.0))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def random_hf_in_molt(config, folder, seed: int = 0) -> Transformer:
+    """`random_hf(config, seed)` saved to `folder` and loaded into Molt (the same weights)."""
+    random_hf(config, seed).save_pretrained(folder)
+    return from_pretrained(folder).eval()
 
 
 @torch.no_grad()

@@ -5,28 +5,20 @@ engine and admits a new prompt group only while it cannot end up older than `max
 versions when trained; `train` takes complete groups, re-checks staleness (dropping stale groups
 with a counted reason), runs the trainer step on the engine's thread (between engine steps), and
 `sync` pushes the weights to the engine. With `max_staleness 0` this is synchronous training on the same code path.
-Every sample is either trained on or dropped with a counted reason (`drop/<reason>`). A ChatAgent
-rollout may yield several segments (sharing reward and rollout id); a group holds all of them.
-
-A failed rollout (agent exception or timeout) is one warning line naming its rollout and group; the
-first failure of each kind is written with its full traceback to `<run_dir>/rollout_failures.log`.
-Its group trains on its other samples unless the estimator needs complete groups (registered with
-`complete_groups=True`), which drops the group and says so. Group filters decide on `reward` (the
-trained signal; `rollout.filter_on score` for the 0/1 score), and every logged step names how many
-groups were dropped since the last line and why. `rollout.dump` writes each step's batch, as trained, to
+Every sample is either trained on or dropped with a counted reason (`drop/<reason>`; failures and drops are counted
+and explained in `molt/loop/accounting.py`). A ChatAgent rollout may yield several segments (sharing reward and
+rollout id); a group holds all of them. Group filters decide on `reward` (the trained signal;
+`rollout.filter_on score` for the 0/1 score). `rollout.dump` writes each step's batch, as trained, to
 `<run_dir>/rollouts/` (`molt/loop/dump.py`); `molt/loop/replay.py` trains on such a dump without an engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +28,8 @@ from molt import algo
 from molt.config import Config
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Engine, work_since
-from molt.errors import RolloutDrop, RunFatalError, UserError
+from molt.errors import RolloutDrop, RunFatalError
+from molt.loop.accounting import FAILURE_LOG, Accounting, Dropped, Failed, LoopState, RolloutOutcome, Sampled
 from molt.loop.dump import ROLLOUTS, write_shard
 from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling, run_agent
 from molt.train.interface import Trainer
@@ -45,77 +38,7 @@ log = logging.getLogger("molt.loop")
 Group = list[Trajectory]
 
 
-@dataclass
-class LoopState:
-    """Everything a resumed run needs besides weights and optimizer: cursors, counters, buffer."""
-
-    step: int = 0
-    next_group: int = 0  # data cursor: index of the next prompt group to start
-    restart_groups: list[int] = field(default_factory=list)  # in flight at the checkpoint: rerun first
-    drops: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
-    rollouts: int = 0
-    failures: int = 0
-    buffer: list[list[dict]] = field(default_factory=list)  # groups not yet trained (serialised)
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """A rollout that ran: its segments (one for an Env; a ChatAgent may rewrite its history into several)."""
-
-    segments: list[Trajectory]
-
-
-@dataclass(frozen=True)
-class Dropped:
-    """A rollout that could not run as asked (`RolloutDrop`): its group is dropped under `reason`."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Failed:
-    """A rollout whose agent raised or timed out (counted; its group may still train)."""
-
-    error: Exception
-
-
-RolloutOutcome = Sampled | Dropped | Failed
-FAILURE_LOG = "rollout_failures.log"  # in the run directory: full tracebacks of the first failure of each kind
-
-DROP_WHY = {  # what a group drop reason means, for the progress lines
-    "filter_all_equal": "every sample got the same {signal}: no learning signal",
-    "filter_nonfinite": "a NaN/inf {signal}",
-    "filter_score_range": "mean {signal} outside the score range",
-    "agent_failure": "failed rollouts: all of the group, or any when the estimator needs complete groups",
-    "prompt_over_context": "the prompt does not fit rollout.max_len",
-    "image_over_context": "an image does not fit rollout.max_len",
-    "stale": "older than rollout.max_staleness",
-}
-
-
-class RunStoppedError(UserError, RuntimeError):
-    """The run cannot make progress because of the agent, data or settings (not a bug in Molt)."""
-
-    kind = "run stopped"
-
-
-class AgentFailureRateError(RunStoppedError):
-    """More than `rollout.max_failure_frac` of the rollouts failed."""
-
-
-def describe_error(error: BaseException) -> str:
-    """`Type: message` (the type alone when the message is empty), plus where in user code it was raised."""
-    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    molt_dir = str(Path(__file__).resolve().parents[1])
-    frames = [
-        f
-        for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith((molt_dir, "<")) and "/asyncio/" not in f.filename
-    ]
-    return text + (f" [{frames[-1].filename}:{frames[-1].lineno}]" if frames else "")
-
-
-class RLLoop:
+class RLLoop(Accounting):
     """Drives one RL run; `make_env()` builds a fresh Env per episode."""
 
     def __init__(
@@ -131,9 +54,10 @@ class RLLoop:
         state: LoopState | None = None,
         run_dir: str | Path | None = None,
     ):
-        self.cfg, self.engine, self.trainer, self.tokenizer = cfg, engine, trainer, tokenizer
+        run_dir = run_dir or cfg.log.run_dir or cfg.ckpt.resume  # where run.py puts the run (when it is known)
+        super().__init__(cfg, state or LoopState(), Path(run_dir) / FAILURE_LOG if run_dir else None)
+        self.engine, self.trainer, self.tokenizer = engine, trainer, tokenizer
         self.make_env, self.train_rows, self.eval_rows = make_env, train_rows, eval_rows
-        self.state = state or LoopState()
         ro = cfg.rollout
         self.group_size, self.groups_per_step = ro.n_samples_per_prompt, ro.prompts_per_step
         self.limits = episode_limits(cfg)
@@ -146,15 +70,8 @@ class RLLoop:
         self.running: set[int] = set()
         self.group_tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
-        self.filtered_in_a_row = 0  # groups dropped since one was kept
-        self.group_drops: collections.Counter[str] = collections.Counter()  # since the last drop line
-        self.complete_groups = bool(algo.ESTIMATORS.info(cfg.algo.estimator).get("complete_groups", False))
-        run_dir = run_dir or cfg.log.run_dir or cfg.ckpt.resume  # where run.py puts the run (when it is known)
-        self.failure_log = Path(run_dir) / FAILURE_LOG if run_dir else None
         self.dump_dir = Path(run_dir) / ROLLOUTS if run_dir and cfg.rollout.dump else None
-        self.failure_kinds: set[tuple[str, str]] = set()
         self.said_no_eval = False
-        self.drop_details: dict[str, str] = {}  # reason -> the last such drop's message
         self.history: list[dict[str, Any]] = []
         self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()
         self.engine_stats: dict[str, float] = {}
@@ -246,36 +163,6 @@ class RLLoop:
         self.rollout_tokens += sum(s.num_action_tokens for s in segments)
         return Sampled(segments)
 
-    def _count_failure(self, error: Exception, rollout_id: int, group_index: int) -> None:
-        """One line per failed rollout; the first of each kind with its traceback in the failure log."""
-        self.state.rollouts += 1
-        self.state.failures += 1
-        what = describe_error(error)
-        fate = "its group is dropped: the estimator needs complete groups" if self.complete_groups else (
-            "the rest of its group still trains")  # fmt: skip
-        logged = self._log_failure(error, f"rollout {rollout_id} (group {group_index}) failed: {what}")
-        log.warning("rollout %d (group %d) failed: %s; %s%s", rollout_id, group_index, what, fate, logged)
-        ro = self.cfg.rollout
-        if self.state.rollouts >= 20 and self.state.failures / self.state.rollouts > ro.max_failure_frac:
-            where = f"; tracebacks: {self.failure_log}" if self.failure_log else ""
-            raise AgentFailureRateError(
-                f"{self.state.failures} of {self.state.rollouts} rollouts failed (rollout.max_failure_frac="
-                f"{ro.max_failure_frac}); last error: {what}{where}"
-            ) from error
-
-    def _log_failure(self, error: Exception, line: str) -> str:
-        """Append `line` to the failure log, with the traceback the first time this kind of error is seen."""
-        if self.failure_log is None:
-            return ""
-        frames = traceback.extract_tb(error.__traceback__)
-        kind = (type(error).__name__, f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "")
-        first = kind not in self.failure_kinds
-        self.failure_kinds.add(kind)
-        self.failure_log.parent.mkdir(parents=True, exist_ok=True)
-        with self.failure_log.open("a") as f:
-            f.write(line + "\n" + ("".join(traceback.format_exception(error, chain=False)) + "\n" if first else ""))
-        return f" (traceback in {self.failure_log})" if first else ""
-
     def _keep(self, group: Group) -> bool:
         """Whether no group filter drops `group`; filters read `reward`, or `score` with rollout.filter_on score."""
         on_score = self.cfg.rollout.filter_on == "score"
@@ -291,40 +178,11 @@ class RLLoop:
         self._check_progress(f"filter_{reason}")
         return False
 
-    def _check_progress(self, reason: str) -> None:
-        """Stop with a clear error once 50 steps' worth of groups in a row were dropped (the run cannot train)."""
-        self.filtered_in_a_row += 1
-        if self.filtered_in_a_row <= 50 * self.groups_per_step:
-            return
-        ro, signal = self.cfg.rollout, self.cfg.rollout.filter_on
-        advice = {
-            "prompt_over_context": f"the prompts do not fit rollout.max_len={ro.max_len} tokens (with room to "
-            "generate): raise --rollout.max_len or shorten the prompts",
-            "image_over_context": f"the images do not fit rollout.max_len={ro.max_len}: raise --rollout.max_len",
-            "agent_failure": "rollouts keep failing (see the warnings above)",
-            "filter_all_equal": f"every sample of a prompt got the same {signal}: warm-start the model (or use an "
-            "easier task), check the reward function, or drop the filter with --rollout.filters nonfinite",
-        }.get(reason, f"rollout.filters {list(ro.filters)} drop every group; check the {signal}s or the filters")
-        detail = f" (last: {self.drop_details[reason]})" if reason in self.drop_details else ""
-        raise RunStoppedError(f"{self.filtered_in_a_row} groups in a row were dropped ({reason}{detail}): {advice}")
-
     def _drop(self, reason: str, num_samples: int) -> None:
         """Count a dropped group's samples; its slot in the schedule is refilled by a new prompt."""
         self.state.drops[reason] += num_samples
         self.group_drops[reason] += 1
         self.scheduled -= 1
-
-    def drop_line(self) -> str:
-        """How many groups were dropped since the last call, and why (empty when none); resets the count."""
-        if not self.group_drops:
-            return ""
-        signal = self.cfg.rollout.filter_on
-        parts = [
-            f"{n} {reason} ({DROP_WHY.get(reason, reason).format(signal=signal)})"
-            for reason, n in self.group_drops.most_common()
-        ]
-        total, self.group_drops = sum(self.group_drops.values()), collections.Counter()
-        return f"{total} group{'s' * (total != 1)} dropped: " + ", ".join(parts)
 
     # ---- train + sync ----------------------------------------------------------------------------
     async def _next_batch(self) -> list[Trajectory]:
@@ -374,12 +232,6 @@ class RLLoop:
         """Model compute off the event loop, where the engine wants it (`Engine.run_on_engine_thread`: the
         built-in engine's own thread, one OpenMP pool for the process)."""
         return await self.engine.run_on_engine_thread(fn, *args)
-
-    def _say_drops(self) -> None:
-        """On logged steps: how many groups were dropped since the last such line, and why."""
-        logged = self.state.step % self.cfg.log.every == 0 or self.state.step == self.cfg.train.max_steps
-        if logged and (line := self.drop_line()):
-            log.warning("step %d: %s", self.state.step, line)
 
     def _due(self, every: int) -> bool:
         return every > 0 and (self.state.step % every == 0 or self.state.step == self.cfg.train.max_steps)

@@ -18,6 +18,7 @@ from molt.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAG = re.compile(r"--([a-z_]+\.[a-z0-9_.]*[a-z0-9_])")
+CONFIG_FILES = [f"molt/config/{p.name}" for p in sorted((ROOT / "molt" / "config").glob("*.py"))]
 
 
 def known_flags(cls: type = Config, prefix: str = "") -> set[str]:
@@ -33,7 +34,7 @@ def known_flags(cls: type = Config, prefix: str = "") -> set[str]:
     return flags
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/algorithms.md", "molt/config.py"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/algorithms.md", *CONFIG_FILES])
 def test_every_flag_named_exists(doc):
     known = known_flags()
     text = (ROOT / doc).read_text()
@@ -90,7 +91,7 @@ def test_readme_has_example_commands():
 def test_readme_command_parses(argv, tmp_path, monkeypatch):
     _workspace(tmp_path, argv)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(molt.config, "check_device", lambda device: None)  # GPU examples on a CPU machine
+    monkeypatch.setattr(molt.config.run, "check_device", lambda device: None)  # GPU examples on a CPU machine
     if not argv or "--help" in argv:
         pytest.skip("help output is tested in test_config.py")
     cfg = parse_command(argv)

@@ -6,7 +6,8 @@ import copy
 
 import pytest
 import torch
-from engine_refs import assert_old_then_new, molt_model, prompts, swap_while_decoding, trainer_logprobs
+from conftest import random_hf_in_molt  # noqa: I001 - tests/conftest.py
+from engine_refs import assert_old_then_new, prompts, swap_while_decoding, trainer_logprobs
 from test_engine import staggered, torch_attention
 
 from molt.engine import SamplingParams, TorchEngine
@@ -16,7 +17,7 @@ SLOTS, MAX_LEN = 4, 96
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return molt_model("qwen3", tmp_path_factory.mktemp("a"), 0), molt_model("qwen3", tmp_path_factory.mktemp("b"), 1)
+    return tuple(random_hf_in_molt("qwen3", tmp_path_factory.mktemp(n), seed) for seed, n in enumerate("ab"))
 
 
 def compiled_engine(model, **kwargs):

@@ -15,18 +15,12 @@ import copy
 
 import pytest
 import torch
-from engine_refs import (
-    molt_model,
-    packed_trainer_logprobs,
-    prompts,
-    random_hf,
-    swap_while_decoding,
-)
+from conftest import packed_trainer_logprobs, random_hf, small_model  # noqa: I001 - tests/conftest.py
+from engine_refs import prompts, swap_while_decoding
 from test_engine import staggered
 
 from molt.engine import SamplingParams, TorchEngine
 from molt.engine.sampling import RowParams, sample
-from molt.models import Transformer, preset
 
 DTYPES = [torch.bfloat16, torch.float16]
 # (mean, max) |engine - trainer| log-prob bound, and the largest logit gap a greedy token may have to the argmax;
@@ -39,7 +33,7 @@ GAP_TOL = {torch.bfloat16: 0.1, torch.float16: 0.02}
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3")
-    molt_model("qwen3", path)
+    random_hf("qwen3").save_pretrained(path)
     return path
 
 
@@ -148,8 +142,7 @@ def test_moe_in_bf16_records_routing_and_matches_the_trainer():
     forward's on nearly every entry (bf16 noise may flip a near-tie)."""
     from molt.models import Routing
 
-    cfg = preset("tiny-moe", vocab_size=64, hidden_size=64, num_layers=2, head_dim=16, moe_intermediate_size=32)
-    model = Transformer(cfg).init_weights(0.2, torch.Generator().manual_seed(0)).to(torch.bfloat16).eval()
+    model = small_model(kind="moe", std=0.2).to(torch.bfloat16).eval()
     engine = TorchEngine(model, num_slots=4, max_seq_len=64, max_num_batched_tokens=12, eos_token_ids=())
     gen = torch.Generator().manual_seed(3)
     ps = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (5, 19, 9)]

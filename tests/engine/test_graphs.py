@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_refs import molt_model, prompts, trainer_logprobs
+from conftest import random_hf_in_molt  # noqa: I001 - tests/conftest.py
+from engine_refs import prompts, trainer_logprobs
 
 from molt.engine import SamplingParams, TorchEngine
 from molt.engine.graphs import batch_buckets
@@ -83,7 +84,7 @@ def test_triton_kernel_in_the_interpreter():
 
 @pytest.fixture(scope="module")
 def molt(tmp_path_factory):
-    return molt_model("qwen3", tmp_path_factory.mktemp("qwen3"))
+    return random_hf_in_molt("qwen3", tmp_path_factory.mktemp("qwen3"))
 
 
 def engine(model, graphs: bool, **kw) -> TorchEngine:

@@ -9,14 +9,14 @@ import asyncio
 import copy
 
 import torch
+from conftest import small_model  # noqa: I001 - tests/conftest.py
 
 from molt.engine import SamplingParams, TorchEngine
-from molt.models import NO_ROUTE, Routing, Transformer, preset
+from molt.models import NO_ROUTE, Routing
 
 
 def _model(seed=0):
-    cfg = preset("tiny-moe", vocab_size=64, hidden_size=64, num_layers=3, head_dim=16, moe_intermediate_size=32)
-    return Transformer(cfg).init_weights(0.2, torch.Generator().manual_seed(seed)).eval()
+    return small_model(seed, kind="moe", std=0.2, num_layers=3).eval()
 
 
 @torch.no_grad()
@@ -85,7 +85,7 @@ def test_interrupt_recompute_records_the_new_weights_routing():
 
 
 def test_dense_models_and_disabled_capture_record_nothing():
-    dense = Transformer(preset("tiny", vocab_size=64, hidden_size=64, num_layers=2, head_dim=16)).init_weights()
+    dense = small_model()
     moe = _model()
 
     async def one(model, **kw):

@@ -8,7 +8,8 @@ import copy
 
 import pytest
 import torch
-from engine_refs import assert_old_then_new, molt_model, prompts, random_hf, swap_while_decoding, trainer_logprobs
+from conftest import random_hf, random_hf_in_molt  # noqa: I001 - tests/conftest.py
+from engine_refs import assert_old_then_new, prompts, swap_while_decoding, trainer_logprobs
 from test_engine import staggered
 
 from molt.engine import SamplingParams, TorchEngine
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(not kernels.load(), reason="the kernels need x86
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return molt_model("qwen3", tmp_path_factory.mktemp("a"), 0), molt_model("qwen3", tmp_path_factory.mktemp("b"), 1)
+    return tuple(random_hf_in_molt("qwen3", tmp_path_factory.mktemp(n), seed) for seed, n in enumerate("ab"))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 301])

@@ -6,7 +6,8 @@ import copy
 
 import pytest
 import torch
-from engine_refs import molt_model, prompts, random_hf, trainer_logprobs
+from conftest import random_hf, random_hf_in_molt  # noqa: I001 - tests/conftest.py
+from engine_refs import prompts, trainer_logprobs
 from test_dtypes import assert_greedy, assert_logprobs_close
 
 from molt.engine import SamplingParams, TorchEngine
@@ -17,7 +18,7 @@ from molt.engine.scheduler import Group
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return random_hf("qwen3"), molt_model("qwen3", tmp_path_factory.mktemp("qwen3"))  # the same weights
+    return random_hf("qwen3"), random_hf_in_molt("qwen3", tmp_path_factory.mktemp("qwen3"))  # the same weights
 
 
 def paged(model, kv_blocks=64, block_size=4, **kw) -> TorchEngine:
@@ -264,4 +265,4 @@ def test_sizing_and_refusals(models, tmp_path):
     with pytest.raises(ValueError, match="max_seq_len"):
         TorchEngine(molt, max_seq_len=64, kv_blocks=3)
     with pytest.raises(ValueError, match="dense text models"):
-        TorchEngine(molt_model("qwen3-moe", tmp_path), kv_blocks=64)
+        TorchEngine(random_hf_in_molt("qwen3-moe", tmp_path), kv_blocks=64)

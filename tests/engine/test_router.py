@@ -3,8 +3,8 @@
 import asyncio
 
 import pytest
-from conftest import IdleEngine  # noqa: I001 - tests/conftest.py
-from engine_refs import molt_model, prompts
+from conftest import IdleEngine, random_hf_in_molt  # noqa: I001 - tests/conftest.py
+from engine_refs import prompts
 
 from molt.engine import SamplingParams, TorchEngine
 from molt.engine.interface import Completion
@@ -73,7 +73,7 @@ def test_sessions_are_forgotten_lru():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return molt_model("qwen3", tmp_path_factory.mktemp("router"))
+    return random_hf_in_molt("qwen3", tmp_path_factory.mktemp("router"))
 
 
 def test_second_turn_reuses_the_replicas_prefix_cache(model):

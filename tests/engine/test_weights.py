@@ -5,7 +5,8 @@ import copy
 
 import pytest
 import torch
-from engine_refs import molt_model, prompts, trainer_logprobs
+from conftest import random_hf_in_molt  # noqa: I001 - tests/conftest.py
+from engine_refs import prompts, trainer_logprobs
 
 from molt.engine import SamplingParams, TorchEngine
 from molt.models.hf_io import to_hf_state
@@ -16,9 +17,7 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(old, new): two MoE models with different random weights (MoE exercises the HF expert mapping)."""
-    return molt_model("qwen3-moe", tmp_path_factory.mktemp("a"), 0), molt_model(
-        "qwen3-moe", tmp_path_factory.mktemp("b"), 1
-    )
+    return tuple(random_hf_in_molt("qwen3-moe", tmp_path_factory.mktemp(n), seed) for seed, n in enumerate("ab"))
 
 
 async def until_decoded(engine, num_tokens):

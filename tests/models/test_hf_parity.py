@@ -3,6 +3,7 @@
 import pytest
 import torch
 import transformers
+from conftest import random_hf  # noqa: I001 - tests/conftest.py
 
 from molt.models import KVCache, doc_ids_from_lengths, from_pretrained, save_pretrained
 
@@ -74,18 +75,9 @@ CASES = {
 }
 
 
-def _random_hf(config) -> transformers.PreTrainedModel:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if "norm" not in name else 0.1) + (1.0 if "norm" in name else 0.0))
-    return model
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tmp_path_factory):
-    hf = _random_hf(CASES[request.param])
+    hf = random_hf(CASES[request.param], std=0.3)
     folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
     return hf, from_pretrained(folder).eval()

@@ -3,15 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import small_model  # noqa: I001 - tests/conftest.py
 
 from molt import algo
-from molt.models import NO_ROUTE, Routing, Transformer, preset
+from molt.models import NO_ROUTE, Routing
 from molt.models.moe import SparseMoE, route
-
-
-def _moe_model(seed=0, std=0.2):
-    cfg = preset("tiny-moe", vocab_size=64, hidden_size=64, num_layers=2, head_dim=16, moe_intermediate_size=32)
-    return Transformer(cfg).init_weights(std, torch.Generator().manual_seed(seed))
 
 
 def test_route_replays_given_experts_with_live_gate_values():
@@ -27,7 +23,7 @@ def test_route_replays_given_experts_with_live_gate_values():
 
 
 def test_routing_record_and_self_replay_reproduce_the_forward():
-    model = _moe_model()
+    model = small_model(kind="moe", std=0.2)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     live = Routing()
     with torch.no_grad():
@@ -68,9 +64,8 @@ def test_fp32_router_in_a_bf16_model():
 
 
 def test_router_names_are_the_moe_gates_only():
-    assert _moe_model().router_names() == ["layers.0.mlp.gate.weight", "layers.1.mlp.gate.weight"]
-    dense = Transformer(preset("tiny", vocab_size=64, hidden_size=64, num_layers=2, head_dim=16))
-    assert dense.router_names() == []
+    assert small_model(kind="moe").router_names() == ["layers.0.mlp.gate.weight", "layers.1.mlp.gate.weight"]
+    assert small_model().router_names() == []
 
 
 def test_routing_metrics_by_hand():

@@ -9,7 +9,8 @@ from conftest import trainer_cfg as _cfg  # which tests/train/test_{critic,lora,
 from conftest import trajectories as _trajs
 from conftest import true_logprobs as _true_logprobs  # noqa: F401
 
-from molt.train.trainer import TokenMismatchError, Trainer, check_tokens, token_logprobs
+from molt.train.batch import TokenMismatchError, check_tokens
+from molt.train.trainer import Trainer, token_logprobs
 
 
 def test_logprob_diff_is_zero_on_policy_and_version_bumps():

@@ -1,0 +1,95 @@
+"""The typed configuration tree: one dataclass per group, validated at construction.
+
+Every field's docstring is its `--help` text (tyro reads them). Groups check their own invariants in
+`__post_init__` and name the offending key: `training.py` (model, data, train), `rl.py` (rollout, algo, critic),
+`run.py` (eval, ckpt, log, runtime, chat), `base.py` (ConfigError, check). `Config` (here) is the root and checks
+combinations across groups. File loading and type checking of TOML/YAML values live in `molt/cli/config_file.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from molt.config.base import ConfigError as ConfigError  # re-exported, as is check_device
+from molt.config.base import check
+from molt.config.rl import AlgoConfig, CriticConfig, RolloutConfig
+from molt.config.run import ChatConfig, CkptConfig, EvalConfig, LogConfig, RuntimeConfig, warn_slow_dtype
+from molt.config.run import check_device as check_device
+from molt.config.training import DataConfig, ModelConfig, TrainConfig
+
+
+@dataclass
+class Config:
+    """Molt's full configuration; `--config FILE` (TOML/YAML) sets any field, flags override it."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
+    config: str = ""
+    """TOML or YAML file with any of these fields (e.g. `[train]\\nlr = 3e-4`); flags override it."""
+
+    def __post_init__(self) -> None:
+        from molt.models.config import PRESETS
+
+        warn_slow_dtype(self.model.dtype, self.runtime.device)
+        if not self.model.path and self.model.preset in PRESETS and not PRESETS[self.model.preset].num_experts:
+            for key, on in [
+                ("algo.routing_replay", self.algo.routing_replay),
+                ("algo.moe_aux_coef", self.algo.moe_aux_coef > 0),
+                ("train.freeze_router", self.train.freeze_router),
+            ]:
+                check(not on, key, f"needs a mixture-of-experts model; model.preset {self.model.preset!r} is dense")
+        check(
+            self.rollout.prompts_per_step >= self.runtime.trainer_ranks,
+            "runtime.trainer_ranks",
+            f"({self.runtime.trainer_ranks}) must be <= rollout.prompts_per_step: each rank trains whole groups",
+        )
+        check(
+            self.train.micro_batch_tokens >= self.rollout.max_len,
+            "train.micro_batch_tokens",
+            f"({self.train.micro_batch_tokens}) must be >= rollout.max_len ({self.rollout.max_len})",
+        )
+        check(
+            self.train.micro_batch_tokens >= self.data.max_len,
+            "train.micro_batch_tokens",
+            f"({self.train.micro_batch_tokens}) must be >= data.max_len ({self.data.max_len}) so every sample fits",
+        )
+        fp32 = self.model.dtype == "float32" or (
+            self.model.dtype == "auto" and not self.runtime.device.startswith("cuda")
+        )
+        check(
+            self.train.precision == "mixed" or not fp32,
+            "train.precision",
+            "pure has no effect here: the compute dtype (model.dtype; auto = float32 off CUDA) is float32, so the "
+            "parameters are fp32 either way; set --model.dtype bfloat16 for bf16 parameters",
+        )
+        compiles = self.train.compile == "on" or (
+            self.train.compile == "auto" and self.runtime.device.startswith("cuda")
+        )
+        check(
+            compiles or self.train.compile_backend == "inductor",
+            "train.compile_backend",
+            "has no effect here: train.compile is off (auto compiles on CUDA only); add --train.compile on",
+        )
+        overlong_max_len = self.algo.overlong_max_len or self.rollout.max_tokens
+        check(
+            self.algo.overlong_buffer <= overlong_max_len,
+            "algo.overlong_buffer",
+            f"({self.algo.overlong_buffer}) must be <= algo.overlong_max_len "
+            f"({overlong_max_len}; 0 = rollout.max_tokens)",
+        )
+        self._check_models()
+
+    def _check_models(self) -> None:
+        """The critic's settings apply only where there is one (critic, teacher and LoRA run on either backend:
+        with `ray` the trainer ranks shard them like the policy)."""
+        gae = self.algo.estimator == "gae"
+        check(gae or self.critic == CriticConfig(), "critic", "critic.* settings need --algo.estimator gae")

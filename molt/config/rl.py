@@ -1,0 +1,271 @@
+"""The RL groups: how episodes are generated (`rollout`), the objective (`algo`: names resolve in molt/algo's
+registries, settings that cannot change training are refused) and the PPO critic (`critic`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from molt.config.base import ConfigError, check
+
+
+@dataclass
+class RolloutConfig:
+    """How episodes are generated: agent, groups, sampling, budgets, and the staleness bound."""
+
+    agent: str = ""
+    """Agent class as `file.py[:Name]` or `pkg.module[:Name]`. Default: the task's built-in Env (or, with
+    `reward`, a single-turn episode)."""
+    reward: str = ""
+    """Reward function(s), comma-separated: built-in `math`, `format`, `exact`, `think_format`, or
+    `file.py[:fn]` / `pkg.module:fn` called as fn(completion, row) -> float | dict[str, float]. Without
+    `agent`: single-turn episodes; with it, scores the agent's final answer (replacing its reward)."""
+    reward_weights: str = ""
+    """Weights of named rewards as NAME=W[,...] (e.g. `format=0.2`); the reward is the weighted sum (default 1)."""
+    prompts_per_step: int = 8
+    """Prompt groups per optimizer step (the batch is prompts_per_step x n_samples_per_prompt)."""
+    n_samples_per_prompt: int = 8
+    """Samples per prompt (a group; group baselines such as GRPO compare within it)."""
+    max_staleness: int = 1
+    """Max versions between the weights that sampled a token and the trainer step using it (0 = sync)."""
+    sync_mode: Literal["drain", "interrupt"] = "interrupt"
+    """Weight sync: `drain` waits for in-flight requests; `interrupt` swaps at a token boundary."""
+    temperature: float = 1.0
+    """Sampling temperature (also used by the trainer's log-probs)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    max_tokens: int = 32
+    """Max generated tokens per turn (clipped to the remaining context)."""
+    max_turns: int = 4
+    """Max policy turns per episode."""
+    max_len: int = 192
+    """Context budget per episode in tokens (prompt + actions + observations)."""
+    step_timeout_s: float = 30.0
+    """Timeout of one agent call (reset/step); a timeout fails that rollout only."""
+    max_failure_frac: float = 0.2
+    """Stop the run when more than this fraction of rollouts failed (after 20 rollouts)."""
+    filters: tuple[str, ...] = ("nonfinite", "all-equal")
+    """Group filters (dropped groups are refilled from new prompts): nonfinite, all-equal, score-range."""
+    filter_on: Literal["reward", "score"] = "reward"
+    """What the group filters read: `reward` (the trained signal, e.g. partial credit) or the agent's `score`
+    (e.g. a 0/1 success; a rollout without one uses its reward)."""
+    max_in_flight: int = 0
+    """Episodes generating at once; 0 = all the staleness bound lets start ((max_staleness + 1) x batch)."""
+    dump: bool = False
+    """Write every trained batch to `<run_dir>/rollouts/step-<N>.jsonl` (tokens, loss masks, engine log-probs,
+    versions, rewards, MoE routing, image hashes; pixels under `rollouts/images/`), for `--replay`."""
+    replay: str = ""
+    """Train on a dump instead of rollouts: a run directory or its `rollouts/` folder (`molt train --replay DIR`
+    also takes the run's config.yaml). No engine is built; token and version checks stay on."""
+
+    def __post_init__(self) -> None:
+        check(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be > 0")
+        check(self.n_samples_per_prompt > 0, "rollout.n_samples_per_prompt", "must be > 0")
+        check(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
+        check(self.temperature > 0, "rollout.temperature", "must be > 0 for RL (log-probs need sampling)")
+        check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        check(self.max_tokens > 0 and self.max_turns > 0, "rollout.max_tokens", "max_tokens and max_turns must be > 0")
+        check(0 <= self.max_failure_frac <= 1, "rollout.max_failure_frac", "must be in [0, 1]")
+        check(self.max_in_flight >= 0, "rollout.max_in_flight", "must be >= 0")
+        check(bool(self.reward) or not self.reward_weights, "rollout.reward_weights", "needs rollout.reward")
+        check(self.step_timeout_s > 0, "rollout.step_timeout_s", "must be > 0")
+        check(self.max_len > 1, "rollout.max_len", "must be > 1 (prompt tokens + room to generate)")
+        check(not self.replay or os.path.isdir(self.replay), "rollout.replay", f"folder {self.replay!r} does not exist")
+        from molt.algo.filtering import GROUP_FILTERS
+
+        unknown = [f for f in self.filters if f not in GROUP_FILTERS]
+        check(not unknown, "rollout.filters", f"unknown {unknown}; choose from {GROUP_FILTERS.names()}")
+
+    @property
+    def episodes_in_flight(self) -> int:
+        """`max_in_flight`, or every episode the staleness bound lets start."""
+        return self.max_in_flight or (self.max_staleness + 1) * self.prompts_per_step * self.n_samples_per_prompt
+
+
+@dataclass
+class AlgoConfig:
+    """The RL objective: names resolve in molt/algo's registries (see docs/algorithms.md)."""
+
+    estimator: str = "grpo"
+    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_baseline, reinforce, gae, on_policy_distill."""
+    policy_loss: str = "ppo"
+    """Policy surrogate: ppo, gspo, cispo, pg. Fixed to ppo in molt train, as are the clips below: one optimizer step
+    per batch makes the ratio to the proximal policy exactly 1, where all four have one gradient."""
+    loss_agg: str = "token-mean"
+    """Loss aggregation with a global denominator per step (token-mean, seq-mean-token-mean, ...)."""
+    clip_low: float = 0.2
+    """PPO clip: ratio >= 1 - clip_low."""
+    clip_high: float = 0.28
+    """PPO clip: ratio <= 1 + clip_high (clip-higher when > clip_low)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 for negative advantages (0 = off)."""
+    whiten: bool | None = None
+    """Whiten advantages over the batch (None = the estimator's default)."""
+    is_level: str = "token"
+    """Train/rollout importance-sampling correction level: token, seq, geo, or none."""
+    is_mode: str = "trunc"
+    """IS correction mode: mask, clip, trunc."""
+    is_low: float = 0.5
+    """IS band low end."""
+    is_high: float = 2.0
+    """IS band high end."""
+    kl_coef: float = 0.0
+    """KL-to-reference loss coefficient (> 0 builds a frozen reference copy of the initial policy)."""
+    kl_estimator: str = "k3"
+    """KL estimator for the loss: k1, k2, k3."""
+    kl_target: float = 0.0
+    """Adaptive KL (Ziegler et al. 2019): the KL to the reference (train/kl) the coefficient steers to. It starts at
+    `kl_coef`; after each step beta *= 1 + clip(train/kl / kl_target - 1, +-0.2) * samples / kl_horizon
+    (logged as train/kl_coef). 0 = a fixed coefficient."""
+    kl_horizon: int = 10000
+    """Adaptive KL horizon in samples: the larger, the slower the coefficient moves (needs kl_target)."""
+    reward_clip: float = 0.0
+    """Clip each rollout's reward (after the overlong penalty) to [-reward_clip, reward_clip] before the estimator
+    and the critic's returns (0 = off). Group filters still read the unshaped reward."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong penalty (0 = off): a rollout that generated more than overlong_max_len - overlong_buffer
+    tokens (all turns together) loses reward linearly, overlong_coef at overlong_max_len and beyond."""
+    overlong_max_len: int = 0
+    """Generated tokens (all turns) at which the overlong penalty is full (0 = rollout.max_tokens, one turn)."""
+    overlong_coef: float = 1.0
+    """Reward the overlong penalty takes away at overlong_max_len (needs overlong_buffer)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    routing_replay: bool = False
+    """MoE models (R3): the trainer's forward uses the experts the rollout engine chose per token and
+    layer (gate values still come from the live router, which keeps learning). See docs/moe.md."""
+    moe_aux_coef: float = 0.0
+    """MoE models: coefficient of the Switch load-balancing loss (E * sum_e f_e * P_e, mean over layers)."""
+    moe_diff_both: bool = True
+    """MoE models with recorded routing: one more trainer forward (no grad) with the other routing mode, so
+    each step reports both `moe/logprob_diff_replay` and `moe/logprob_diff_live` (a step takes ~1.25x as long)."""
+    gamma: float = 1.0
+    """Discount per action token (gae, reinforce)."""
+    lam: float = 1.0
+    """GAE lambda (gae)."""
+    teacher: str = ""
+    """On-policy distillation: HF model folder of the teacher (same tokenizer; any size, dense or MoE). The per-token
+    reverse KL log pi(a_t) - log teacher(a_t) on the sampled tokens is the advantage of `on_policy_distill`, or is
+    subtracted from another estimator's advantage (weighted by `teacher_coef`)."""
+    teacher_coef: float = 1.0
+    """Weight of the reverse-KL-to-teacher advantage: A_t -= teacher_coef * (log pi(a_t) - log teacher(a_t))."""
+
+    def __post_init__(self) -> None:
+        from molt import algo
+
+        check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "gamma and lam must be in [0, 1]")
+        check(
+            (self.gamma, self.lam) == (1.0, 1.0) or self.estimator in ("gae", "reinforce"),
+            "algo.gamma",
+            f"gamma/lam apply to the gae and reinforce estimators, not {self.estimator!r}",
+        )
+        check(
+            self.estimator != "on_policy_distill" or bool(self.teacher),
+            "algo.teacher",
+            "--algo.estimator on_policy_distill needs --algo.teacher PATH (the teacher's HF model folder)",
+        )
+        check(not self.teacher or os.path.isdir(self.teacher), "algo.teacher", f"folder {self.teacher!r} not found")
+        check(not self.teacher or self.teacher_coef > 0, "algo.teacher_coef", "must be > 0 with algo.teacher")
+
+        for key, registry in (
+            ("estimator", algo.ESTIMATORS),
+            ("policy_loss", algo.POLICY_LOSSES),
+            ("loss_agg", algo.AGGREGATIONS),
+            ("kl_estimator", algo.KL_ESTIMATORS),
+        ):
+            check(getattr(self, key) in registry, f"algo.{key}", f"unknown; choose one of {registry.names()}")
+        check(self.is_level == "none" or self.is_level in algo.IS_LEVELS, "algo.is_level", "token, seq, geo or none")
+        check(self.moe_aux_coef >= 0, "algo.moe_aux_coef", "must be >= 0")
+        check(self.kl_target >= 0 and self.kl_horizon > 0, "algo.kl_target", "kl_target >= 0, kl_horizon > 0")
+        check(self.reward_clip >= 0, "algo.reward_clip", "must be >= 0 (0 = off)")
+        check(min(self.overlong_buffer, self.overlong_max_len) >= 0, "algo.overlong_buffer", "must be >= 0")
+        check(self.overlong_coef > 0, "algo.overlong_coef", "must be > 0")
+        try:
+            self.objective()
+        except ValueError as e:
+            raise ConfigError(f"algo: {e}") from None
+        for key, reason in self.inert_settings():
+            raise ConfigError(f"algo.{key}: has no effect here: {reason}")
+
+    def inert_settings(self) -> list[tuple[str, str]]:
+        """(field, why) for each field set away from its default where it cannot change training (no silent no-ops;
+        tests/train/test_no_silent_noops.py checks every other change moves the loss or the update)."""
+        defaults, out = AlgoConfig.__dataclass_fields__, []
+
+        def changed(*keys: str) -> list[str]:
+            return [k for k in keys if getattr(self, k) != defaults[k].default]
+
+        one_step = (
+            "molt train takes one optimizer step per batch against the proximal policy = the current weights, so "
+            "the ratio is exactly 1: the PPO clip never binds and every surrogate has the same gradient (stale "
+            "tokens are corrected by --algo.is_level/is_mode/is_low/is_high)"
+        )
+        out += [(k, one_step) for k in changed("policy_loss", "clip_low", "clip_high", "dual_clip")]
+        if self.is_level == "none":
+            out += [
+                (k, "--algo.is_level none turns the IS correction off") for k in changed("is_mode", "is_low", "is_high")
+            ]
+        elif self.is_mode == "trunc":
+            out += [
+                (k, "is_low bounds mask and clip; --algo.is_mode trunc only caps at is_high") for k in changed("is_low")
+            ]
+        if not self.kl_coef:
+            out += [(k, "the KL loss is off (--algo.kl_coef 0)") for k in changed("kl_estimator", "kl_target")]
+        if not self.kl_target:
+            out += [(k, "the KL coefficient is fixed (--algo.kl_target 0)") for k in changed("kl_horizon")]
+        if not self.teacher:
+            out += [(k, "there is no teacher (--algo.teacher)") for k in changed("teacher_coef")]
+        if not self.overlong_buffer:
+            out += [
+                (k, "the overlong penalty is off (--algo.overlong_buffer 0)")
+                for k in changed("overlong_max_len", "overlong_coef")
+            ]
+        from molt import algo
+
+        if algo.AGGREGATIONS.info(self.loss_agg).get("needs_norm_len"):
+            out.append(("loss_agg", "it divides by a constant norm_len that only Python callers set (ObjectiveParams)"))
+        return out
+
+    def objective(self):
+        """The algo library's ObjectiveParams for these settings."""
+        from molt import algo
+
+        level = None if self.is_level == "none" else self.is_level
+        return algo.ObjectiveParams(
+            policy_loss=self.policy_loss,
+            loss_agg=self.loss_agg,
+            surrogate=algo.SurrogateParams(self.clip_low, self.clip_high, self.dual_clip or None),
+            is_correction=algo.ISCorrectionParams(level, self.is_mode, self.is_low, self.is_high),
+            kl_estimator=self.kl_estimator,
+            kl_loss_coef=self.kl_coef,
+            entropy_coef=self.entropy_coef,
+        )
+
+
+@dataclass
+class CriticConfig:
+    """The PPO critic (value model) that `--algo.estimator gae` trains beside the policy (docs/algorithms.md)."""
+
+    path: str = ""
+    """HF model folder the critic's body starts from (same tokenizer). Default: a copy of the initial policy."""
+    lr: float = 0.0
+    """Critic learning rate (0 = train.lr), with the policy's warm-up and cosine decay."""
+    clip: float = 0.2
+    """Value clip: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2); 0 = unclipped. V_old are the
+    values before the step's first critic update (those GAE used), so it binds with critic.updates > 1."""
+    updates: int = 1
+    """Critic optimizer steps per batch, on the same returns (the policy still takes one)."""
+
+    def __post_init__(self) -> None:
+        check(self.lr >= 0 and self.clip >= 0, "critic.lr", "critic.lr and critic.clip must be >= 0")
+        check(self.updates >= 1, "critic.updates", "must be >= 1")
+        check(
+            self.updates > 1 or self.clip == CriticConfig.__dataclass_fields__["clip"].default,
+            "critic.clip",
+            "has no effect here: with one critic update per batch V = V_old, so the clip never binds; "
+            "add --critic.updates 2 or more",
+        )
+        check(not self.path or os.path.isdir(self.path), "critic.path", f"folder {self.path!r} not found")

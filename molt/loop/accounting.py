@@ -1,0 +1,172 @@
+"""Where every sample goes: the loop's resumable state, a rollout's outcome, and the counts and words for failed
+rollouts and dropped groups (`Accounting`, the base of `RLLoop`).
+
+A failed rollout (agent exception or timeout) is one warning line naming its rollout and group; the
+first failure of each kind is written with its full traceback to `<run_dir>/rollout_failures.log`.
+Its group trains on its other samples unless the estimator needs complete groups (registered with
+`complete_groups=True`), which drops the group and says so. Every logged step names how many groups were dropped
+since the last line and why; 50 steps' worth of groups dropped in a row stop the run with advice. Knows the config
+and trajectories; nothing of engines or the trainer.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from molt import algo
+from molt.config import Config
+from molt.data.trajectory import Trajectory
+from molt.errors import UserError
+
+log = logging.getLogger("molt.loop")
+
+
+@dataclass
+class LoopState:
+    """Everything a resumed run needs besides weights and optimizer: cursors, counters, buffer."""
+
+    step: int = 0
+    next_group: int = 0  # data cursor: index of the next prompt group to start
+    restart_groups: list[int] = field(default_factory=list)  # in flight at the checkpoint: rerun first
+    drops: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+    rollouts: int = 0
+    failures: int = 0
+    buffer: list[list[dict]] = field(default_factory=list)  # groups not yet trained (serialised)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A rollout that ran: its segments (one for an Env; a ChatAgent may rewrite its history into several)."""
+
+    segments: list[Trajectory]
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A rollout that could not run as asked (`RolloutDrop`): its group is dropped under `reason`."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A rollout whose agent raised or timed out (counted; its group may still train)."""
+
+    error: Exception
+
+
+RolloutOutcome = Sampled | Dropped | Failed
+FAILURE_LOG = "rollout_failures.log"  # in the run directory: full tracebacks of the first failure of each kind
+
+DROP_WHY = {  # what a group drop reason means, for the progress lines
+    "filter_all_equal": "every sample got the same {signal}: no learning signal",
+    "filter_nonfinite": "a NaN/inf {signal}",
+    "filter_score_range": "mean {signal} outside the score range",
+    "agent_failure": "failed rollouts: all of the group, or any when the estimator needs complete groups",
+    "prompt_over_context": "the prompt does not fit rollout.max_len",
+    "image_over_context": "an image does not fit rollout.max_len",
+    "stale": "older than rollout.max_staleness",
+}
+
+
+class RunStoppedError(UserError, RuntimeError):
+    """The run cannot make progress because of the agent, data or settings (not a bug in Molt)."""
+
+    kind = "run stopped"
+
+
+class AgentFailureRateError(RunStoppedError):
+    """More than `rollout.max_failure_frac` of the rollouts failed."""
+
+
+def describe_error(error: BaseException) -> str:
+    """`Type: message` (the type alone when the message is empty), plus where in user code it was raised."""
+    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    molt_dir = str(Path(__file__).resolve().parents[1])
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not f.filename.startswith((molt_dir, "<")) and "/asyncio/" not in f.filename
+    ]
+    return text + (f" [{frames[-1].filename}:{frames[-1].lineno}]" if frames else "")
+
+
+class Accounting:
+    """The counts of failed rollouts and dropped groups, and the lines and errors that explain them."""
+
+    def __init__(self, cfg: Config, state: LoopState, failure_log: Path | None):
+        self.cfg, self.state, self.failure_log = cfg, state, failure_log
+        self.complete_groups = bool(algo.ESTIMATORS.info(cfg.algo.estimator).get("complete_groups", False))
+        self.filtered_in_a_row = 0  # groups dropped since one was kept
+        self.group_drops: collections.Counter[str] = collections.Counter()  # since the last drop line
+        self.failure_kinds: set[tuple[str, str]] = set()
+        self.drop_details: dict[str, str] = {}  # reason -> the last such drop's message
+
+    def _count_failure(self, error: Exception, rollout_id: int, group_index: int) -> None:
+        """One line per failed rollout; the first of each kind with its traceback in the failure log."""
+        self.state.rollouts += 1
+        self.state.failures += 1
+        what = describe_error(error)
+        fate = "its group is dropped: the estimator needs complete groups" if self.complete_groups else (
+            "the rest of its group still trains")  # fmt: skip
+        logged = self._log_failure(error, f"rollout {rollout_id} (group {group_index}) failed: {what}")
+        log.warning("rollout %d (group %d) failed: %s; %s%s", rollout_id, group_index, what, fate, logged)
+        ro = self.cfg.rollout
+        if self.state.rollouts >= 20 and self.state.failures / self.state.rollouts > ro.max_failure_frac:
+            where = f"; tracebacks: {self.failure_log}" if self.failure_log else ""
+            raise AgentFailureRateError(
+                f"{self.state.failures} of {self.state.rollouts} rollouts failed (rollout.max_failure_frac="
+                f"{ro.max_failure_frac}); last error: {what}{where}"
+            ) from error
+
+    def _log_failure(self, error: Exception, line: str) -> str:
+        """Append `line` to the failure log, with the traceback the first time this kind of error is seen."""
+        if self.failure_log is None:
+            return ""
+        frames = traceback.extract_tb(error.__traceback__)
+        kind = (type(error).__name__, f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "")
+        first = kind not in self.failure_kinds
+        self.failure_kinds.add(kind)
+        self.failure_log.parent.mkdir(parents=True, exist_ok=True)
+        with self.failure_log.open("a") as f:
+            f.write(line + "\n" + ("".join(traceback.format_exception(error, chain=False)) + "\n" if first else ""))
+        return f" (traceback in {self.failure_log})" if first else ""
+
+    def _check_progress(self, reason: str) -> None:
+        """Stop with a clear error once 50 steps' worth of groups in a row were dropped (the run cannot train)."""
+        self.filtered_in_a_row += 1
+        if self.filtered_in_a_row <= 50 * self.cfg.rollout.prompts_per_step:
+            return
+        ro, signal = self.cfg.rollout, self.cfg.rollout.filter_on
+        advice = {
+            "prompt_over_context": f"the prompts do not fit rollout.max_len={ro.max_len} tokens (with room to "
+            "generate): raise --rollout.max_len or shorten the prompts",
+            "image_over_context": f"the images do not fit rollout.max_len={ro.max_len}: raise --rollout.max_len",
+            "agent_failure": "rollouts keep failing (see the warnings above)",
+            "filter_all_equal": f"every sample of a prompt got the same {signal}: warm-start the model (or use an "
+            "easier task), check the reward function, or drop the filter with --rollout.filters nonfinite",
+        }.get(reason, f"rollout.filters {list(ro.filters)} drop every group; check the {signal}s or the filters")
+        detail = f" (last: {self.drop_details[reason]})" if reason in self.drop_details else ""
+        raise RunStoppedError(f"{self.filtered_in_a_row} groups in a row were dropped ({reason}{detail}): {advice}")
+
+    def drop_line(self) -> str:
+        """How many groups were dropped since the last call, and why (empty when none); resets the count."""
+        if not self.group_drops:
+            return ""
+        signal = self.cfg.rollout.filter_on
+        parts = [
+            f"{n} {reason} ({DROP_WHY.get(reason, reason).format(signal=signal)})"
+            for reason, n in self.group_drops.most_common()
+        ]
+        total, self.group_drops = sum(self.group_drops.values()), collections.Counter()
+        return f"{total} group{'s' * (total != 1)} dropped: " + ", ".join(parts)
+
+    def _say_drops(self) -> None:
+        """On logged steps: how many groups were dropped since the last such line, and why."""
+        logged = self.state.step % self.cfg.log.every == 0 or self.state.step == self.cfg.train.max_steps
+        if logged and (line := self.drop_line()):
+            log.warning("step %d: %s", self.state.step, line)
