@@ -6,9 +6,11 @@ request. Measured per chunk arrival, not per character (a byte-level vocabulary 
 character). Baseline in the same run: the same request not streamed (its total time).
 (b) `/health` polled every 10 ms by a second client while a request with a 4 MiB user message is read,
 validated, rendered and (when it could fit) tokenized, `--health-repeats` times: median, p99 and max over
-all polls. Two training sessions (both answer an empty "length" reply, as the prompt exceeds the context):
-one whose context the text certainly overflows (not tokenized) and one with a 131,072-token context (the
-text is tokenized in full to know). Baseline in the same run: `/health` on an idle server.
+all polls, and the event loop's worst lag (a task sleeping 5 ms in a loop: its largest overrun). Two
+training sessions (both answer an empty "length" reply, as the prompt exceeds the context): one whose context
+the text certainly overflows (not tokenized) and one with a 131,072-token context (the text is tokenized in
+full to know), the latter also through the previous path (transformers' `encode`, which converts every id,
+type id and mask entry to Python holding the GIL). Baseline in the same run: `/health` on an idle server.
 Goal (issue #25): first chunk before half the total; `/health` within 100 ms during the render.
 
 Run: `.venv/bin/python benchmarks/chat_stream.py` (prints numbers; writes benchmarks/results/chat_stream.md).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -29,6 +32,7 @@ import httpx
 import openai
 import torch
 
+from molt.agents.chat import session as chat_session
 from molt.agents.chat.server import ChatServer
 from molt.engine import SamplingParams, TorchEngine
 from molt.models import Transformer, preset
@@ -73,10 +77,38 @@ def _quantiles(latencies: list[float]) -> dict[str, float]:
     return {"median": statistics.median(ordered), "p99": ordered[int(0.99 * (len(ordered) - 1))], "max": ordered[-1]}
 
 
+def _plain_encode(tokenizer, text: str, max_tokens: int) -> list[int]:
+    """The previous large-prompt tokenization: transformers' `encode` (every list converted, then counted)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) >= max_tokens:
+        raise chat_session._OverContext(len(ids))
+    return ids
+
+
+@contextlib.asynccontextmanager
+async def loop_lag(every: float = 0.005):
+    """The event loop's worst lag (s) while the block runs: the largest overrun of a `every`-second sleep."""
+    overruns, done = [0.0], asyncio.Event()
+
+    async def probe():
+        while not done.is_set():
+            t0 = time.perf_counter()
+            await asyncio.sleep(every)
+            overruns.append(time.perf_counter() - t0 - every)
+
+    task = asyncio.ensure_future(probe())
+    try:
+        yield overruns
+    finally:
+        done.set()
+        await task
+
+
 async def health_during_render(server: ChatServer, prompt_bytes: int, max_len: int, repeats: int) -> dict:
     """`/health` latencies (s) while a request carrying `prompt_bytes` of text is processed by a session of
-    `max_len` tokens, `repeats` times: median, p99 and max over all polls, and the big request's median time."""
-    async with httpx.AsyncClient(timeout=60) as poller, httpx.AsyncClient(timeout=120) as sender:
+    `max_len` tokens, `repeats` times: median, p99 and max over all polls, the loop's worst lag, and the big
+    request's median time."""
+    async with httpx.AsyncClient(timeout=60) as poller, httpx.AsyncClient(timeout=120) as sender, loop_lag() as lags:
 
         async def health() -> float:
             t0 = time.perf_counter()
@@ -84,7 +116,8 @@ async def health_during_render(server: ChatServer, prompt_bytes: int, max_len: i
             return time.perf_counter() - t0
 
         if max_len == 0:
-            return _quantiles([await health() for _ in range(20 * repeats)]) | {"polls": 20 * repeats, "request_s": 0}
+            idle = _quantiles([await health() for _ in range(20 * repeats)])
+            return idle | {"polls": 20 * repeats, "request_s": 0, "lag": max(lags)}
         busy, request_s = [], []
         body = json.dumps({"model": "molt", "messages": [{"role": "user", "content": "a" * prompt_bytes}]}).encode()
         headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
@@ -100,13 +133,14 @@ async def health_during_render(server: ChatServer, prompt_bytes: int, max_len: i
             request_s.append(time.perf_counter() - t0)
             server.close_session(session.id)
             assert response.status_code == 200, response.text[:200]
-    return _quantiles(busy) | {"polls": len(busy), "request_s": statistics.median(request_s)}
+    return _quantiles(busy) | {"polls": len(busy), "request_s": statistics.median(request_s), "lag": max(lags)}
 
 
-HEALTH_CASES = {  # row -> the session's context (tokens); 0: no request (idle)
-    "idle server": 0,
-    "prompt over the session's context (1,024 tokens): not tokenized": 1024,
-    "session context 131,072 tokens: rendered and tokenized in full": 1 << 17,
+HEALTH_CASES = {  # row -> the session's context (tokens; 0: no request, idle), the previous tokenization path
+    "idle server": (0, False),
+    "prompt over the session's context (1,024 tokens): not tokenized": (1024, False),
+    "session context 131,072 tokens: rendered and tokenized in full": (1 << 17, False),
+    "the same, tokenized by transformers' `encode` (the previous path)": (1 << 17, True),
 }
 
 
@@ -119,10 +153,14 @@ async def measure(args) -> tuple[dict, dict]:
     try:
         await stream_timing(server, args.tokens)  # warm-up
         streams = [await stream_timing(server, args.tokens) for _ in range(args.repeats)]
-        health = {
-            name: await health_during_render(server, args.prompt_bytes, max_len, args.health_repeats)
-            for name, max_len in HEALTH_CASES.items()
-        }
+        health = {}
+        for name, (max_len, previous) in HEALTH_CASES.items():
+            encode_within = chat_session.encode_within
+            chat_session.encode_within = _plain_encode if previous else encode_within
+            try:
+                health[name] = await health_during_render(server, args.prompt_bytes, max_len, args.health_repeats)
+            finally:
+                chat_session.encode_within = encode_within
     finally:
         await server.stop()
         await engine.close()
@@ -132,6 +170,7 @@ async def measure(args) -> tuple[dict, dict]:
 
 def report(stream: dict, health: dict, args) -> str:
     ms = lambda s: f"{s * 1000:.1f} ms"  # noqa: E731
+    full, prev = list(health.values())[-2:]  # tokenized in full: now, and by the previous path
     return "\n".join([
         "# Chat server latency: streaming and responsiveness",
         "",
@@ -149,10 +188,14 @@ def report(stream: dict, health: dict, args) -> str:
         f"## (b) `/health` while a {args.prompt_bytes / (1 << 20):.0f} MiB prompt is processed "
         f"({args.health_repeats} requests per row, polled every 10 ms)",
         "",
-        "| while | median | p99 | max | polls | the big request (median) |",
-        "|---|---:|---:|---:|---:|---:|",
-        *(f"| {name} | {ms(h['median'])} | {ms(h['p99'])} | {ms(h['max'])} | {h['polls']} | {ms(h['request_s'])} |"
-          for name, h in health.items()),
+        "| while | median | p99 | max | worst event-loop lag | polls | the big request (median) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *(f"| {name} | {ms(h['median'])} | {ms(h['p99'])} | {ms(h['max'])} | {ms(h['lag'])} | {h['polls']} | "
+          f"{ms(h['request_s'])} |" for name, h in health.items()),
+        "",
+        f"Tokenized in full vs the previous path: worst `/health` {ms(full['max'])} vs {ms(prev['max'])}, worst "
+        f"event-loop lag {ms(full['lag'])} vs {ms(prev['lag'])} ({prev['lag'] / full['lag']:.1f}x less), the "
+        f"request {ms(full['request_s'])} vs {ms(prev['request_s'])}.",
         "",
         "Goals (issue #25): the first chunk before half the total; `/health` within 100 ms during the render.",
     ]) + "\n"  # fmt: skip

@@ -32,6 +32,7 @@ from molt.engine.weights import load_weights
 from molt.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
+StreamedToken = tuple[int, int, float, TopLogprobs | None]  # sample index, token, log-prob, alternatives asked for
 
 
 class EngineCore:
@@ -67,7 +68,7 @@ class EngineCore:
             self.manager = SlotCacheManager(num_slots, max_seq_len, prefix_cache, compact=compact)
             self.scheduler = Scheduler(self.manager, max_num_batched_tokens)
         self.groups: dict[str, Group] = {}
-        self.listeners: dict[str, Callable[[list[tuple[int, int, float]]], None]] = {}  # streamed requests
+        self.listeners: dict[str, Callable[[list[StreamedToken]], None]] = {}  # streamed requests
         self.tops: dict[str, list[list[TopLogprobs]]] = {}  # per sample, of requests asking for top_logprobs
         self.num_pending = 0
         self.stats = dict(
@@ -92,9 +93,9 @@ class EngineCore:
         self.scheduler = PagedScheduler(self.manager, max_num_batched_tokens)
 
     # ---- requests and commands -----------------------------------------------------------------
-    def add(self, group: Group, on_tokens: Callable[[list[tuple[int, int, float]]], None] | None = None) -> None:
-        """Queue a request; `on_tokens([(sample_index, token, logprob), ...])` after each step that sampled
-        tokens of it (streaming), always before `group.on_done`."""
+    def add(self, group: Group, on_tokens: Callable[[list[StreamedToken]], None] | None = None) -> None:
+        """Queue a request; `on_tokens([(sample_index, token, logprob, top_logprobs or None), ...])` after each
+        step that sampled tokens of it (streaming), always before `group.on_done`."""
         if group.request_id in self.groups:
             group.on_done(ValueError(f"request_id {group.request_id!r} is already in flight"))
             return
@@ -214,11 +215,14 @@ class EngineCore:
         return token_ids, logprobs
 
     def _notify_tokens(self, rows: list[Seq], token_ids: list[int], logprobs: list[float]) -> None:
-        """One call per streamed request with the tokens this step sampled for it."""
-        batches: dict[str, list[tuple[int, int, float]]] = {}
+        """One call per streamed request with the tokens this step sampled for it (and their alternatives)."""
+        batches: dict[str, list[StreamedToken]] = {}
         for seq, t, lp in zip(rows, token_ids, logprobs, strict=True):
-            if seq.group.request_id in self.listeners:
-                batches.setdefault(seq.group.request_id, []).append((seq.sample_index, t, lp))
+            request_id = seq.group.request_id
+            if request_id in self.listeners:
+                tops = self.tops.get(request_id)  # this step's alternatives are the last recorded
+                top = tops[seq.sample_index][-1] if tops is not None else None
+                batches.setdefault(request_id, []).append((seq.sample_index, t, lp, top))
         for request_id, batch in batches.items():
             self.listeners[request_id](batch)
 

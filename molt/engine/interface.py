@@ -135,6 +135,8 @@ class TokenDelta:
     sample_index: int
     token_ids: list[int]
     logprobs: list[float]
+    # sampling.top_logprobs > 0: per token, as `Completion.top_logprobs`; None from engines that stream none
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def work_since(now: Mapping[str, float], last: Mapping[str, float]) -> dict[str, float]:
@@ -221,7 +223,7 @@ class Engine(abc.ABC):
             prompt_token_ids, sampling, request_id=request_id, session_id=session_id, **kw
         )
         for c in completions:
-            on_tokens(TokenDelta(c.sample_index, list(c.token_ids), list(c.logprobs)))
+            on_tokens(TokenDelta(c.sample_index, list(c.token_ids), list(c.logprobs), c.top_logprobs))
         return completions
 
     @abc.abstractmethod

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from molt.engine.blocks import DEFAULT_BLOCK_SIZE
-from molt.engine.core import EngineCore
+from molt.engine.core import EngineCore, StreamedToken
 from molt.engine.images import check_request_images
 from molt.engine.interface import (
     Completion,
@@ -158,7 +158,7 @@ class TorchEngine(Engine):
             with contextlib.suppress(RuntimeError):  # the caller's loop is gone
                 loop.call_soon_threadsafe(_settle, future, result)
 
-        def on_step(batch: list[tuple[int, int, float]]) -> None:  # engine thread: one hop per step
+        def on_step(batch: list[StreamedToken]) -> None:  # engine thread: one hop per step
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_deliver, on_tokens, batch)
 
@@ -310,13 +310,15 @@ def _default_eos(model: Transformer, tokenizer) -> list[int]:
     return eos
 
 
-def _deliver(on_tokens: Callable[[TokenDelta], None], batch: list[tuple[int, int, float]]) -> None:
+def _deliver(on_tokens: Callable[[TokenDelta], None], batch: list[StreamedToken]) -> None:
     """One step's tokens of a streamed request as one delta per sample (on the caller's loop)."""
     samples: dict[int, TokenDelta] = {}
-    for index, token, logprob in batch:
-        delta = samples.setdefault(index, TokenDelta(index, [], []))
+    for index, token, logprob, top in batch:
+        delta = samples.setdefault(index, TokenDelta(index, [], [], None if top is None else []))
         delta.token_ids.append(token)
         delta.logprobs.append(logprob)
+        if top is not None:
+            delta.top_logprobs.append(top)
     for delta in samples.values():
         on_tokens(delta)
 

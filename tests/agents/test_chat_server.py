@@ -7,6 +7,10 @@ import httpx
 import openai
 import pytest
 from chat_support import CALC_TOOL, TOK, ScriptedEngine, ServerThread, masked_ids
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from molt.agents.chat.session import _OverContext, encode_within
 
 KEY = "test-key"
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12*345"}}\n</tool_call>'
@@ -179,3 +183,29 @@ def test_engine_failure_is_503_and_a_retry_succeeds(served):
     assert client.chat.completions.create(model="molt", messages=messages).choices[0].message.content == "hello there"
     (segment,) = server.server.close_session(session.id)
     assert masked_ids(segment) == engine.emitted[0] and segment.num_turns == 1
+
+
+def _trained_bpe() -> PreTrainedTokenizerFast:
+    """A byte-level BPE with merges and the regex pre-tokenizer (as GPT-2/Qwen), trained in milliseconds."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(["hello world, the chat server tokenizes the text  \n\n"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+
+
+def test_large_prompts_are_counted_before_their_ids_are_converted():
+    """`encode_within` (large prompts, in a worker thread) gives `encode`'s ids, or the exact count when over."""
+    text = "hello world<|im_end|> héllo\n\n  the  chat<tool_call>server 🙂 tokenizes" * 50
+    for tokenizer in (TOK, _trained_bpe()):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert encode_within(tokenizer, text, len(ids) + 1) == ids
+        with pytest.raises(_OverContext) as over:
+            encode_within(tokenizer, text, len(ids))  # no room left to generate
+        assert over.value.num_tokens == len(ids)
+    truncating = _trained_bpe()  # a backend set to truncate: transformers' own `encode`, which undoes that
+    full = truncating.encode(text, add_special_tokens=False)
+    truncating.backend_tokenizer.enable_truncation(8)
+    assert encode_within(truncating, text, 1 << 20) == full

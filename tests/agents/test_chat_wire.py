@@ -110,7 +110,8 @@ def test_streamed_logprobs_equal_the_plain_ones_and_the_captured_ones(served):
         return [c.choices[0].logprobs.content for c in chunks if c.choices and c.choices[0].logprobs]
 
     live, with_tops = streamed(sessions[1]), streamed(sessions[2], top_logprobs=2)
-    assert len(live) > 1  # sent as generated, not at the end
+    assert len(live) > 1 and len(with_tops) > 1  # sent as generated, alternatives too, not at the end
+    assert all(len(t.top_logprobs) == 2 for piece in with_tops for t in piece)  # each chunk: its tokens' own
     expected = plain.choices[0].logprobs.content
     for pieces in (live, with_tops):
         entries = [t for piece in pieces for t in piece]
@@ -121,6 +122,18 @@ def test_streamed_logprobs_equal_the_plain_ones_and_the_captured_ones(served):
     (segment,) = served.server.close_session(sessions[1].id)
     captured = [lp for lp, m in zip(segment.rollout_logprobs, segment.loss_mask, strict=True) if m]
     assert [t.logprob for piece in live for t in piece] == pytest.approx(captured, abs=1e-6)
+
+
+def test_engine_streams_each_tokens_alternatives(served):
+    engine, sampling = served.server.engine, SamplingParams(temperature=1.0, n=2, max_tokens=6, seed=1, top_logprobs=3)
+    deltas = []
+    completions = served.call(engine.generate_streamed(TOK.encode("12+7="), sampling, deltas.append))
+    for c in completions:
+        mine = [d for d in deltas if d.sample_index == c.sample_index]
+        assert len(mine) > 1 and [t for d in mine for t in d.token_ids] == c.token_ids
+        assert [t for d in mine for t in d.top_logprobs] == c.top_logprobs and len(c.top_logprobs[0]) == 3
+    served.call(engine.generate_streamed(TOK.encode("12+7="), GREEDY, deltas.append))
+    assert deltas[-1].top_logprobs is None  # not asked for
 
 
 class GatedEngine(ScriptedEngine):

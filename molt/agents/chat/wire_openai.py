@@ -11,10 +11,9 @@ log_softmax(logits / T) over the whole vocabulary: the number the trainer's rati
 `top_logprobs` lists the k most likely tokens under that same log_softmax(logits / T) (so at
 temperature 0 the first is the generated token, with its log-prob); `usage` counts
 the engine's prompt (the whole context) and generated tokens. Streaming sends chunks as the engine
-generates: role, content deltas (with `logprobs`, each carries its tokens' `logprobs.content`; with
-`top_logprobs` they come in the chunk before the finish, as the engine streams no alternatives), then each
-tool call (id and name, then its arguments in pieces, as OpenAI does), finish, usage when
-`stream_options.include_usage`, and `[DONE]`.
+generates: role, content deltas (with `logprobs`, each carries its tokens' `logprobs.content`, with their
+`top_logprobs` as the engine streams them), then each tool call (id and name, then its arguments in pieces,
+as OpenAI does), finish, usage when `stream_options.include_usage`, and `[DONE]`.
 """
 
 from __future__ import annotations
@@ -259,7 +258,8 @@ async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, reque
         if isinstance(event, TextDelta):
             sent[event.index] += event.text
             num_sent[event.index] += len(event.tokens)
-            logprobs = _logprobs(event.tokens, None, request.extra["decode_token"]) if event.tokens else None
+            decode = request.extra["decode_token"]
+            logprobs = _logprobs(event.tokens, event.top_logprobs, decode) if event.tokens else None
             yield chunk(event.index, {"content": event.text}, logprobs=logprobs)
             continue
         for i, choice in enumerate(event.choices):
