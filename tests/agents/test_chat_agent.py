@@ -11,6 +11,7 @@ from chat_support import SAMPLING, TOK, ScriptedEngine, masked_ids
 from openai import AsyncOpenAI, NotFoundError
 
 from molt.agents.chat import ChatAgent, ChatRunner, ChatServer, Result, load_agent_class
+from molt.agents.chat.loopback import _scope
 from molt.agents.runner import EpisodeLimits
 from molt.engine import SamplingParams, TorchEngine
 from molt.models import Transformer, preset
@@ -135,3 +136,9 @@ def test_serve_mode_answers_without_sessions():
 def test_examples_load_as_chat_agents():
     for name in ("openai_agent.py", "anthropic_agent.py", "tool_agent.py"):
         assert issubclass(load_agent_class(str(EXAMPLES / name)), ChatAgent)
+
+
+def test_in_process_requests_are_asgi_scopes_with_the_path_decoded_once():
+    scope = _scope(httpx.Request("POST", "http://127.0.0.1:9/s/a%2520b/v1/messages?beta=true"))
+    assert scope["path"] == "/s/a%20b/v1/messages" and scope["raw_path"] == b"/s/a%2520b/v1/messages"
+    assert scope["query_string"] == b"beta=true"

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import functools
 from typing import Any
-from urllib.parse import unquote
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -81,7 +80,7 @@ def _scope(request) -> dict[str, Any]:
         "method": request.method,
         "headers": [(k.lower(), v) for k, v in request.headers.raw],
         "scheme": url.scheme,
-        "path": unquote(url.path),
+        "path": url.path,  # decoded (once) by httpx, as its own ASGI transport passes it
         "raw_path": url.raw_path.split(b"?")[0],
         "query_string": url.query,
         "server": (url.host, url.port),
