@@ -1,53 +1,23 @@
 """Env episodes: exact token accumulation, masks, budgets and agent failures (scripted engine)."""
 
 import asyncio
-from dataclasses import dataclass, field
 
 import pytest
+from chat_support import TOK, ScriptedEngine  # noqa: I001
 
 from molt.agents.builtin import env_for_task
 from molt.agents.env import Env, Result, load_agent
 from molt.agents.runner import EpisodeLimits, run_episode
 from molt.data.tasks import get_task
+from molt.engine import SamplingParams
 from molt.models.tokenizer import apply_chat_template, build_builtin_tokenizer
-
-TOK = build_builtin_tokenizer()
-
-
-@dataclass
-class Sampling:
-    max_tokens: int = 64
-    seed: int | None = None
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-
-
-@dataclass
-class ScriptedEngine:
-    """Isolates the runner: replies with fixed texts (+ eos) and records what it was asked and emitted."""
-
-    replies: list[str]
-    prompts: list[list[int]] = field(default_factory=list)
-    emitted: list[list[int]] = field(default_factory=list)
-
-    async def generate(self, prompt_ids, sampling):
-        self.prompts.append(list(prompt_ids))
-        ids = TOK(self.replies[len(self.emitted)], add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
-        ids = ids[: sampling.max_tokens]
-        self.emitted.append(ids)
-        finish = "stop" if ids[-1] == TOK.eos_token_id else "length"
-        return Completion(ids, [-0.5] * len(ids), [7] * len(ids), finish)
 
 
 def _run(engine, env, row, limits=None):
     limits = limits or EpisodeLimits()
-    return asyncio.run(run_episode(engine, TOK, env, row, Sampling(), limits, rollout_id=3, group_id=1))
+    return asyncio.run(
+        run_episode(engine, TOK, env, row, SamplingParams(max_tokens=64), limits, rollout_id=3, group_id=1)
+    )
 
 
 def test_calculator_episode_is_token_exact():
@@ -68,7 +38,7 @@ def test_calculator_episode_is_token_exact():
         {"role": "assistant", "content": row["label"]},
     ]
     assert traj.tokens == apply_chat_template(TOK, conversation)[: len(traj.tokens)]
-    assert traj.versions == [7 if m else -1 for m in traj.loss_mask]
+    assert traj.versions == [engine.version if m else -1 for m in traj.loss_mask]
     assert traj.rollout_id == 3 and traj.group_id == 1
 
 

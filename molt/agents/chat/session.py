@@ -49,12 +49,12 @@ from molt.agents.chat.messages import (
     fingerprints,
     request_key,
 )
-from molt.agents.chat.textstream import TextStream, trim_at_stop
+from molt.agents.chat.textstream import TextStream, decoder, trim_at_stop
 from molt.agents.chat.tool_parser import Parser, ToolCall, call_prefix, parse_none
 from molt.agents.images import expand_images, message_images
 from molt.agents.runner import TemplateRewriteError, first_prompt_ids, observation_ids
 from molt.data.trajectory import Trajectory
-from molt.engine.interface import Completion, ContextLengthError, SamplingParams
+from molt.engine.interface import Completion, ContextLengthError, SamplingParams, TokenDelta
 from molt.models.tokenizer import render_chat
 from molt.models.vision import ImageError
 
@@ -169,6 +169,52 @@ class TextDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+class _Inbox:
+    """The engine's token deltas (callbacks on the event loop) until the generation ends (`close`); the
+    consumer takes all that arrived while it was busy at once, so a slow consumer sends fewer, larger deltas."""
+
+    def __init__(self):
+        self.items: list[TokenDelta] = []
+        self.closed = False
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item: TokenDelta) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def close(self, _=None) -> None:
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list[TokenDelta] | None:
+        """The deltas that arrived since the last take (waiting for one), or None once closed and empty."""
+        while not self.items:
+            if self.closed:
+                return None
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        items, self.items = self.items, []
+        return items
+
+
+def _coalesced(deltas: list[TokenDelta]) -> list[TokenDelta]:
+    """One delta per sample: each sample's deltas concatenated, in order."""
+    if len(deltas) == 1:
+        return deltas
+    merged: dict[int, TokenDelta] = {}
+    for d in deltas:
+        if (m := merged.get(d.sample_index)) is None:
+            tops = None if d.top_logprobs is None else list(d.top_logprobs)
+            merged[d.sample_index] = TokenDelta(d.sample_index, list(d.token_ids), list(d.logprobs), tops)
+            continue
+        m.token_ids += d.token_ids
+        m.logprobs += d.logprobs
+        m.top_logprobs = None if m.top_logprobs is None or d.top_logprobs is None else m.top_logprobs + d.top_logprobs
+    return list(merged.values())
+
+
 @dataclass
 class _Plan:
     context: list[int]  # what the engine sees
@@ -232,18 +278,19 @@ class Session:
                 return
             plan, sampling, tools = prepared
             texts = [TextStream(self.tokenizer, request.stop) for _ in range(request.n)]
-            queue: asyncio.Queue = asyncio.Queue()
+            inbox = _Inbox()
             live = live and not (request.parse_tools and request.tools) and not plan.prefix
-            task = asyncio.ensure_future(self._generate(plan, sampling, queue.put_nowait if live else None))
-            task.add_done_callback(lambda _: queue.put_nowait(None))
-            try:
-                while (delta := await queue.get()) is not None:
-                    index, text = delta.sample_index, texts[delta.sample_index].push(delta.token_ids)
-                    if request.logprobs:
-                        tokens = list(zip(delta.token_ids, delta.logprobs, strict=True))
-                        yield TextDelta(index, text, tokens, delta.top_logprobs if request.top_logprobs else None)
-                    elif text:
-                        yield TextDelta(index, text)
+            task = asyncio.ensure_future(self._generate(plan, sampling, inbox.put if live else None))
+            task.add_done_callback(inbox.close)
+            try:  # once the generation is done, what it streamed last goes out with the reply
+                while (deltas := await inbox.take()) is not None and not task.done():
+                    for delta in _coalesced(deltas):
+                        index, text = delta.sample_index, texts[delta.sample_index].push(delta.token_ids)
+                        if request.logprobs:
+                            tokens = list(zip(delta.token_ids, delta.logprobs, strict=True))
+                            yield TextDelta(index, text, tokens, delta.top_logprobs if request.top_logprobs else None)
+                        elif text:
+                            yield TextDelta(index, text)
                 completions = task.result()
             finally:
                 if not task.done():  # the consumer went away: abort, record nothing
@@ -256,9 +303,6 @@ class Session:
                 yield TurnReply("", [], "length", len(plan.context), 0)
                 return
             reply = self._commit(request, tools, plan, completions)
-            for i, choice in enumerate(reply.choices):
-                if live and (rest := choice.content[len(texts[i].sent) :]):
-                    yield TextDelta(i, rest)
             self.last_key, self.last_reply = request_key(request), reply
             yield reply
 
@@ -442,7 +486,7 @@ class Session:
 
     def _reply(self, request: ChatRequest, plan: _Plan, completion: Completion) -> TurnReply:
         ids = list(completion.token_ids)
-        text = plan.prefix + self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = plan.prefix + decoder(self.tokenizer)(ids)
         stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
         if request.stop:
             text, found = trim_at_stop(text, request.stop)

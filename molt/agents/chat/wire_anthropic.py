@@ -186,6 +186,20 @@ def _event(name: str, data: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
 
 
+# the stream's fixed events, and a text delta's event split around its text (the bytes `_event` writes)
+TEXT_START = _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+TEXT_STOP = _event("content_block_stop", {"index": 0})
+MESSAGE_STOP = _event("message_stop", {})
+_MARK = "\x00"
+TEXT_DELTA = _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": _MARK}}).split(
+    json.dumps(_MARK)
+)
+
+
+def _text_delta(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False).join(TEXT_DELTA)
+
+
 ARGUMENT_PIECE = 16  # characters of a tool_use input per input_json_delta
 
 
@@ -201,30 +215,33 @@ def _tool_use_events(index: int, call) -> Iterator[str]:
 
 async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, request: ChatRequest) -> AsyncIterator[str]:
     """message_start, text deltas as they are generated, then tool_use blocks (input_json_delta pieces),
-    message_delta and message_stop."""
+    message_delta and message_stop. The events one session event brings are sent as one chunk (each chunk
+    costs the client a read; the events are the same)."""
     head = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": model, "content": []}
-    yield _event("message_start", {"message": head | {"stop_reason": None, "stop_sequence": None, "usage": {
-        "input_tokens": 0, "output_tokens": 0}}})  # fmt: skip
+    parts = [_event("message_start", {"message": head | {"stop_reason": None, "stop_sequence": None, "usage": {
+        "input_tokens": 0, "output_tokens": 0}}})]  # fmt: skip
     sent, text_open = "", False
     async for event in events:
         text = event.text if isinstance(event, TextDelta) else event.content[len(sent) :]
         if text:
             if not text_open:
-                yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                parts.append(TEXT_START)
                 text_open = True
             sent += text
-            yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+            parts.append(_text_delta(text))
         if isinstance(event, TextDelta):
+            if parts:
+                yield "".join(parts)
+                parts = []
             continue
         if text_open:
-            yield _event("content_block_stop", {"index": 0})
+            parts.append(TEXT_STOP)
         for k, call in enumerate(event.tool_calls):
-            for line in _tool_use_events(k + text_open, call):
-                yield line
+            parts += _tool_use_events(k + text_open, call)
         usage = {"input_tokens": event.num_prompt_tokens, "output_tokens": event.num_completion_tokens}
         stop = {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_sequence}
-        yield _event("message_delta", {"delta": stop, "usage": usage})
-    yield _event("message_stop", {})
+        parts.append(_event("message_delta", {"delta": stop, "usage": usage}))
+    yield "".join([*parts, MESSAGE_STOP])
 
 
 def stream_error(status: int, message: str) -> str:
