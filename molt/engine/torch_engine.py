@@ -314,7 +314,8 @@ def _deliver(on_tokens: Callable[[TokenDelta], None], batch: list[StreamedToken]
     """One step's tokens of a streamed request as one delta per sample (on the caller's loop)."""
     samples: dict[int, TokenDelta] = {}
     for index, token, logprob, top in batch:
-        delta = samples.setdefault(index, TokenDelta(index, [], [], None if top is None else []))
+        if (delta := samples.get(index)) is None:
+            delta = samples[index] = TokenDelta(index, [], [], None if top is None else [])
         delta.token_ids.append(token)
         delta.logprobs.append(logprob)
         if top is not None:

@@ -10,7 +10,7 @@ from chat_support import CALC_TOOL, TOK, ScriptedEngine, ServerThread, masked_id
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from molt.agents.chat.session import _OverContext, encode_within
+from molt.agents.chat.prompt_tokens import OverContext, encode_within
 
 KEY = "test-key"
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12*345"}}\n</tool_call>'
@@ -202,7 +202,7 @@ def test_large_prompts_are_counted_before_their_ids_are_converted():
     for tokenizer in (TOK, _trained_bpe()):
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert encode_within(tokenizer, text, len(ids) + 1) == ids
-        with pytest.raises(_OverContext) as over:
+        with pytest.raises(OverContext) as over:
             encode_within(tokenizer, text, len(ids))  # no room left to generate
         assert over.value.num_tokens == len(ids)
     truncating = _trained_bpe()  # a backend set to truncate: transformers' own `encode`, which undoes that

@@ -8,15 +8,11 @@ import pytest
 from chat_support import CALC_TOOL, SAMPLING, TOK, ScriptedEngine, masked_ids
 
 from molt.agents.chat.messages import ChatRequest
-from molt.agents.chat.session import (
-    RENDER_INLINE_BYTES,
-    GenerationError,
-    RequestError,
-    Session,
-    SessionClosed,
-    min_tokens,
-)
+from molt.agents.chat.prompt_tokens import min_tokens
+from molt.agents.chat.replies import GenerationError, RequestError, SessionClosed, TextDelta, TurnReply
+from molt.agents.chat.session import RENDER_INLINE_BYTES, Session
 from molt.agents.chat.tool_parser import get_parser
+from molt.engine.interface import Completion, TokenDelta
 from molt.models.tokenizer import apply_chat_template
 
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12*345"}}\n</tool_call>'
@@ -195,3 +191,47 @@ def test_large_requests_render_off_the_loop_and_an_overlong_one_is_never_tokeniz
     assert threading.get_ident() not in [t for t, _ in tok.encoded]
     (segment,) = fits.close()
     assert segment.tokens[: reply.num_prompt_tokens] == apply_chat_template(TOK, big, add_generation_prompt=True)
+
+
+class BurstEngine(ScriptedEngine):
+    """Streams "héllo world" one token per delta: four before `gate` opens, the rest after it, all at once."""
+
+    async def generate_streamed(self, prompt_token_ids, sampling, on_tokens, *, request_id=None, session_id=None):
+        ids = TOK.encode("héllo world", add_special_tokens=False) + [TOK.eos_token_id]
+        tops = [[(t, -0.5)] for t in ids]
+        for k in range(len(ids)):
+            if k == 4:
+                try:
+                    await self.gate.wait()
+                except asyncio.CancelledError:  # aborted: the client went away
+                    self.aborted = True
+                    raise
+            on_tokens(TokenDelta(0, ids[k : k + 1], [-0.5], tops[k : k + 1]))
+        n = len(ids)
+        return [Completion("r", ids, [-0.5] * n, [3] * n, "stop", len(prompt_token_ids), top_logprobs=tops)]
+
+
+def test_stream_sends_waiting_deltas_as_one_and_the_reply_carries_what_came_last():
+    async def run(hang_up: bool):
+        engine = BurstEngine()
+        engine.gate, engine.aborted = asyncio.Event(), False
+        session = _session(engine)
+        request = ChatRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=1)
+        events = session.stream(request)
+        first = await anext(events)
+        if hang_up:  # the client goes away: the generation is aborted and nothing recorded
+            await events.aclose()
+            await asyncio.sleep(0)
+            return engine, session, first, []
+        engine.gate.set()
+        return engine, session, first, [e async for e in events]
+
+    engine, session, first, rest = asyncio.run(run(hang_up=False))
+    ids = TOK.encode("héllo world", add_special_tokens=False) + [TOK.eos_token_id]
+    assert isinstance(first, TextDelta) and first.text == "hél"  # four deltas waited: sent as one
+    assert first.tokens == [(t, -0.5) for t in ids[:4]] and first.top_logprobs == [[(t, -0.5)] for t in ids[:4]]
+    (reply,) = rest  # the generation ended before the session looked again: the reply carries the rest
+    assert isinstance(reply, TurnReply) and reply.content == "héllo world" and reply.token_ids == ids
+    assert masked_ids(session.close()[0]) == ids
+    engine, session, first, _ = asyncio.run(run(hang_up=True))
+    assert first.text == "hél" and engine.aborted and session.close() == [] and session.num_turns == 0

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import logging
+import random
 
 import anthropic
 import httpx
@@ -10,8 +11,11 @@ import openai
 import pytest
 import torch
 from chat_support import TOK, ScriptedEngine, ServerThread, masked_ids
-from test_chat_server import ANTHROPIC_TOOL, reassemble_calls
+from test_chat_server import ANTHROPIC_TOOL, CALL, reassemble_calls
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
 
+from molt.agents.chat import wire_anthropic
 from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatAgent, ChatRunner
 from molt.agents.chat.clients import ClientPool
 from molt.agents.chat.server import ChatServer
@@ -300,6 +304,68 @@ def test_text_stream_holds_back_stop_prefixes_and_stops():
     stream = TextStream(TOK, stops=("END",))
     pieces = [stream.push(TOK.encode(t, add_special_tokens=False)) for t in ("ab", "cE", "N", "Dxyz")]
     assert pieces == ["ab", "c", "", ""] and stream.sent == "abc"
+
+
+def _metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """A sentencepiece-style tokenizer from constants: metaspace pieces, byte fallback, a leading-space strip."""
+    pieces = ["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", "\u2581the", "\u2581wor", "ld", "é", "你好"]
+    pieces += [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    backend = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("tokenizer", [TOK, _metaspace_tokenizer()], ids=["byte-level", "metaspace"])
+def test_text_stream_decodes_a_window_yet_sends_the_full_decodes_text(tokenizer):
+    """Random ids (partial characters, special tokens, leading spaces) pushed in random pieces: after every push
+    the sent text is what decoding all ids so far gives, less a trailing partial character (the reference)."""
+    rng, windowed = random.Random(0), 0
+    for _ in range(30):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 300))]
+        stream, sent, at = TextStream(tokenizer), "", 0
+        while at < len(ids):
+            k = rng.choice([1, 1, 2, 5])
+            piece, at = stream.push(ids[at : at + k]), min(at + k, len(ids))
+            text = tokenizer.decode(ids[:at], skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                text = tokenizer.decode(ids[: max(at - 3, 0)], skip_special_tokens=True)
+            sent = text if text.startswith(sent) else sent
+            assert stream.sent == sent and piece == sent[len(sent) - len(piece) :]
+        windowed += stream.start > 0  # the later pushes decoded a window, not everything
+    assert windowed >= 10
+
+
+def test_anthropic_text_delta_template_writes_the_events_bytes():
+    for text in ["12", 'a "quote", a \\ and a\nnewline', "é🎉你好", "\x00\x1f", ""]:
+        delta = {"index": 0, "delta": {"type": "text_delta", "text": text}}
+        assert wire_anthropic._text_delta(text) == wire_anthropic._event("content_block_delta", delta)
+
+
+def test_anthropic_streamed_tool_use_reassembles_to_the_plain_one():
+    server = ServerThread(ScriptedEngine(["Sure.\n" + CALL]), api_key=KEY)
+    try:
+        sampling = SamplingParams(max_tokens=128, stop_token_ids=(TOK.eos_token_id,))
+        plain_session, stream_session = server.open(sampling), server.open(sampling)
+        ask = {"model": "molt", "max_tokens": 100, "messages": MESSAGES, "tools": [ANTHROPIC_TOOL]}
+        plain = _anthropic(server, plain_session).messages.create(**ask)
+        with _anthropic(server, stream_session).messages.stream(**ask) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+    finally:
+        server.stop()
+    pieces = [
+        e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == {"expression": "12*345"}  # sent in pieces
+
+    def blocks(message):
+        return [(b.type, b.text) if b.type == "text" else (b.type, b.name, b.input) for b in message.content]
+
+    expected = [("text", "Sure."), ("tool_use", "calculate", {"expression": "12*345"})]
+    assert blocks(final) == blocks(plain) == expected
+    assert (final.stop_reason, final.usage.output_tokens) == (plain.stop_reason, plain.usage.output_tokens)
 
 
 def test_reassemble_calls_helper_matches_plain_tool_calls():

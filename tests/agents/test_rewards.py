@@ -4,7 +4,7 @@ and a reward-function episode through the ordinary token-exact runner (scripted 
 import asyncio
 
 import pytest
-from test_runner import TOK, Sampling, ScriptedEngine
+from chat_support import SAMPLING, TOK, ScriptedEngine  # noqa: I001
 
 from molt.agents.reward_env import RewardEnv, ScoredEnv
 from molt.agents.reward_fn import EVALUATING, load_reward
@@ -110,14 +110,14 @@ def test_reward_env_runs_the_ordinary_token_exact_episode():
     row["answer"] = row["label"]
     reward = load_reward("math,format", "format=0.5")
     engine = ScriptedEngine([f"\\boxed{{{row['answer']}}}"])
-    traj = asyncio.run(run_episode(engine, TOK, RewardEnv(reward), row, Sampling(), EpisodeLimits(), rollout_id=1))
+    traj = asyncio.run(run_episode(engine, TOK, RewardEnv(reward), row, SAMPLING, EpisodeLimits(), rollout_id=1))
     assert traj.reward == 1.5 and traj.score == 1.5 and traj.num_turns == 1
     assert traj.info == {"reward/math": 1.0, "reward/format": 1.0}
     masked = [t for t, m in zip(traj.tokens, traj.loss_mask, strict=True) if m]
     assert masked == engine.emitted[0]
     assert reward.log.drain() == {"reward/math": 1.0, "reward/format": 1.0}
     token = EVALUATING.set(True)  # evaluation episodes stay out of training's per-step metrics
-    asyncio.run(run_episode(ScriptedEngine(["1"]), TOK, RewardEnv(reward), row, Sampling(), EpisodeLimits()))
+    asyncio.run(run_episode(ScriptedEngine(["1"]), TOK, RewardEnv(reward), row, SAMPLING, EpisodeLimits()))
     EVALUATING.reset(token)
     assert reward.log.drain() == {}
 
@@ -128,6 +128,6 @@ def test_scored_env_replaces_the_agent_reward_with_the_final_answer_score():
     row = get_task("calculator").rows(1, seed=5)[0]
     engine = ScriptedEngine([f"<tool_call>{row['a']}*{row['b']}</tool_call>", f"\\boxed{{{row['label']}}}"])
     env = ScoredEnv(env_for_task("calculator"), load_reward("math"), max_turns=4)
-    traj = asyncio.run(run_episode(engine, TOK, env, row, Sampling(), EpisodeLimits(), rollout_id=1))
+    traj = asyncio.run(run_episode(engine, TOK, env, row, SAMPLING, EpisodeLimits(), rollout_id=1))
     # the calculator's own grader wants the bare number (0 here); the math reward reads the box
     assert traj.num_turns == 2 and traj.reward == 1.0 and traj.info["reward/agent"] == 0.0

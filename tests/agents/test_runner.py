@@ -3,21 +3,18 @@
 import asyncio
 
 import pytest
-from chat_support import TOK, ScriptedEngine  # noqa: I001
+from chat_support import SAMPLING, TOK, ScriptedEngine  # noqa: I001
 
 from molt.agents.builtin import env_for_task
 from molt.agents.env import Env, Result, load_agent
 from molt.agents.runner import EpisodeLimits, run_episode
 from molt.data.tasks import get_task
-from molt.engine import SamplingParams
 from molt.models.tokenizer import apply_chat_template, build_builtin_tokenizer
 
 
 def _run(engine, env, row, limits=None):
     limits = limits or EpisodeLimits()
-    return asyncio.run(
-        run_episode(engine, TOK, env, row, SamplingParams(max_tokens=64), limits, rollout_id=3, group_id=1)
-    )
+    return asyncio.run(run_episode(engine, TOK, env, row, SAMPLING, limits, rollout_id=3, group_id=1))
 
 
 def test_calculator_episode_is_token_exact():

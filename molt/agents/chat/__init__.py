@@ -6,8 +6,9 @@
 """
 
 from molt.agents.chat.agent import ChatAgent, ChatContext, ChatRunner, load_agent_class
+from molt.agents.chat.replies import TurnReply
 from molt.agents.chat.server import ChatServer
-from molt.agents.chat.session import Session, SessionStore, TurnReply
+from molt.agents.chat.session import Session, SessionStore
 from molt.agents.env import Result
 
 __all__ = [

@@ -41,14 +41,8 @@ from pydantic import ValidationError
 from molt.agents.chat import wire_anthropic, wire_openai
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, TooDeep, check_depth
-from molt.agents.chat.session import (
-    RENDER_INLINE_BYTES,
-    GenerationError,
-    RequestError,
-    Session,
-    SessionClosed,
-    SessionStore,
-)
+from molt.agents.chat.replies import GenerationError, RequestError, SessionClosed
+from molt.agents.chat.session import RENDER_INLINE_BYTES, Session, SessionStore
 from molt.agents.chat.tool_parser import get_parser
 from molt.agents.runner import first_prompt_ids
 from molt.data.trajectory import Trajectory

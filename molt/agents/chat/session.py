@@ -21,7 +21,9 @@ Per request, under the session's lock:
 
 Streaming (`stream`) yields `TextDelta`s as the engine produces tokens (no live text when tool calls
 are parsed: the call is only known at the end), then the `TurnReply`; the text sent is a prefix of
-the reply's content, which is the decoded action minus a trailing stop string. With `logprobs` each
+the reply's content, which is the decoded action minus a trailing stop string, and the wires send the rest
+with the reply. Deltas that arrived while the consumer was busy go out as one, and those that arrived once
+the generation had ended go out with the reply (each delta costs the client a read). With `logprobs` each
 delta also carries its tokens and their log-probs, and with `top_logprobs` their alternatives as the engine
 streams them. Large requests are rendered and tokenized in a worker thread so the event loop keeps serving
 (counted before their ids are converted: `encode_within`), and one whose text certainly overflows the
@@ -33,12 +35,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
-from transformers import PreTrainedTokenizerFast
 
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import (
@@ -49,170 +49,28 @@ from molt.agents.chat.messages import (
     fingerprints,
     request_key,
 )
+from molt.agents.chat.prompt_tokens import OverContext, encode_within, min_tokens
+from molt.agents.chat.replies import (
+    ContextLengthExceeded,
+    GenerationError,
+    Inbox,
+    InvalidRequest,
+    RequestError,
+    SessionClosed,
+    TextDelta,
+    TurnReply,
+    coalesced,
+)
 from molt.agents.chat.textstream import TextStream, decoder, trim_at_stop
-from molt.agents.chat.tool_parser import Parser, ToolCall, call_prefix, parse_none
+from molt.agents.chat.tool_parser import Parser, call_prefix, parse_none
 from molt.agents.images import expand_images, message_images
 from molt.agents.runner import TemplateRewriteError, first_prompt_ids, observation_ids
 from molt.data.trajectory import Trajectory
-from molt.engine.interface import Completion, ContextLengthError, SamplingParams, TokenDelta
+from molt.engine.interface import Completion, ContextLengthError, SamplingParams
 from molt.models.tokenizer import render_chat
 from molt.models.vision import ImageError
 
 RENDER_INLINE_BYTES = 64 << 10  # smaller requests render on the event loop (a thread hop costs more)
-
-
-class _OverContext(Exception):  # noqa: N818 - a signal inside the session, never raised to a caller
-    def __init__(self, num_tokens: int):
-        self.num_tokens = num_tokens
-
-
-_MAX_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def min_tokens(tokenizer, num_chars: int) -> int:
-    """A lower bound on the tokens of any `num_chars` characters of text: a token spells at most its longest
-    vocabulary entry's characters, and normalizers (NFC, NFKC) shrink text at most ~3x (4 to be safe).
-    0 for a tokenizer with an unknown token (one can stand for a whole word)."""
-    if getattr(tokenizer, "unk_token", None) is not None or not hasattr(tokenizer, "get_vocab"):
-        return 0
-    try:
-        longest = _MAX_TOKEN_CHARS.get(tokenizer) or max(map(len, tokenizer.get_vocab()), default=1)
-        _MAX_TOKEN_CHARS[tokenizer] = longest
-    except TypeError:  # not weak-referenceable: no bound
-        return 0
-    return num_chars // (4 * longest)
-
-
-def encode_within(tokenizer, text: str, max_tokens: int) -> list[int]:
-    """`tokenizer.encode(text, add_special_tokens=False)` of megabytes of text in a worker thread, raising
-    _OverContext (the exact count) when it has `max_tokens` or more, without converting its ids.
-
-    transformers' `encode` turns the backend's ids, type ids and attention mask into Python lists, each one
-    C call holding the GIL (~150 ms per 4M tokens: the event loop stalls), so a fast tokenizer in its stock
-    state is called directly: `encode_batch_fast` (the same ids, no offsets) releases the GIL, runs ~4x
-    faster, and its encoding frees in ~55 ms per 4M tokens (with offsets ~200 ms, still holding the GIL);
-    counting first bounds the ids converted to the context. Other tokenizers take the plain `encode`."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    stock = getattr(type(tokenizer), "_encode_plus", None) is PreTrainedTokenizerFast._encode_plus
-    if (
-        stock
-        and backend.truncation is None
-        and backend.padding is None
-        and (backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)))
-    ):
-        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # tokenizers < 0.21: with offsets
-        (encoding,) = encode([text], add_special_tokens=False)
-        if len(encoding) >= max_tokens:
-            raise _OverContext(len(encoding))
-        return encoding.ids
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) >= max_tokens:
-        raise _OverContext(len(ids))
-    return ids
-
-
-class SessionClosed(LookupError):
-    """The session is unknown or its rollout has finished."""
-
-
-class RequestError(ValueError):
-    """The request is well-formed JSON but cannot be served (e.g. the template cannot render it)."""
-
-    status, code = 422, None
-
-
-class InvalidRequest(RequestError):
-    """The request asks for something invalid or unsupported (HTTP 400)."""
-
-    status = 400
-
-
-class ContextLengthExceeded(InvalidRequest):
-    """Serve mode: the prompt leaves no room to generate (OpenAI's `context_length_exceeded`)."""
-
-    code = "context_length_exceeded"
-
-
-class GenerationError(RuntimeError):
-    """The engine failed or aborted the generation; nothing was recorded."""
-
-
-@dataclass
-class TurnReply:
-    """What one request answers, wire-independent: the first sample, and `siblings` when n > 1."""
-
-    content: str
-    tool_calls: list[ToolCall]
-    finish_reason: str  # stop | length | tool_calls
-    num_prompt_tokens: int
-    num_completion_tokens: int
-    stop_sequence: str | None = None
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)  # the engine's, as trained on
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when the request asked for them
-    siblings: list[TurnReply] = dataclasses.field(default_factory=list)
-
-    @property
-    def choices(self) -> list[TurnReply]:
-        return [self, *self.siblings]
-
-
-@dataclass
-class TextDelta:
-    """Text of sample `index` that can be sent now (streaming), and the tokens generated since the last
-    delta as (id, log-prob) pairs when the request asked for log-probs (else empty), with each one's
-    alternatives when it asked for `top_logprobs` (else None)."""
-
-    index: int
-    text: str
-    tokens: list[tuple[int, float]] = dataclasses.field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-class _Inbox:
-    """The engine's token deltas (callbacks on the event loop) until the generation ends (`close`); the
-    consumer takes all that arrived while it was busy at once, so a slow consumer sends fewer, larger deltas."""
-
-    def __init__(self):
-        self.items: list[TokenDelta] = []
-        self.closed = False
-        self.waiter: asyncio.Future | None = None
-
-    def put(self, item: TokenDelta) -> None:
-        self.items.append(item)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    def close(self, _=None) -> None:
-        self.closed = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def take(self) -> list[TokenDelta] | None:
-        """The deltas that arrived since the last take (waiting for one), or None once closed and empty."""
-        while not self.items:
-            if self.closed:
-                return None
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        items, self.items = self.items, []
-        return items
-
-
-def _coalesced(deltas: list[TokenDelta]) -> list[TokenDelta]:
-    """One delta per sample: each sample's deltas concatenated, in order."""
-    if len(deltas) == 1:
-        return deltas
-    merged: dict[int, TokenDelta] = {}
-    for d in deltas:
-        if (m := merged.get(d.sample_index)) is None:
-            tops = None if d.top_logprobs is None else list(d.top_logprobs)
-            merged[d.sample_index] = TokenDelta(d.sample_index, list(d.token_ids), list(d.logprobs), tops)
-            continue
-        m.token_ids += d.token_ids
-        m.logprobs += d.logprobs
-        m.top_logprobs = None if m.top_logprobs is None or d.top_logprobs is None else m.top_logprobs + d.top_logprobs
-    return list(merged.values())
 
 
 @dataclass
@@ -277,14 +135,14 @@ class Session:
                 yield prepared
                 return
             plan, sampling, tools = prepared
-            texts = [TextStream(self.tokenizer, request.stop) for _ in range(request.n)]
-            inbox = _Inbox()
+            inbox = Inbox()
             live = live and not (request.parse_tools and request.tools) and not plan.prefix
+            texts = [TextStream(self.tokenizer, request.stop) for _ in range(request.n if live else 0)]
             task = asyncio.ensure_future(self._generate(plan, sampling, inbox.put if live else None))
             task.add_done_callback(inbox.close)
             try:  # once the generation is done, what it streamed last goes out with the reply
                 while (deltas := await inbox.take()) is not None and not task.done():
-                    for delta in _coalesced(deltas):
+                    for delta in coalesced(deltas):
                         index, text = delta.sample_index, texts[delta.sample_index].push(delta.token_ids)
                         if request.logprobs:
                             tokens = list(zip(delta.token_ids, delta.logprobs, strict=True))
@@ -322,7 +180,7 @@ class Session:
             else:
                 plan = self._plan(request, tools)
             num_tokens, at_least = len(plan.context), ""
-        except _OverContext as e:
+        except OverContext as e:
             num_tokens, at_least = e.num_tokens, "at least "
         room = self.max_len - num_tokens
         if room <= 0 and self.honor_sampling:
@@ -400,14 +258,14 @@ class Session:
         return _Plan(prompt, prompt, True, images)
 
     def _check_fits(self, num_chars: int, new_segment: bool = False) -> None:
-        """Raise _OverContext if `num_chars` more characters of text certainly overflow the context.
+        """Raise OverContext if `num_chars` more characters of text certainly overflow the context.
 
         Tokenizing megabytes of text takes seconds (off the event loop), but converting and freeing millions
         of tokens holds the GIL for 100s of ms; a prompt that cannot fit need not be tokenized at all."""
         before = 0 if new_segment or self.current is None else len(self.current.tokens)
         num_tokens = before + min_tokens(self.tokenizer, num_chars)
         if num_tokens >= self.max_len:
-            raise _OverContext(num_tokens)
+            raise OverContext(num_tokens)
 
     def _force_call(self, plan: _Plan, request: ChatRequest) -> _Plan:
         """tool_choice required / named: the tool-call opening goes after the generation prompt (as prompt)."""

@@ -5,12 +5,12 @@ U+FFFD: the last MAX_PARTIAL tokens wait) is held back, and so is any suffix tha
 stop string; once a stop string appears, the text ends before it (stop strings are never sent, as
 OpenAI and Anthropic do).
 
-Each push decodes a window of recent tokens, not the whole sample (a full decode per delta made a long
-stream quadratic): the window starts at most WINDOW tokens before the last checkpoint, whose text is
-known, so decoding it again from the window's start and cutting that known text off leaves the new text.
-Detokenizers act locally (byte-level and metaspace decoders; a leading-space strip only at a decode's
-start, which both decodes share), and the window's known text must come out unchanged or the push falls
-back to a full decode, so the text is the full decode's.
+Each push decodes the tokens since the last checkpoint plus the WINDOW before it, not the whole sample (a full
+decode per delta made a long stream quadratic). A checkpoint (every WINDOW tokens) splits the text so far into
+`head` and `known`, the window's own decoding (which must be a suffix of the text, else a later token retries);
+later text is `head` + the window's decoding while that still starts with `known` (else: a full decode).
+Detokenizers act locally (byte-level; metaspace strips a leading space only at a decode's start, which the
+window's decodes share), so this is the full decode's text.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerFast
 
 REPLACEMENT = "\ufffd"
 MAX_PARTIAL = 3  # tokens a partial UTF-8 character can span (byte-level vocabularies)
-WINDOW = 32  # tokens decoded again before the checkpoint; the checkpoint moves every WINDOW tokens
+WINDOW = 32  # tokens decoded again before the checkpoint, which moves every WINDOW tokens
 
 
 def trim_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
@@ -35,8 +35,8 @@ def trim_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
 
 
 def decoder(tokenizer) -> Callable[[list[int]], str]:
-    """`tokenizer.decode(ids, skip_special_tokens=True)`: for a stock fast tokenizer that cleans up no spaces,
-    straight from the Rust backend it would call (~1.5 us a call instead of ~8: one per streamed delta)."""
+    """`tokenizer.decode(ids, skip_special_tokens=True)`; for a stock fast tokenizer that cleans up no spaces,
+    the Rust backend's decode it would call (~1.5 us instead of ~8 on the event loop, once per streamed delta)."""
     kind = type(tokenizer)
     if (
         getattr(tokenizer, "backend_tokenizer", None) is not None
@@ -96,5 +96,7 @@ class TextStream:
 
     def _held(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        if not self.stops:
+            return 0
         return max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
                     if text.endswith(s[:k])), default=0)  # fmt: skip

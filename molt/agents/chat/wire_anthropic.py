@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, text_content
-from molt.agents.chat.session import InvalidRequest, TextDelta, TurnReply
+from molt.agents.chat.replies import InvalidRequest, TextDelta, TurnReply
 
 
 class _Model(BaseModel):
@@ -182,8 +182,11 @@ def encode(reply: TurnReply, model: str, request: ChatRequest | None = None) -> 
     }
 
 
+_json = json.JSONEncoder(ensure_ascii=False).encode  # = json.dumps(x, ensure_ascii=False), one encoder for all
+
+
 def _event(name: str, data: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
+    return f"event: {name}\ndata: {_json({'type': name, **data})}\n\n"
 
 
 # the stream's fixed events, and a text delta's event split around its text (the bytes `_event` writes)
@@ -197,7 +200,7 @@ TEXT_DELTA = _event("content_block_delta", {"index": 0, "delta": {"type": "text_
 
 
 def _text_delta(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False).join(TEXT_DELTA)
+    return _json(text).join(TEXT_DELTA)
 
 
 ARGUMENT_PIECE = 16  # characters of a tool_use input per input_json_delta
@@ -206,7 +209,7 @@ ARGUMENT_PIECE = 16  # characters of a tool_use input per input_json_delta
 def _tool_use_events(index: int, call) -> Iterator[str]:
     block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
     yield _event("content_block_start", {"index": index, "content_block": block})
-    text = json.dumps(call.arguments, ensure_ascii=False)
+    text = _json(call.arguments)
     for at in range(0, len(text), ARGUMENT_PIECE):
         delta = {"type": "input_json_delta", "partial_json": text[at : at + ARGUMENT_PIECE]}
         yield _event("content_block_delta", {"index": index, "delta": delta})

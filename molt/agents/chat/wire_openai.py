@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, decode_arguments, text_content
-from molt.agents.chat.session import InvalidRequest, TextDelta, TurnReply
+from molt.agents.chat.replies import InvalidRequest, TextDelta, TurnReply
 
 MAX_N = 16  # samples per request (each holds a sequence slot)
 

@@ -1,0 +1,116 @@
+"""What a chat session answers: the wire-independent reply (`TurnReply`), streamed text (`TextDelta`), the
+errors a request can meet, and the inbox that gathers the engine's token deltas for a streaming consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+
+from molt.agents.chat.tool_parser import ToolCall
+from molt.engine.interface import TokenDelta
+
+
+class SessionClosed(LookupError):
+    """The session is unknown or its rollout has finished."""
+
+
+class RequestError(ValueError):
+    """The request is well-formed JSON but cannot be served (e.g. the template cannot render it)."""
+
+    status, code = 422, None
+
+
+class InvalidRequest(RequestError):
+    """The request asks for something invalid or unsupported (HTTP 400)."""
+
+    status = 400
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Serve mode: the prompt leaves no room to generate (OpenAI's `context_length_exceeded`)."""
+
+    code = "context_length_exceeded"
+
+
+class GenerationError(RuntimeError):
+    """The engine failed or aborted the generation; nothing was recorded."""
+
+
+@dataclass
+class TurnReply:
+    """What one request answers, wire-independent: the first sample, and `siblings` when n > 1."""
+
+    content: str
+    tool_calls: list[ToolCall]
+    finish_reason: str  # stop | length | tool_calls
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    stop_sequence: str | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # the engine's, as trained on
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when the request asked for them
+    siblings: list[TurnReply] = dataclasses.field(default_factory=list)
+
+    @property
+    def choices(self) -> list[TurnReply]:
+        return [self, *self.siblings]
+
+
+@dataclass
+class TextDelta:
+    """Text of sample `index` that can be sent now (streaming), and the tokens generated since the last
+    delta as (id, log-prob) pairs when the request asked for log-probs (else empty), with each one's
+    alternatives when it asked for `top_logprobs` (else None)."""
+
+    index: int
+    text: str
+    tokens: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Inbox:
+    """The engine's token deltas (callbacks on the event loop) until the generation ends (`close`); the
+    consumer takes all that arrived while it was busy at once, so a slow consumer sends fewer, larger deltas."""
+
+    def __init__(self):
+        self.items: list[TokenDelta] = []
+        self.closed = False
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item: TokenDelta) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def close(self, _=None) -> None:
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list[TokenDelta] | None:
+        """The deltas that arrived since the last take (waiting for one), or None once closed and empty."""
+        while not self.items:
+            if self.closed:
+                return None
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        items, self.items = self.items, []
+        return items
+
+
+def coalesced(deltas: list[TokenDelta]) -> list[TokenDelta]:
+    """One delta per sample: each sample's deltas concatenated, in order."""
+    if len(deltas) == 1:
+        return deltas
+    merged: dict[int, TokenDelta] = {}
+    for d in deltas:
+        if (m := merged.get(d.sample_index)) is None:
+            tops = None if d.top_logprobs is None else list(d.top_logprobs)
+            merged[d.sample_index] = TokenDelta(d.sample_index, list(d.token_ids), list(d.logprobs), tops)
+            continue
+        m.token_ids += d.token_ids
+        m.logprobs += d.logprobs
+        m.top_logprobs = None if m.top_logprobs is None or d.top_logprobs is None else m.top_logprobs + d.top_logprobs
+    return list(merged.values())
