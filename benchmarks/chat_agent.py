@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import os
 import platform
 import sys
@@ -41,7 +40,7 @@ import torch
 
 from molt.agents.builtin import env_for_task
 from molt.agents.chat.agent import ChatRunner, load_agent_class
-from molt.agents.chat.clients import _platform, _session_client_class
+from molt.agents.chat.clients import sdk_httpx, session_client
 from molt.agents.chat.loopback import transport_class
 from molt.agents.runner import EpisodeLimits, run_episode
 from molt.data.tasks import get_task
@@ -69,8 +68,7 @@ def canned_client(sdk: str, server, base_url: str, api_key: str):
     """The client `ctx.<sdk>()` returns, on a transport that answers every request with the first response
     Molt's server gave (recorded through the in-process transport, in the chunks it was sent in: a stream's
     events one by one); after that, no server runs."""
-    pool_cls = importlib.import_module(sdk).DefaultAsyncHttpxClient
-    httpx = importlib.import_module(pool_cls.__mro__[1].__module__.split(".")[0])
+    pool_cls, httpx = sdk_httpx(sdk)
     inner = transport_class(httpx)(server)
 
     class Chunks(httpx.AsyncByteStream):
@@ -91,9 +89,7 @@ def canned_client(sdk: str, server, base_url: str, api_key: str):
             status, headers, chunks = self.recorded
             return httpx.Response(status, headers=headers, stream=Chunks(chunks))
 
-    client = _session_client_class(sdk)(base_url=base_url, api_key=api_key, http_client=pool_cls(transport=Replay()))
-    client._platform = _platform(sdk)  # as ClientPool does
-    return client
+    return session_client(sdk, base_url, api_key, pool_cls(transport=Replay()))
 
 
 async def canned_clients(runner: ChatRunner, sampling: SamplingParams, row: dict) -> dict:

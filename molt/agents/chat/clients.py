@@ -40,11 +40,25 @@ def _session_client_class(sdk: str) -> type:
     return type(f"Session{base.__name__}", (base,), body)
 
 
-def _new_pool(sdk: str, app=None):
-    """The SDK's own default httpx client class (its timeouts, its httpx flavour): in-process into `app`, or
-    a keep-alive pool sized for many concurrent loopback sessions."""
+def sdk_httpx(sdk: str) -> tuple[type, Any]:
+    """The SDK's own default httpx client class (its timeouts) and the httpx module it is built on (httpx or
+    httpx2)."""
     pool_cls = importlib.import_module(sdk).DefaultAsyncHttpxClient
-    httpx = importlib.import_module(pool_cls.__mro__[1].__module__.split(".")[0])  # httpx or httpx2
+    return pool_cls, importlib.import_module(pool_cls.__mro__[1].__module__.split(".")[0])
+
+
+def session_client(sdk: str, base_url: str, api_key: str, http_client: Any, **options: Any) -> Any:
+    """An `AsyncOpenAI` / `AsyncAnthropic` client on `http_client`, with the platform headers computed once."""
+    client = _session_client_class(sdk)(base_url=base_url, api_key=api_key, http_client=http_client, **options)
+    if getattr(client, "_platform", False) is None:  # SDK-internal cache; skips a thread hop per client
+        client._platform = _platform(sdk)
+    return client
+
+
+def _new_pool(sdk: str, app=None):
+    """The SDK's own httpx client: in-process into `app`, or a keep-alive pool sized for many concurrent
+    loopback sessions."""
+    pool_cls, httpx = sdk_httpx(sdk)
     if app is not None:
         return pool_cls(transport=transport_class(httpx)(app), trust_env=False)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=MAX_KEEPALIVE)
@@ -83,10 +97,7 @@ class ClientPool:
     def _build(self, sdk: str, base_url: str, api_key: str, options: dict[str, Any]) -> Any:
         if sdk not in self._pools:
             self._pools[sdk] = _new_pool(sdk, self.app)
-        client = _session_client_class(sdk)(base_url=base_url, api_key=api_key, http_client=self._pools[sdk], **options)
-        if getattr(client, "_platform", False) is None:  # SDK-internal cache; skips a thread hop per client
-            client._platform = _platform(sdk)
-        return client
+        return session_client(sdk, base_url, api_key, self._pools[sdk], **options)
 
     async def close(self) -> None:
         pools, self._pools, self._prototypes = self._pools, {}, {}
