@@ -215,6 +215,15 @@ def build_builtin_tokenizer(out_dir: str | Path | None = None, image_token: bool
 # ------------------------------------------------------------------------------------ chat templates
 
 
+def stock_fast(tokenizer: Any, *methods: str) -> bool:
+    """Whether `tokenizer` is a transformers fast tokenizer whose `methods` are the library's own (no subclass
+    overrides them), so calling its Rust `backend_tokenizer` in their place gives their result."""
+    kind = type(tokenizer)
+    return isinstance(tokenizer, PreTrainedTokenizerFast) and all(
+        getattr(kind, name, None) is getattr(PreTrainedTokenizerFast, name) for name in methods
+    )
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Message],

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from transformers import PreTrainedTokenizerFast
+from molt.models.tokenizer import stock_fast
 
 REPLACEMENT = "\ufffd"
 MAX_PARTIAL = 3  # tokens a partial UTF-8 character can span (byte-level vocabularies)
@@ -37,13 +37,7 @@ def trim_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
 def decoder(tokenizer) -> Callable[[list[int]], str]:
     """`tokenizer.decode(ids, skip_special_tokens=True)`; for a stock fast tokenizer that cleans up no spaces,
     the Rust backend's decode it would call (~1.5 us instead of ~8 on the event loop, once per streamed delta)."""
-    kind = type(tokenizer)
-    if (
-        getattr(tokenizer, "backend_tokenizer", None) is not None
-        and getattr(kind, "decode", None) is PreTrainedTokenizerFast.decode
-        and getattr(kind, "_decode", None) is PreTrainedTokenizerFast._decode
-        and not tokenizer.clean_up_tokenization_spaces
-    ):
+    if stock_fast(tokenizer, "decode", "_decode") and not tokenizer.clean_up_tokenization_spaces:
         return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=True)
     return functools.partial(tokenizer.decode, skip_special_tokens=True)
 
