@@ -27,7 +27,8 @@ from molt.agents.runner import EpisodeLimits
 from molt.cli.main import parse_config
 from molt.cli.train import run_train
 from molt.cli.warm_start import warm_start
-from molt.data.tasks import dataset_rows, get_task
+from molt.data.dataset import dataset_rows
+from molt.data.tasks import get_task
 from molt.engine import SamplingParams, TorchEngine
 from molt.engine.torch_engine import on_fresh_thread
 from molt.loop.evaluate import evaluate
@@ -78,8 +79,11 @@ async def _eval(folder: str, rows: list[dict]) -> float:
     )
     sampling = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=0)
     try:
-        metrics = await evaluate(engine, tokenizer, lambda: env_for_task("arithmetic"), rows, sampling,
-                                 EpisodeLimits(max_turns=1, max_len=128), n=4, seed=12345)  # fmt: skip
+        limits = EpisodeLimits(max_turns=1, max_len=128)
+        make_env = lambda: env_for_task("arithmetic")  # noqa: E731
+        metrics = await evaluate(
+            engine, tokenizer, make_env=make_env, rows=rows, sampling=sampling, limits=limits, n=4, seed=12345
+        )
     finally:
         await engine.close()
     return metrics["eval/reward_mean"]

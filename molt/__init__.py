@@ -1,11 +1,9 @@
 """Molt: reinforcement learning of language-model agents, compact and PyTorch-native.
 
-The Python API mirrors `molt train`: `molt.train(config)` from a script, `await molt.train_async(config)` from
-code that already runs an event loop (a notebook). `config` is a `molt.config.Config`, a nested dict
-(`{"train": {"max_steps": 20}}`, dotted keys allowed: `{"train.max_steps": 20}`), or a TOML/YAML file path;
-keyword arguments override groups of it (`molt.train(cfg, train={"max_steps": 20})`). Heavy modules are
-imported on the first call, so `import molt` stays cheap. `molt.train` is the function even though a subpackage
-`molt/train/` exists: import its modules with `from molt.train.trainer import Trainer` (not `import molt.train.x`).
+The Python API mirrors `molt train`: `molt.train(config)`, or `await molt.train_async(config)` inside an event loop.
+`config` is a `Config`, a nested or dotted dict (`{"train.max_steps": 20}`) or a TOML/YAML path; keyword arguments
+override groups of it. Heavy modules are imported on the first call. `molt.train` stays the function although a
+subpackage `molt/train/` exists: import its modules with `from molt.train.trainer import Trainer`.
 """
 
 from __future__ import annotations
@@ -46,11 +44,8 @@ def _nested(*sources: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> Config:
-    """A checked `Config` from a Config, a (dotted or nested) dict or a TOML/YAML file, then `overrides`.
-
-    Values are type-checked and validated as `molt train` does; a mistake raises `molt.config.ConfigError`
-    naming the key (`train.max_stepz: unknown key; did you mean 'train.max_steps'?`).
-    """
+    """A checked `Config` from a Config, a (dotted or nested) dict or a TOML/YAML file, then `overrides`; a mistake
+    raises `ConfigError` naming the key (`train.max_stepz: unknown key; did you mean 'train.max_steps'?`)."""
     from molt.cli.config_file import build, load_config_file
     from molt.config import Config
 
@@ -62,11 +57,8 @@ def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = Non
 
 
 def train(config: Config | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> TrainResult:
-    """Run `molt train` and return its `TrainResult` (run_dir, checkpoint, eval before/after, per-step history).
-
-    From inside a running event loop (a notebook cell) the run goes to a worker thread with its own loop and this
-    call blocks until it ends; prefer `await molt.train_async(...)` there.
-    """
+    """Run `molt train` and return its `TrainResult`. Inside a running event loop (a notebook cell) the run goes to
+    a worker thread with its own loop and this call blocks; prefer `await molt.train_async(...)` there."""
     from molt.cli.train import run_train
 
     return run_train(make_config(config, **overrides))

@@ -1,12 +1,9 @@
 """The error types every stage may raise (this module imports nothing): user mistakes, and the two kinds of
 rollout error the loop treats specially (a dropped rollout, an error fatal to the run).
 
-A `UserError` is something the user can fix: a config value, a data row, an agent or reward file, a
-checkpoint path, a device, a port. The CLI prints its message as one line (`molt <command>: <kind>:
-<message>`, exit code 2) and no traceback unless `MOLT_TRACEBACK=1`; any other exception is a bug in
-Molt and is printed with its traceback. The message names the file and line (or the config key) and
-says what to do. It is deliberately not a `ValueError`: tyro would catch that while building the
-config from flags and draw its own box instead of the one line.
+A `UserError` is something the user can fix (config, data row, agent or reward file, checkpoint, device, port);
+the CLI prints it as one line naming the file and line or config key (see `molt/cli/main.py`). It is deliberately
+not a `ValueError`: tyro would catch that while building the config from flags and draw its own box instead.
 """
 
 from __future__ import annotations

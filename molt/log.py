@@ -33,14 +33,6 @@ def atomic_write_text(path: Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
 def default_run_dir(command: str) -> Path:
     """`runs/<command>-<time>`, with a `-2`, `-3`, ... suffix when a run started in the same second."""
     base = Path("runs") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -71,32 +63,24 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)}
 
 
-class WandbSink:
-    """One Weights & Biases run for a run directory; resuming the directory resumes the same W&B run."""
+def start_wandb(run_path: Path, log_cfg: Any, config: dict[str, Any]) -> Any:
+    """The Weights & Biases run of a run directory; resuming the directory resumes the same W&B run."""
+    import wandb  # optional: LogConfig checked at start-up that it is installed
 
-    def __init__(self, run_path: Path, log_cfg: Any, config: dict[str, Any]):
-        import wandb  # optional: LogConfig checked at start-up that it is installed
-
-        id_file = run_path / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
-        atomic_write_text(id_file, run_id)
-        self.run = wandb.init(
-            project=log_cfg.wandb_project,
-            entity=log_cfg.wandb_entity or None,
-            name=log_cfg.wandb_name or run_path.name,
-            mode=log_cfg.wandb_mode,
-            dir=str(run_path),
-            id=run_id,
-            resume="allow",
-            config=config,
-            reinit="create_new",
-        )
-
-    def log(self, metrics: dict[str, Any]) -> None:
-        self.run.log(_scalars(metrics), step=int(metrics.get("step", 0)))
-
-    def close(self) -> None:
-        self.run.finish()
+    id_file = run_path / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+    atomic_write_text(id_file, run_id)
+    return wandb.init(
+        project=log_cfg.wandb_project,
+        entity=log_cfg.wandb_entity or None,
+        name=log_cfg.wandb_name or run_path.name,
+        mode=log_cfg.wandb_mode,
+        dir=str(run_path),
+        id=run_id,
+        resume="allow",
+        config=config,
+        reinit="create_new",
+    )
 
 
 class RunDir:
@@ -105,7 +89,7 @@ class RunDir:
     def __init__(self, path: str | os.PathLike, command: str, config: Any, tensorboard: bool = True):
         self.path = Path(path) if path else default_run_dir(command)
         self.path.mkdir(parents=True, exist_ok=True)
-        resolved = _plain(dataclasses.asdict(config))
+        resolved = json.loads(json.dumps(dataclasses.asdict(config)))  # tuples as lists, for YAML
         resolved.pop("config", None)
         atomic_write_text(self.path / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
         self.metrics_file = (self.path / "metrics.jsonl").open("a")
@@ -114,20 +98,19 @@ class RunDir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.path / "tb"))
-        log_cfg = getattr(config, "log", None)
-        self.wandb = WandbSink(self.path, log_cfg, resolved) if getattr(log_cfg, "wandb_project", "") else None
+        self.wandb = start_wandb(self.path, config.log, resolved) if config.log.wandb_project else None
         self.start = time.perf_counter()
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Append one JSON object (one step) to metrics.jsonl and its scalars to TensorBoard (and W&B)."""
         self.metrics_file.write(json.dumps(metrics) + "\n")
         self.metrics_file.flush()
+        step, scalars = int(metrics.get("step", 0)), _scalars(metrics)
         if self.tb is not None:
-            step = int(metrics.get("step", 0))
-            for key, value in _scalars(metrics).items():
+            for key, value in scalars.items():
                 self.tb.add_scalar(key, value, step)
         if self.wandb is not None:
-            self.wandb.log(metrics)
+            self.wandb.log(scalars, step=step)
 
     def print(self, message: str) -> None:
         elapsed = time.perf_counter() - self.start
@@ -138,7 +121,7 @@ class RunDir:
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
-            self.wandb.close()
+            self.wandb.finish()
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -54,18 +54,11 @@ class Registry(Generic[F]):
     def names(self) -> list[str]:
         return sorted(self._fns)
 
-    def items(self) -> list[tuple[str, F]]:
-        """(name, variant) pairs in registration order."""
-        return list(self._fns.items())
-
     def __contains__(self, name: object) -> bool:
         return name in self._fns
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._fns)
-
-    def __len__(self) -> int:
-        return len(self._fns)
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {self.names()})"

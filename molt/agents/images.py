@@ -16,7 +16,7 @@ from typing import Any
 from molt.errors import RolloutDrop
 from molt.models.vision import ImageError, expand_image_tokens, message_images, pixel_hash, to_pixels
 
-__all__ = ["ImageBudgetError", "expand_images", "message_images", "with_images"]
+__all__ = ["ImageBudgetError", "expand_images", "message_images", "pixels_arg", "with_images"]
 
 
 class ImageBudgetError(ImageError, RolloutDrop):
@@ -53,3 +53,8 @@ def expand_images(
     if max_len is not None and end > max_len:
         raise ImageBudgetError(f"image tokens would end at position {end}, past the context budget max_len={max_len}")
     return ids, [{"start": offset + s, "pixels": p, "hash": pixel_hash(p)} for s, p in zip(starts, pixels, strict=True)]
+
+
+def pixels_arg(records: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The `images=` argument of a generate call over a context with these image records (empty: none)."""
+    return {"images": [r["pixels"] for r in records]} if records else {}

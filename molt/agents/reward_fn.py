@@ -27,6 +27,8 @@ from typing import Any
 from molt.agents.env import _load_module
 from molt.agents.rewards import BUILTIN_REWARDS
 
+MAX_THREADS = 4  # the pool that runs user reward functions that are not `async`
+
 # set by evaluation while its episodes run, so training's per-step reward metrics leave them out
 EVALUATING: contextvars.ContextVar[bool] = contextvars.ContextVar("molt_evaluating", default=False)
 
@@ -119,22 +121,14 @@ class RewardLog:
 class RewardFunction:
     """The configured reward: named parts, their weights, and the log of their values."""
 
-    def __init__(self, spec: str, weights: str = "", max_threads: int = 4):
+    def __init__(self, spec: str, weights: str = ""):
         self.spec = spec
         self.parts = [load_part(s.strip()) for s in spec.split(",") if s.strip()]
         if not self.parts:
             raise ValueError("rollout.reward: no reward function named")
         self.weights = parse_weights(weights)
-        self.max_threads = max_threads
         self._pool: ThreadPoolExecutor | None = None
         self.log = RewardLog()
-
-    def check_weights(self, returns_dicts: bool = False) -> None:
-        """Weights must name a reward part (checked when no part returns a dict, whose keys come later)."""
-        names = {p.name for p in self.parts}
-        unknown = sorted(set(self.weights) - names)
-        if unknown and not returns_dicts:
-            raise ValueError(f"rollout.reward_weights: {unknown} name no reward; rewards: {sorted(names)}")
 
     async def _call(self, part: RewardPart, completion: str, row: dict[str, Any]) -> Any:
         if part.inline:
@@ -143,7 +137,7 @@ class RewardFunction:
             value = await part.fn(completion, row)
         else:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.max_threads, thread_name_prefix="molt-reward")
+                self._pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="molt-reward")
             loop = asyncio.get_running_loop()
             value = await loop.run_in_executor(self._pool, part.fn, completion, row)
         return await value if inspect.isawaitable(value) else value
@@ -172,5 +166,8 @@ class RewardFunction:
 def load_reward(spec: str, weights: str = "") -> RewardFunction:
     """The reward of `--rollout.reward` / `--rollout.reward_weights`; a ValueError naming the problem."""
     reward = RewardFunction(spec, weights)
-    reward.check_weights(returns_dicts=any(not p.inline for p in reward.parts))
+    names = {p.name for p in reward.parts}
+    unknown = sorted(set(reward.weights) - names)
+    if unknown and all(p.inline for p in reward.parts):  # a user function may return a dict: its keys come later
+        raise ValueError(f"rollout.reward_weights: {unknown} name no reward; rewards: {sorted(names)}")
     return reward

@@ -23,12 +23,6 @@ FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 THINK = re.compile(r"\s*<think>.*?</think>\s*\S", re.S)
 
 
-def register_reward(name: str):
-    """Register a built-in reward function under `name`."""
-
-    return BUILTIN_REWARDS.register(name)
-
-
 def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` (nested braces allowed), or None."""
     start = text.rfind("\\boxed{")
@@ -93,26 +87,26 @@ def answers_match(predicted: str, reference: str) -> bool:
     return _normalise(predicted) == _normalise(reference)
 
 
-@register_reward("math")
+@BUILTIN_REWARDS.register("math")
 def math_reward(completion: str, row: dict[str, Any]) -> float:
     """1 if the completion's final answer (`\\boxed{}`, else its last number) matches the row's answer."""
     predicted = extract_answer(completion)
     return float(predicted is not None and answers_match(predicted, reference_answer(row)))
 
 
-@register_reward("exact")
+@BUILTIN_REWARDS.register("exact")
 def exact_reward(completion: str, row: dict[str, Any]) -> float:
     """1 if the whole completion, stripped, equals the row's answer (or label), as the built-in tasks grade."""
     return float(completion.strip() == row_answer(row).strip())
 
 
-@register_reward("format")
+@BUILTIN_REWARDS.register("format")
 def format_reward(completion: str, row: dict[str, Any]) -> float:
     """1 if the completion puts its answer in `\\boxed{...}` (the form the math reward reads first)."""
     return float(last_boxed(completion) is not None)
 
 
-@register_reward("think_format")
+@BUILTIN_REWARDS.register("think_format")
 def think_format_reward(completion: str, row: dict[str, Any]) -> float:
     """1 if the completion is `<think>...</think>` followed by an answer."""
     return float(THINK.match(completion) is not None)

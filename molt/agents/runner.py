@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from molt.agents.env import Env, Messages, Result
-from molt.agents.images import expand_images, message_images, with_images
+from molt.agents.images import expand_images, message_images, pixels_arg, with_images
 from molt.data.trajectory import Trajectory
 from molt.errors import RolloutDrop
 from molt.models.tokenizer import apply_chat_template, render_chat
@@ -107,9 +107,11 @@ def _extend_prompt(traj: Trajectory, engine, ids: list[int], images: list, max_l
         traj.images = (traj.images or []) + records
 
 
-def trajectory_images(traj: Trajectory) -> dict[str, Any]:
-    """The `images=` argument of a generate call over `traj.tokens` (empty when it has no images)."""
-    return {"images": [r["pixels"] for r in traj.images]} if traj.images else {}
+def record_completion(traj: Trajectory, completion, keep_ids: bool) -> None:
+    """Append an engine completion to `traj` as an action: ids, log-probs, versions, routing, finish reason."""
+    traj.extend_action(list(completion.token_ids), list(completion.logprobs), list(completion.versions), keep_ids)
+    traj.add_routing(getattr(completion, "routing", None))  # duck-typed engines may lack it
+    traj.finish_reason = completion.finish_reason
 
 
 async def run_episode(
@@ -144,10 +146,8 @@ async def run_episode(
             break
         turn_seed = None if sampling.seed is None else sampling.seed * 64 + turn  # distinct, reproducible
         turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room), seed=turn_seed)
-        completion = await engine.generate(traj.tokens, turn_sampling, **trajectory_images(traj))
-        traj.extend_action(list(completion.token_ids), list(completion.logprobs), list(completion.versions), keep_ids)
-        traj.add_routing(getattr(completion, "routing", None))  # duck-typed engines may lack it
-        traj.finish_reason = completion.finish_reason
+        completion = await engine.generate(traj.tokens, turn_sampling, **pixels_arg(traj.images))
+        record_completion(traj, completion, keep_ids)
         action = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         result = await _step(env, action, limits.step_timeout_s)
         traj.reward += float(result.reward)

@@ -161,7 +161,7 @@ def _token_rewards(inputs: AdvantageInputs, params: AdvantageParams) -> Tensor:
         rewards_bt.scatter_(1, last_b.unsqueeze(1), outcome_b1)
     if inputs.kl_bt is not None:
         rewards_bt = rewards_bt - params.kl_coef * inputs.kl_bt.to(dtype)
-    return torch.where(mask, rewards_bt, torch.zeros((), dtype=dtype, device=mask.device))
+    return torch.where(mask, rewards_bt, 0.0)
 
 
 @ESTIMATORS.register("reinforce", whiten=True, needs=("rewards_b",), uses_kl=True)

@@ -80,10 +80,6 @@ def aggregate(
     return fn(loss_bt, mask_bt, denoms, group_ids_b=group_ids_b, norm_len=norm_len)
 
 
-def _per_seq_sum(loss_bt: Tensor, mask_bt: Tensor) -> Tensor:
-    return masked_sum(loss_bt, mask_bt, dim=1)
-
-
 def _floor1(count: Tensor, like: Tensor) -> Tensor:
     return count.to(device=like.device, dtype=like.dtype).clamp_min(1)
 
@@ -97,7 +93,7 @@ def token_mean(loss_bt: Tensor, mask_bt: Tensor, denoms: StepDenominators, **_: 
 @AGGREGATIONS.register("seq-mean-token-sum")
 def seq_mean_token_sum(loss_bt: Tensor, mask_bt: Tensor, denoms: StepDenominators, **_: object) -> Tensor:
     """Per-sequence token sums, averaged over the step's sequences."""
-    return _per_seq_sum(loss_bt, mask_bt).sum() / _floor1(denoms.num_seqs, loss_bt)
+    return masked_sum(loss_bt, mask_bt, dim=1).sum() / _floor1(denoms.num_seqs, loss_bt)
 
 
 @AGGREGATIONS.register("seq-mean-token-sum-norm", needs_norm_len=True)
@@ -105,14 +101,14 @@ def seq_mean_token_sum_norm(
     loss_bt: Tensor, mask_bt: Tensor, denoms: StepDenominators, *, norm_len: float, **_: object
 ) -> Tensor:
     """Per-sequence token sums / a constant length, averaged over sequences (Dr. GRPO)."""
-    return _per_seq_sum(loss_bt, mask_bt).sum() / (_floor1(denoms.num_seqs, loss_bt) * norm_len)
+    return masked_sum(loss_bt, mask_bt, dim=1).sum() / (_floor1(denoms.num_seqs, loss_bt) * norm_len)
 
 
 @AGGREGATIONS.register("seq-mean-token-mean")
 def seq_mean_token_mean(loss_bt: Tensor, mask_bt: Tensor, denoms: StepDenominators, **_: object) -> Tensor:
     """Per-sequence token means, averaged over the step's sequences (GRPO paper, GSPO)."""
     tokens_b = mask_bt.bool().sum(dim=1).clamp_min(1).to(loss_bt.dtype)
-    return (_per_seq_sum(loss_bt, mask_bt) / tokens_b).sum() / _floor1(denoms.num_seqs, loss_bt)
+    return (masked_sum(loss_bt, mask_bt, dim=1) / tokens_b).sum() / _floor1(denoms.num_seqs, loss_bt)
 
 
 @AGGREGATIONS.register("prompt-mean-token-mean", needs_group_ids=True)
@@ -126,4 +122,4 @@ def prompt_mean_token_mean(
     if bool((denoms.group_ids_g[index_b] != group_ids_b).any()):
         raise ValueError("a group id of this micro-batch is missing from the step denominators")
     group_tokens_b = _floor1(denoms.group_tokens_g[index_b], loss_bt)
-    return (_per_seq_sum(loss_bt, mask_bt) / group_tokens_b).sum() / _floor1(denoms.num_groups, loss_bt)
+    return (masked_sum(loss_bt, mask_bt, dim=1) / group_tokens_b).sum() / _floor1(denoms.num_groups, loss_bt)

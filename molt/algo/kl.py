@@ -1,11 +1,8 @@
 """KL estimators (k1, k2, k3) between the policy and a reference, and KL-coefficient controllers.
 
-Estimators (Schulman, "Approximating KL divergence", 2020) act per token on the log-ratio
-`x = logp - base_logp` of tokens sampled from the policy: `k1 = x` (unbiased, can be negative),
-`k2 = x^2 / 2`, `k3 = exp(-x) - 1 + x` (unbiased, >= 0, low variance). `x` has NaN -> 0 and
-+-inf -> +-30; k2 and k3 are clamped to [0, KL_CLAMP]; k1 is not clamped (distillation rewards
-stay uncapped). Used as a reward penalty (k1 recommended) or a loss term (k2/k3 recommended).
-
+Estimators (Schulman, "Approximating KL divergence", 2020) act per token on the log-ratio `x = logp - base_logp`
+of tokens sampled from the policy (NaN -> 0, +-inf -> +-30). k2 and k3 are clamped to [0, KL_CLAMP]; k1 is not
+(distillation rewards stay uncapped). Used as a reward penalty (k1 recommended) or a loss term (k2/k3).
 Controllers hold the coefficient beta: `fixed`, or `adaptive` (Ziegler et al. 2019).
 """
 
@@ -34,7 +31,7 @@ def kl_estimate(name: str, logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tenso
 
 @KL_ESTIMATORS.register("k1")
 def k1(log_ratio_bt: Tensor) -> Tensor:
-    """x: the plain log-ratio."""
+    """x: the plain log-ratio (unbiased, can be negative)."""
     return log_ratio_bt
 
 
@@ -46,7 +43,7 @@ def k2(log_ratio_bt: Tensor) -> Tensor:
 
 @KL_ESTIMATORS.register("k3")
 def k3(log_ratio_bt: Tensor) -> Tensor:
-    """exp(-x) - 1 + x: unbiased and non-negative."""
+    """exp(-x) - 1 + x: unbiased, non-negative and of low variance."""
     return (torch.expm1(-log_ratio_bt) + log_ratio_bt).clamp(min=0.0, max=KL_CLAMP)
 
 

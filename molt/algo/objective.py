@@ -68,8 +68,7 @@ def policy_objective(
     if params.is_correction.level is not None and batch.rollout_logp_bt is None:
         raise ValueError("IS correction needs rollout_logp_bt (the rollout engine's log-probs)")
     if batch.rollout_logp_bt is not None:
-        rollout_logp_bt = batch.rollout_logp_bt
-        weight_bt, is_metrics = is_correction(old_logp_bt, rollout_logp_bt, mask_bt, params.is_correction)
+        weight_bt, is_metrics = is_correction(old_logp_bt, batch.rollout_logp_bt, mask_bt, params.is_correction)
         loss_bt = loss_bt * weight_bt
         metrics |= is_metrics
     metrics["policy_loss"] = masked_mean(loss_bt.detach(), mask_bt)

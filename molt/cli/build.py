@@ -36,9 +36,8 @@ def build_tokenizer(cfg: ModelConfig):
 def build_model(
     cfg: ModelConfig, tokenizer, seed: int, device: str = "cpu", dtype: torch.dtype | None = None
 ) -> Transformer:
-    """A model loaded from `cfg.path`, or a preset sized to the tokenizer with seeded random weights.
-
-    Its parameters are in `dtype` (default: the compute dtype `cfg.dtype` resolves to on `device`)."""
+    """A model loaded from `cfg.path`, or a preset sized to the tokenizer with seeded random weights; parameters in
+    `dtype` (default: the compute dtype `cfg.dtype` resolves to on `device`)."""
     dtype = dtype or resolve_dtype(cfg.dtype, device)
     if cfg.path:
         model = from_pretrained(cfg.path, dtype=dtype, device=device)

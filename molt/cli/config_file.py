@@ -39,9 +39,7 @@ class _Yaml12Loader(yaml.SafeLoader):
 
 
 _Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
 )
 
 
@@ -81,8 +79,6 @@ def _type_name(tp: Any) -> str:
 def coerce(value: Any, tp: Any, key: str) -> Any:
     """`value` checked against type `tp` (int accepted for float; lists for tuples)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return value
     if origin in (typing.Union, types.UnionType):
         for option in args:
             try:
@@ -99,10 +95,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             if len(value) != len(args):
                 raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
             return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
-        item = args[0] if args else Any
-        return origin(coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin is dict and isinstance(value, dict):
-        return dict(value)
+        return origin(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
     if tp is type(None) and value is None:
         return None
     if tp is float and isinstance(value, int) and not isinstance(value, bool):

@@ -1,17 +1,16 @@
 """`molt eval`: score a checkpoint on held-out rows the way training's eval does.
 
-The target is a checkpoint folder, a run directory (its latest checkpoint) or any HF model folder
-(`--model.path`; the CLI fills it from `molt eval TARGET`, reading the run's `config.yaml` for data,
-rollout and eval settings when TARGET belongs to a run). Same data split, agent or reward function,
-engine, episode limits, sampling settings and per-sample seeds (`eval.seed`) as training's eval, so it
-reproduces the in-training eval of the checkpoint's step. Writes `metrics.jsonl` (mean reward, named
-rewards, pass@k for every k up to `eval.n_samples`) and `results.jsonl` (one line per row).
+The target (`--model.path`, filled from `molt eval TARGET`) is a checkpoint, a run directory (its latest checkpoint,
+with the run's config.yaml) or any HF model folder. Same data split, agent, rewards, engine, limits, sampling and
+seeds as training's eval, so it reproduces the in-training eval of the checkpoint's step. Writes `metrics.jsonl`
+(mean reward, named rewards, pass@k for every k up to `eval.n_samples`) and `results.jsonl` (one line per row).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -50,15 +49,12 @@ async def _eval_async(cfg: Config, checkpoint: str, rows: list[dict], make_env, 
     tokenizer, model = on_fresh_thread(_model, cfg, checkpoint, threads=threads)
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True)
     chat = chat_runner(cfg, engine, tokenizer)
-
-    async def episode(*args, **kw):
-        return (await run_agent(chat, *args, **kw))[-1]  # segments share reward and score
-
     n = cfg.eval.n_samples
     try:
         return await evaluate(engine, tokenizer, make_env=make_env, rows=rows, limits=episode_limits(cfg), n=n,
                               sampling=rollout_sampling(cfg, tokenizer, cfg.eval.temperature), seed=cfg.eval.seed,
-                              episode=episode, ks=list(range(1, n + 1)), results=out)  # fmt: skip
+                              run=functools.partial(run_agent, chat), ks=list(range(1, n + 1)),
+                              results=out)  # fmt: skip
     finally:
         await chat.close()
         await engine.close()

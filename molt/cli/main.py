@@ -1,11 +1,8 @@
 """`molt <command>`: flags generated from the config tree by tyro; `--config FILE` sets defaults.
 
-Commands are registered functions taking the resolved `Config`; their docstrings are the top-level
-help; each assembles its run in its own module here (`train.py`, `sft.py`, `eval.py`, `serve.py`). A
-user mistake (`molt.errors.UserError`: config, data, agent file, checkpoint, device, port) is one line
-`molt <command>: <kind>: <file:line or key>: <what is wrong and what to do>` with exit code 2 and no
-traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed with its traceback and
-exit code 1.
+Commands are registered functions taking the resolved `Config` (docstring = top-level help), each assembling its
+run in its own module here. A `UserError` is one line `molt <command>: <kind>: <message>` with exit code 2 and no
+traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed with its traceback, exit code 1.
 """
 
 from __future__ import annotations
@@ -82,12 +79,8 @@ def _config_path(args: list[str]) -> str | None:
 
 
 def parse_config(args: list[str], prog: str = "molt", command_name: str = "train") -> Config:
-    """Resolve the config: defaults <- `--config` file <- flags.
-
-    A bad file raises ConfigError. A bad flag exits with code 2 after printing one line naming it: a
-    value the groups' checks reject (a UserError while tyro builds them), or one tyro cannot parse
-    (unknown, wrong type; tyro's own message).
-    """
+    """Resolve the config: defaults <- `--config` file <- flags. A bad file raises ConfigError; a bad flag exits
+    with code 2 after one line naming it (a value the checks reject, or tyro's own message)."""
     from molt.cli.config_file import build, load_config_file
 
     path = _config_path(args)
@@ -99,41 +92,42 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
         fail(prog, e)
 
 
-def _value_of(args: list[str], flag: str, missing: str) -> str:
-    """The value after `flag` in `args`; a ConfigError saying `missing` when there is none."""
+def _alias(args: list[str], short: str, flag: str, missing: str) -> tuple[list[str], str | None]:
+    """`args` with `short` spelled `flag`, and the flag's value when no `--config` is given (None otherwise);
+    a ConfigError saying `missing` when the flag has no value."""
+    args = [flag if a == short else a for a in args]
+    if flag not in args or _config_path(args) is not None:
+        return args, None
     at = args.index(flag) + 1
     value = args[at] if at < len(args) else ""
     if not value or value.startswith("--"):
         raise ConfigError(missing)
-    return value
+    return args, value
 
 
 def _resume_args(args: list[str]) -> list[str]:
     """`--resume DIR` = `--ckpt.resume DIR` with the run's own config.yaml as the config file."""
-    args = ["--ckpt.resume" if a == "--resume" else a for a in args]
-    if "--ckpt.resume" in args and _config_path(args) is None:
-        run_dir = _value_of(
-            args, "--ckpt.resume", "ckpt.resume: --resume needs a run directory, e.g. --resume runs/train-<time>"
-        )
-        if not Path(run_dir).is_dir():
-            raise ConfigError(f"ckpt.resume: run directory {run_dir!r} does not exist")
-        if not (Path(run_dir) / "config.yaml").exists():
-            raise ConfigError(f"ckpt.resume: {run_dir} has no config.yaml, so it is not a Molt run directory")
-        args = ["--config", f"{run_dir}/config.yaml", *args]
-    return args
+    missing = "ckpt.resume: --resume needs a run directory, e.g. --resume runs/train-<time>"
+    args, run_dir = _alias(args, "--resume", "--ckpt.resume", missing)
+    if run_dir is None:
+        return args
+    if not Path(run_dir).is_dir():
+        raise ConfigError(f"ckpt.resume: run directory {run_dir!r} does not exist")
+    if not (Path(run_dir) / "config.yaml").exists():
+        raise ConfigError(f"ckpt.resume: {run_dir} has no config.yaml, so it is not a Molt run directory")
+    return ["--config", f"{run_dir}/config.yaml", *args]
 
 
 def _replay_args(args: list[str]) -> list[str]:
     """`--replay DIR` = `--rollout.replay DIR`, with the dumped run's config.yaml (when DIR is a run or its
     rollouts folder) as the config file: its seed, model and algorithm; not its run_dir or resume."""
-    args = ["--rollout.replay" if a == "--replay" else a for a in args]
-    if "--rollout.replay" in args and _config_path(args) is None:
-        missing = "rollout.replay: --replay needs a run directory (or its rollouts folder) with a dump"
-        target = _value_of(args, "--rollout.replay", missing)
-        run = next((p for p in (Path(target), Path(target).parent) if (p / "config.yaml").exists()), None)
-        if run is not None:
-            args = ["--config", str(run / "config.yaml"), "--log.run_dir", "", "--ckpt.resume", "", *args]
-    return args
+    missing = "rollout.replay: --replay needs a run directory (or its rollouts folder) with a dump"
+    args, target = _alias(args, "--replay", "--rollout.replay", missing)
+    folders = (Path(target), Path(target).parent) if target else ()
+    run = next((p for p in folders if (p / "config.yaml").exists()), None)
+    if run is None:
+        return args
+    return ["--config", str(run / "config.yaml"), "--log.run_dir", "", "--ckpt.resume", "", *args]
 
 
 def _run_of(target: str) -> Path | None:
@@ -164,45 +158,35 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def command_flags(name: str, rest: list[str]) -> list[str]:
-    """The flags `molt <name> <rest...>` stands for: positional targets, `--resume` and `--replay` spelled out."""
+def parse_command(argv: list[str]) -> Config:
+    """The checked config of `molt <argv...>` (a known command), before anything is built; UserError if wrong.
+    Positional targets, `--resume` and `--replay` are spelled out as flags; then the checks that need the command
+    or user code as well as the config."""
+    from molt.cli.inputs import check_user_code
+
+    name, rest = argv[0], argv[1:]
     if name == "serve" and rest and not rest[0].startswith("-"):
         rest = ["--model.path", *rest]  # `molt serve CHECKPOINT`
     if name == "eval" and rest and not rest[0].startswith("-"):
         rest = _eval_args(rest[0], rest[1:])  # `molt eval CHECKPOINT|RUN_DIR`
-    return _resume_args(_replay_args(rest))
-
-
-def parse_command(argv: list[str]) -> Config:
-    """The checked config of `molt <argv...>` (a known command), before anything is built; UserError if wrong."""
-    name, rest = argv[0], argv[1:]
-    cfg = parse_config(command_flags(name, rest), prog=f"molt {name}", command_name=name)
-    preflight(name, cfg)
+    cfg = parse_config(_resume_args(_replay_args(rest)), prog=f"molt {name}", command_name=name)
+    check_user_code(cfg)
+    if cfg.chat.port and (name == "serve" or cfg.rollout.agent):
+        check_port(cfg.chat.host, cfg.chat.port)
     return cfg
 
 
 def check_port(host: str, port: int) -> None:
     """A ConfigError naming chat.port when another process already listens on (host, port)."""
-    probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT does not count
-    try:
-        probe.bind((host, port))
-    except OSError as e:
-        raise ConfigError(
-            f"chat.port: cannot listen on {host}:{port} ({e.strerror or e}); another process uses it: "
-            "stop it or pick a free port with --chat.port (0 = any free port)"
-        ) from None
-    finally:
-        probe.close()
-
-
-def preflight(name: str, cfg: Config) -> None:
-    """Checks that need the command (or user code) as well as the config, before any model is built."""
-    from molt.cli.inputs import check_user_code
-
-    check_user_code(cfg)
-    if cfg.chat.port and (name == "serve" or cfg.rollout.agent):
-        check_port(cfg.chat.host, cfg.chat.port)
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT does not count
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ConfigError(
+                f"chat.port: cannot listen on {host}:{port} ({e.strerror or e}); another process uses it: "
+                "stop it or pick a free port with --chat.port (0 = any free port)"
+            ) from None
 
 
 def fail(prog: str, error: UserError) -> NoReturn:

@@ -1,9 +1,8 @@
 """`molt train`: assemble a run (inputs, policy, runtime, loop), then asynchronous RL with eval and checkpoints.
 
-The order: start-up checks of the run directory, inputs (data, reward, agent: a bad row stops here), the
-policy (resumed, loaded, or a cached warm start), the runtime of `runtime.backend` (trainer and extra models
-placed, engines started from the one factory), the loop; at the end a summary line. With `rollout.replay` the
-loop trains on a rollout dump and no engine is started (`molt/loop/replay.py`).
+The order: start-up checks of the run directory, inputs (a bad row stops here), the policy (resumed, loaded, or a
+cached warm start), the runtime of `runtime.backend`, the loop, a closing summary. With `rollout.replay` the loop
+trains on a rollout dump and no engine is started (`molt/loop/replay.py`).
 """
 
 from __future__ import annotations
@@ -24,10 +23,11 @@ from molt.cli.build import build_model, build_tokenizer
 from molt.cli.inputs import RunInputs, load_inputs
 from molt.cli.warm_start import wants_warm_start, warm_start
 from molt.config import Config, ConfigError
+from molt.config.run import latest_checkpoint
 from molt.engine.torch_engine import on_fresh_thread
 from molt.log import RunDir, check_new_run_dir, plot_metrics
-from molt.loop.checkpoint import checkpoint_step, latest_checkpoint, load_training_state, save_checkpoint
-from molt.loop.replay import ReplayLoop, compute_threads, replay_folder
+from molt.loop.checkpoint import checkpoint_step, load_training_state, save_checkpoint
+from molt.loop.replay import ReplayLoop, replay_folder
 from molt.loop.rl import RLLoop
 from molt.runtime.base import Runtime, start_runtime
 from molt.train.precision import Precision
@@ -101,9 +101,8 @@ async def _start(cfg: Config, run: RunDir, threads: int, inputs: RunInputs) -> t
         trainer = runtime.trainer
         state = load_training_state(latest_checkpoint(cfg.ckpt.resume), trainer) if cfg.ckpt.resume else None
         if cfg.rollout.replay:  # no engine: the trainer steps on the dumped batches
-            vocab_size, compute = model.cfg.vocab_size, compute_threads(cfg, threads)
-            return runtime, ReplayLoop(cfg, trainer=trainer, tokenizer=tokenizer, vocab_size=vocab_size,
-                                       threads=compute, state=state, run_dir=run.path)  # fmt: skip
+            return runtime, ReplayLoop(cfg, trainer=trainer, tokenizer=tokenizer, vocab_size=model.cfg.vocab_size,
+                                       threads=threads, state=state, run_dir=run.path)  # fmt: skip
         engine = runtime.start_engines(tokenizer, trainer.version)
     except BaseException:
         runtime.shutdown()
@@ -151,10 +150,7 @@ def check_run_dir(cfg: Config) -> None:
         if cfg.log.run_dir:
             check_new_run_dir(cfg.log.run_dir)
         return
-    try:
-        step = checkpoint_step(latest_checkpoint(cfg.ckpt.resume))
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
+    step = checkpoint_step(latest_checkpoint(cfg.ckpt.resume))  # ckpt.resume checked it exists
     if step >= cfg.train.max_steps:
         raise ConfigError(
             f"ckpt.resume: {cfg.ckpt.resume} is finished (its latest checkpoint is step {step}, train.max_steps is "
@@ -203,13 +199,11 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        running = False
+        pass  # no running loop: run below, outside this block, so a failure's traceback does not start with it
     else:
-        running = True
-    if not running:  # outside the except block: a failure's traceback must not start with "no running loop"
-        return asyncio.run(coro)
-    with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
-        return pool.submit(asyncio.run, coro).result()
+        with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
+            return pool.submit(asyncio.run, coro).result()
+    return asyncio.run(coro)
 
 
 def run_train(cfg: Config) -> TrainResult:

@@ -38,30 +38,17 @@ def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
     from molt.cli.sft import run_sft
 
     m = cfg.model
-    sft_cfg = dataclasses.replace(
-        cfg,
-        train=dataclasses.replace(
-            cfg.train,
-            max_steps=m.warmstart_steps,
-            lr=m.warmstart_lr,
-            batch_size=32,
-            warmup_steps=min(10, m.warmstart_steps),
-        ),
-    )
     rows = train_rows if train_rows is not None else dataset_rows(cfg.data)[0]
     sample = rows[:8]  # the data itself, so a changed task definition is not served stale
-    key_fields = {
-        "model": _model_key(m),
-        "data": _data_key(cfg.data),
-        "seed": cfg.train.seed,
-        "sample": sample,
-        "version": 1,
-    }
-    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
+    fields = dict(model=_model_key(m), data=_data_key(cfg.data), seed=cfg.train.seed, sample=sample, version=1)
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_root() / "warmstart" / key
     if not (folder / "checkpoint" / "config.json").exists():
-        sft_cfg.log = dataclasses.replace(cfg.log, run_dir=str(folder), wandb_project="")  # a cache, not a run
-        run_sft(sft_cfg)
+        steps = m.warmstart_steps
+        train = dataclasses.replace(cfg.train, max_steps=steps, lr=m.warmstart_lr, batch_size=32,
+                                    warmup_steps=min(10, steps))  # fmt: skip
+        log = dataclasses.replace(cfg.log, run_dir=str(folder), wandb_project="")  # a cache, not a run
+        run_sft(dataclasses.replace(cfg, train=train, log=log))
     return str(folder / "checkpoint")
 
 

@@ -86,10 +86,5 @@ class Config:
             f"({self.algo.overlong_buffer}) must be <= algo.overlong_max_len "
             f"({overlong_max_len}; 0 = rollout.max_tokens)",
         )
-        self._check_models()
-
-    def _check_models(self) -> None:
-        """The critic's settings apply only where there is one (critic, teacher and LoRA run on either backend:
-        with `ray` the trainer ranks shard them like the policy)."""
-        gae = self.algo.estimator == "gae"
+        gae = self.algo.estimator == "gae"  # the critic's settings apply only where there is one
         check(gae or self.critic == CriticConfig(), "critic", "critic.* settings need --algo.estimator gae")

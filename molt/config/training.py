@@ -37,9 +37,7 @@ class ModelConfig:
         from molt.models.config import PRESETS
 
         check(
-            bool(self.path) or self.preset in PRESETS,
-            "model.preset",
-            f"unknown preset; use one of {sorted(PRESETS)}",
+            bool(self.path) or self.preset in PRESETS, "model.preset", f"unknown preset; use one of {sorted(PRESETS)}"
         )
         check(self.init_std > 0, "model.init_std", "must be > 0")
         check(self.warmstart_steps >= 0, "model.warmstart_steps", "must be >= 0 (0 = no warm start)")

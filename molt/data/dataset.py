@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from molt.data.formats import DataError, dataset_splits, read_located
+from molt.data.formats import dataset_splits, read_located
 from molt.data.rows import Row, parse_columns, prompt_rows
 from molt.data.tasks import get_task
 
@@ -17,13 +17,10 @@ EVAL_SPLITS = ("test", "validation", "valid", "eval")
 
 
 def file_rows(path: str, data, split: str = "") -> list[Row]:
-    """Prompt rows of one dataset file or folder under `data`'s column mapping and system prompt."""
-    try:
-        columns = parse_columns(data.columns)
-    except ValueError as e:
-        raise DataError(str(e)) from None
+    """Prompt rows of one dataset file or folder under `data`'s column mapping (checked by `DataConfig`) and
+    system prompt."""
     located = read_located(path, split or data.split)
-    return prompt_rows(located, columns, data.system_prompt, source=path)
+    return prompt_rows(located, parse_columns(data.columns), data.system_prompt, source=path)
 
 
 def _eval_split(path: str) -> str:

@@ -10,6 +10,7 @@ also what the `datasets` library stores; nothing here interprets the rows (see `
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from molt.registry import Registry
 Row = dict[str, Any]
 Located = list[tuple[str, Any]]  # (where, raw row) pairs; `where` names the file and its 1-based line or row index
 
+_SPACE = re.compile(r"[ \t\r\n]*")  # JSON's whitespace
 READERS: Registry[Callable[[Path], Located]] = Registry("data format")  # fn(path) -> [(where, row)]
 
 
@@ -55,37 +57,37 @@ def read_located(path: str | Path, split: str = "train") -> Located:
     return READERS[kind](path)
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); is it a binary file?") from None
+
+
 @READERS.register("jsonl")
 def read_json_lines(path: Path) -> Located:
     """One JSON value per non-blank line; a bad line is an error naming the file's own 1-based line."""
     out = []
-    with path.open(encoding="utf-8") as f:
+    for lineno, line in enumerate(_read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
         try:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    out.append((f"{path}:{lineno}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); is it a binary file?") from None
+            out.append((f"{path}:{lineno}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
     return out
 
 
 @READERS.register("json")
 def read_json(path: Path) -> Located:
     """A JSON array of rows (each located at the line where it starts), else JSON lines (as `to_json` writes)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); is it a binary file?") from None
+    text = _read_text(path)
     start = len(text) - len(text.lstrip())
     if not text[start:].startswith("["):
         return read_json_lines(path)
     decoder, out, pos = json.JSONDecoder(), [], start + 1
     while True:
-        pos = _skip_space(text, pos)
+        pos = _SPACE.match(text, pos).end()
         if pos < len(text) and text[pos] == "]":
             return out
         try:
@@ -93,18 +95,12 @@ def read_json(path: Path) -> Located:
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
         out.append((f"{path}:{text.count(chr(10), 0, pos) + 1}", row))
-        pos = _skip_space(text, end)
+        pos = _SPACE.match(text, end).end()
         if pos < len(text) and text[pos] == ",":
             pos += 1
         elif pos >= len(text) or text[pos] != "]":
             line = text.count("\n", 0, pos) + 1
             raise DataError(f"{path}:{line}: invalid JSON (expected ',' or ']' after a row)")
-
-
-def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t\r\n":
-        pos += 1
-    return pos
 
 
 def _arrow_rows(path: Path, table) -> Located:

@@ -9,6 +9,7 @@ data. Knows nothing about models or training.
 from __future__ import annotations
 
 import random
+import re
 from typing import Any, Protocol
 
 from molt.registry import Registry
@@ -40,11 +41,16 @@ def register_task(name: str):
     return wrap
 
 
-def dataset_rows(data) -> tuple[list[Row], list[Row]]:
-    """(train, held-out) rows for a `DataConfig`: see `molt/data/dataset.py`."""
-    from molt.data.dataset import dataset_rows as rows
+class SeededTask:
+    """What the built-in tasks share: `rows` draws each row (`row(rng)`) from one seeded generator; `grade` is
+    an exact match of the stripped completion with the row's `label`."""
 
-    return rows(data)
+    def rows(self, n: int, seed: int) -> list[Row]:
+        rng = random.Random(seed)
+        return [self.row(rng) for _ in range(n)]
+
+    def grade(self, row: Row, text: str) -> float:
+        return float(text.strip() == row["label"])
 
 
 def get_task(name: str) -> Task:
@@ -55,24 +61,17 @@ def get_task(name: str) -> Task:
 
 
 @register_task("arithmetic")
-class Arithmetic:
+class Arithmetic(SeededTask):
     """Single-turn sums of a 2-digit and a 1-digit number; the answer is the number alone."""
 
     env = "single_turn"
 
-    def rows(self, n: int, seed: int) -> list[Row]:
-        rng = random.Random(seed)
-        out = []
-        for _ in range(n):
-            a, b = rng.randint(10, 99), rng.randint(0, 9)
-            out.append({"messages": [{"role": "user", "content": f"{a}+{b}="}], "label": str(a + b)})
-        return out
+    def row(self, rng: random.Random) -> Row:
+        a, b = rng.randint(10, 99), rng.randint(0, 9)
+        return {"messages": [{"role": "user", "content": f"{a}+{b}="}], "label": str(a + b)}
 
     def demonstration(self, row: Row, rng: random.Random) -> list[dict[str, Any]]:
         return row["messages"] + [{"role": "assistant", "content": row["label"]}]
-
-    def grade(self, row: Row, text: str) -> float:
-        return float(text.strip() == row["label"])
 
 
 TOOL_CALL = "<tool_call>{}</tool_call>"
@@ -80,8 +79,6 @@ TOOL_CALL = "<tool_call>{}</tool_call>"
 
 def calculate(expression: str) -> str:
     """The calculator tool: `a op b` with non-negative integers and op in + - *; else an error text."""
-    import re
-
     m = re.fullmatch(r"\s*(\d{1,6})\s*([+\-*])\s*(\d{1,6})\s*", expression)
     if not m:
         return "error"
@@ -90,7 +87,7 @@ def calculate(expression: str) -> str:
 
 
 @register_task("calculator")
-class Calculator:
+class Calculator(SeededTask):
     """Multi-turn tool use: products of a 2-digit and a 3-digit number, with a calculator tool.
 
     The policy calls the tool as `<tool_call>347*29</tool_call>`, receives the result as a tool
@@ -102,13 +99,9 @@ class Calculator:
     env = "calculator"
     demo_mix = (0.5, 0.25, 0.25)  # correct tool use, direct guess, mistyped tool call
 
-    def rows(self, n: int, seed: int) -> list[Row]:
-        rng = random.Random(seed)
-        out = []
-        for _ in range(n):
-            a, b = rng.randint(10, 99), rng.randint(100, 999)
-            out.append({"messages": [{"role": "user", "content": f"{a}*{b}="}], "label": str(a * b), "a": a, "b": b})
-        return out
+    def row(self, rng: random.Random) -> Row:
+        a, b = rng.randint(10, 99), rng.randint(100, 999)
+        return {"messages": [{"role": "user", "content": f"{a}*{b}="}], "label": str(a * b), "a": a, "b": b}
 
     def demonstration(self, row: Row, rng: random.Random) -> list[dict[str, Any]]:
         kind = rng.choices(["tool", "guess", "typo"], weights=self.demo_mix)[0]
@@ -124,9 +117,6 @@ class Calculator:
             {"role": "tool", "content": value},
             {"role": "assistant", "content": value},
         ]
-
-    def grade(self, row: Row, text: str) -> float:
-        return float(text.strip() == row["label"])
 
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (40, 60, 230), "yellow": (230, 210, 30)}
@@ -151,7 +141,7 @@ def shape_image(colour: str, rng: random.Random, size: int = 32) -> str:
 
 
 @register_task("shape_colour")
-class ShapeColour:
+class ShapeColour(SeededTask):
     """Visual (needs a VLM, e.g. `--model.preset tiny-vlm`): name the colour of the shape in the image.
 
     Rows hold the image as a PNG data URI in an image content part. Without looking, the reward is
@@ -162,21 +152,14 @@ class ShapeColour:
     env = "single_turn"
     demo_correct = 0.4
 
-    def rows(self, n: int, seed: int) -> list[Row]:
-        rng = random.Random(seed)
-        out = []
-        for _ in range(n):
-            colour = rng.choice(sorted(COLOURS))
-            content = [{"type": "image", "image": shape_image(colour, rng)}, {"type": "text", "text": "Colour?"}]
-            out.append({"messages": [{"role": "user", "content": content}], "label": colour})
-        return out
+    def row(self, rng: random.Random) -> Row:
+        colour = rng.choice(sorted(COLOURS))
+        content = [{"type": "image", "image": shape_image(colour, rng)}, {"type": "text", "text": "Colour?"}]
+        return {"messages": [{"role": "user", "content": content}], "label": colour}
 
     def demonstration(self, row: Row, rng: random.Random) -> list[dict[str, Any]]:
         answer = row["label"] if rng.random() < self.demo_correct else rng.choice(sorted(COLOURS))
         return row["messages"] + [{"role": "assistant", "content": answer}]
-
-    def grade(self, row: Row, text: str) -> float:
-        return float(text.strip() == row["label"])
 
 
 NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farah", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena",
@@ -252,35 +235,27 @@ GSM_SHAPES = (_add, _take_away, _groups, _share, _change, _rate_then_extra)
 
 
 @register_task("gsm")
-class GradeSchoolMath:
-    """Single-turn grade-school math word problems with integer answers (one or two steps).
+class GradeSchoolMath(SeededTask):
+    """Single-turn grade-school math word problems with integer answers (one or two steps, `GSM_SHAPES`).
 
-    Six problem shapes (add, take away, groups of, share equally, change from a bill, rate then extra),
-    each with varied names, objects and numbers; rows carry the reference in `answer` (and `label`),
-    so the built-in `math` reward (`--rollout.reward math`) checks answers numerically. The task's own
-    grade reads the completion's last number. Demonstrations (the `solution` column) show the arithmetic, then
-    `\\boxed{N}`.
+    Rows carry the reference in `answer` (and `label`), so the built-in `math` reward (`--rollout.reward math`)
+    checks answers numerically; the task's own grade reads the completion's last number. Demonstrations (the
+    `solution` column) show the arithmetic, then `\\boxed{N}`.
     """
 
     env = "single_turn"
     instruction = "Give the final answer as a number."
 
-    def rows(self, n: int, seed: int) -> list[Row]:
-        rng = random.Random(seed)
-        out = []
-        for _ in range(n):
-            name, friend = rng.sample(NAMES, 2)
-            text, steps, answer = rng.choice(GSM_SHAPES)(rng, name, friend, rng.choice(ITEMS))
-            solution = ". ".join(steps) + f". The answer is \\boxed{{{answer}}}."
-            messages = [{"role": "user", "content": f"{text}\n{self.instruction}"}]
-            out.append({"messages": messages, "answer": str(answer), "label": str(answer), "solution": solution})
-        return out
+    def row(self, rng: random.Random) -> Row:
+        name, friend = rng.sample(NAMES, 2)
+        text, steps, answer = rng.choice(GSM_SHAPES)(rng, name, friend, rng.choice(ITEMS))
+        solution = ". ".join(steps) + f". The answer is \\boxed{{{answer}}}."
+        messages = [{"role": "user", "content": f"{text}\n{self.instruction}"}]
+        return {"messages": messages, "answer": str(answer), "label": str(answer), "solution": solution}
 
     def demonstration(self, row: Row, rng: random.Random) -> list[dict[str, Any]]:
         return row["messages"] + [{"role": "assistant", "content": row["solution"]}]
 
     def grade(self, row: Row, text: str) -> float:
-        import re
-
         numbers = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
         return float(bool(numbers) and float(numbers[-1]) == float(row["answer"]))

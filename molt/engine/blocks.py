@@ -1,39 +1,27 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, a block table per sequence, prefix sharing by reference.
 
-The physical cache (owned by a runner) is `num_blocks` blocks of `block_size` token positions each.
-A sequence's positions live in the blocks of its *block table*, in order: position p is at offset
-`p % block_size` of block `table[p // block_size]`. Memory therefore follows the tokens in flight,
-not sequences x max length. This module is the plain-Python half: it hands out block ids and says
-where each new position goes; it knows nothing of tensors, models, requests or sampling.
+The physical cache (owned by a runner) is `num_blocks` blocks of `block_size` positions; position p of a
+sequence is at offset `p % block_size` of block `table[p // block_size]`, so memory follows the tokens in
+flight. Plain Python: hands out block ids; knows nothing of tensors, models, requests or sampling.
 
-Design decisions (and the invariants `check()` asserts):
+Invariants (`check()` asserts them):
 
-- **Only full, computed blocks are ever shared.** A block whose every position holds computed KV for a given
-  token prefix is registered under a digest of that *whole prefix* (a chain: the block's digest covers
-  the previous block's digest and its own token ids), so a digest hit means the same prefix, never
-  just the same 16 tokens. A block referenced by more than one table is full and computed, so nothing
-  ever writes into it again: positions are only appended (and computed) in a sequence's own blocks,
-  and no copy-on-write is needed. The one copy is at `fork`: the n samples of a prompt share its
-  computed full blocks by reference and each gets its own copy of the computed part of the partial
-  last block (a `BlockCopy` the runner applies), since every sample appends into it right away.
-- **A block is registered only once computed** (`set_computed`), so a prompt never hits a block whose
-  KV a chunked prefill has yet to write. Prefix hits stop before the block holding the prompt's last
-  token: that token is always computed (its logits give the first sample) into a block of its own.
-- **Reference counts.** A block is in exactly one place: in use (refcount = number of tables holding
-  it), *cached* (refcount 0 but registered: its KV can still be hit; kept least-recently-freed first,
-  and evicted in that order when a new block is needed and the free list is empty), or free.
-  A sequence's blocks are released last block first, so a prefix's deeper blocks are evicted before
-  its root (an evicted root would strand its descendants, since hits follow the chain from the root).
-- **Out of blocks** is never an error mid-step: `can_allocate` gates admission, `append_slot` /
-  `extend` return None and the scheduler preempts a victim (`pick_victim`: the latest admitted sequence,
-  as in vLLM's recompute policy); `preempt` frees its blocks, which stay cached, so the victim's
-  recompute on readmission hits its own prefix unless the blocks were taken meanwhile.
-- **New weights** invalidate every registered digest (`clear_prefixes`); recomputing running
-  sequences is preempt-and-readmit for the scheduler. A block is registered once, when it fills, so
-  blocks computed under old weights are never registered again.
+- **Only full, computed blocks are shared**, registered under a chained digest of the *whole prefix* they
+  end (a hit means the same prefix, not just the same block of tokens). Nothing writes into a shared
+  block, so no copy-on-write: the one copy is at `fork`, where the n samples of a prompt share its full
+  blocks and each copies the computed part of the partial last block (a `BlockCopy` the runner applies).
+- **A block is registered only once computed** (`set_computed`), so a prompt never hits KV a chunked
+  prefill has yet to write; hits stop before the block of the prompt's last token (always computed).
+- **Each block is in one place**: in use (refcount = tables holding it), *cached* (refcount 0 but
+  registered, evicted least-recently-freed first when the free list is empty), or free. Tables release
+  their last block first, so a prefix's deeper blocks go before its root (hits follow the chain).
+- **Out of blocks** is never an error mid-step: `can_allocate` gates admission, `extend` returns None and
+  the scheduler preempts (the latest admitted sequence, as vLLM) by `free`ing it; its blocks stay cached,
+  so its recompute may hit its own prefix.
+- **New weights** invalidate every digest (`clear_prefixes`); a block is registered once, when it fills,
+  so KV computed under old weights is never registered again.
 
-Sizing: `bytes_per_block` and `num_blocks_for_budget` turn a byte budget (a fraction of free device
-memory measured after loading the model, or a fixed number of bytes on CPU) into a block count.
+Sizing: `bytes_per_block` and `num_blocks_for_budget` turn a byte budget into a block count.
 """
 
 from __future__ import annotations
@@ -41,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_BLOCK_SIZE = 16
@@ -104,8 +92,6 @@ class BlockManager:
         self._tokens: dict[int, list[int]] = {}
         self._num_computed: dict[int, int] = {}
         self._digests: dict[int, list[bytes]] = {}  # chain digests of a sequence's full blocks, lazily extended
-        self._order: dict[int, int] = {}  # seq -> admission counter (victim choice)
-        self._clock = 0
         self._copies: list[BlockCopy] = []
 
     # ---- queries -------------------------------------------------------------------------------
@@ -179,8 +165,6 @@ class BlockManager:
     def _register_seq(self, seq_id: int, table: list[int], tokens: list[int], digests: list[bytes], computed: int):
         self._tables[seq_id], self._tokens[seq_id], self._digests[seq_id] = table, tokens, digests
         self._num_computed[seq_id] = computed
-        self._clock += 1
-        self._order[seq_id] = self._clock
 
     def _match_prefix(self, tokens: list[int]) -> tuple[list[bytes], list[int]]:
         """Chain digests of the shareable full blocks and the registered blocks they hit (leading run)."""
@@ -205,18 +189,6 @@ class BlockManager:
             del self._block_of[self._digest_of.pop(block)]
         self._ref[block] = 1
         return block
-
-    def append_slot(self, seq_id: int, token_id: int) -> tuple[int, int] | None:
-        """Reserve the next position for `token_id`: (block, offset), or None when a new block is needed
-        and none is left (nothing changes; the scheduler preempts and retries)."""
-        tokens, table = self._tokens[seq_id], self._tables[seq_id]
-        position = len(tokens)
-        if position == len(table) * self.block_size:
-            if not self.num_free_blocks():
-                return None
-            table.append(self._take_block())
-        tokens.append(token_id)
-        return table[-1], position % self.block_size
 
     def extend(self, seq_id: int, token_ids: Sequence[int]) -> int | None:
         """Reserve positions for the tokens of `token_ids` past the ones the sequence holds (a prefix of them):
@@ -292,19 +264,8 @@ class BlockManager:
                     self._cached[block] = None
                 else:
                     self._free.append(block)
-        for state in (self._tokens, self._num_computed, self._digests, self._order):
+        for state in (self._tokens, self._num_computed, self._digests):
             state.pop(seq_id)
-
-    def pick_victim(self, seq_ids: Iterable[int]) -> int | None:
-        """The sequence to preempt among `seq_ids`: the most recently admitted (None if there is none)."""
-        return max(seq_ids, key=self._order.__getitem__, default=None)
-
-    def preempt(self, seq_id: int) -> int:
-        """Free a victim's blocks so others can proceed; returns how many became available. The scheduler
-        re-queues it with its tokens so far and recomputes them (hitting its own cached blocks if still there)."""
-        before = self.num_free_blocks()
-        self.free(seq_id)
-        return self.num_free_blocks() - before
 
     def clear_prefixes(self) -> None:
         """Forget every registered digest (their KV was computed under weights that are gone)."""

@@ -1,24 +1,18 @@
 """KV-cache bookkeeping for the built-in engine: which sequence owns which cache slot, in plain Python.
 
-The physical cache (owned by the runner) is a fixed-capacity slot array: `num_slots` rows of
-`max_seq_len` positions each, plus one scratch row. A slot holds one sequence, position = slot
-column, so an admitted sequence can never run out of room mid-generation: out of capacity only
-ever means "no free slot", and the request waits in the queue. Nothing is preempted.
+The physical cache (owned by the runner) is `num_slots` rows of `max_seq_len` positions plus one scratch row. A
+slot holds one sequence, so an admitted sequence never runs out of room: out of capacity only means "no free
+slot", and the request waits in the queue. Nothing is preempted. Invariants (the tests check them):
 
-Invariants this manager keeps (and its tests check):
-
-- With `compact` (for attention that reads a contiguous view of the cache), active slots are exactly
-  `0 .. num_active-1`: freeing a slot moves the last active sequence into the hole, and a reused
-  prefix moves to the end of the active ones. Without it (attention that takes each row's slot, such
-  as Molt's CPU kernel), a sequence keeps its slot from allocation to free and nothing moves.
-- Finished sequences may leave their KV behind as a *cached prefix* (prefix cache) in an inactive
-  slot; a new prompt that starts with those tokens reuses them (multi-turn agents, session affinity).
-  Cached prefixes are evicted least-recently-used when a slot is needed.
+- With `compact` (attention reading a contiguous view of the cache), active slots are exactly
+  `0 .. num_active-1`: a freed slot takes the last active sequence, a reused prefix moves to the end of the
+  active ones. Without it (Molt's CPU kernel takes each row's slot), a sequence keeps its slot and nothing moves.
+- Finished sequences may leave their KV as a *cached prefix* in an inactive slot, reused by a new prompt that
+  starts with those tokens (multi-turn agents), and evicted least-recently-used when a slot is needed.
 - The n samples of one prompt share its prefill: `share` copies the computed prefix into siblings.
 
-Every relocation is recorded as a `Move` (copy `length` positions from row `src` to row `dst`;
-`SCRATCH` is the extra row used for swaps) that the runner must apply, in order, before the next
-forward. The manager knows nothing of tensors, models or sampling.
+Every relocation is a `Move` the runner applies, in order, before the next forward. Knows nothing of tensors,
+models or sampling.
 """
 
 from __future__ import annotations
@@ -55,13 +49,11 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 class SlotCacheManager:
     """Slot allocation, compaction (optional), prefix caching and sharing; emits `Move`s for the runner."""
 
-    def __init__(
-        self, num_slots: int, max_seq_len: int, prefix_cache: bool = True, min_reuse: int = 1, compact: bool = True
-    ):
+    def __init__(self, num_slots: int, max_seq_len: int, prefix_cache: bool = True, compact: bool = True):
         if num_slots < 1 or max_seq_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_seq_len >= 2, got {num_slots}, {max_seq_len}")
         self.num_slots, self.max_seq_len, self.compact = num_slots, max_seq_len, compact
-        self.prefix_cache, self.min_reuse = prefix_cache, min_reuse
+        self.prefix_cache = prefix_cache
         self.num_active = 0
         self._slot_of: dict[int, int] = {}
         self._owner: list[int | None] = [None] * num_slots
@@ -139,7 +131,7 @@ class SlotCacheManager:
             n = min(common_prefix_len(entry.tokens, prompt), len(prompt) - 1)
             if n > best_len:
                 best, best_len = slot, n
-        return (best, best_len) if best_len >= max(self.min_reuse, 1) else (None, 0)
+        return best, best_len
 
     def _make_room(self, target: int) -> None:
         """Make slot `target` (== num_active) free, relocating or evicting a cached prefix there."""
@@ -172,7 +164,7 @@ class SlotCacheManager:
         """Release the sequence's slot; with `tokens` (its ids), keep the computed KV as a cached prefix."""
         slot = self._slot_of[seq_id]
         last = self.num_active - 1 if self.compact else slot
-        keep = self.prefix_cache and tokens is not None and self._length[slot] >= max(self.min_reuse, 1)
+        keep = self.prefix_cache and tokens is not None and self._length[slot] > 0
         if keep:
             cached = tuple(tokens[: self._length[slot]])
             self._drop_subsumed(cached)

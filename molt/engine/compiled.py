@@ -1,13 +1,11 @@
 """The engine's compiled decode step: one `torch.compile`d graph (inductor, dynamic shapes, C++ wrapper) for
 decode-only steps of a dense text model.
 
-One compilation (~30 s on 2 CPU cores, cached on disk by inductor) serves every batch, length and cache size;
-a lone row runs padded to two (a batch of 1 would be compiled again). The graph reads the cache and writes
-nothing (an in-graph write to the cache made the compiled step copy it): `DecodeOverCache` collects each
-layer's new keys and values, which `CompiledDecode.step` stores after the graph. On CPU its linear layers
-multiply by the engine's packed weights (`packed.py`) and, in fp32, its attention is Molt's kernel, which
-reads each row at its own slot; other attention reads rows 0..B-1 as one view. Knows the runner's cache
-layout, nothing of requests or scheduling. See docs/engine.md.
+One compilation (cached on disk by inductor) serves every batch, length and cache size; a lone row runs padded
+to two (a batch of 1 would be compiled again). The graph reads the cache and writes nothing (an in-graph write
+made it copy the cache): `CompiledDecode.step` stores the new keys and values after it. On CPU the linear
+layers use the packed weights (`cpu/packed.py`) and, in fp32, attention is Molt's kernel. Knows the runner's
+cache layout, nothing of requests or scheduling. See docs/engine.md.
 """
 
 from __future__ import annotations
@@ -40,13 +38,9 @@ class SlotRunner(Protocol):
 
 
 class DecodeOverCache:
-    """Cache backend of the compiled decode step: row b decodes one token over cache row `slots_b[b]` (Molt's
-    kernel; other attention reads rows 0..B-1 as one view, and the slots must be those).
-
-    Reads the cache and writes nothing (an in-graph write to the cache made the compiled step copy
-    it): each query attends over its row's cached positions before its own, plus its own new key,
-    which `new_k`/`new_v` collect per layer for the caller to store. The same softmax over the same
-    keys as `MixedStep`, summed in a different order (fp32 rounding only).
+    """Cache backend of the compiled decode step: row b attends over cache row `slots_b[b]`'s positions before its
+    own (Molt's kernel; torch ops read rows 0..B-1 as one view, so the slots must be those), then its own new key,
+    which `new_k`/`new_v` collect per layer for the caller to store. `MixedStep`'s softmax, summed in another order.
     """
 
     def __init__(
@@ -58,17 +52,24 @@ class DecodeOverCache:
 
     def prepare(self, position_ids_bt: torch.Tensor):
         pos_b = position_ids_bt[0]
-        if self.own_attention:
-            return self._own_attend(pos_b)
-        key_pos_s, rows = self.key_pos_s, pos_b.shape[0]
-        kv_len, kv_heads, head_dim = key_pos_s.shape[0], self.k.shape[2], self.k.shape[4]
-        mask_m1s = per_kv_head(additive_mask(key_pos_s[None, :] < pos_b[:, None]), kv_heads)
-        scale = head_dim**-0.5
+        attention = self._kernel_attention(pos_b) if self.own_attention else self._torch_attention(pos_b)
 
         def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
             q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
             self.new_k.append(k_nkd)
             self.new_v.append(v_nkd)
+            return attention(layer_idx, q_nhd, k_nkd, v_nkd).transpose(0, 1)[None]
+
+        return attend
+
+    def _torch_attention(self, pos_b: torch.Tensor):
+        """Row b over cache row b's first pos_b[b] positions, then its own key, in torch ops."""
+        key_pos_s, rows = self.key_pos_s, pos_b.shape[0]
+        kv_len, kv_heads, head_dim = key_pos_s.shape[0], self.k.shape[2], self.k.shape[4]
+        mask_m1s = per_kv_head(additive_mask(key_pos_s[None, :] < pos_b[:, None]), kv_heads)
+        scale = head_dim**-0.5
+
+        def attention(layer_idx: int, q_nhd, k_nkd, v_nkd) -> torch.Tensor:
             keys_msd = self.k[layer_idx, :rows, :, :kv_len].reshape(rows * kv_heads, kv_len, head_dim)
             values_msd = self.v[layer_idx, :rows, :, :kv_len].reshape(rows * kv_heads, kv_len, head_dim)
             q_mgd = q_nhd.reshape(rows * kv_heads, -1, head_dim)
@@ -78,23 +79,18 @@ class DecodeOverCache:
             probs_mgs = torch.softmax(torch.cat([old_mgs, own_mg1 * scale], dim=-1), dim=-1)
             own_mgd = probs_mgs[..., kv_len:] * v_nkd.reshape(rows * kv_heads, 1, head_dim).float()
             out_mgd = torch.bmm(probs_mgs[..., :kv_len].to(values_msd.dtype), values_msd) + own_mgd.to(values_msd.dtype)
-            return out_mgd.view(q_nhd.shape).transpose(0, 1)[None]
+            return out_mgd.view(q_nhd.shape)
 
-        return attend
+        return attention
 
-    def _own_attend(self, pos_b: torch.Tensor):
+    def _kernel_attention(self, pos_b: torch.Tensor):
         """The same attention by Molt's kernel: row b over its slot's first pos_b[b] positions, then its own key."""
-        slots_b = self.slots_b
 
-        def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
-            q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
-            self.new_k.append(k_nkd)
-            self.new_v.append(v_nkd)
+        def attention(layer_idx: int, q_nhd, k_nkd, v_nkd) -> torch.Tensor:
             k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-            out_nhd = kernels.decode_attention(q_nhd, k_cache, v_cache, slots_b, pos_b, k_nkd, v_nkd)
-            return out_nhd.transpose(0, 1)[None]
+            return kernels.decode_attention(q_nhd, k_cache, v_cache, self.slots_b, pos_b, k_nkd, v_nkd)
 
-        return attend
+        return attention
 
 
 def decode_logits(model: Transformer, ids_1n, pos_1n, k, v, slots_b, key_pos_s, own_attention: bool):
@@ -110,10 +106,8 @@ class CompiledDecode:
 
     def __init__(self, runner: SlotRunner):
         self.runner = runner
-        # no guards on the model's modules (~0.4 ms a step): the runner's model never changes shape or type,
-        # and its weights load in place. In bf16 / fp16, fused ops round where the eager model (the trainer's)
-        # rounds, not only at a kernel's end, so the graph stays closer to the trainer's function (a tiny bf16
-        # model's mean log-prob mismatch: 1.35e-2 without, 1.1e-2 with; the eager engine's 5.6e-3)
+        # no guards on the model's modules (its weights load in place; shapes and types never change); in bf16 /
+        # fp16, fused ops round where the eager (trainer's) model rounds (docs/engine.md)
         options = {
             "cpp_wrapper": True,
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,

@@ -21,7 +21,7 @@ import torch
 from molt.engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager
 from molt.engine.cache import SlotCacheManager
 from molt.engine.images import chunk_image_embeds
-from molt.engine.interface import Completion, Weights, work_since  # noqa: F401 - work_since: declared there
+from molt.engine.interface import Completion, TokenDelta, Weights, find_stop_string
 from molt.engine.paged import PagedRunner, PagedScheduler, PagedSlots
 from molt.engine.runner import ModelRunner
 from molt.engine.sampling import RowParams, TopLogprobs, sample, sample_top
@@ -32,7 +32,6 @@ from molt.engine.weights import load_weights
 from molt.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
-StreamedToken = tuple[int, int, float, TopLogprobs | None]  # sample index, token, log-prob, alternatives asked for
 
 
 class EngineCore:
@@ -58,9 +57,12 @@ class EngineCore:
         self.model, self.tokenizer, self.version, self.max_seq_len = model, tokenizer, version, max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
         if kv_blocks is not None:  # the paged KV cache (paged.py); otherwise the slot cache
-            self._init_paged(
-                model, num_slots, max_seq_len, max_num_batched_tokens, prefix_cache, kv_blocks, block_size, graphs
-            )
+            if kv_blocks * block_size < max_seq_len:  # a lone sequence must always fit, or preemption could not help
+                raise ValueError(f"kv_blocks={kv_blocks} x block_size={block_size} < max_seq_len={max_seq_len}")
+            max_blocks = -(-max_seq_len // block_size)
+            self.manager = PagedSlots(BlockManager(kv_blocks, block_size, prefix_cache), num_slots, max_blocks)
+            self.runner = PagedRunner(model, self.manager, graphs)
+            self.scheduler = PagedScheduler(self.manager, max_num_batched_tokens)
         else:
             self.runner = ModelRunner(model, num_slots, max_seq_len, record_routing, compile)
             # Molt's attention kernel takes each row's slot: no compaction moves (torch ops want rows 0..B-1)
@@ -68,7 +70,7 @@ class EngineCore:
             self.manager = SlotCacheManager(num_slots, max_seq_len, prefix_cache, compact=compact)
             self.scheduler = Scheduler(self.manager, max_num_batched_tokens)
         self.groups: dict[str, Group] = {}
-        self.listeners: dict[str, Callable[[list[StreamedToken]], None]] = {}  # streamed requests
+        self.listeners: dict[str, Callable[[list[TokenDelta]], None]] = {}  # streamed requests
         self.tops: dict[str, list[list[TopLogprobs]]] = {}  # per sample, of requests asking for top_logprobs
         self.num_pending = 0
         self.stats = dict(
@@ -82,20 +84,10 @@ class EngineCore:
             decode_s=0.0,
         )
 
-    def _init_paged(
-        self, model, num_slots, max_seq_len, max_num_batched_tokens, prefix_cache, kv_blocks, block_size, graphs
-    ):
-        if kv_blocks * block_size < max_seq_len:  # a lone sequence must always fit, or preemption could not help it
-            raise ValueError(f"kv_blocks={kv_blocks} x block_size={block_size} < max_seq_len={max_seq_len}")
-        max_blocks = -(-max_seq_len // block_size)
-        self.manager = PagedSlots(BlockManager(kv_blocks, block_size, prefix_cache), num_slots, max_blocks)
-        self.runner = PagedRunner(model, self.manager, graphs)
-        self.scheduler = PagedScheduler(self.manager, max_num_batched_tokens)
-
     # ---- requests and commands -----------------------------------------------------------------
-    def add(self, group: Group, on_tokens: Callable[[list[StreamedToken]], None] | None = None) -> None:
-        """Queue a request; `on_tokens([(sample_index, token, logprob, top_logprobs or None), ...])` after each
-        step that sampled tokens of it (streaming), always before `group.on_done`."""
+    def add(self, group: Group, on_tokens: Callable[[list[TokenDelta]], None] | None = None) -> None:
+        """Queue a request; `on_tokens` (streaming) gets a `TokenDelta` per sample after each step that sampled its
+        next token, always before `group.on_done`."""
         if group.request_id in self.groups:
             group.on_done(ValueError(f"request_id {group.request_id!r} is already in flight"))
             return
@@ -140,10 +132,7 @@ class EngineCore:
             for group in list(self.groups.values()):
                 if any(s in self.scheduler.running for s in group.seqs):
                     self.scheduler.remove_group(group, "abort")
-                    self.groups.pop(group.request_id)
-                    self.listeners.pop(group.request_id, None)
-                    self.tops.pop(group.request_id, None)
-                    self.num_pending -= group.sampling.n
+                    self._forget(group)
                     group.on_done(e)
         finally:
             elapsed = time.perf_counter() - t0
@@ -216,18 +205,26 @@ class EngineCore:
 
     def _notify_tokens(self, rows: list[Seq], token_ids: list[int], logprobs: list[float]) -> None:
         """One call per streamed request with the tokens this step sampled for it (and their alternatives)."""
-        batches: dict[str, list[StreamedToken]] = {}
+        batches: dict[str, list[TokenDelta]] = {}
         for seq, t, lp in zip(rows, token_ids, logprobs, strict=True):
             request_id = seq.group.request_id
             if request_id in self.listeners:
                 tops = self.tops.get(request_id)  # this step's alternatives are the last recorded
-                top = tops[seq.sample_index][-1] if tops is not None else None
-                batches.setdefault(request_id, []).append((seq.sample_index, t, lp, top))
+                top = [tops[seq.sample_index][-1]] if tops is not None else None
+                batches.setdefault(request_id, []).append(TokenDelta(seq.sample_index, [t], [lp], top))
         for request_id, batch in batches.items():
             self.listeners[request_id](batch)
 
     def _row_params(self, rows: list[Seq]) -> RowParams:
         sps = [s.group.sampling for s in rows]
+        banned = [  # stop ids before min_tokens
+            (r, tuple(s.group.stop_ids))
+            for r, (s, sp) in enumerate(zip(rows, sps, strict=True))
+            if sp.min_tokens and s.num_generated < sp.min_tokens and s.group.stop_ids
+        ]
+        image_id = self.model.cfg.image_token_id
+        if image_id is not None:  # a VLM never samples its image placeholder (a generated one would have no image)
+            banned += [(r, (image_id,)) for r in range(len(rows))]
         return RowParams(
             temperature=[sp.temperature for sp in sps],
             top_p=[sp.top_p for sp in sps],
@@ -235,18 +232,8 @@ class EngineCore:
             seed=[s.seed for s in rows],
             position=[len(s.tokens) for s in rows],
             processed=[sp.logprob_mode == "processed" for sp in sps],
-            banned=[
-                (r, tuple(s.group.stop_ids))
-                for r, (s, sp) in enumerate(zip(rows, sps, strict=True))
-                if sp.min_tokens and s.num_generated < sp.min_tokens and s.group.stop_ids
-            ]
-            + self._banned_images(len(rows)),
+            banned=banned,
         )
-
-    def _banned_images(self, num_rows: int) -> list[tuple[int, tuple[int, ...]]]:
-        """A VLM never samples its image placeholder (a generated one would have no image)."""
-        image_id = self.model.cfg.image_token_id
-        return [] if image_id is None else [(r, (image_id,)) for r in range(num_rows)]
 
     # ---- after sampling ------------------------------------------------------------------------
     def _append(self, seq: Seq, token: int, logprob: float) -> tuple[str, int | str | None] | None:
@@ -268,12 +255,7 @@ class EngineCore:
     def _stop_reason(self, seq: Seq, token: int) -> int | str | None:
         if token in seq.group.stop_ids:
             return token
-        stops = seq.sampling.stop
-        if stops:
-            window = 2 * max(len(s) for s in stops) + 4
-            text = self.tokenizer.decode(seq.tokens[max(seq.num_prompt, len(seq.tokens) - window) :])
-            return next((s for s in stops if s in text), None)
-        return None
+        return find_stop_string(self.tokenizer, seq.sampling.stop, seq.tokens, seq.num_prompt)
 
     def _finish(self, seq: Seq, reason: str, stop_reason: int | str | None = None) -> None:
         if self.runner.routes is not None:  # read before the slot is freed (MoE routing capture)
@@ -284,11 +266,15 @@ class EngineCore:
         if seq.group.done:
             self._complete(seq.group)
 
-    def _complete(self, group: Group) -> None:
+    def _forget(self, group: Group) -> list[list[TopLogprobs]] | None:
+        """Drop a finished or failed request's state; returns its samples' top_logprobs (None if not asked for)."""
         self.groups.pop(group.request_id, None)
         self.listeners.pop(group.request_id, None)
-        tops = self.tops.pop(group.request_id, None)
         self.num_pending -= group.sampling.n
+        return self.tops.pop(group.request_id, None)
+
+    def _complete(self, group: Group) -> None:
+        tops = self._forget(group)
         now = time.perf_counter()
         group.on_done([_completion(group, seq, now, tops[seq.sample_index] if tops else None) for seq in group.seqs])
 

@@ -1,20 +1,15 @@
 """Decode steps of the paged engine as captured CUDA graphs: no per-step Python or kernel-launch overhead.
 
-A decode-only step of B rows runs the graph of the smallest batch bucket >= B (1, 2, 4, 8, then multiples of
-16 up to the engine's slots). Each graph was captured once, at start-up, over static input buffers: token
-ids, positions, each row's block table (padded to the longest table a sequence can have) and length, and
-where each row's new key/value goes. A step fills those buffers with ONE host -> device copy of a host buffer
-(pinned on CUDA) written by a few vectorised numpy ops: the block-table rows are gathered from the cache
-manager's per-slot mirror (`PagedSlots.tables_sm`, updated only when a table changes), so no Python runs per
-row or per block. It then replays the graph (the model's forward, the paged attention kernel reading block
-tables on the device, the LM head) and returns a view of the bucket's logits; sampling then runs on them as for
-any step. Rows past B are padding: they read and write one scratch block that no sequence owns, so padding never
-touches a sequence's cache.
+A decode-only step of B rows replays the graph of the smallest batch bucket >= B, captured at start-up over
+static buffers (ids, positions, block tables padded to the longest, lengths, write rows). A step fills them with
+ONE host -> device copy of a (pinned) host buffer written by a few numpy ops from the manager's per-slot table
+mirror (`PagedSlots.tables_sm`), so no Python runs per row or block. Padding rows read and write a scratch
+block that no sequence owns.
 
-All buckets share one memory pool and one logits buffer (captured largest first). Weights load in place and the
-cache never moves, so a weight sync needs no recapture. Off CUDA the same buffers and forward run eagerly
-(`capture=False`): the tests check the whole path, padding included, on CPU. Knows the paged runner's cache
-layout and the model's cache protocol; nothing of requests, sampling or scheduling.
+All buckets share one memory pool and one logits buffer (captured largest first); weights load in place and
+the cache never moves, so a weight sync needs no recapture. Off CUDA the same path runs eagerly
+(`capture=False`), which the tests check on CPU. Knows the paged runner's cache layout; nothing of requests,
+sampling or scheduling.
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ import numpy as np
 import torch
 
 from molt.engine.paged_attention import paged_decode
+from molt.engine.runner import writing_attend
 from molt.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -64,15 +60,10 @@ class GraphStep:
         write_nk = (self.write_n[:, None] + heads_k).view(-1)
         scale = r.head_dim**-0.5
 
-        def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
-            k_cache, v_cache = r.k[layer_idx], r.v[layer_idx]
-            q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
-            k_cache.view(-1, r.head_dim).index_copy_(0, write_nk, k_nkd.reshape(-1, r.head_dim))
-            v_cache.view(-1, r.head_dim).index_copy_(0, write_nk, v_nkd.reshape(-1, r.head_dim))
-            out_nhd = paged_decode(q_nhd, k_cache, v_cache, self.table_nm, self.lens_n, scale)
-            return out_nhd.transpose(0, 1)[None]
+        def attention(k_cache, v_cache, q_nhd) -> torch.Tensor:
+            return paged_decode(q_nhd, k_cache, v_cache, self.table_nm, self.lens_n, scale)
 
-        return attend
+        return writing_attend(r.k, r.v, write_nk, attention)
 
 
 class GraphDecode:
@@ -109,17 +100,14 @@ class GraphDecode:
         hidden_nh = r.model(ids[None], pos[None], cache=backend, return_hidden=True)[0]
         return r.model.lm_head(hidden_nh)
 
-    def _unpack(self, bucket: int) -> None:
-        """Device-side: the packed input rows into the typed static buffers (part of the graph)."""
+    def _run(self, bucket: int) -> torch.Tensor:
+        """The packed input rows into the typed static buffers (device-side, part of the graph), then `_forward`."""
         rows = self.inputs[:bucket]
         self.ids[:bucket].copy_(rows[:, 0])
         self.pos[:bucket].copy_(rows[:, 1])
         self.lens[:bucket].copy_(rows[:, 2])
         self.write[:bucket].copy_(rows[:, 3])
         self.table[:bucket].copy_(rows[:, 4:])
-
-    def _run(self, bucket: int) -> torch.Tensor:
-        self._unpack(bucket)
         return self._forward(bucket)
 
     @torch.inference_mode()

@@ -32,8 +32,8 @@ os.register_at_fork(after_in_child=_new_request_prefix)  # a forked child must n
 
 
 def new_request_id() -> str:
-    """An id unique across processes: a random per-process prefix and a counter (a uuid4 per request
-    costs ~75 us of `os.urandom` on this VM, paid on the event loop for every generate call)."""
+    """An id unique across processes: a random per-process prefix and a counter (cheaper than a uuid4 per request,
+    which pays `os.urandom` on the event loop)."""
     return f"{_REQUEST_PREFIX}-{next(_REQUEST_COUNTER)}"
 
 
@@ -123,10 +123,6 @@ class Completion:
     # sampling.top_logprobs > 0: per generated token, the most likely (token id, log-prob) pairs, best first
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
-    @property
-    def num_generated_tokens(self) -> int:
-        return len(self.token_ids)
-
 
 @dataclass
 class TokenDelta:
@@ -151,6 +147,41 @@ def work_since(now: Mapping[str, float], last: Mapping[str, float]) -> dict[str,
         "decode_s": now["decode_s"] - last["decode_s"],
         "decode_batch_mean": (now["decode_tokens"] - last["decode_tokens"]) / max(decode_steps, 1),
     }
+
+
+def check_prompt(
+    prompt_token_ids: Sequence[int], sampling: SamplingParams, max_len: int, limit_name: str, tokenizer
+) -> list[int]:
+    """The prompt as ints, checked for what every engine needs: not empty, room for one generated token within
+    `max_len` (else a `ContextLengthError` naming the engine's `limit_name`), a tokenizer for stop strings."""
+    prompt = [int(t) for t in prompt_token_ids]
+    if not prompt:
+        raise ValueError("prompt_token_ids is empty")
+    if len(prompt) >= max_len:
+        raise ContextLengthError(
+            f"prompt has {len(prompt)} tokens but the engine's context is {limit_name}={max_len} "
+            "tokens, and at least one generated token must fit"
+        )
+    if sampling.stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer: pass tokenizer= to the engine")
+    return prompt
+
+
+def find_stop_string(tokenizer, stops: Sequence[str], tokens: Sequence[int], start: int = 0) -> str | None:
+    """The first of `stops` in the decoded tail of `tokens[start:]` (a window long enough for any), else None."""
+    if not stops:
+        return None
+    window = 2 * max(len(s) for s in stops) + 4
+    text = tokenizer.decode(tokens[max(start, len(tokens) - window) :])
+    return next((s for s in stops if s in text), None)
+
+
+def eos_ids(config_eos: int | Sequence[int] | None, tokenizer) -> list[int]:
+    """The eos ids of a model config's `eos_token_id` (an id, a list or None) and of the tokenizer, if any."""
+    eos = [config_eos] if isinstance(config_eos, int) else list(config_eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.append(tokenizer.eos_token_id)
+    return eos
 
 
 class Engine(abc.ABC):

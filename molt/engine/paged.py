@@ -1,23 +1,20 @@
 """The paged KV cache in the engine: block-table bookkeeping behind the scheduler, preemption, a paged runner.
 
-Opt-in (`TorchEngine(kv_blocks=...)`, or a byte budget / a fraction of free CUDA memory): the physical cache
-is `[layers, num_blocks, kv_heads, block_size, head_dim]` and each sequence's positions live in the blocks of
-its block table (`blocks.BlockManager`), so memory follows the tokens in flight. Three pieces:
+Opt-in (`TorchEngine(kv_blocks=...)`, a byte budget or a fraction of free CUDA memory): the cache is
+`[layers, num_blocks, kv_heads, block_size, head_dim]` and each sequence's positions live in the blocks of its
+block table (`blocks.BlockManager`), so memory follows the tokens in flight.
 
-- `PagedSlots` gives the scheduler the cache-manager interface it knows (`allocate`, `share`, `set_length`,
-  `free`, ...) over a `BlockManager`. A "slot" is only a handle (it caps concurrency and orders decode rows);
-  `share` is a `fork` (full computed blocks by reference, the partial one copied), its pending copies are the
-  step's moves.
-- `PagedScheduler` reserves every running sequence's positions before each step; when blocks run out it
-  preempts the latest admitted sequence (its blocks freed, its tokens kept) and readmits it first, recomputing
-  what prefix hits do not cover. Admission waits for blocks as well as slots.
-- `PagedRunner` writes each new key/value at (block, offset) and attends by gathering a row's blocks through
-  its block table (SDPA over the gathered keys, in the model's dtype); on CUDA its decode-only steps replay
-  captured graphs that attend through the block tables with a Triton kernel (`graphs.py`, `paged_attention.py`).
+- `PagedSlots`: the slot cache manager's interface over a `BlockManager`. A "slot" is only a handle (it caps
+  concurrency and orders decode rows); `share` is a `fork`, whose block copies are the step's moves.
+- `PagedScheduler` reserves every running sequence's positions before each step; out of blocks, it preempts
+  the latest admitted sequence (blocks freed, tokens kept) and readmits it first, recomputing what prefix
+  hits do not cover. Admission waits for blocks as well as slots.
+- `PagedRunner` writes each new key/value at (block, offset) and attends over a row's blocks gathered through
+  its block table (SDPA); on CUDA, decode-only steps replay captured graphs that attend through the tables
+  with a Triton kernel (`graphs.py`, `paged_attention.py`).
 
-The default engine (slot cache, Molt's CPU kernels) does not use this file. Dense text models only (MoE
-routing capture and images keep the slot cache). Knows the model, the block manager and the scheduler; nothing
-of requests' sampling or of agents.
+Dense text models only (MoE routing capture and images keep the slot cache). Knows the model, the block
+manager and the scheduler; nothing of sampling or agents.
 """
 
 from __future__ import annotations
@@ -40,7 +37,7 @@ from molt.engine.blocks import (
 )
 from molt.engine.cpu.packed import LinearPacks
 from molt.engine.graphs import GraphDecode
-from molt.engine.runner import gqa_attention
+from molt.engine.runner import gqa_attention, joined_attention, sampled_logits, writing_attend
 from molt.engine.scheduler import Group, Plan, Scheduler, Sequence
 from molt.engine.transfer import to_device
 from molt.models.transformer import Transformer
@@ -79,8 +76,6 @@ class PagedSlots:
     scratch block), for the graphed decode step to gather its rows from at once; a row is written only where its
     table changed (a new block, a new table, a release), never rebuilt per step."""
 
-    compact = False
-
     def __init__(self, blocks: BlockManager, num_slots: int, max_blocks: int):
         self.blocks, self.num_slots = blocks, num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))
@@ -109,29 +104,23 @@ class PagedSlots:
     def num_free(self) -> int:
         return len(self._free_slots)
 
-    def num_cached_prefixes(self) -> int:
-        return self.blocks.num_cached_blocks()
-
     def allocate(self, seq_id: int, prompt=()) -> tuple[int, int]:
         """A slot, and blocks for `prompt` when given: (slot, positions already cached)."""
         slot = self._free_slots.pop()
         self._slot_of[seq_id], self._seq_at[slot] = slot, seq_id
-        if not prompt:
-            return slot, 0
+        return slot, self._allocate_blocks(seq_id, prompt) if prompt else 0
+
+    def _allocate_blocks(self, seq_id: int, prompt) -> int:
         cached = self.blocks.allocate(seq_id, prompt)
         self._mirror(seq_id)
-        return slot, cached
+        return cached
 
     def reserve(self, seq_id: int, tokens: list[int]) -> int | None:
         """Blocks for every position of `tokens`: the positions already cached when it had none, else its
         computed count; None when blocks ran out (those reserved so far are kept)."""
         blocks = self.blocks
         if not blocks.has(seq_id):
-            if not blocks.can_allocate(len(tokens)):
-                return None
-            cached = blocks.allocate(seq_id, tokens)
-            self._mirror(seq_id)
-            return cached
+            return self._allocate_blocks(seq_id, tokens) if blocks.can_allocate(len(tokens)) else None
         added = blocks.extend(seq_id, tokens)
         if added != 0:
             self._mirror(seq_id)
@@ -191,9 +180,6 @@ class PagedScheduler(Scheduler):
         super().__init__(manager, max_num_batched_tokens)
         self.preempted: deque[Sequence] = deque()
         self.num_preemptions = 0
-
-    def num_pending(self) -> int:
-        return super().num_pending() + len(self.preempted)
 
     def has_work(self, admit: bool) -> bool:
         return super().has_work(admit) or bool(self.preempted)
@@ -267,7 +253,6 @@ class PagedScheduler(Scheduler):
         when each recomputes, as in `Scheduler.restart_all`."""
         for seq in self.running:
             self.manager.release_blocks(seq.seq_id)
-        self.manager.clear_prefixes()
         super().restart_all()
 
 
@@ -294,16 +279,7 @@ class PagedStep:
         attentions = [self._group_attention(g, tables, device) for g in groups]
         bounds = list(itertools.accumulate((sum(n for _, _, n in g) for g in groups), initial=0))
         spans = list(zip(attentions, bounds, bounds[1:], strict=False))
-
-        def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
-            k_cache, v_cache = r.k[layer_idx], r.v[layer_idx]
-            q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
-            k_cache.view(-1, r.head_dim).index_copy_(0, write_nk, k_nkd.reshape(-1, r.head_dim))
-            v_cache.view(-1, r.head_dim).index_copy_(0, write_nk, v_nkd.reshape(-1, r.head_dim))
-            outs = [att(k_cache, v_cache, q_nhd[a:b]) for att, a, b in spans]
-            return (outs[0] if len(outs) == 1 else torch.cat(outs)).transpose(0, 1)[None]
-
-        return attend
+        return writing_attend(r.k, r.v, write_nk, joined_attention(spans))
 
     def _group_attention(self, rows: list[tuple[int, int, int]], tables: dict[int, list[int]], device):
         """Rows padded to [R, width] queries; each attends causally over its blocks, gathered into [R, kv, S, d]."""
@@ -342,7 +318,7 @@ class PagedStep:
 class PagedRunner:
     """Runs one packed decode + prefill forward of `model` against the paged cache; applies block copies."""
 
-    own_attention, compiled, routes = False, None, None
+    routes = None  # no MoE routing capture
 
     def __init__(self, model: Transformer, manager: PagedSlots, graphs: bool | None = None):
         cfg = model.cfg
@@ -390,11 +366,7 @@ class PagedRunner:
         pos_1n = to_device([positions], torch.long, self.device)
         with self.packs.active():
             hidden_nh = self.model(ids_1n, pos_1n, cache=PagedStep(self, rows, len(decode)), return_hidden=True)[0]
-            if chunks:  # the lm head runs only where a token is sampled
-                ends = list(itertools.accumulate((len(c) for _, c, _ in chunks), initial=len(decode)))
-                picks = list(range(len(decode))) + [ends[i + 1] - 1 for i in sampled_chunks]
-                hidden_nh = hidden_nh.index_select(0, to_device(picks, torch.long, self.device))
-            return self.model.lm_head(hidden_nh)
+            return sampled_logits(self.model, hidden_nh, len(decode), chunks, sampled_chunks)
 
     @torch.inference_mode()
     def apply_moves(self, copies: list[BlockCopy]) -> None:

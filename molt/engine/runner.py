@@ -1,33 +1,26 @@
 """The model runner: Molt's own `Transformer` over a preallocated slot KV cache.
 
-Owns the physical cache `k`/`v` [layers, num_slots + 1, kv_heads, max_seq_len, head_dim]
-(one spare row for swaps) and the cache backend the model calls (`MixedStep`, implementing the
-model's `prepare` / `attend` protocol). A step is ONE forward over a single packed row of tokens:
-first one decode token per decoding sequence, then the prefill chunks back to back, with no
-padding, so every linear layer runs one matmul over exactly the tokens of the step. Only
-attention needs to know whose token is whose:
+Owns the cache `k`/`v` [layers, num_slots + 1, kv_heads, max_seq_len, head_dim] (one spare row for swaps) and
+the cache backend the model calls (`MixedStep`). A step is ONE forward over a single packed row of tokens: one
+decode token per decoding sequence, then the prefill chunks back to back, unpadded, so every linear layer runs
+one matmul over exactly the step's tokens. Only attention knows whose token is whose:
 
-- on CPU in fp32, every token, decode or prefill, attends over its slot's cache up to its own
-  position through Molt's kernel (`kernels.decode_attention`, each token at its own slot);
-- elsewhere (GPU, other dtypes), in the model's dtype through SDPA: decode tokens attend over a
-  strided *view* of the cache when they occupy rows 0..D-1 (the usual case, the active slots are
-  contiguous, see `cache.py`), and prefill tokens are scattered into a padded [chunks, width] layout
-  for causal attention over their slot's cache and gathered back.
+- on CPU in fp32, every token attends over its slot's cache up to its own position through Molt's kernel;
+- elsewhere, through SDPA in the model's dtype: decode tokens over a *view* of the cache when they occupy rows
+  0..D-1 (the usual case: active slots are contiguous, `cache.py`), prefill tokens scattered into a padded
+  [chunks, width] layout for causal attention over their slot's cache, then gathered back.
 
-With `compile`, decode-only steps instead run one `torch.compile`d graph (`compiled.py`, see
-docs/engine.md) and store their new keys and values after it. On CPU, linear layers multiply by
-packed copies of their weights with Molt's own kernel during the runner's own forward (`packed.py`).
-
-The model is the trainer's model; the runner only decides where keys and values live. For MoE
-models it also keeps each computed token's expert ids in `routes`, laid out like the KV (slot,
-position) and moved with it, so a reused prefix or a sibling's shared prompt carries the routing
-its KV was computed under. Knows nothing of requests, sampling or scheduling.
+With `compile`, decode-only steps run one `torch.compile`d graph (`compiled.py`). On CPU, linear layers use
+packed weights during the runner's own forward (`cpu/packed.py`). For MoE models the runner also keeps each
+computed token's expert ids in `routes`, laid out and moved like the KV, so a reused prefix or a sibling's
+shared prompt carries the routing its KV was computed under. Knows nothing of requests, sampling or scheduling.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,14 +44,6 @@ log = logging.getLogger(__name__)
 KV_TILE = 16
 
 
-def routing_cache(cfg, num_slots: int, max_seq_len: int, device) -> torch.Tensor | None:
-    """[num_slots + 1, max_seq_len, MoE layers, k] int16 expert ids (None for a dense model)."""
-    if not cfg.num_moe_layers():
-        return None
-    shape = (num_slots + 1, max_seq_len, cfg.num_moe_layers(), cfg.num_experts_per_tok)
-    return torch.full(shape, NO_ROUTE, dtype=torch.int16, device=device)
-
-
 def gqa_attention(q_bhtd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, visible_b1ts: torch.Tensor):
     """Softmax attention with grouped kv heads (q head h uses kv head h // group) where `visible_b1ts` (bool).
 
@@ -70,6 +55,41 @@ def gqa_attention(q_bhtd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tens
     q_bkqd = q_bhtd.reshape(b, -1, group * t, d)
     mask_b1qs = visible_b1ts.repeat(1, 1, group, 1) if group > 1 else visible_b1ts
     return F.scaled_dot_product_attention(q_bkqd, k_bksd, v_bksd, attn_mask=mask_b1qs).view(b, h, t, d)
+
+
+def writing_attend(k: torch.Tensor, v: torch.Tensor, write_nk: torch.Tensor, attention):
+    """The model's `attend(layer_idx, q, k, v)` over caches `k`/`v` [layers, ...]: stores the new keys and values at
+    rows `write_nk` of the layer's cache flattened to [-1, head_dim], then returns `attention(k_cache, v_cache, q_nhd)`.
+    """
+    head_dim = k.shape[-1]
+
+    def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
+        k_cache, v_cache = k[layer_idx], v[layer_idx]
+        q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
+        k_cache.view(-1, head_dim).index_copy_(0, write_nk, k_nkd.reshape(-1, head_dim))
+        v_cache.view(-1, head_dim).index_copy_(0, write_nk, v_nkd.reshape(-1, head_dim))
+        return attention(k_cache, v_cache, q_nhd).transpose(0, 1)[None]
+
+    return attend
+
+
+def joined_attention(spans: list[tuple[Callable, int, int]]):
+    """`attention(k_cache, v_cache, q_nhd)` over consecutive query rows [start, end), each span by its own function."""
+
+    def attention(k_cache, v_cache, q_nhd) -> torch.Tensor:
+        outs = [att(k_cache, v_cache, q_nhd[a:b]) for att, a, b in spans]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    return attention
+
+
+def sampled_logits(model: Transformer, hidden_nh: torch.Tensor, num_decode: int, chunks, sampled_chunks: list[int]):
+    """Logits of the decode rows, then of each sampled chunk's last token: the LM head runs only where one samples."""
+    if chunks:
+        ends = list(itertools.accumulate((len(c) for _, c, _ in chunks), initial=num_decode))
+        rows = list(range(num_decode)) + [ends[i + 1] - 1 for i in sampled_chunks]
+        hidden_nh = hidden_nh.index_select(0, to_device(rows, torch.long, hidden_nh.device))
+    return model.lm_head(hidden_nh)
 
 
 class MixedStep:
@@ -101,30 +121,17 @@ class MixedStep:
             attention = lambda k, v, q_nhd: kernels.decode_attention(q_nhd, k, v, slots_n, lens_n)  # noqa: E731
         else:
             attention = self._torch_attention(pos_n, slots_n, num_decode)
-
-        def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
-            k_cache, v_cache = r.k[layer_idx], r.v[layer_idx]
-            q_nhd, k_nkd, v_nkd = q_1hnd[0].transpose(0, 1), k_1knd[0].transpose(0, 1), v_1knd[0].transpose(0, 1)
-            k_cache.view(-1, r.head_dim).index_copy_(0, write_nk, k_nkd.reshape(-1, r.head_dim))
-            v_cache.view(-1, r.head_dim).index_copy_(0, write_nk, v_nkd.reshape(-1, r.head_dim))
-            return attention(k_cache, v_cache, q_nhd).transpose(0, 1)[None]
-
-        return attend
+        return writing_attend(r.k, r.v, write_nk, attention)
 
     def _torch_attention(self, pos_n: torch.Tensor, slots_n: torch.Tensor, num_decode: int):
         """Attention in torch ops (GPU, other dtypes): the decode rows' and the prefill chunks' apart, joined."""
-        decode = self._decode_attention(pos_n[:num_decode]) if num_decode else None
-        prefill = self._prefill_attention(pos_n[num_decode:], slots_n[num_decode:]) if self.chunk_slots else None
-
-        def attention(k_cache, v_cache, q_nhd) -> torch.Tensor:
-            outs = []
-            if decode is not None:
-                outs.append(decode(k_cache, v_cache, q_nhd[:num_decode]))
-            if prefill is not None:
-                outs.append(prefill(k_cache, v_cache, q_nhd[num_decode:]))
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-        return attention
+        spans = []
+        if num_decode:
+            spans.append((self._decode_attention(pos_n[:num_decode]), 0, num_decode))
+        if self.chunk_slots:
+            prefill = self._prefill_attention(pos_n[num_decode:], slots_n[num_decode:])
+            spans.append((prefill, num_decode, len(pos_n)))
+        return joined_attention(spans)
 
     def _decode_attention(self, pos_b: torch.Tensor):
         """One query per decode row over its slot's cache (SDPA batched over rows and kv heads, the head group's
@@ -189,7 +196,10 @@ class ModelRunner:
         shape = (cfg.num_layers, num_slots + 1, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.routes = routing_cache(cfg, num_slots, max_seq_len, self.device) if record_routing else None
+        self.routes = None  # MoE: [num_slots + 1, max_seq_len, MoE layers, k] expert ids
+        if record_routing and cfg.num_moe_layers():
+            shape = (num_slots + 1, max_seq_len, cfg.num_moe_layers(), cfg.num_experts_per_tok)
+            self.routes = torch.full(shape, NO_ROUTE, dtype=torch.int16, device=self.device)
         self.packs = LinearPacks(model)
         self.own_attention = kernels.usable(self.k)  # Molt's decode-attention kernel (CPU, fp32)
         self.compiled = None
@@ -238,11 +248,7 @@ class ModelRunner:
             if routing is not None:
                 slots = [s for s, _, _ in decode] + [s for s, c, _ in chunks for _ in c]
                 self._record(routing, slots, positions)
-            if chunks:  # the lm head runs only where a token is sampled
-                ends = list(itertools.accumulate((len(c) for _, c, _ in chunks), initial=len(decode)))
-                rows = list(range(len(decode))) + [ends[i + 1] - 1 for i in sampled_chunks]
-                hidden_nh = hidden_nh.index_select(0, to_device(rows, torch.long, self.device))
-            return self.model.lm_head(hidden_nh)
+            return sampled_logits(self.model, hidden_nh, len(decode), chunks, sampled_chunks)
 
     def warm_up(self) -> None:
         """Compile the decode step now (on the calling thread, before serving) rather than on first use."""

@@ -1,17 +1,11 @@
 """Batched token sampling from logits: greedy, temperature, top-k, top-p, bans; with log-probs.
 
-One call samples every row of a step with a handful of tensor ops, whatever mix of per-row
-parameters the rows carry. Randomness is counter-based: the uniform number that picks row r's
-token is a hash of (the sample's seed, the token's position), then inverse-CDF sampling. So a
-seeded request gives the same tokens whichever other requests share its batch, and no
-per-request generator state exists. Knows nothing of models, caches or requests.
-
-Log-probs: see `SamplingParams` (`"scaled"` = trainer-side log_softmax(logits / T);
-`"processed"` = the renormalised distribution actually sampled from). Whatever the model's dtype,
-both are computed in fp32 from the logits (`logits.float() / T`, as the trainer does), on the
-logits' device, with one device -> host copy per call. `sample_top` also returns each row's k most likely
-tokens under the "scaled" distribution (OpenAI's `top_logprobs`), read from the same log-softmax and
-carried in that same copy; plain `sample` computes none of it.
+One call samples every row of a step with a handful of tensor ops, whatever mix of per-row parameters. The
+uniform number that picks a row's token is a hash of (the sample's seed, the token's position), then
+inverse-CDF sampling: a seeded request gives the same tokens whichever requests share its batch, and no
+per-request generator state exists. Log-probs (`SamplingParams`: "scaled" or "processed") are computed in fp32
+from the logits, as the trainer does, with one device -> host copy per call. Knows nothing of models, caches
+or requests.
 """
 
 from __future__ import annotations
@@ -47,7 +41,7 @@ def uniform(seed: int, position: int) -> float:
 
 def uniforms(seeds: Sequence[int], positions: Sequence[int]) -> Sequence[float]:
     """`uniform` of each (seed, position) pair; from a few dozen pairs on, at once in numpy (its uint64
-    arithmetic wraps as `MASK64` does): per-row Python here cost ~0.6 ms a step at 256 rows."""
+    arithmetic wraps as `MASK64` does)."""
     if len(seeds) < 32:
         return [uniform(s, p) for s, p in zip(seeds, positions, strict=True)]
     x = _splitmix64_np(np.array(seeds, dtype=np.uint64) ^ _splitmix64_np(np.array(positions, dtype=np.uint64)))
@@ -101,11 +95,8 @@ TopLogprobs = list[tuple[int, float]]  # (token id, log-prob) of one row's most 
 
 
 def sample(logits_rv: torch.Tensor, params: RowParams) -> tuple[list[int], list[float]]:
-    """(token id, log-prob) per row of `logits_rv` [R, V] (any float dtype).
-
-    Everything runs in fp32 on the logits' device, the way the trainer scores tokens (`logits.float() / T`,
-    then log-softmax); the per-row parameters go to the device without a sync (`transfer.to_device`) and
-    the only device -> host copy is the final one of the ids and log-probs."""
+    """(token id, log-prob) per row of `logits_rv` [R, V] (any float dtype), computed in fp32 on its device; the
+    only device -> host copy is the final one."""
     token_r, logprob_r, _ = _sample_on_device(logits_rv, params)
     # one device -> host transfer per step: ids (< 2**53) travel exactly as float64 beside the log-probs
     token_f64, logprob_f64 = torch.stack((token_r.double(), logprob_r.double())).tolist()

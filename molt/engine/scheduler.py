@@ -1,18 +1,14 @@
 """Continuous batching: which sequences run this step, how much of each prompt is prefilled, when one stops.
 
-A sequence's state is just `tokens` (prompt + generated) and `num_computed` (positions whose KV
-is in its cache slot). Each step a sequence computes `tokens[num_computed:]` (or a chunk of
-them) and, once it reaches the end, samples the next token from the last position's logits: a
-decode is the case of exactly one uncomputed token, a prefill the case of many, and recomputing
-the cache after a weight swap is simply `num_computed = 0`.
+A sequence is `tokens` (prompt + generated) and `num_computed` (positions whose KV is in its cache slot). Each
+step computes `tokens[num_computed:]` (or a chunk of it) and, at the end, samples from the last logits: a decode
+is one uncomputed token, a prefill many, and recomputing after a weight swap is `num_computed = 0`.
 
-`schedule()` admits waiting groups (all n samples of one prompt at once, when n slots are free)
-in FIFO order and splits the step's token budget: every decoding sequence gets its one token
-first, prefills share the rest (long prompts are chunked). Requests join and leave between steps.
-The n samples of a request share one prefill, and so do requests for the same prompt (e.g. a GRPO
-group sent as n separate episodes): one admitted while that prompt is being prefilled waits for it,
-one admitted while a sequence holding it runs copies its KV and computes only the last token.
-Plain Python: knows the cache manager, not tensors or models.
+`schedule()` admits waiting groups (all n samples at once, when n slots are free) in FIFO order and splits the
+token budget: each decoding sequence gets its token first, prefills share the rest (long prompts are chunked).
+The n samples of a request share one prefill, and so do requests for the same prompt (a GRPO group sent as n
+episodes): one admitted while that prompt is prefilled waits for it, one admitted while a sequence holding it
+runs copies its KV and computes only the last token. Plain Python: knows the cache manager, not tensors.
 """
 
 from __future__ import annotations
@@ -111,9 +107,6 @@ class Scheduler:
         for i, seed in enumerate(group.seeds):
             group.seqs.append(Sequence(next(self._ids), group, i, list(group.prompt), len(group.prompt), seed))
         self.waiting.append(group)
-
-    def num_pending(self) -> int:
-        return len(self.running) + sum(len(g.seqs) for g in self.waiting)
 
     def has_work(self, admit: bool) -> bool:
         return bool(self.running) or (admit and bool(self.waiting))

@@ -1,19 +1,15 @@
 """The built-in rollout engine: Molt's own model, continuous batching, versioned in-place weights.
 
-One worker thread owns the model, the cache and the scheduler and runs the step loop; asyncio
-callers (any number, any event loop) hand it requests and commands through a locked inbox and
-get results back with `call_soon_threadsafe`. Commands (abort, pause, weight swaps) run between
-steps, i.e. at token boundaries. The event loop never runs a model step, so it stays responsive.
+One worker thread owns the model, the cache and the scheduler and runs the step loop; asyncio callers (any
+number, any event loop) hand it requests and commands through a locked inbox and get results back with
+`call_soon_threadsafe`. Commands (abort, pause, weight swaps) run between steps, at token boundaries.
 
-One compute thread: every thread that runs parallel torch ops owns an OpenMP pool, and once the
-pools of a process together hold more threads than there are cores, libgomp stops spinning and
-every parallel op pays a futex wake-up (on 2 cores, decode ran ~2x slower and a trainer step
-~2.7x). So other model compute of the process (the RL trainer step) runs here too, as a command
-between steps (`run_on_engine_thread`), and the caller's thread keeps torch at 1 thread
-(`molt train` does; `on_fresh_thread` runs set-up compute on a thread whose pool dies with it).
+One compute thread: OpenMP pools are per thread, and more pool threads than cores make every parallel op pay a
+futex wake-up (docs/engine.md, "Threads"). So the process's other model compute (the trainer step) runs here
+too, between steps (`run_on_engine_thread`), and the caller's thread keeps torch at 1 thread.
 
-The step itself lives in `core.py`; this file owns only the thread, the inbox, pause and the two
-weight-sync modes. Knows models and the engine core; nothing of agents or trainers.
+The step itself lives in `core.py`; this file owns the thread, the inbox, pause and the two weight-sync modes.
+Knows models and the engine core; nothing of agents or trainers.
 """
 
 from __future__ import annotations
@@ -30,16 +26,17 @@ from collections.abc import Callable, Sequence
 import torch
 
 from molt.engine.blocks import DEFAULT_BLOCK_SIZE
-from molt.engine.core import EngineCore, StreamedToken
+from molt.engine.core import EngineCore
 from molt.engine.images import check_request_images
 from molt.engine.interface import (
     Completion,
-    ContextLengthError,
     Engine,
     SamplingParams,
     SyncMode,
     TokenDelta,
     Weights,
+    check_prompt,
+    eos_ids,
     new_request_id,
 )
 from molt.engine.paged import num_kv_blocks
@@ -54,16 +51,12 @@ KV_POLICIES = ("recompute", "keep")
 class TorchEngine(Engine):
     """Continuous-batching engine over a `Transformer` (CPU or CUDA: wherever the model lives).
 
-    `kv_on_update` (interrupt mode): "recompute" the KV of already-processed tokens under the new
-    weights (exact: later log-probs are those of the new weights), or "keep" the old KV (faster).
-    `num_threads`: intra-op threads of the engine's worker thread (None: the constructing thread's
-    torch setting). See the module docstring for why the engine thread should be the only thread
-    with more than one. `record_routing` (MoE models):
-    each completion carries the experts every position was computed with (`Completion.routing`;
-    see docs/moe.md). `compile`: decode steps through `torch.compile` (see `ModelRunner`), compiled when
-    the engine thread starts. `kv_blocks`, or `kv_bytes`, or `kv_memory_fraction` (of free CUDA memory): a paged
-    KV cache of that many blocks of `block_size` positions instead of the slot cache (`paged.py`; dense text
-    models). `graphs` (paged cache; None: on CUDA): decode steps replay captured CUDA graphs (`graphs.py`).
+    `kv_on_update` (interrupt mode): "recompute" the KV of already-processed tokens under the new weights (exact),
+    or "keep" the old KV (faster). `num_threads`: intra-op threads of the engine's thread (None: the constructing
+    thread's setting). `record_routing` (MoE): `Completion.routing` (docs/moe.md). `compile`: decode steps through
+    `torch.compile` (`compiled.py`), compiled when the engine thread starts. `kv_blocks`, `kv_bytes` or
+    `kv_memory_fraction` (of free CUDA memory): a paged KV cache of blocks of `block_size` positions instead of the
+    slot cache (`paged.py`; dense text models). `graphs` (paged; None: on CUDA): decode replays CUDA graphs.
     """
 
     def __init__(
@@ -93,7 +86,7 @@ class TorchEngine(Engine):
         self.model, self.tokenizer, self.kv_on_update = model, tokenizer, kv_on_update
         self.vision, self.image_token_id = model.cfg.vision, model.cfg.image_token_id
         self.max_seq_len = max_seq_len or min(model.cfg.max_position_embeddings, 2048)
-        eos = _default_eos(model, tokenizer) if eos_token_ids is None else eos_token_ids
+        eos = eos_ids(model.cfg.eos_token_id, tokenizer) if eos_token_ids is None else eos_token_ids
         self.core = EngineCore(
             model,
             tokenizer=tokenizer,
@@ -158,9 +151,9 @@ class TorchEngine(Engine):
             with contextlib.suppress(RuntimeError):  # the caller's loop is gone
                 loop.call_soon_threadsafe(_settle, future, result)
 
-        def on_step(batch: list[StreamedToken]) -> None:  # engine thread: one hop per step
+        def on_step(deltas: list[TokenDelta]) -> None:  # engine thread: one hop per step
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_deliver, on_tokens, batch)
+                loop.call_soon_threadsafe(_deliver, on_tokens, deltas)
 
         base_seed = self._rng.getrandbits(63) if sampling.seed is None else sampling.seed
         seeds = [sample_seed(base_seed, i) for i in range(sampling.n)]
@@ -176,21 +169,12 @@ class TorchEngine(Engine):
             raise
 
     def _validate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
-        prompt = [int(t) for t in prompt_token_ids]
+        prompt = check_prompt(prompt_token_ids, sampling, self.max_seq_len, "max_seq_len", self.tokenizer)
         vocab = self.model.cfg.vocab_size
-        if not prompt:
-            raise ValueError("prompt_token_ids is empty")
-        if len(prompt) >= self.max_seq_len:
-            raise ContextLengthError(
-                f"prompt has {len(prompt)} tokens but the engine's context is max_seq_len={self.max_seq_len} "
-                "tokens, and at least one generated token must fit"
-            )
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if sampling.n > self.manager.num_slots:
             raise ValueError(f"n={sampling.n} exceeds the engine's num_slots={self.manager.num_slots}")
-        if sampling.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: pass tokenizer= to the engine")
         return prompt
 
     async def abort(self, request_id: str) -> bool:
@@ -302,25 +286,9 @@ def with_threads(threads: int, fn: Callable[..., object], *args):
     return fn(*args)
 
 
-def _default_eos(model: Transformer, tokenizer) -> list[int]:
-    eos = model.cfg.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.append(tokenizer.eos_token_id)
-    return eos
-
-
-def _deliver(on_tokens: Callable[[TokenDelta], None], batch: list[StreamedToken]) -> None:
-    """One step's tokens of a streamed request as one delta per sample (on the caller's loop)."""
-    samples: dict[int, TokenDelta] = {}
-    for index, token, logprob, top in batch:
-        if (delta := samples.get(index)) is None:
-            delta = samples[index] = TokenDelta(index, [], [], None if top is None else [])
-        delta.token_ids.append(token)
-        delta.logprobs.append(logprob)
-        if top is not None:
-            delta.top_logprobs.append(top)
-    for delta in samples.values():
+def _deliver(on_tokens: Callable[[TokenDelta], None], deltas: list[TokenDelta]) -> None:
+    """One step's tokens of a streamed request, one delta per sample (on the caller's loop)."""
+    for delta in deltas:
         on_tokens(delta)
 
 

@@ -1,25 +1,20 @@
 """The vLLM adapter (optional extra `molt[vllm]`): Molt's engine interface over vLLM's `AsyncLLM`.
 
-Token ids in, token ids and per-token log-probs out: vLLM runs with `skip_tokenizer_init`, so it never
-sees text; eos ids and stop strings are handled here (stop strings with Molt's tokenizer, like
-`TorchEngine`). vLLM is imported lazily, so this module imports without it. Each of the n samples of a
-request is its own vLLM request (the prompt's KV is shared through vLLM's prefix cache), seeded
-`seed + 1_000_003 * index`. Versions and weight sync are done here, independent of vLLM's internals:
+Token ids in, token ids and per-token log-probs out: vLLM runs with `skip_tokenizer_init`; eos ids and stop
+strings are handled here. vLLM is imported lazily. Each of the n samples of a request is its own vLLM request
+(sharing the prompt's KV through vLLM's prefix cache), seeded `seed + SEED_STRIDE * index`. Versions and weight
+sync are done here, independent of vLLM's internals:
 
 - every generated token records the version of the weights its vLLM request ran under;
-- `interrupt`: running requests are aborted at vLLM's next step (a token boundary), the weights are
-  swapped, and each sample resumes as a new vLLM request whose prompt is prompt + tokens so far; the
-  prefix cache is reset, so its KV is recomputed under the new weights and later tokens carry the new
-  version with exactly the new policy's log-probs;
+- `interrupt`: running requests are aborted at a token boundary, the weights swapped and the prefix cache
+  reset; each sample resumes as a new request whose prompt is prompt + tokens so far, so later tokens carry
+  the new version with exactly the new policy's log-probs;
 - `drain`: new requests wait, running ones finish, then the swap.
 
-Weights reach the workers through `collective_rpc` -> `MoltWorkerExtension.molt_load_weights`, which
-calls the vLLM model's own `load_weights` with HF-named tensors (Molt names are translated by
-`molt.models.hf_io.hf_tensors`). Before anything is sent, the names are checked against the checkpoint
-vLLM loaded: a missing or unknown weight is an error listing them. Log-probs are vLLM's
-`processed_logprobs`: `log_softmax(logits / T)` after vLLM's logits processors, renormalised over
-top-k / top-p when those are set (greedy: T = 1). Knows the engine interface and vLLM; nothing of
-agents or trainers.
+Weights reach the workers through `collective_rpc` -> `MoltWorkerExtension.molt_load_weights` (the vLLM model's
+own `load_weights`, HF names), checked first against the checkpoint's names. Log-probs are vLLM's
+`processed_logprobs` (after its logits processors, renormalised over top-k / top-p; greedy: T = 1).
+Knows the engine interface and vLLM; nothing of agents or trainers.
 """
 
 from __future__ import annotations
@@ -39,12 +34,14 @@ from safetensors import safe_open
 
 from molt.engine.interface import (
     Completion,
-    ContextLengthError,
     Engine,
     R,
     SamplingParams,
     SyncMode,
     Weights,
+    check_prompt,
+    eos_ids,
+    find_stop_string,
     new_request_id,
 )
 from molt.engine.torch_engine import with_threads
@@ -135,16 +132,7 @@ class VLLMEngine(Engine):
         if images:
             raise NotImplementedError("the vLLM adapter does not take images yet; use the built-in engine for VLMs")
         sampling = sampling or SamplingParams()
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError("prompt_token_ids is empty")
-        if len(prompt) >= self.max_model_len:
-            raise ContextLengthError(
-                f"prompt has {len(prompt)} tokens but the engine's context is max_model_len={self.max_model_len} "
-                "tokens, and at least one generated token must fit"
-            )
-        if sampling.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: pass tokenizer= to the engine")
+        prompt = check_prompt(prompt_token_ids, sampling, self.max_model_len, "max_model_len", self.tokenizer)
         request_id = request_id or new_request_id()
         try:
             samples = [self._sample(prompt, sampling, request_id, i) for i in range(sampling.n)]
@@ -177,7 +165,7 @@ class VLLMEngine(Engine):
                         tokens.append(token)
                         logprobs.append(float(position[token].logprob))
                         versions.append(version)
-                        if len(tokens) >= sp.min_tokens and (hit := self._stop_string(sp, tokens)):
+                        if len(tokens) >= sp.min_tokens and (hit := find_stop_string(self.tokenizer, sp.stop, tokens)):
                             finish, stop_reason = "stop", hit
                             break
                     if finish is not None:
@@ -208,13 +196,6 @@ class VLLMEngine(Engine):
             detokenize=False,
             output_kind=v.sampling_params.RequestOutputKind.DELTA,
         )
-
-    def _stop_string(self, sp: SamplingParams, tokens: list[int]) -> str | None:
-        if not sp.stop:
-            return None
-        window = 2 * max(len(s) for s in sp.stop) + 4
-        text = self.tokenizer.decode(tokens[-window:])
-        return next((s for s in sp.stop if s in text), None)
 
     async def abort(self, request_id: str) -> bool:
         prefix = f"{request_id}-"
@@ -286,8 +267,4 @@ def _checkpoint_names(folder: Path) -> set[str]:
 def _default_eos(folder: Path, tokenizer) -> list[int]:
     """eos ids of the config and tokenizer that the model can emit (vLLM rejects out-of-vocab stop ids)."""
     config = json.loads((folder / "config.json").read_text())
-    eos = config.get("eos_token_id")
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.append(tokenizer.eos_token_id)
-    return [e for e in eos if e < config.get("vocab_size", e + 1)]
+    return [e for e in eos_ids(config.get("eos_token_id"), tokenizer) if e < config.get("vocab_size", e + 1)]

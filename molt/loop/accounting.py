@@ -1,11 +1,9 @@
 """Where every sample goes: the loop's resumable state, a rollout's outcome, and the counts and words for failed
 rollouts and dropped groups (`Accounting`, the base of `RLLoop`).
 
-A failed rollout (agent exception or timeout) is one warning line naming its rollout and group; the
-first failure of each kind is written with its full traceback to `<run_dir>/rollout_failures.log`.
-Its group trains on its other samples unless the estimator needs complete groups (registered with
-`complete_groups=True`), which drops the group and says so. Every logged step names how many groups were dropped
-since the last line and why; 50 steps' worth of groups dropped in a row stop the run with advice. Knows the config
+A failed rollout is one warning line; the first failure of each kind goes with its traceback to
+`<run_dir>/rollout_failures.log`. Its group trains on unless the estimator needs complete groups. Logged steps say
+how many groups were dropped and why; 50 steps' worth dropped in a row stop the run with advice. Knows the config
 and trajectories; nothing of engines or the trainer.
 """
 

@@ -1,10 +1,8 @@
 """RL checkpoints: an HF policy folder plus the trainer and loop state beside it, written atomically.
 
-Layout: `<run>/checkpoints/step-<N>/` (config.json, model.safetensors, tokenizer files,
-trainer_state.pt) and `<run>/checkpoints/latest` naming the newest complete one. The pointer is
-written last, so a crash mid-save leaves the previous checkpoint as the one resumed from; the temporary
-folders such a crash leaves behind (`.step-N.*`) are removed at the next save. Checkpoint files get the
-modes the user's umask gives new files (group-readable under the usual 022), not the temp folder's 0700.
+Layout: `<run>/checkpoints/step-<N>/` (HF files and trainer_state.pt) and `<run>/checkpoints/latest` naming the
+newest complete one, written last: a crash mid-save resumes from the previous one, and its leftovers (`.step-N.*`)
+go at the next save. Files get the modes the user's umask gives new files, not the temp folder's 0700.
 """
 
 from __future__ import annotations
@@ -74,17 +72,6 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, loop_state: LoopState, toke
 def checkpoint_step(folder: Path) -> int:
     """The loop step a checkpoint folder `step-<N>` was written at."""
     return int(folder.name.rsplit("-", 1)[1])
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
-    """The newest complete checkpoint folder of a run; a clear error if there is none."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.exists():
-        raise FileNotFoundError(f"ckpt.resume: {run_dir} has no checkpoints/latest (no checkpoint was completed)")
-    folder = pointer.parent / pointer.read_text().strip()
-    if not (folder / "trainer_state.pt").exists():
-        raise FileNotFoundError(f"ckpt.resume: {folder} has no trainer_state.pt")
-    return folder
 
 
 def load_training_state(folder: Path, trainer: Trainer) -> LoopState:

@@ -1,16 +1,10 @@
 """Rollout dumps: every trained batch as one jsonl shard per step, and reading a shard back with its checks.
 
-`--rollout.dump` writes `<run_dir>/rollouts/step-<N>.jsonl` (atomically) before step N trains: one line per
-trajectory of the batch, in the trainer's order, holding the `Trajectory` fields (tokens, loss mask, engine
-log-probs, per-token versions, reward and score, group / rollout / segment ids, action spans with their hashes,
-MoE routing as nested ids with its dtype) plus `step` and `version` (the trainer version that step trained at).
-An image is recorded as its start and content hash; its uint8 pixels go once to `rollouts/images/<hash>.pt`.
-Floats are written with `repr` precision, so a read-back batch is bit-identical to the trained one.
-
-`read_shard` checks every line before a replay trains on it and fails with a `DumpError` naming the file,
-line and field: JSON and field types, aligned per-token lists, token ids inside the vocabulary, action hashes
-(the token check), image pixels against their hashes, and the versions against the replaying trainer.
-Knows trajectories; nothing of engines, agents or trainers.
+`--rollout.dump` writes `<run_dir>/rollouts/step-<N>.jsonl` atomically before step N trains: one line per
+trajectory, in the trainer's order, with the `Trajectory` fields plus `step` and `version` (the trainer's).
+Images keep their start and hash; their pixels go once to `rollouts/images/<hash>.pt`. Floats keep `repr`
+precision, so a read-back batch is bit-identical. `read_shard` checks every line (types, aligned lists, vocabulary,
+action hashes, pixels, versions) and fails with a `DumpError` naming file, line and field. Knows trajectories only.
 """
 
 from __future__ import annotations
@@ -127,6 +121,10 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, float | int) and not isinstance(x, bool)
+
+
 def _check_types(record: Any, where: str) -> None:
     """Every required field present, no unknown one, and each per-token list of the right element type."""
     if not isinstance(record, dict):
@@ -138,9 +136,7 @@ def _check_types(record: Any, where: str) -> None:
     if unknown:
         raise _fail(where, unknown[0], "unknown (not a Trajectory field)")
     for key, ok, kind in [("tokens", _is_int, "int"), ("loss_mask", lambda m: m in (0, 1), "0 or 1"),
-                          ("versions", _is_int, "int"),
-                          ("rollout_logprobs", lambda x: isinstance(x, float | int) and not isinstance(x, bool),
-                           "number")]:  # fmt: skip
+                          ("versions", _is_int, "int"), ("rollout_logprobs", _is_number, "number")]:  # fmt: skip
         values = record[key]
         bad = 0 if not isinstance(values, list) else next((i for i, x in enumerate(values) if not ok(x)), None)
         if bad is not None:
@@ -148,7 +144,7 @@ def _check_types(record: Any, where: str) -> None:
     for key in ("step", "version", "group_id", "rollout_id"):
         if not _is_int(record[key]):
             raise _fail(where, key, f"must be an int, got {record[key]!r}")
-    if not isinstance(record["reward"], float | int) or isinstance(record["reward"], bool):
+    if not _is_number(record["reward"]):
         raise _fail(where, "reward", f"must be a number, got {record['reward']!r}")
 
 

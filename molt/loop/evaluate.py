@@ -1,18 +1,18 @@
 """Held-out evaluation: mean reward, named rewards and unbiased pass@k over n samples per prompt.
 
-Used by training's eval and by `molt eval` (`molt/cli/eval.py`), so both score a checkpoint the
-same way: the same episodes (`run_agent`), sampling settings (`rollout_sampling`), seeds
-(`eval.seed + row * n + k`) and rewards. Episodes run with the reward functions' `EVALUATING` flag set,
-so training's per-step reward metrics leave them out.
+Training's eval and `molt eval` share it, so both score a checkpoint the same way: the same episodes, sampling,
+seeds (`eval.seed + row * n + k`) and rewards. Episodes run with the reward functions' `EVALUATING` flag set, so
+training's per-step reward metrics leave them out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatAgent, ChatRunner, last_completion_text
@@ -42,9 +42,8 @@ def chat_runner(cfg: Config, engine: Engine, tokenizer) -> ChatRunner:
     return ChatRunner(engine, tokenizer, cfg.chat.api_key, **{k: getattr(cfg.chat, k) for k in CHAT_SERVER_OPTIONS})
 
 
-async def run_agent(
-    chat: ChatRunner, engine: Engine, tokenizer, agent, row: dict, sampling: SamplingParams, limits: EpisodeLimits, **kw
-) -> list[Trajectory]:
+async def run_agent(chat: ChatRunner | None, engine: Engine, tokenizer, agent, row: dict, sampling: SamplingParams,
+                    limits: EpisodeLimits, **kw) -> list[Trajectory]:  # fmt: skip
     """One rollout of an Env (one segment) or a ChatAgent (one or more segments, through `chat`)."""
     if isinstance(agent, ChatAgent):
         return await chat.run(agent, row, sampling, limits, **kw)
@@ -95,22 +94,22 @@ async def evaluate(
     limits: EpisodeLimits,
     n: int,
     seed: int,
-    episode: Callable = run_episode,
+    run: Callable[..., Awaitable[list[Trajectory]]] | None = None,
     ks: list[int] | None = None,
     results: list[dict] | None = None,
 ) -> dict[str, float]:
-    """Run `n` episodes per row; a sample is correct when its score is >= 1 (exact answer).
-
-    `episode` has `run_episode`'s signature (the loop passes one that also runs ChatAgents); `ks`
-    are the pass@k reported (default 1 and n); `results`, if given, receives one record per row.
-    """
+    """Run `n` episodes per row; a sample is correct when its score is >= 1 (exact answer). `run`: one rollout, with
+    `run_agent`'s arguments after the chat runner (default: Env episodes only); `ks`: the pass@k reported (default 1
+    and n); `results`, if given, receives one record per row."""
     if not rows:
         return {}
+    run = run or functools.partial(run_agent, None)
 
     async def one(i: int, row: dict, k: int):
         s = dataclasses.replace(sampling, seed=seed + i * n + k)
         try:
-            return await episode(engine, tokenizer, make_env(), row, s, limits, rollout_id=i * n + k, group_id=i), None
+            segments = await run(engine, tokenizer, make_env(), row, s, limits, rollout_id=i * n + k, group_id=i)
+            return segments[-1], None  # segments share reward and score
         except Exception as e:  # noqa: BLE001 - an agent failure scores 0 in eval
             return None, e
 

@@ -1,12 +1,9 @@
 """`molt train --replay DIR`: the RL loop's train coroutine over a rollout dump, with no engine.
 
-Step N trains on the batch `--rollout.dump` wrote for step N (`molt/loop/dump.py`), in the dumped order,
-through the same `trainer.step` as a live run, so a loss change can be debugged against fixed data. Every
-line is checked before it trains (token ids, action hashes, versions against this trainer and
-`rollout.max_staleness`); a bad one stops the run naming its file and line. Nothing is generated: no engine
-is built, no weights are synced, no eval runs. The trainer steps on one compute thread with the torch thread
-count the built-in engine's thread would have had, so a replay of a run at `max_staleness 0` reproduces its
-losses bit for bit.
+Step N trains on the batch `--rollout.dump` wrote for step N, checked line by line (`molt/loop/dump.py`), through
+the same `trainer.step` as a live run, so a loss change can be debugged against fixed data. No engine, sync or
+eval. The trainer steps on one thread with the torch threads the built-in engine's thread would have had, so a
+replay of a run at `max_staleness 0` reproduces its losses bit for bit.
 """
 
 from __future__ import annotations
@@ -45,13 +42,9 @@ def replay_folder(cfg: Config, start_step: int) -> Path:
     return folder
 
 
-def compute_threads(cfg: Config, threads: int) -> int:
-    """Torch threads of the thread a live run's trainer steps on (the built-in engine's, else `threads`)."""
-    return (cfg.runtime.engine_threads or threads) if cfg.runtime.engine == "torch" else threads
-
-
 class ReplayLoop(RLLoop):
-    """`RLLoop.train` fed from a dump: `_next_batch` reads the step's shard; rollout, sync and eval are off."""
+    """`RLLoop.train` fed from a dump: `_next_batch` reads the step's shard; rollout, sync and eval are off.
+    `threads`: the run's compute threads (a live run's trainer steps with the built-in engine's, if set)."""
 
     def __init__(
         self,
@@ -71,6 +64,8 @@ class ReplayLoop(RLLoop):
         if cfg.eval.every:
             log.warning("replay of %s: no eval (eval.every=%d): nothing generates without an engine",
                         self.folder, cfg.eval.every)  # fmt: skip
+        if cfg.runtime.engine == "torch":
+            threads = cfg.runtime.engine_threads or threads
         self.pool = ThreadPoolExecutor(1, "molt-replay", initializer=with_threads, initargs=(threads, lambda: None))
 
     async def _next_batch(self) -> list[Trajectory]:

@@ -1,15 +1,11 @@
 """The asynchronous RL loop: rollout -> bounded buffer -> train -> sync, plus eval and checkpoints.
 
-Named coroutines share one asyncio loop in one process. `rollout` keeps episodes in flight on the
-engine and admits a new prompt group only while it cannot end up older than `max_staleness`
-versions when trained; `train` takes complete groups, re-checks staleness (dropping stale groups
-with a counted reason), runs the trainer step on the engine's thread (between engine steps), and
-`sync` pushes the weights to the engine. With `max_staleness 0` this is synchronous training on the same code path.
-Every sample is either trained on or dropped with a counted reason (`drop/<reason>`; failures and drops are counted
-and explained in `molt/loop/accounting.py`). A ChatAgent rollout may yield several segments (sharing reward and
-rollout id); a group holds all of them. Group filters decide on `reward` (the trained signal;
-`rollout.filter_on score` for the 0/1 score). `rollout.dump` writes each step's batch, as trained, to
-`<run_dir>/rollouts/` (`molt/loop/dump.py`); `molt/loop/replay.py` trains on such a dump without an engine.
+Named coroutines share one asyncio loop. `rollout` keeps episodes in flight and admits a prompt group only while it
+cannot be older than `max_staleness` versions when trained (0 = synchronous training on the same code path); `train`
+takes complete groups, re-checks staleness, steps the trainer on the engine's thread, and `sync` pushes the weights.
+Every sample is trained on or dropped with a counted reason (`drop/<reason>`, see `molt/loop/accounting.py`). A
+ChatAgent rollout may yield several segments sharing reward and rollout id; a group holds all of them. Group filters
+read `reward` (or `score`: `rollout.filter_on`); `rollout.dump` writes each trained batch for `molt/loop/replay.py`.
 """
 
 from __future__ import annotations
@@ -229,8 +225,7 @@ class RLLoop(Accounting):
             self._say_drops()
 
     async def _compute(self, fn, *args):
-        """Model compute off the event loop, where the engine wants it (`Engine.run_on_engine_thread`: the
-        built-in engine's own thread, one OpenMP pool for the process)."""
+        """Model compute off the event loop, where the engine wants it (`Engine.run_on_engine_thread`)."""
         return await self.engine.run_on_engine_thread(fn, *args)
 
     def _due(self, every: int) -> bool:
@@ -252,10 +247,8 @@ class RLLoop(Accounting):
         }
 
     def _engine_metrics(self) -> dict[str, float]:
-        """Engine work since the last step, for engines that count it (the built-in one, in this process):
-        seconds in model steps (`time/engine_s`; with `time/train_s` the compute of the one compute
-        thread), of which in decode-only steps (`time/engine_decode_s`), and the mean number of rows per
-        decoding step. Ray replicas report theirs under `engine/i/`."""
+        """Engine work since the last step (`work_since`), for engines that count it in this process; Ray
+        replicas report theirs under `engine/i/`."""
         stats = self._engine_snapshot()
         if "busy_s" not in stats:
             return {}
@@ -282,12 +275,8 @@ class RLLoop(Accounting):
                     len(self.train_rows),
                 )
             return {}
-
-        async def episode(*args, **kw) -> Trajectory:
-            return (await self._run_agent(*args, **kw))[-1]  # segments share reward and score
-
         return await evaluate(self.engine, self.tokenizer, make_env=self.make_env, rows=rows, sampling=sampling,
-                              limits=self.limits, n=ev.n_samples, seed=ev.seed, episode=episode)  # fmt: skip
+                              limits=self.limits, n=ev.n_samples, seed=ev.seed, run=self._run_agent)  # fmt: skip
 
     async def run(self, on_step=lambda m: None) -> list[dict[str, Any]]:
         """Run rollout and train concurrently until the last step; returns per-step metrics."""

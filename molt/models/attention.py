@@ -1,13 +1,12 @@
 """Attention backends: where the model's keys and values go and whom each query may see.
 
 The model computes q/k/v and hands them to a backend, `attend(layer_idx, q, k, v) -> out`, prepared
-once per forward from the explicit positions. These backends live here:
+once per forward from the explicit positions:
 
-- `PackedCausal`: training / scoring. Several samples may share one row ("packing"); `doc_ids`
-  says which sample each token belongs to, and a token sees only earlier tokens of its own sample
-  (and, with `parent_ids`, of the shared prefix its sample continues). SDPA with a [B, 1, T, T] mask.
-- `FlexPacked`: the same visibility through FlexAttention with a block mask, so no T x T mask is ever
-  built and fully masked blocks are skipped (compiled on CUDA; eager, forward only, on CPU for tests).
+- `PackedCausal` (training / scoring): several samples may share one row ("packing"); a token sees only
+  earlier tokens of its own sample (`doc_ids`) and of the shared prefix it continues (`parent_ids`).
+  SDPA with a [B, 1, T, T] mask.
+- `FlexPacked`: the same through FlexAttention's block mask (no T x T tensor, masked blocks skipped);
   `packed_attention` picks it on CUDA and `PackedCausal` elsewhere (FlexAttention has no CPU backward).
 - `KVCache`: a contiguous per-row cache for incremental decoding (slot = position). The engine may
   bring its own (block-based) cache implementing the same `prepare` / `attend` protocol.
@@ -23,6 +22,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from molt.models.config import TransformerConfig
 
 
 class Attend(Protocol):
@@ -53,8 +54,7 @@ def additive_mask(visible: torch.Tensor) -> torch.Tensor:
 
 
 def per_kv_head(mask_bs: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """One-query rows' [B, S] mask repeated for each kv head, as batched `bmm`s over (row, kv head) take it:
-    [B * kv_heads, 1, S]."""
+    """One-query rows' [B, S] mask repeated per kv head, as `bmm`s over (row, kv head) take it: [B * kv_heads, 1, S]."""
     rows, kv_len = mask_bs.shape
     return mask_bs[:, None].expand(rows, kv_heads, kv_len).reshape(rows * kv_heads, 1, kv_len)
 
@@ -106,17 +106,13 @@ def packed_attention(
     mask, and `select_queries` then switches to FlexAttention on CUDA."""
     if backend not in PACKED_BACKENDS:
         raise ValueError(f"unknown packed attention backend {backend!r}; use one of {PACKED_BACKENDS}")
-    device = doc_ids_bt.device if doc_ids_bt is not None else None
-    if device is not None and (backend == "flex" or (backend == "auto" and device.type == "cuda")):
+    if doc_ids_bt is not None and (backend == "flex" or (backend == "auto" and doc_ids_bt.device.type == "cuda")):
         return FlexPacked(doc_ids_bt, parent_ids_bt)
     return PackedCausal(doc_ids_bt, parent_ids_bt)
 
 
 class FlexPacked:
-    """`PackedCausal`'s visibility through FlexAttention: a block mask from the doc ids, no T x T tensor.
-
-    A query at column c of row b sees key column j <= c when j is in its own sample or in the shared prefix
-    its `parent_ids` names. `select_queries` keeps the rule for a subset of query columns."""
+    """`PackedCausal`'s visibility through FlexAttention: a block mask from the doc ids, no T x T tensor."""
 
     def __init__(self, doc_ids_bt: torch.Tensor, parent_ids_bt: torch.Tensor | None = None, cols_bq=None):
         self.doc_ids_bt, self.parent_ids_bt, self.cols_bq = doc_ids_bt, parent_ids_bt, cols_bq
@@ -153,7 +149,6 @@ class FlexPacked:
         if self.block_mask is None:  # one sample per row: SDPA's causal kernel needs no mask
             return sdpa(q_bhtd, k_bhtd, v_bhtd, None, causal=True)
         gqa = q_bhtd.shape[1] != k_bhtd.shape[1]
-        q_bhtd, k_bhtd = q_bhtd.to(v_bhtd.dtype), k_bhtd.to(v_bhtd.dtype)  # flex needs one dtype (a no-op now)
         flex = _flex_attention("compiling" if torch.compiler.is_compiling() else q_bhtd.device.type)
         return flex(q_bhtd, k_bhtd, v_bhtd, block_mask=self.block_mask, enable_gqa=gqa, kernel_options=FLEX_OPTIONS)
 
@@ -170,10 +165,9 @@ FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 @functools.cache
 def _flex_attention(device_type: str):
     """FlexAttention compiled for CUDA (eager FlexAttention materialises the scores: slow and big); on CPU its
-    eager (unfused, forward-only) form, for tests. Inside a compiled decoder layer (`molt.train.compile`)
-    FlexAttention itself is traced into the layer's graph (`device_type` "compiling"). A second row width
-    recompiles once, with dynamic shapes; each forward's new mask closure is guarded by its code, not its
-    identity, so it does not recompile."""
+    eager (unfused, forward-only) form, for tests; inside a compiled decoder layer (`molt.train.compile`)
+    traced into the layer's graph (`device_type` "compiling"). Each forward's new mask closure is guarded by
+    its code, not its identity, so it does not recompile."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if device_type == "compiling":  # traced into the caller's graph, on any device
@@ -222,23 +216,16 @@ class KVCache:
 
     def __init__(
         self,
-        num_layers: int,
+        cfg: TransformerConfig,
         batch: int,
-        num_kv_heads: int,
         max_len: int,
-        head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
-        shape = (num_layers, batch, num_kv_heads, max_len + 1, head_dim)  # +1: scratch slot for padding
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len + 1, cfg.head_dim)  # +1: scratch slot for padding
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
-
-    @classmethod
-    def for_model(cls, cfg, batch: int, max_len: int, dtype=torch.float32, device=None) -> KVCache:
-        """A cache sized for a TransformerConfig."""
-        return cls(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device)
 
     def prepare(self, position_ids_bt: torch.Tensor) -> Attend:
         if int(position_ids_bt.max()) >= self.max_len:

@@ -1,8 +1,8 @@
 """Architecture hyper-parameters of Molt's transformer family, and their mapping to HF `config.json`.
 
 One dataclass describes every supported model (Llama, Qwen2, Qwen3 dense, Qwen3-MoE). Each HF
-`model_type` is a registered `Family` that knows how to read and write its config keys; an unknown
-`model_type` or an unsupported feature is an error naming the key. Knows nothing of weights.
+`model_type` registers a reader of its config keys (one writer serves all); an unknown `model_type`
+or an unsupported feature is an error naming the key. Knows nothing of weights.
 """
 
 from __future__ import annotations
@@ -94,36 +94,9 @@ class TransformerConfig:
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
-    def num_params(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
-        h, d = self.hidden_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        dense_mlp = 3 * h * self.intermediate_size
-        moe_mlp = self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
-        mlp = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in range(self.num_layers))
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * attn + mlp + emb
 
-
-@dataclass(frozen=True)
-class Family:
-    """How one HF `model_type` maps onto TransformerConfig."""
-
-    architecture: str
-    read: Callable[[dict[str, Any]], dict[str, Any]]
-
-
-FAMILIES: Registry[Family] = Registry("model family")
-
-
-def register_family(model_type: str, architecture: str):
-    """Register the decorated config reader for `model_type`; all families share one writer."""
-
-    def wrap(read: Callable[[dict[str, Any]], dict[str, Any]]):
-        FAMILIES.add(model_type, Family(architecture, read))
-        return read
-
-    return wrap
+# model_type -> its config.json reader (HF keys -> TransformerConfig fields); all families share one writer
+FAMILIES: Registry[Callable[[dict[str, Any]], dict[str, Any]]] = Registry("model family")
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -163,24 +136,24 @@ def _read_common(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-@register_family("llama", "LlamaForCausalLM")
+@FAMILIES.register("llama", architecture="LlamaForCausalLM")
 def _read_llama(hf: dict[str, Any]) -> dict[str, Any]:
     bias = hf.get("attention_bias", False)
     return _read_common(hf) | dict(qkv_bias=bias, o_bias=bias, mlp_bias=hf.get("mlp_bias", False), qk_norm=False)
 
 
-@register_family("qwen2", "Qwen2ForCausalLM")
+@FAMILIES.register("qwen2", architecture="Qwen2ForCausalLM")
 def _read_qwen2(hf: dict[str, Any]) -> dict[str, Any]:
     return _read_common(hf) | dict(qkv_bias=True, o_bias=False, qk_norm=False)
 
 
-@register_family("qwen3", "Qwen3ForCausalLM")
+@FAMILIES.register("qwen3", architecture="Qwen3ForCausalLM")
 def _read_qwen3(hf: dict[str, Any]) -> dict[str, Any]:
     bias = hf.get("attention_bias", False)
     return _read_common(hf) | dict(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
-@register_family("qwen3_moe", "Qwen3MoeForCausalLM")
+@FAMILIES.register("qwen3_moe", architecture="Qwen3MoeForCausalLM")
 def _read_qwen3_moe(hf: dict[str, Any]) -> dict[str, Any]:
     return _read_qwen3(hf) | dict(
         num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0,
@@ -196,7 +169,7 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
     """HF `config.json` dict for `cfg` (readable by transformers and vLLM)."""
     rope = {"rope_type": "default"} | (cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
     hf: dict[str, Any] = dict(
-        architectures=[FAMILIES[cfg.model_type].architecture],
+        architectures=[FAMILIES.info(cfg.model_type)["architecture"]],
         model_type=cfg.model_type,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -240,12 +213,9 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Transform
     if model_type not in FAMILIES:
         raise ValueError(f"{source}: model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
     vision = hf.get("vision_config")
-    cfg = TransformerConfig(
-        **FAMILIES[model_type].read(hf), vision=vision, image_token_id=hf.get("image_token_id") if vision else None
+    return TransformerConfig(
+        **FAMILIES[model_type](hf), vision=vision, image_token_id=hf.get("image_token_id") if vision else None
     )
-    if cfg.qkv_bias != cfg.o_bias and model_type != "qwen2":
-        raise ValueError(f"{source}: attention_bias must apply to q/k/v/o alike for {model_type}")
-    return cfg
 
 
 # Built-in presets: random-weight models for tests and the default job (vocab sized for the built-in

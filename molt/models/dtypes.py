@@ -1,13 +1,11 @@
 """Which dtype the model's activations run in, so that one forward computes the same function under autocast.
 
-A model served in bf16 (the built-in engine, vLLM, `transformers`) runs its residual stream, norms and rotary
-tables in bf16. The trainer's mixed precision keeps fp32 parameters and runs the forward under `torch.autocast`,
-which lowers only the matmuls: the embedding lookup and every elementwise op would stay fp32, a different (more
-precise) function than the one the engine samples from (measured: mean |log-prob diff| 1.8e-2 on the engine
-tests' tiny model, as far as bf16 is from fp32). So the model casts its activations to the autocast dtype where
-they enter (embeddings, pixels) and casts its own elementwise weights (norms, positional embeddings) to the
-activations' dtype, and every op then sees what it would see in a bf16 copy of the weights. Ops the model wants
-in fp32 whatever the parameters (the MoE router) run with autocast off. Knows torch only.
+A model served in bf16 (built-in engine, vLLM, `transformers`) runs its residual stream, norms and rotary tables
+in bf16. The trainer's mixed precision keeps fp32 parameters under `torch.autocast`, which lowers only the matmuls:
+elementwise ops would stay fp32, a different function than the one the engine samples from. So the model casts its
+activations to the autocast dtype where they enter (embeddings, pixels) and its own elementwise weights (norms,
+positional embeddings) to the activations' dtype: every op sees what it would see in a bf16 copy of the weights.
+Ops the model wants in fp32 whatever the parameters (the MoE router) run with autocast off. Knows torch only.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Hugging Face model folders in and out: `config.json` + `*.safetensors` (sharded or not).
 
 Molt's parameter names are HF's without the `model.` prefix, except MoE experts, which Molt stacks
-into [E, ...] tensors; `to_hf_state` / `from_hf_state` translate with a few regex rules (the one place these
+into [E, ...] tensors; `to_hf_state` / `from_hf_state` translate with one regex rule (the one place these
 names are known: the engines' weight loading and the vLLM adapter use `hf_tensors` / `hf_views`). Loading is
 strict: a missing or unexpected weight is an error listing the names. Saving is atomic (temp folder, then rename).
 """
@@ -14,8 +14,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -29,47 +28,28 @@ from molt.models.transformer import Transformer
 IGNORED_HF_KEYS = re.compile(r"(rotary_emb\.)?inv_freq$")  # rotary buffers: recomputed, never loaded
 
 
-@dataclass(frozen=True)
-class Rule:
-    """One Molt parameter <-> several HF tensors."""
-
-    hf_names: Callable[[str, TransformerConfig], list[str]]
-    split: Callable[[torch.Tensor, TransformerConfig], list[torch.Tensor]]
-    join: Callable[[list[torch.Tensor], TransformerConfig], torch.Tensor]
+# MoE experts: one stacked [E, ...] tensor per projection in Molt, one tensor per expert and projection in HF
+EXPERTS = re.compile(r"(layers\.\d+\.mlp\.)(gate_up_proj|down_proj)$")
+EXPERT_PROJS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
-def _experts(prefix: str, cfg: TransformerConfig, *projs: str) -> list[str]:
-    return [f"{prefix}experts.{e}.{p}.weight" for e in range(cfg.num_experts) for p in projs]
-
-
-RULES: list[tuple[re.Pattern, Rule]] = [  # MoE experts: stacked in Molt, one tensor per expert in HF
-    (
-        re.compile(r"(layers\.\d+\.mlp\.)gate_up_proj$"),
-        Rule(
-            lambda m, c: _experts(m[1], c, "gate_proj", "up_proj"),
-            lambda t, c: [half for e in t for half in e.chunk(2)],
-            lambda ts, c: torch.stack([torch.cat(ts[i : i + 2]) for i in range(0, len(ts), 2)]),
-        ),
-    ),
-    (
-        re.compile(r"(layers\.\d+\.mlp\.)down_proj$"),
-        Rule(lambda m, c: _experts(m[1], c, "down_proj"), lambda t, c: list(t), lambda ts, c: torch.stack(ts)),
-    ),
-]
-IDENTITY = Rule(lambda m, c: [m[0]], lambda t, c: [t], lambda ts, c: ts[0])
-
-
-def _rule_for(name: str, cfg: TransformerConfig) -> tuple[list[str], Rule]:
-    """HF names of Molt parameter `name` (HF keeps all but the head under `model.`) and its rule."""
-    m, rule = next(((m, r) for p, r in RULES if (m := p.match(name))), (re.match(r".*", name), IDENTITY))
-    return [n if n.startswith("lm_head") else f"model.{n}" for n in rule.hf_names(m, cfg)], rule
+def _hf_names(name: str, cfg: TransformerConfig) -> tuple[list[str], int]:
+    """HF names of Molt parameter `name` (HF keeps all but the head under `model.`), and how many HF
+    projections per expert it stacks (0: not an expert tensor)."""
+    names, per_expert = [name], 0
+    if m := EXPERTS.match(name):
+        projs = EXPERT_PROJS[m[2]]
+        names = [f"{m[1]}experts.{e}.{p}.weight" for e in range(cfg.num_experts) for p in projs]
+        per_expert = len(projs)
+    return [n if n.startswith("lm_head") else f"model.{n}" for n in names], per_expert
 
 
 def hf_tensors(name: str, tensor: torch.Tensor, cfg: TransformerConfig) -> list[tuple[str, torch.Tensor]]:
     """Molt parameter `name` as HF-named tensors (one per expert projection for stacked MoE experts); views of
     `tensor` where the layouts allow, so writing into them writes into it."""
-    names, rule = _rule_for(name, cfg)
-    return list(zip(names, rule.split(tensor, cfg), strict=True))
+    names, per_expert = _hf_names(name, cfg)
+    parts = [part for expert in tensor for part in expert.chunk(per_expert)] if per_expert else [tensor]
+    return list(zip(names, parts, strict=True))
 
 
 def hf_views(params: Mapping[str, torch.Tensor], cfg: TransformerConfig) -> dict[str, torch.Tensor]:
@@ -85,22 +65,24 @@ def _own_params(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
 
 def to_hf_state(model: Transformer) -> dict[str, torch.Tensor]:
     """The model's weights under HF names and layouts (what transformers and vLLM expect)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in _own_params(model):
-        out.update(hf_tensors(name, tensor.detach(), model.cfg))
-    return out
+    return hf_views({name: tensor.detach() for name, tensor in _own_params(model)}, model.cfg)
 
 
 def from_hf_state(model: Transformer, tensors: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
     """Copy HF-named tensors into `model`; missing or unexpected names are an error listing them."""
     cfg, used, missing, state = model.cfg, set(), [], {}
     for name, _ in _own_params(model):
-        names, rule = _rule_for(name, cfg)
+        names, per_expert = _hf_names(name, cfg)
         absent = [n for n in names if n not in tensors]
         missing += absent
-        if not absent:
-            state[name] = rule.join([tensors[n] for n in names], cfg)
-            used.update(names)
+        if absent:
+            continue
+        used.update(names)
+        parts = [tensors[n] for n in names]
+        if not per_expert:
+            state[name] = parts[0]
+        else:  # each expert's projections concatenated, then the experts stacked
+            state[name] = torch.stack([torch.cat(parts[i : i + per_expert]) for i in range(0, len(parts), per_expert)])
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         used.add("lm_head.weight")  # some tied checkpoints store the shared matrix twice
     unexpected = sorted(n for n in tensors if n not in used and not IGNORED_HF_KEYS.search(n))
@@ -118,8 +100,7 @@ class LazyTensors(Mapping):
 
     def __init__(self, files: list[Path], dtype: torch.dtype):
         self.where = {}
-        self.handles = [safe_open(str(f), framework="pt") for f in files]
-        for handle in self.handles:
+        for handle in [safe_open(str(f), framework="pt") for f in files]:
             self.where.update(dict.fromkeys(handle.keys(), handle))
         self.dtype = dtype
 
@@ -163,9 +144,8 @@ def from_pretrained(
     cfg = load_config(folder)
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    model.reset_rope()  # materialising from meta leaves buffers empty and ties broken
-    if cfg.tie_word_embeddings:
+    model = model.to_empty(device=device).to(dtype)  # `Transformer._apply` recomputes the rotary buffer
+    if cfg.tie_word_embeddings:  # materialising from meta breaks the tie
         model.lm_head.weight = model.embed_tokens.weight
     from_hf_state(model, LazyTensors(_weight_files(folder), dtype), source=str(folder))
     return model
@@ -190,19 +170,17 @@ def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def save_pretrained(
-    model: Transformer, folder: str | os.PathLike, tokenizer=None, max_shard_bytes: int = 4 << 30
-) -> Path:
+def save_pretrained(model: Transformer, folder: str | os.PathLike, tokenizer=None) -> Path:
     """Write an HF model folder atomically (config.json, safetensors shards, tokenizer if given)."""
     with atomic_folder(folder) as tmp:
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
-        _write_shards(to_hf_state(model), tmp, max_shard_bytes)
+        _write_shards(to_hf_state(model), tmp)
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
     return Path(folder)
 
 
-def _write_shards(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
+def _write_shards(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int = 4 << 30) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state.items():

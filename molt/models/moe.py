@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from molt.models.config import TransformerConfig
 from molt.models.dtypes import no_autocast
 
 NO_ROUTE = -1  # a position without a recorded routing: it routes live
@@ -88,12 +89,13 @@ class SparseMoE(nn.Module):
     parameter dtype), so a bf16 model's expert choice is not decided by bf16 rounding.
     """
 
-    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int, normalize: bool, fp32: bool):
+    def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.top_k, self.normalize, self.fp32 = top_k, normalize, fp32
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        self.top_k, self.normalize, self.fp32 = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.router_fp32
+        hidden, inner = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = nn.Linear(hidden, cfg.num_experts, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(cfg.num_experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(cfg.num_experts, hidden, inner))
 
     def forward(self, x_bth: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         x_nh = x_bth.reshape(-1, x_bth.shape[-1])
@@ -104,9 +106,8 @@ class SparseMoE(nn.Module):
         else:
             logits_ne = self.gate(x_nh)
         if routing is None:
-            weights_nk, experts_nk = route(logits_ne, self.top_k, self.normalize, self.fp32)
-        else:
-            weights_nk, experts_nk = routing.route(logits_ne, self.top_k, self.normalize, self.fp32)
+            routing = Routing()  # nothing to replay; the record is dropped
+        weights_nk, experts_nk = routing.route(logits_ne, self.top_k, self.normalize, self.fp32)
         return self.mix(x_nh, weights_nk, experts_nk).view_as(x_bth)
 
     def mix(self, x_nh: torch.Tensor, weights_nk: torch.Tensor, experts_nk: torch.Tensor) -> torch.Tensor:

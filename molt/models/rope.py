@@ -19,25 +19,21 @@ RopeFn = Callable[[int, float, dict[str, Any], int], tuple[torch.Tensor, float]]
 ROPE_TYPES: Registry[RopeFn] = Registry("rope type")
 
 
-def register_rope(name: str) -> Callable[[RopeFn], RopeFn]:
-    return ROPE_TYPES.register(name)
-
-
 def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
-@register_rope("default")
+@ROPE_TYPES.register("default")
 def _default(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
     return _base_inv_freq(dim, theta), 1.0
 
 
-@register_rope("linear")
+@ROPE_TYPES.register("linear")
 def _linear(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
     return _base_inv_freq(dim, theta) / params["factor"], 1.0
 
 
-@register_rope("llama3")
+@ROPE_TYPES.register("llama3")
 def _llama3(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
     """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend smoothly in between."""
     inv_freq = _base_inv_freq(dim, theta)
@@ -51,7 +47,7 @@ def _llama3(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tup
     return torch.where(medium, blended, scaled), 1.0
 
 
-@register_rope("yarn")
+@ROPE_TYPES.register("yarn")
 def _yarn(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
     """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; scale attention."""
     orig = params.get("original_max_position_embeddings") or max_pos

@@ -1,12 +1,7 @@
-"""Tokenizers: loading HF tokenizer folders, Molt's built-in byte tokenizer, and chat-template helpers.
-
-Owns three things:
-
-* `load_tokenizer` / `save_tokenizer`: local HF tokenizer folders in and out (never downloads).
-* `build_builtin_tokenizer`: a small byte-level tokenizer with a ChatML chat template that Molt builds
-  offline, identically on every machine, for its built-in tasks and tiny models.
-* `render_chat`, `apply_chat_template` and `assistant_mask`: conversation -> text -> token ids, and the
-  0/1 loss mask over the tokens of assistant turns, derived from the template itself.
+"""Tokenizers: local HF tokenizer folders in and out (`load_tokenizer` / `save_tokenizer`, never downloading);
+Molt's built-in byte-level tokenizer with a ChatML chat template (`build_builtin_tokenizer`, built offline,
+identically on every machine); and conversation -> text -> token ids (`render_chat`, `apply_chat_template`)
+with the 0/1 loss mask over assistant turns, derived from the template itself (`assistant_mask`).
 
 Knows nothing of models, engines or training; depends only on `transformers` and `tokenizers`.
 """
@@ -21,18 +16,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
-
-__all__ = [
-    "BUILTIN_CHAT_TEMPLATE",
-    "BUILTIN_TOKENIZER_VOCAB_SIZE",
-    "ChatTemplateError",
-    "apply_chat_template",
-    "assistant_mask",
-    "build_builtin_tokenizer",
-    "load_tokenizer",
-    "render_chat",
-    "save_tokenizer",
-]
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 Message = Mapping[str, Any]
 
@@ -42,14 +26,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 # Control tokens: atomic, and dropped by `decode(..., skip_special_tokens=True)`.
 BUILTIN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Markup tokens: atomic but kept when decoding, so an agent still sees (and parses) its tool calls.
-BUILTIN_MARKUP_TOKENS = (
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-    "<think>",
-    "</think>",
-)
+BUILTIN_MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 IMAGE_PLACEHOLDER = "<|image|>"  # one per image in rendered text; the VLM processor expands it
 NUM_BYTE_TOKENS = 256
 # Ids are fixed: byte b is id b, then the special tokens, then the markup tokens, in the order above.
@@ -158,36 +135,16 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> Pa
 # --------------------------------------------------------------------------------- built-in tokenizer
 
 
-def _byte_alphabet() -> list[str]:
-    """The printable character that stands for each byte 0..255 in byte-level BPE vocabularies.
-
-    Printable Latin-1 bytes stand for themselves; the others (controls, space, soft hyphen) are
-    shifted to 256, 257, ... in byte order. This is the mapping `tokenizers`' ByteLevel uses.
-    """
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
-    alphabet, num_shifted = [], 0
-    for byte in range(NUM_BYTE_TOKENS):
-        if byte in printable:
-            alphabet.append(chr(byte))
-        else:
-            alphabet.append(chr(256 + num_shifted))
-            num_shifted += 1
-    return alphabet
-
-
 def build_builtin_tokenizer(out_dir: str | Path | None = None, image_token: bool = False) -> PreTrainedTokenizerFast:
     """Build Molt's built-in tokenizer (and save it as an HF folder in `out_dir` if given).
 
-    Byte-level BPE with no merges: every UTF-8 byte is one token (id = byte value), so any text
-    round-trips exactly, nothing is ever unknown and the vocabulary is tiny
-    (`BUILTIN_TOKENIZER_VOCAB_SIZE` ids). Bytes rather than characters because a character vocabulary
-    is either huge (Unicode) or lossy; no merges because a tiny model learns bytes fine, and because
-    then tokenization never merges across text boundaries. On top sit the ChatML control tokens
-    (`<|endoftext|>` is pad, `<|im_end|>` eos) and atomic tool/reasoning markup tokens. Built from
-    constants only, so ids are identical on every machine and no download is needed. `image_token`
-    (VLMs) adds the special `<|image|>` placeholder as the last id; text ids are unchanged.
+    Byte-level BPE with no merges: every UTF-8 byte is one token (id = byte value), so any text round-trips
+    exactly and nothing is unknown; a tiny model learns bytes fine, and no merge crosses a text boundary. On
+    top sit the ChatML control tokens (`<|endoftext|>` pad, `<|im_end|>` eos) and atomic tool/reasoning markup
+    tokens. Built from constants only: ids are identical on every machine. `image_token` (VLMs) adds the
+    special `<|image|>` placeholder as the last id; text ids are unchanged.
     """
-    vocab = {char: byte for byte, char in enumerate(_byte_alphabet())}
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}  # the byte -> character map of ByteLevel
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     # No regex split: with no merges it cannot change the ids, and offsets stay per character.
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -230,7 +187,6 @@ def render_chat(
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = False,
-    **template_kwargs: Any,
 ) -> str:
     """Render `messages` (and `tools`) to text with the tokenizer's chat template."""
     if not getattr(tokenizer, "chat_template", None):
@@ -240,7 +196,6 @@ def render_chat(
         tools=list(tools) if tools is not None else None,
         add_generation_prompt=add_generation_prompt,
         tokenize=False,
-        **template_kwargs,
     )
 
 
@@ -250,14 +205,10 @@ def apply_chat_template(
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = False,
-    **template_kwargs: Any,
 ) -> list[int]:
-    """Token ids of the rendered conversation.
-
-    The rendered text already holds every special token the template wants (BOS included), so it
-    is tokenized with `add_special_tokens=False`: no second BOS, no EOS appended.
-    """
-    text = render_chat(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    """Token ids of the rendered conversation (which holds every special token the template wants, BOS
+    included: tokenized with `add_special_tokens=False`, so no second BOS and no EOS appended)."""
+    text = render_chat(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -267,7 +218,6 @@ def assistant_mask(
     tools: Sequence[Mapping[str, Any]] | None = None,
     *,
     end_of_turn: Sequence[str] | None = None,
-    **template_kwargs: Any,
 ) -> tuple[list[int], list[int]]:
     """Token ids of the whole conversation and a 0/1 mask that is 1 on what the model generates.
 
@@ -276,14 +226,11 @@ def assistant_mask(
     (`end_of_turn`, default the tokenizer's eos): the engine stops at that token, so it is in the
     loss, while markup the template adds after it (ChatML's "\\n") is prompt for the next turn.
     A turn with no end-of-turn token is generated in full. Raises `ChatTemplateError` when the
-    template re-renders history (the spans would not be a prefix of the full text).
-
-    The full text is tokenized in one pass, exactly as `apply_chat_template` does, wherever the span
-    edges fall on token boundaries; where a token straddles an edge, the text is tokenized piece by
-    piece at that edge, as a rollout would (prompt tokens, then generated tokens).
+    template re-renders history. The text is tokenized as `apply_chat_template` does, except where a
+    token straddles a span edge: there it is tokenized piece by piece, as a rollout would.
     """
     stops = list(end_of_turn) if end_of_turn is not None else [tokenizer.eos_token]
-    text, spans = _assistant_char_spans(tokenizer, list(messages), tools, [s for s in stops if s], template_kwargs)
+    text, spans = _assistant_char_spans(tokenizer, list(messages), tools, [s for s in stops if s])
     cuts = [edge for span in spans for edge in span]
     ids, regions = _encode_regions(tokenizer, text, cuts)
     return ids, [region % 2 for region in regions]
@@ -294,12 +241,11 @@ def _assistant_char_spans(
     messages: list[Message],
     tools: Sequence[Mapping[str, Any]] | None,
     stops: list[str],
-    template_kwargs: Mapping[str, Any],
 ) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character spans the model generates in it."""
 
     def render(msgs: list[Message], gen: bool) -> str:
-        return render_chat(tokenizer, msgs, tools=tools, add_generation_prompt=gen, **template_kwargs)
+        return render_chat(tokenizer, msgs, tools=tools, add_generation_prompt=gen)
 
     full = render(messages, False)
     spans = []
@@ -336,9 +282,8 @@ def _generated_end(turn: str, start: int, stops: list[str]) -> int:
 def _encode_regions(tokenizer: PreTrainedTokenizerBase, text: str, cuts: list[int]) -> tuple[list[int], list[int]]:
     """Tokenize `text`; per token, the number of (sorted) `cuts` at or before its first character.
 
-    Tokenizes `text` in one pass and checks each cut against the token offsets. Cuts that fall
-    inside a token (a merge across the edge) are made hard: the pieces between them are tokenized
-    separately, recursively. Tokenizers without exact offsets (slow ones, or ones whose
+    Cuts that fall inside a token (a merge across the edge) are made hard: the pieces between them are
+    tokenized separately, recursively. Tokenizers without exact offsets (slow ones, or ones whose
     post-processor trims whitespace off offsets) are split at every cut.
     """
     if not cuts:

@@ -91,14 +91,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp = SparseMoE(
-                cfg.hidden_size,
-                cfg.moe_intermediate_size,
-                cfg.num_experts,
-                cfg.num_experts_per_tok,
-                cfg.norm_topk_prob,
-                cfg.router_fp32,
-            )
+            self.mlp = SparseMoE(cfg)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
@@ -159,16 +152,12 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits for `input_ids_bt` at explicit positions (default 0..T-1 per row).
 
-        `doc_ids_bt` packs several samples per row (attention stays within a sample, plus the shared
-        prefix named by `parent_ids_bt`, see `PackedCausal`); `cache`
-        switches to incremental decoding (the cache decides what each query sees). `routing`
-        (MoE models) replays given expert ids and records each MoE layer's choice (see `moe.py`).
-        A VLM takes its images as uint8 `pixel_values` [N, 3, S, S] (whole images, in placeholder order)
-        or as `image_embeds_nh`, one row per `image_token_id` position of `input_ids_bt` in row-major order.
-        `outputs_bq` (packed training, dense models): only these columns' logits [B, Q, V]; every position
-        still feeds the keys and values, so they equal the full forward's logits at those columns.
-        `attention`: the packed-attention backend (`auto`: FlexAttention on CUDA, SDPA elsewhere; see
-        `attention.packed_attention`).
+        `doc_ids_bt` packs several samples per row (see `PackedCausal`, also for `parent_ids_bt`); `cache`
+        switches to incremental decoding. `routing` (MoE) replays and records expert ids (see `moe.py`).
+        A VLM takes uint8 `pixel_values` [N, 3, S, S] (whole images, in placeholder order) or `image_embeds_nh`,
+        one row per `image_token_id` position in row-major order. `outputs_bq` (packed training, dense models):
+        only these columns' logits [B, Q, V], equal to the full forward's there. `attention`: the packed
+        backend (see `attention.packed_attention`).
         """
         if position_ids_bt is None:
             position_ids_bt = torch.arange(input_ids_bt.shape[1], device=input_ids_bt.device).expand_as(input_ids_bt)

@@ -1,14 +1,11 @@
 """The vision half of a VLM: images in (PIL / path / bytes / data URI) -> pixels -> LM-space embeddings.
 
-* The processor (`to_pixels`) decodes an image, converts it to RGB and resizes it to the tower's
-  square `image_size`: a uint8 [3, S, S] tensor. Those exact pixels are what the engine and the
-  trainer both see (they travel in the trajectory with a content hash, `pixel_hash`).
-* Every image becomes a fixed number of placeholder tokens (`tokens_per_image`, one per patch):
-  the chat template writes one `<|image|>` per image and `expand_image_tokens` repeats it.
-* `VisionTower`: patch embedding + pre-norm encoder layers + a 2-layer projector into the LM's
-  hidden size; the LM scatters its output rows into the placeholder positions.
-
-Knows nothing of engines, agents or training; model code free of parallelism.
+`to_pixels` decodes an image to RGB resized to the tower's square `image_size`, uint8 [3, S, S]: those exact
+pixels are what the engine and the trainer both see (they travel in the trajectory with a content hash,
+`pixel_hash`). Each image becomes `tokens_per_image` placeholder tokens (one per patch): the chat template
+writes one `<|image|>` per image and `expand_image_tokens` repeats it. `VisionTower` (patch embedding,
+pre-norm encoder layers, a 2-layer projector into the LM's hidden size) makes the rows the LM scatters into
+those positions. Knows nothing of engines, agents or training; model code free of parallelism.
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ import base64
 import binascii
 import hashlib
 import io
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -113,31 +111,24 @@ def expand_row_images(ids: list[int], mask: list[int], messages: list, cfg, wher
             raise ImageError(f"{where}: has {len(images)} image(s) but the model has no vision tower")
         return ids, mask, []
     per, image_id = cfg.vision.tokens_per_image, cfg.image_token_id
-    if sum(t == image_id for t in ids) != len(images):
+    expanded, starts = expand_image_tokens(ids, image_id, per)
+    if len(starts) != len(images):
         raise ImageError(f"{where}: the chat template rendered a placeholder count different from {len(images)} images")
     pixels = [to_pixels(im, cfg.vision.image_size, f"{where} image {k}") for k, im in enumerate(images)]
-    reps = [per if t == image_id else 1 for t in ids]
-    return (
-        [t for t, r in zip(ids, reps, strict=True) for _ in range(r)],
-        [m for m, r in zip(mask, reps, strict=True) for _ in range(r)],
-        pixels,
-    )
+    mask = [m for m, t in zip(mask, ids, strict=True) for _ in range(per if t == image_id else 1)]
+    return expanded, mask, pixels
 
 
 def image_spans(ids: list[int], image_token_id: int, per_image: int, where: str = "prompt") -> list[int]:
     """Start positions of the images in already-expanded `ids`; a run that is not whole images is an error."""
     starts, i = [], 0
-    while i < len(ids):
-        if ids[i] != image_token_id:
-            i += 1
-            continue
-        j = i
-        while j < len(ids) and ids[j] == image_token_id:
-            j += 1
-        if (j - i) % per_image:
-            raise ImageError(f"{where}: image placeholder run at {i} has {j - i} tokens, not a multiple of {per_image}")
-        starts += range(i, j, per_image)
-        i = j
+    for token, run in itertools.groupby(ids):
+        n = len(list(run))
+        if token == image_token_id:
+            if n % per_image:
+                raise ImageError(f"{where}: image placeholder run at {i} has {n} tokens, not a multiple of {per_image}")
+            starts += range(i, i + n, per_image)
+        i += n
     return starts
 
 

@@ -1,10 +1,8 @@
 """`--runtime.backend ray`: engine replicas and trainer ranks as actors in one placement group.
 
-`RayRuntime` gives the loop what the local backend gives it: one `Engine` (a `Router` over
-`RemoteEngine` replicas) and one trainer (`RayTrainer`), plus per-step runtime metrics (requests
-per replica, restarts, weight-sync bytes, seconds and GB/s). Agent runners and the chat server stay
-in the driver's asyncio loop: they only await engine calls. `shutdown()` kills every actor and
-frees the placement group; it runs on normal exit, on errors and on Ctrl-C.
+`RayRuntime` gives the loop one `Engine` (a `Router` over `RemoteEngine` replicas) and one trainer (`RayTrainer`),
+plus per-step metrics (load per replica, restarts, weight-sync GB/s). Agents and the chat server stay in the
+driver's asyncio loop. `shutdown()` kills every actor and frees the placement group, on exit, error or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -60,11 +58,9 @@ class RayRuntime(Runtime):
             out[f"engine/{e.index}/requests"] = e.num_requests
             out[f"engine/{e.index}/restarts"] = e.num_restarts
             out[f"engine/{e.index}/resent"] = e.num_resent  # calls re-sent after the replica died
-            if e.stats:
+            if e.stats:  # busy_s, decode_s, decode_batch_mean
                 work = work_since(e.stats, self.engine_stats.get(e.index, {}))
-                out[f"engine/{e.index}/busy_s"] = work["busy_s"]
-                out[f"engine/{e.index}/decode_s"] = work["decode_s"]
-                out[f"engine/{e.index}/decode_batch_mean"] = work["decode_batch_mean"]
+                out |= {f"engine/{e.index}/{key}": value for key, value in work.items()}
                 self.engine_stats[e.index] = e.stats
         weights = self.trainer.last_weights
         if weights is not None and self.engines:

@@ -1,11 +1,9 @@
 """The runtime interface: where a run's trainer, extra models and rollout engines live.
 
-A `Runtime` places the policy trainer (with the models the trainer builds beside the policy: reference,
-critic, teacher; the local backend only, see `Config._check_models`), starts the rollout engines from
-the one engine factory (`molt/runtime/factory.py`), and reports its own metrics. Weight sync goes through the two
-interfaces it hands out: `trainer.weights()` into `engine.update_weights(...)`; checkpoints through
-`Trainer.save` / `Trainer.load`. Backends are registered in `RUNTIMES` by `runtime.backend` name:
-`local` (`LocalRuntime`, one process) and `ray` (`RayRuntime`, actors; Ray is imported only then).
+A `Runtime` places the policy trainer (with its reference, critic and teacher models), starts the rollout engines
+from the one engine factory (`molt/runtime/factory.py`) and reports its own metrics. Weight sync goes through the
+interfaces it hands out: `trainer.weights()` into `engine.update_weights(...)`. Backends are registered in
+`RUNTIMES` by `runtime.backend` name: `local` (one process) and `ray` (actors; Ray is imported only then).
 """
 
 from __future__ import annotations
@@ -41,21 +39,21 @@ class Runtime(abc.ABC):
         """Release what was placed so far (synchronous: for a start-up that fails half-way)."""
 
 
+RUNTIMES: Registry = Registry("runtime.backend")
+
+
+@RUNTIMES.register("local")
 def _local(cfg: Config, model: Transformer, threads: int) -> Runtime:
     from molt.runtime.local import LocalRuntime
 
     return LocalRuntime(cfg, model, threads)
 
 
+@RUNTIMES.register("ray")
 def _ray(cfg: Config, model: Transformer, threads: int) -> Runtime:
     from molt.runtime.backend import RayRuntime
 
     return RayRuntime(cfg, model)
-
-
-RUNTIMES: Registry = Registry("runtime.backend")
-RUNTIMES.add("local", _local)
-RUNTIMES.add("ray", _ray)
 
 
 def start_runtime(cfg: Config, model: Transformer, threads: int) -> Runtime:

@@ -25,9 +25,8 @@ class ActorFailedError(RunFatalError, RuntimeError):
 
 
 def connect(rt: RuntimeConfig) -> bool:
-    """Join `rt.address`, or the cluster this process already joined, or start a local one.
-
-    Returns True when this call started the connection (so `disconnect` should end it)."""
+    """Join `rt.address`, or the cluster this process already joined, or start a local one; True when this call
+    started the connection (so the runtime's `shutdown` ends it)."""
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -43,11 +42,11 @@ def connect(rt: RuntimeConfig) -> bool:
 class Placement:
     """One placement group with a bundle per actor (engines first, then trainer ranks)."""
 
-    def __init__(self, rt: RuntimeConfig, num_actors: int, timeout_s: float = 120.0):
+    def __init__(self, rt: RuntimeConfig, num_actors: int):
         bundle = {"CPU": rt.cpus_per_actor} | ({"GPU": rt.gpus_per_actor} if rt.gpus_per_actor else {})
         self.group = placement_group([dict(bundle) for _ in range(num_actors)], strategy="PACK")
         self.rt = rt
-        if not self.group.wait(timeout_seconds=timeout_s):
+        if not self.group.wait(timeout_seconds=120):
             remove_placement_group(self.group)
             raise ActorFailedError(
                 f"runtime: the cluster cannot place {num_actors} actors of {bundle} (resources: "

@@ -1,17 +1,12 @@
 """Engine replicas as Ray actors, and the driver-side `RemoteEngine` that is one `Engine` to the loop.
 
-`EngineActor` holds an engine from the one factory (`molt/runtime/factory.py`) in its own process (an
-async actor: many requests in flight).
-`RemoteEngine` forwards the `Engine` interface to it and counts the replica's requests for the
-metrics. Weights arrive as `ChunkedWeights`: object-store references to chunks of at most
-`runtime.sync_chunk_mb`, fetched by the actor; a full sync that misses any of the engine's
-parameters is an error listing them.
-
-Failure policy: Ray restarts a dead replica (up to `runtime.engine_restarts`); the first caller to
-see the death waits for the restart, re-sends the last synced weights and version, and every
-request that was in flight on it is sent again (same request id and seed), so no sample is lost
-and none mixes weights. Past the restart budget the run stops with `ActorFailedError` (the actor's
-death cause included). Knows Ray and the engine interface, not the loop.
+`EngineActor` holds an engine from the one factory in its own process (an async actor: many requests in flight);
+`RemoteEngine` forwards the `Engine` interface to it and counts the replica's requests. Weights travel as
+`ChunkedWeights` (object-store chunks of at most `runtime.sync_chunk_mb`); a sync missing any engine parameter
+is an error listing them. A dead replica is restarted by Ray (up to `runtime.engine_restarts`): the first caller to
+see it re-sends the last weights and version, and every in-flight request is sent again (same id and seed), so no
+sample is lost or mixes weights; past the budget the run stops with `ActorFailedError`. Knows Ray and the engine
+interface, not the loop.
 """
 
 from __future__ import annotations
@@ -84,8 +79,7 @@ def chunk_weights(weights: Weights, chunk_bytes: int) -> ChunkedWeights:
 
 
 class EngineActor:
-    """A rollout engine in its own process, from the one engine factory (wrapped with `ray.remote` by
-    `RemoteEngine.spawn`)."""
+    """A rollout engine in its own process (wrapped with `ray.remote` by `RemoteEngine.spawn`)."""
 
     def __init__(self, cfg: Config, model, tokenizer, version: int):
         from molt.runtime.factory import build_engine
@@ -128,7 +122,7 @@ class RemoteEngine(Engine):
 
     def __init__(self, actor, index: int, version: int, chunk_bytes: int):
         self.actor, self.index, self.chunk_bytes = actor, index, chunk_bytes
-        self._version, self._epoch, self._lock = version, 0, asyncio.Lock()
+        self.version, self._epoch, self._lock = version, 0, asyncio.Lock()
         self._last: tuple[ChunkedWeights, int] | None = None
         self._pending = 0
         self.num_requests = self.num_restarts = self.num_resent = 0
@@ -139,10 +133,6 @@ class RemoteEngine(Engine):
     def spawn(cls, index: int, options: dict, args: tuple, version: int, chunk_bytes: int) -> RemoteEngine:
         actor = ray.remote(EngineActor).options(max_concurrency=10_000, **options).remote(*args)
         return cls(actor, index, version, chunk_bytes)
-
-    @property
-    def version(self) -> int:
-        return self._version
 
     async def _retry(self, call):
         """Await `call()` on the actor; on its death recover once per death and call again."""
@@ -204,7 +194,7 @@ class RemoteEngine(Engine):
         t0 = time.perf_counter()
         self._last = (weights, version)  # a replica restarted from now on gets these
         self.stats = await self._retry(lambda: self.actor.update_weights.remote(weights.refs, version, mode))
-        self._version, self.sync_s = version, time.perf_counter() - t0
+        self.version, self.sync_s = version, time.perf_counter() - t0
 
     async def pause(self) -> None:
         await self.actor.pause.remote()

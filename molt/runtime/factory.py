@@ -8,7 +8,7 @@ builder here plus its class behind `molt.engine.interface.Engine`.
 from __future__ import annotations
 
 import copy
-from typing import Any, Protocol
+from collections.abc import Callable
 
 from molt.config import Config
 from molt.engine.interface import Engine
@@ -17,14 +17,7 @@ from molt.registry import Registry
 from molt.runtime.sizing import engine_kwargs
 from molt.train.precision import resolve_dtype
 
-
-class EngineBuilder(Protocol):
-    def __call__(
-        self, cfg: Config, model: Transformer, tokenizer, *, version: int, threads: int, sizing: dict[str, Any]
-    ) -> Engine: ...
-
-
-ENGINES: Registry[EngineBuilder] = Registry("runtime.engine")
+ENGINES: Registry[Callable[..., Engine]] = Registry("runtime.engine")  # builders with `torch_engine`'s signature
 
 
 @ENGINES.register("torch")

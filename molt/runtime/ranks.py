@@ -1,14 +1,10 @@
-"""Data-parallel trainer ranks as Ray actors, and `RayTrainer`, the driver's one trainer.
+"""Data-parallel trainer ranks as Ray actors, and `RayTrainer`, the driver's one trainer (the `Trainer` protocol).
 
-Each `TrainerRank` joins a torch.distributed group (gloo on CPU, NCCL on CUDA), builds the ordinary
-`Trainer` with every model (policy, critic, teacher, KL reference) wrapped with FSDP2
-(`molt.train.parallel.parallelize`; LoRA adapters stay whole on every rank) and runs `Trainer.step`
-on its shard of the batch (whole groups, balanced by token count); denominators and metric sums are
-all-reduced, so the step equals single-process training. The sharded checkpoint holds every model
-and optimizer (policy or LoRA adapters, critic, reference), so a run resumes on any number of ranks.
-`RayTrainer` has the surface the loop and checkpoints use: `step(batch)`, `version`, `weights()`,
-`save`/`load` (the `Trainer` protocol).
-Knows Ray, the trainer and torch.distributed.checkpoint; nothing of engines or the loop.
+Each `TrainerRank` joins a torch.distributed group (gloo on CPU, NCCL on CUDA), builds the ordinary `Trainer` with
+every model wrapped with FSDP2 (LoRA adapters stay whole) and steps on its shard of the batch (whole groups,
+balanced by tokens); denominators and metric sums are all-reduced, so the step equals single-process training. The
+sharded checkpoint holds every model and optimizer, so a run resumes on any number of ranks. Knows Ray, the trainer
+and torch.distributed.checkpoint; nothing of engines or the loop.
 """
 
 from __future__ import annotations
@@ -139,8 +135,7 @@ def _export(cfg, full: dict[str, torch.Tensor], folder: str, tokenizer) -> None:
 
     with torch.device("meta"):
         export = Transformer(cfg)
-    export = export.to_empty(device="cpu").to(next(iter(full.values())).dtype)
-    export.reset_rope()
+    export = export.to_empty(device="cpu").to(next(iter(full.values())).dtype)  # casts recompute the rotary buffers
     if cfg.tie_word_embeddings:
         export.lm_head.weight = export.embed_tokens.weight
     export.load_state_dict(full)
@@ -155,8 +150,8 @@ def spawn_rank(cfg: Config, model_ref, rank: int, world_size: int, options: dict
 class RayTrainer:
     """The loop's trainer, fanned out over `trainer_ranks` actors."""
 
-    def __init__(self, cfg: Config, ranks: list, version: int = 0):
-        self.cfg, self.ranks, self.version = cfg, ranks, version
+    def __init__(self, cfg: Config, ranks: list):
+        self.cfg, self.ranks, self.version = cfg, ranks, 0
         self.num_skipped_steps = 0
         address, port = get(ranks[0].address.remote(), "trainer rank 0")
         get([r.setup.remote(address, port) for r in ranks], "trainer setup")

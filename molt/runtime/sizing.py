@@ -1,10 +1,8 @@
 """How big the built-in engine is: sequence slots, context length and KV cache, from the config.
 
-One formula for every engine `molt/runtime/factory.py` starts (local, Ray replicas, eval, serve). The KV
-cache is either the slot cache (`slot`: num_slots x max_len positions preallocated; the fastest on CPU, where
-Molt's kernels read it) or the paged cache (`paged`: blocks of positions sized from a memory budget, prefix
-blocks shared by reference, so memory follows the tokens in flight); `auto` takes the paged cache on CUDA for
-dense text models.
+One formula for every engine `molt/runtime/factory.py` starts (local, Ray replicas, eval, serve). The KV cache is
+the slot cache (num_slots x max_len positions preallocated; fastest on CPU) or the paged cache (blocks sized from a
+memory budget, so memory follows the tokens in flight); `auto` takes the paged one on CUDA for dense text models.
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ from molt.models.config import TransformerConfig
 
 
 def kv_cache_kind(cfg: Config, model_cfg: TransformerConfig) -> str:
-    """`slot` or `paged`: `runtime.kv_cache`, with `auto` resolved by device and model (the paged cache serves
-    dense text models)."""
+    """`slot` or `paged`: `runtime.kv_cache`, with `auto` resolved by device and model."""
     if cfg.runtime.kv_cache != "auto":
         return cfg.runtime.kv_cache
     dense_text = not model_cfg.num_moe_layers() and model_cfg.vision is None

@@ -1,19 +1,13 @@
 """Regional compilation of the trainer's model, applied from outside the model code.
 
 `compile_model(model)` replaces each dense decoder layer's forward on the instance with a `torch.compile`d one
-(parameter names, state dicts and FSDP2's hooks, which run around `forward`, are unchanged) and gives the LM
-head a compiled chunk function for `molt.train.logprobs.head_logprobs`. Every layer runs the same code object
-with parameters as graph inputs, so one compilation serves all layers. Shapes are dynamic from the start
-(`dynamic=True`): the trainer's row widths change every step, and a static first compile would be thrown away
-while its variants (with/without grad, packed or one-sample rows, the last layer's "trained queries only" call)
-would use up dynamo's recompile limit (8 per code object; past it a layer silently runs eager). It composes with
-`molt.train.memory.checkpoint_layers` in either order (checkpoint first is what torch recommends: the
-recompute is then part of the compiled graph). MoE layers stay eager: their forward records and replays
-routing in Python. Inside a compiled layer FlexAttention is traced into the layer's graph; outside it
-`molt.models.attention` calls its own compiled FlexAttention on CUDA.
-
-`resolve_compile("auto", device)` is on for CUDA and off elsewhere (inductor on CPU compiles for tens of
-seconds and gains little for the tiny CPU presets). Knows torch and the model's layer list only.
+(parameter names, state dicts and FSDP2's hooks are unchanged) and gives the LM head a compiled chunk function
+for `molt.train.logprobs.head_logprobs`. Every layer runs the same code object, so one compilation serves all.
+Shapes are dynamic from the start: row widths change every step, and a static first compile plus its variants
+would use up dynamo's recompile limit (past it a layer silently runs eager). Activation checkpointing first
+puts the recompute inside the compiled graph. MoE layers stay eager: their forward records routing in Python.
+FlexAttention is traced into a compiled layer's graph (outside one, `molt.models.attention` compiles its own).
+`resolve_compile("auto", device)` is on for CUDA only (inductor on CPU compiles slowly for little gain).
 """
 
 from __future__ import annotations
@@ -24,7 +18,8 @@ from typing import Any
 
 import torch
 
-from molt.models.moe import SparseMoE
+from molt.train.logprobs import head_chunk
+from molt.train.memory import wrap_dense_layers
 
 COMPILE_MODES = ("auto", "on", "off")
 
@@ -53,20 +48,11 @@ class CompiledForward:
 
 def compile_layers(model: torch.nn.Module, backend: str = "inductor", dynamic: bool | None = True) -> int:
     """Compile every dense decoder layer's forward in place; returns how many were compiled (0 the second time)."""
-    compiled = 0
-    for layer in model.layers:
-        if isinstance(layer.mlp, SparseMoE) or getattr(layer, "_molt_compiled", False):
-            continue
-        layer.forward = CompiledForward(layer.forward, backend, dynamic)
-        layer._molt_compiled = True
-        compiled += 1
-    return compiled
+    return wrap_dense_layers(model, lambda forward: CompiledForward(forward, backend, dynamic), "_molt_compiled")
 
 
 def compile_model(model: torch.nn.Module, backend: str = "inductor", dynamic: bool | None = True) -> int:
     """`compile_layers`, plus a compiled LM-head chunk (head matmul, fp32 log-softmax, entropy fused: a chunk's
     logits exist once, in the compute dtype, instead of five fp32 temporaries). Returns the layers compiled."""
-    from molt.train.logprobs import compiled_chunk
-
-    model.lm_head._molt_chunk_fn = compiled_chunk(backend, dynamic)
+    model.lm_head._molt_chunk_fn = torch.compile(head_chunk, backend=backend, dynamic=dynamic)
     return compile_layers(model, backend, dynamic)

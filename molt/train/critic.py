@@ -1,16 +1,11 @@
 """The PPO critic (`--algo.estimator gae`): the policy's architecture with a scalar value head, its optimizer.
 
-`ValueModel` wraps a `Transformer` body (its final hidden states, `return_hidden=True`) and a `Linear(hidden, 1)`
-head, so the model code stays free of RL. Values come out in the same packed layout as the policy's log-probs
-(`molt.train.logprobs.packed_hidden`): the value at flat position p is V(state before the token predicted at p),
-so unpacking them like the log-probs gives `values_bt[b, t]` = V before action token t (shared prefixes
-included: a tail's first value is read at the prefix's last position, as its first log-prob is).
-
-The body starts as a copy of the initial policy (default) or the HF folder `--critic.path`; the head starts at
-zero (V = 0 before the first update). The LM head is dropped: a critic never needs the [T, V] logits.
-`Critic.train` is the critic's part of a trainer step (values for GAE, then its updates); data parallel, the
-value model is sharded like the policy (FSDP2) and its loss sums are all-reduced. Knows the model, the packed
-micro-batches and the value loss; nothing of trajectories or the loop.
+`ValueModel` wraps a `Transformer` body (final hidden states; the LM head is dropped) and a zero-initialised
+`Linear(hidden, 1)` head, so the model code stays free of RL. Values come out in the packed layout of the
+policy's log-probs (`molt.train.logprobs.packed_hidden`): unpacked like them, `values_bt[b, t]` = V before action
+token t (shared prefixes included). The body starts as a copy of the initial policy or the HF folder
+`--critic.path`. Data parallel, the value model is sharded like the policy (FSDP2) and its loss sums are
+all-reduced. Knows the model, the packed micro-batches and the value loss; nothing of trajectories or the loop.
 """
 
 from __future__ import annotations
@@ -77,12 +72,11 @@ class Critic:
               num_mbs: int) -> tuple[list[list[float]], dict[str, float]]:  # fmt: skip
         """Values at every token of every sample (before the update) and `--critic.updates` critic optimizer steps.
 
-        `mbs`: the trainer's micro-batches (packed rows, `samples`, `mask_bt`, `unpack`) of samples of `lengths`
-        tokens and (shaped) rewards `rewards_b`. The first update's forward gives the values V_old that GAE reads
-        and, from them, each row's returns (the targets of every update); each update is a forward with grad per
-        micro-batch, the clipped value loss (token-mean over the step: `denoms`) and backward, then one optimizer
-        step. The clip bounds V - V_old, so it binds from the second update on. Past its own micro-batches a rank
-        runs zero-scaled repeats of its last up to `num_mbs`, so every rank's FSDP collectives line up."""
+        `mbs`: the trainer's micro-batches of samples of `lengths` tokens and (shaped) rewards `rewards_b`. The
+        first update's forward gives V_old (what GAE reads) and each row's returns, the targets of every update:
+        forward, clipped value loss (token-mean over the step: `denoms`) and backward per micro-batch, then one
+        optimizer step. The clip bounds V - V_old, so it binds from the second update on. A rank runs zero-scaled
+        repeats of its last micro-batch up to `num_mbs`, so every rank's FSDP collectives line up."""
         t0 = time.perf_counter()
         values: list[list[float]] = [[] for _ in lengths]
         targets: list[tuple[torch.Tensor, torch.Tensor]] = []  # per micro-batch: (V_old, returns)

@@ -1,9 +1,7 @@
 """The `Trainer` protocol: what the loop, the runtimes and checkpoints need of a policy trainer.
 
-`molt.train.trainer.Trainer` (one process) and `molt.runtime.ranks.RayTrainer` (data-parallel Ray
-ranks) implement it. A step is one optimizer step on complete groups and bumps `version`; `weights()`
-are the full weights (Molt names) rollout engines load; `save` writes the HF policy folder and returns
-the trainer state to store beside it, `load` restores that state (`sharded`: which kind it writes).
+Implemented by `molt.train.trainer.Trainer` (one process) and `molt.runtime.ranks.RayTrainer` (data-parallel
+Ray ranks).
 """
 
 from __future__ import annotations
@@ -23,17 +21,13 @@ class Trainer(Protocol):
     sharded: bool  # checkpoints hold torch.distributed shards (resume with the same backend)
 
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
-        """One optimizer step on `trajs` (complete groups); scalar metrics."""
-        ...
+        """One optimizer step on `trajs` (complete groups), bumping `version`; scalar metrics."""
 
     def weights(self) -> Weights:
         """The weights rollout engines load, under Molt names."""
-        ...
 
     def save(self, folder: Path, tokenizer) -> dict[str, Any]:
         """Write the HF policy folder `folder`; return the trainer state to store beside it."""
-        ...
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
         """Restore the trainer state `save` returned (optimizer, schedule, extra models)."""
-        ...

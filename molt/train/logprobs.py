@@ -1,13 +1,10 @@
 """Per-token log-probs and entropies of packed rows, with the LM head applied in chunks of tokens.
 
-The model returns final hidden states; the head (`lm_head`), the fp32 log-softmax and the entropy run over
-`chunk_tokens` rows at a time under activation checkpointing, so neither the forward nor the backward ever
-holds the whole [T, V] fp32 logits (V is 150K for Qwen models): a chunk's logits are recomputed in backward (when a
-chunk's logits are small, e.g. the built-in byte vocabulary, they are kept instead: nothing to save).
-Log-probs are computed exactly as the engines compute theirs: `logits.float() / temperature`, log-softmax.
-A chunk holds at most `MAX_CHUNK_ELEMENTS` logits (fewer tokens than asked for large vocabularies: 883 at 150K),
-which bounds the eager chunk's fp32 temporaries. `molt.train.compile.compile_model` gives the head a compiled
-chunk function (`compiled_chunk`: the matmul's logits, then fused fp32 reductions, no fp32 [chunk, V] copies).
+The model returns final hidden states; the head, the fp32 log-softmax and the entropy run over `chunk_tokens`
+rows at a time (at most `MAX_CHUNK_ELEMENTS` logits), a large chunk under activation checkpointing, so neither
+forward nor backward ever holds the whole [T, V] fp32 logits. Log-probs are computed exactly as the engines
+compute theirs: `logits.float() / temperature`, log-softmax. `molt.train.compile.compile_model` gives the head
+a compiled chunk function (the matmul's logits, then fused fp32 reductions).
 """
 
 from __future__ import annotations
@@ -50,11 +47,6 @@ def head_chunk(
     if remat:
         return checkpoint(_chunk, head, hidden_ch, targets_c, temperature, use_reentrant=False)
     return _chunk(head, hidden_ch, targets_c, temperature)
-
-
-def compiled_chunk(backend: str = "inductor", dynamic: bool | None = True):
-    """`head_chunk` through `torch.compile` (the head's matmul stays a matmul; the rest fuses into reductions)."""
-    return torch.compile(head_chunk, backend=backend, dynamic=dynamic)
 
 
 def _chunk(head: torch.nn.Module, hidden_ch: torch.Tensor, targets_c: torch.Tensor, temperature: float):
@@ -124,18 +116,14 @@ def packed_hidden(
 
 
 def laid_out_rows(values: torch.Tensor, at_n: torch.Tensor, packed: PackedBatch, trained_only: bool) -> torch.Tensor:
-    """Per-row outputs of `packed_hidden`'s rows as [R, W] (the flat [R * W + E] vector with forks)."""
+    """Per-row outputs of `packed_hidden`'s rows as [R, W] (with forks: the flat [R * W + E] vector, forks last);
+    with `trained_only` the positions not computed hold 0."""
     num_forks = 0 if packed.forks is None else packed.forks.shape[0]
-    return as_rows(_laid_out(values, at_n, packed.targets.numel(), num_forks, trained_only), packed)
-
-
-def _laid_out(values: torch.Tensor, at_n: torch.Tensor, size: int, num_forks: int, scattered: bool):
-    """[size (+ forks)] values: position values (scattered to `at_n` when only some were computed), then forks'."""
     num_pos = values.shape[0] - num_forks
     pos, forks = values[:num_pos], values[num_pos:]
-    if scattered:
-        pos = pos.new_zeros(size).index_put((at_n,), pos)
-    return pos if not num_forks else torch.cat([pos, forks])
+    if trained_only:
+        pos = pos.new_zeros(packed.targets.numel()).index_put((at_n,), pos)
+    return pos.view(packed.targets.shape) if not num_forks else torch.cat([pos, forks])
 
 
 def trained_columns(packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,8 +137,3 @@ def trained_columns(packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     cols_bq = torch.argsort((~need_bt).to(torch.uint8), dim=1, stable=True)[:, :width]
     valid_bq = torch.arange(width, device=cols_bq.device) < counts_b[:, None]
     return torch.where(valid_bq, cols_bq, cols_bq[:, :1]), valid_bq
-
-
-def as_rows(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
-    """[R, W] when the batch has no forks; the flat [R * W + E] vector otherwise."""
-    return values.view(packed.targets.shape) if packed.forks is None else values

@@ -1,17 +1,12 @@
 """LoRA adapters around a model's linear layers, applied from outside the model code (`--train.lora_rank`).
 
-`LoRA(model, rank, alpha, targets)` adds `scale * B @ A x` (scale = alpha / rank; A: r x d_in, B: d_out x r,
-B zero-initialised, so the adapted model starts equal to the base) to the output of every targeted
-`nn.Linear` of the decoder layers through a forward hook. The model's modules, parameter names and state dict
-are untouched, so weight sync, HF export and checkpoints keep their names; the base weights are frozen and
-only the adapters train. A hook fires only on the very module it was made for: a copy of the model
-(`copy.deepcopy`, e.g. the rollout engine's) is the plain base model and takes merged weights instead.
-
-`merged_weights()` is `W + scale * B @ A` for every target (what the engines get at each sync; `merge` does one
-full tensor gathered from FSDP2 shards, where the adapters stay whole on every rank and the base is sharded);
-`merged()` swaps those into the model for an HF export; `save_peft` writes the adapters in the PEFT format
-(`adapter_config.json` + `adapter_model.safetensors`, keys `base_model.model.model.layers.N.<module>.lora_A.weight`).
-Knows the decoder's module names; nothing of RL or the loop.
+`LoRA(model, rank, alpha, targets)` adds `scale * B @ A x` (scale = alpha / rank, B zero-initialised, so the
+adapted model starts equal to the base) to every targeted `nn.Linear` of the decoder layers through a forward
+hook. The model's modules, parameter names and state dict are untouched, so weight sync, HF export and
+checkpoints keep their names; only the adapters train. A hook fires only on the very module it was made for: a
+copy of the model (e.g. the rollout engine's) is the plain base model and takes merged weights instead
+(`merged_weights`, or `merge` on each full tensor gathered from FSDP2 shards; the adapters stay whole on every
+rank). `save_peft` writes the adapters in the PEFT format. Knows the decoder's module names; nothing of RL.
 """
 
 from __future__ import annotations
@@ -48,10 +43,6 @@ class Adapter(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, **like))
         self.lora_B = nn.Parameter(torch.zeros(linear.out_features, rank, **like))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-
-    def delta(self) -> torch.Tensor:
-        """B @ A [d_out, d_in]."""
-        return self.lora_B @ self.lora_A
 
 
 class LoRA(nn.Module):
@@ -99,7 +90,8 @@ class LoRA(nn.Module):
         module = name.removesuffix(".weight")
         if module == name or module not in self.linears:
             return weight
-        delta = self.adapters[_key(module)].delta().to(weight.device, weight.dtype)
+        adapter = self.adapters[_key(module)]
+        delta = (adapter.lora_B @ adapter.lora_A).to(weight.device, weight.dtype)
         return weight.detach() + self.scale * delta
 
     def base_weights(self) -> dict[str, torch.Tensor]:
@@ -116,15 +108,14 @@ class LoRA(nn.Module):
         """The model holds the merged weights and runs without hooks inside the block (an HF export)."""
         merged = self.merged_weights()
         originals = {name: linear.weight.data for name, linear in self.linears.items()}
-        self.enabled = False
-        try:
-            for name, linear in self.linears.items():
-                linear.weight.data = merged[f"{name}.weight"]
-            yield
-        finally:
-            for name, linear in self.linears.items():
-                linear.weight.data = originals[name]
-            self.enabled = True
+        with self.disabled():
+            try:
+                for name, linear in self.linears.items():
+                    linear.weight.data = merged[f"{name}.weight"]
+                yield
+            finally:
+                for name, linear in self.linears.items():
+                    linear.weight.data = originals[name]
 
     def num_trainable(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -139,7 +130,7 @@ class LoRA(nn.Module):
             out[f"{prefix}.lora_B.weight"] = adapter.lora_B.detach().float().contiguous().cpu()
         return out
 
-    def save_peft(self, folder: str | Path, base_model: str = "") -> Path:
+    def save_peft(self, folder: str | Path, base_model: str = "") -> None:
         """Write `adapter_config.json` + `adapter_model.safetensors` that `peft.PeftModel.from_pretrained` loads."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -160,7 +151,6 @@ class LoRA(nn.Module):
         }
         (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(self.peft_state(), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-        return folder
 
 
 def _key(name: str) -> str:

@@ -10,6 +10,7 @@ would record twice. The model code knows nothing of this.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -19,12 +20,18 @@ from molt.models.moe import SparseMoE
 
 def checkpoint_layers(model: torch.nn.Module) -> int:
     """Wrap every dense decoder layer's forward in activation checkpointing; returns how many were wrapped."""
+    return wrap_dense_layers(model, lambda forward: functools.partial(_checkpointed, forward), "_molt_checkpointed")
+
+
+def wrap_dense_layers(model: torch.nn.Module, wrap: Callable[[Callable], Callable], tag: str) -> int:
+    """Replace each dense decoder layer's forward on the instance with `wrap(forward)`, once per `tag`; returns
+    how many were replaced (0 the second time). MoE layers are skipped."""
     wrapped = 0
     for layer in model.layers:
-        if isinstance(layer.mlp, SparseMoE) or getattr(layer, "_molt_checkpointed", False):
+        if isinstance(layer.mlp, SparseMoE) or getattr(layer, tag, False):
             continue
-        layer.forward = functools.partial(_checkpointed, layer.forward)
-        layer._molt_checkpointed = True
+        layer.forward = wrap(layer.forward)
+        setattr(layer, tag, True)
         wrapped += 1
     return wrapped
 

@@ -1,19 +1,13 @@
 """Packing variable-length samples into dense rows for the trainer's forward (little padding).
 
-Samples are placed by first-fit decreasing into rows as wide as the longest of them (at most
-`row_len` tokens: narrow rows waste less on padding and masked attention, and rows holding one
-sample each get plain causal attention); rows are grouped into micro-batches of at most
-`micro_batch_tokens`. Each packed batch carries per-sample positions and doc ids so attention never
-crosses samples, and shifted targets with the loss mask of the *predicted* token.
+Samples are placed first-fit decreasing into rows as wide as the longest of them (at most `row_len`), rows are
+grouped into micro-batches of at most `micro_batch_tokens`. Each packed batch carries per-sample positions and
+doc ids so attention never crosses samples, and shifted targets with the loss mask of the *predicted* token.
 
-Prefix sharing: samples of one group (GRPO's n samples of a prompt) start with the same prompt.
-With `groups`, such a prefix is laid out once and each sample keeps only its own tail (a "piece"
-starting at the prefix length, positions continuing from there) whose tokens also see the prefix
-(`parent_ids`). The prompt is shared up to the first token any sample trains on; the prefix's last
-position predicts a different first token for each sample, so those targets are listed as `forks`
-(position, target) instead of one target per position. Every log-prob and gradient equals the
-unshared layout's; a group of 8 short answers to one long prompt trains on a fraction of the tokens.
-Plain Python + torch, no model.
+Prefix sharing (`groups`): the common prompt of a group's samples is laid out once, up to the first token any
+of them trains on; each sample keeps its own tail (a `Piece` from the prefix length on, positions continuing)
+whose tokens also see the prefix (`parent_ids`). The prefix's last position predicts each tail's first token:
+those targets are listed as `forks` (position, target). Every log-prob and gradient equals the unshared layout's.
 """
 
 from __future__ import annotations

@@ -26,13 +26,8 @@ def init_process_group(
 ) -> None:
     """Join the trainer group: gloo on CPU, NCCL on CUDA; a collective waiting past `timeout_s` raises."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{address}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, f"tcp://{address}:{port}", timeout=timeout, world_size=world_size, rank=rank)
 
 
 def parallelize(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -53,9 +48,13 @@ def parallelize(model: torch.nn.Module, compute_dtype: torch.dtype | None = None
     return model
 
 
+def _multi_rank() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the trainer ranks (a no-op without a process group)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _multi_rank():
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x
 
@@ -75,7 +74,7 @@ def sum_replicated_grads(params) -> None:
     """Sum over the ranks the gradients FSDP does not reduce: those of plain (replicated) parameters, e.g. the
     LoRA adapters beside a sharded frozen base. Every rank holds every such parameter, so the calls line up."""
     params = [p for p in params if not isinstance(p, DTensor)]
-    if not params or not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not params or not _multi_rank():
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     summed = all_reduce_sum(torch.cat([g.flatten() for g in grads])).split([g.numel() for g in grads])
@@ -87,7 +86,7 @@ def gather_samples(shard: list[int], num_samples: int, *per_sample: list | None)
     """Per-sample lists each rank computed for its `shard` (indices into the step's batch), as lists over the
     whole batch on every rank (a collective; None stays None)."""
     parts: list = [(shard, per_sample)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _multi_rank():
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, (shard, per_sample))
     out = [[[] for _ in range(num_samples)] if values is not None else None for values in per_sample]
@@ -101,7 +100,7 @@ def gather_samples(shard: list[int], num_samples: int, *per_sample: list | None)
 
 def all_reduce_max(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _multi_rank():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t)
 

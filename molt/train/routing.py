@@ -1,10 +1,8 @@
 """MoE routing in the trainer's forward: replay of the engine's experts (R3), agreement, load, aux loss.
 
-`forward_routing` builds the explicit `Routing` a packed forward takes (replaying the recorded
-expert ids when `algo.routing_replay`); `routing_stats` turns what it recorded into step sums
-(agreement of the live router with the rollout's choice, expert load per layer) and the Switch
-load-balancing loss; `logprob_diffs` sums the log-prob mismatch with replayed *and* live routing
-(one extra no-grad forward in the mode the loss did not use); `freeze_routers` applies
+`forward_routing` builds the `Routing` a packed forward takes (replaying the recorded expert ids when
+`algo.routing_replay`); `routing_stats` turns what it recorded into step sums and the Switch load-balancing
+loss; `logprob_diffs` sums the log-prob mismatch with replayed *and* live routing; `freeze_routers` applies
 `train.freeze_router`. Math lives in `molt/algo/routing.py`; nothing here knows the loop or engines.
 """
 

@@ -8,7 +8,6 @@ The command that assembles a run of them is `molt/cli/sft.py`.
 
 from __future__ import annotations
 
-import contextlib
 import random
 from collections.abc import Iterator
 
@@ -16,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from molt.config import Config
+from molt.data.dataset import dataset_rows
 from molt.data.formats import DataError
 from molt.data.rows import row_location
-from molt.data.tasks import dataset_rows, get_task
+from molt.data.tasks import get_task
 from molt.models import Transformer
 from molt.models.tokenizer import assistant_mask
 from molt.models.vision import expand_row_images
@@ -75,23 +75,21 @@ def evaluate(model: Transformer, batches: list[PackedBatch]) -> dict[str, float]
     loss = correct = count = 0.0
     for batch in batches:
         batch_loss, batch_correct = token_losses(model, batch)
-        loss, correct, count = (
-            loss + float(batch_loss),
-            correct + float(batch_correct),
-            count + float(batch.loss_mask.sum()),
-        )
+        loss += float(batch_loss)
+        correct += float(batch_correct)
+        count += float(batch.loss_mask.sum())
     model.train()
     return {"eval/loss": loss / max(count, 1), "eval/token_acc": correct / max(count, 1)}
 
 
 def train_step(
-    model, opt, schedule, batches: list[PackedBatch], grad_clip: float, precision: Precision | None = None, scaler=None
+    model, opt, schedule, batches: list[PackedBatch], grad_clip: float, precision: Precision, scaler=None
 ) -> dict[str, float]:
     """One optimizer step over micro-batches with a global token-mean denominator (forward in `precision`)."""
     denom = sum(float(b.loss_mask.sum()) for b in batches)
     total = 0.0
     for batch in batches:
-        with precision.autocast() if precision is not None else contextlib.nullcontext():
+        with precision.autocast():
             loss_sum, _ = token_losses(model, batch)
         loss = loss_sum / denom
         (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -109,14 +107,10 @@ def train_step(
 
 def shuffled_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
     """Endless batches of sample indices; each epoch is a fresh seeded permutation."""
-    rng, order, cursor = random.Random(seed), list(range(n)), n
+    rng, order, queue = random.Random(seed), list(range(n)), []
     while True:
-        picked: list[int] = []
-        while len(picked) < batch_size:
-            if cursor == n:
-                rng.shuffle(order)
-                cursor = 0
-            take = order[cursor : cursor + batch_size - len(picked)]
-            picked += take
-            cursor += len(take)
-        yield picked
+        while len(queue) < batch_size:
+            rng.shuffle(order)
+            queue += order
+        yield queue[:batch_size]
+        del queue[:batch_size]

@@ -1,24 +1,20 @@
 """The RL trainer: token checks, advantages, packed log-prob forward, loss through `molt/algo`, step.
 
-One `step(trajectories)` is one optimizer step over a batch of complete groups. The forward runs
-on packed rows (no padding waste); per-token log-probs are then laid out per sample as the padded
-[B, T] tensors `molt/algo` expects. Every micro-batch's loss uses the step's global denominators,
-so the gradient does not depend on how the batch was split. The policy version is +1 per step.
+One `step(trajectories)` is one optimizer step over a batch of complete groups (policy version +1). The forward
+runs on packed rows; per-token values are laid out per sample as the padded [B, T] tensors `molt/algo` expects,
+and every micro-batch's loss uses the step's global denominators, so the gradient does not depend on the split.
 
-Order of one step with the models some estimators need (one trainer process):
-1. micro-batches and step denominators of the batch;
-2. token signals over those micro-batches: the teacher's no-grad log-probs (`--algo.teacher`: reverse KL of the
-   sampled tokens) and the critic's pass (`gae`, `Critic.train`): values with grad, each row's GAE returns from its
-   own values, clipped value loss, backward, then a critic optimizer step (`--critic.updates` of them, on the same
-   returns, the clip bounding V - V_old). A row's returns need only its own values, so the first critic forward
-   serves both the advantages and its loss;
-3. advantages over the whole batch (group statistics, whitening) from the shaped rewards (overlong penalty, clip),
-   values and teacher KL;
+Order of one step:
+1. micro-batches and step denominators;
+2. per-token signals: the teacher's no-grad log-probs (`--algo.teacher`: reverse KL of the sampled tokens) and
+   the critic's pass (`gae`, `Critic.train`: values V_old for GAE, then `--critic.updates` value-loss updates);
+3. advantages over the whole batch (group statistics, whitening) from the shaped rewards (overlong penalty,
+   clip), values and teacher KL;
 4. the policy's forward + loss + backward per micro-batch, one optimizer step.
-LoRA (`--train.lora_rank`): only the adapters train; `weights()` and checkpoints give the merged policy. The KL-loss
-coefficient is `--algo.kl_coef`, adapted after each step toward `--algo.kl_target` when set (`train/kl_coef`).
-Data parallel (`Trainer(..., fsdp=True)` in each `molt.runtime.ranks.TrainerRank`): every model is FSDP2-sharded, each
-rank runs step 2 on its own samples and the per-sample values and KL are gathered, so step 3 sees the whole batch.
+LoRA (`--train.lora_rank`): only the adapters train; `weights()` and checkpoints give the merged policy. The
+KL-loss coefficient `--algo.kl_coef` adapts toward `--algo.kl_target` when set (`train/kl_coef`). Data parallel
+(`fsdp=True`, in each `molt.runtime.ranks.TrainerRank`): every model is FSDP2-sharded, each rank runs step 2 on
+its own samples and the per-sample values and KL are gathered, so step 3 sees the whole batch.
 """
 
 from __future__ import annotations
@@ -46,7 +42,7 @@ from molt.train.lora import LoRA
 from molt.train.memory import checkpoint_layers
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
-from molt.train.precision import Precision, clip_and_step, resolve_dtype
+from molt.train.precision import Precision, clip_and_step
 from molt.train.routing import (
     attach_routing,
     forward_routing,
@@ -98,8 +94,8 @@ class Trainer:
         mixed = self.precision.compute if self.precision.mixed else None
         shard = functools.partial(parallel.parallelize, compute_dtype=mixed) if fsdp else None
         self.critic = Critic(model, cfg, self.precision, shard) if cfg.algo.estimator == "gae" else None
-        compute = resolve_dtype(cfg.model.dtype, cfg.runtime.device)
-        self.teacher = load_teacher(cfg.algo.teacher, model, cfg.runtime.device, compute) if cfg.algo.teacher else None
+        compute, device = self.precision.compute, cfg.runtime.device
+        self.teacher = load_teacher(cfg.algo.teacher, model, device, compute) if cfg.algo.teacher else None
         tr = cfg.train
         self.lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
         # the KL reference is the initial policy: with LoRA, the frozen base itself (adapters off), no copy
@@ -123,15 +119,6 @@ class Trainer:
         with LoRA the targets' merged weights W + scale * B @ A."""
         state = self.model.state_dict() | (self.lora.merged_weights() if self.lora is not None else {})
         return {k: v.detach() for k, v in state.items() if k not in self.frozen}
-
-    def save_pretrained(self, folder: str | Path, tokenizer) -> None:
-        """The policy as an HF folder; with LoRA its merged weights, plus the adapters (PEFT format) in `adapter/`."""
-        if self.lora is None:
-            save_pretrained(self.model, folder, tokenizer)
-            return
-        with self.lora.merged():
-            save_pretrained(self.model, folder, tokenizer)
-        self.lora.save_peft(Path(folder) / "adapter", self.cfg.model.path)
 
     def extra_state(self) -> dict:
         """Checkpoint entries beside the optimizer's: the critic (weights, optimizer, schedule) and the LoRA
@@ -157,8 +144,12 @@ class Trainer:
     sharded = False  # checkpoints are this process's state dicts (`RayTrainer` writes sharded ones)
 
     def save(self, folder: Path, tokenizer) -> dict:
-        """The HF policy folder (`save_pretrained`); returns the optimizer, schedule and extra models' state."""
-        self.save_pretrained(folder, tokenizer)
+        """The policy as an HF folder (with LoRA its merged weights, plus the adapters in PEFT format in `adapter/`);
+        returns the optimizer, schedule and extra models' state."""
+        with self.lora.merged() if self.lora is not None else contextlib.nullcontext():
+            save_pretrained(self.model, folder, tokenizer)
+        if self.lora is not None:
+            self.lora.save_peft(Path(folder) / "adapter", self.cfg.model.path)
         ref = self.ref.state_dict() if self.ref is not None else None
         return {"optimizer": self.opt.state_dict(), "schedule": self.schedule.state_dict(), "ref": ref,
                 **self.extra_state()}  # fmt: skip
@@ -238,22 +229,21 @@ class Trainer:
             values, teacher_kl = parallel.gather_samples(shard, len(trajs), values, teacher_kl)
         advantages, adv_metrics = self.advantages(trajs, values, teacher_kl)
         if shard is not None:
-            trajs_all, trajs, advantages = trajs, mine, [advantages[i] for i in shard]
-        sums: dict[str, float] = {}
+            advantages = [advantages[i] for i in shard]
+        sums: dict[str, float] = {"micro_batches": len(mbs)}
         self.step_tokens = int(parallel.all_reduce_sum(torch.tensor(sum(mb.packed.num_tokens for mb in mbs))))
         for mb in mbs:
-            self._backward(mb, trajs, advantages, denoms, sums)
+            self._backward(mb, mine, advantages, denoms, sums)
         for _ in range(num_mbs - len(mbs)):
-            self._backward(mbs[-1], trajs, advantages, denoms, {}, scale=0.0)
+            self._backward(mbs[-1], mine, advantages, denoms, {}, scale=0.0)
         parallel.sum_replicated_grads(list(self.trainable()))  # LoRA adapters beside a sharded base
         grad_norm, stepped = clip_and_step(self.opt, self.trainable(), self.cfg.train.grad_clip, self.scaler)
         self.num_skipped_steps += not stepped
         if shard is not None:
-            sums = parallel.all_reduce_sums(sums | {"micro_batches": len(mbs)})  # MoE sums hold a load tensor
-            trajs, mbs = trajs_all, range(int(sums.pop("micro_batches")))
+            sums = parallel.all_reduce_sums(sums)  # MoE sums hold a load tensor
         lr = self.schedule.get_last_lr()[0]
         self.schedule.step()
-        metrics = self._step_metrics(trajs, sums, mbs, adv_metrics) | model_metrics
+        metrics = self._step_metrics(trajs, sums, adv_metrics) | model_metrics
         metrics |= self._adapt_kl(metrics.get("train/kl", 0.0), len(trajs))
         self.version += 1
         dt = time.perf_counter() - t0
@@ -334,7 +324,7 @@ class Trainer:
             sums["moe_aux"] = sums.get("moe_aux", 0.0) + float(aux.detach())
             if self.cfg.algo.moe_aux_coef > 0:
                 loss = loss + self.cfg.algo.moe_aux_coef * aux
-        loss_scaled = loss * scale if scale != 1.0 else loss
+        loss_scaled = loss * scale
         (self.scaler.scale(loss_scaled) if self.scaler is not None else loss_scaled).backward()
         fresh_bt = (per_sample([t.versions for t in trajs], mb).to(device) == self.version) * mask_bt
         diff_bt = (logp_bt.detach() - rollout_logp_bt).abs()
@@ -368,7 +358,7 @@ class Trainer:
         with self.lora.disabled():
             yield self.model
 
-    def _step_metrics(self, trajs, sums, mbs, adv_metrics) -> dict[str, float]:
+    def _step_metrics(self, trajs, sums, adv_metrics) -> dict[str, float]:
         n = max(sums.get("tokens", 0.0), 1.0)
         staleness = [self.version - v for t in trajs for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
         out = {f"train/{k[2:]}": v / n for k, v in sums.items() if k.startswith("w_")}
@@ -385,7 +375,7 @@ class Trainer:
             "train/staleness_mean": sum(staleness) / max(len(staleness), 1),
             "train/staleness_max": max(staleness, default=0),
             "train/num_samples": len(trajs),
-            "train/num_micro_batches": len(mbs),
+            "train/num_micro_batches": int(sums["micro_batches"]),
             "train/packed_tokens": self.step_tokens,  # forward positions (shared prompts counted once)
             "train/action_tokens": sums.get("tokens", 0.0),
         }

@@ -128,7 +128,7 @@ def test_serve_mode_answers_without_sessions():
             await engine.close()
         assert first["choices"][0]["message"] == second["choices"][0]["message"]  # greedy, honoured in serve mode
         assert first["usage"]["completion_tokens"] <= 8 and anthropic_reply.status_code == 200
-        assert missing.status_code == 404 and len(server.store) == 0
+        assert missing.status_code == 404 and len(server.sessions) == 0
 
     asyncio.run(main())
 

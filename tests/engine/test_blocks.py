@@ -52,9 +52,9 @@ def test_allocate_lays_positions_out_block_by_block():
     assert mgr.allocate(0, list(range(10))) == 0
     assert mgr.block_table(0) == [0, 1, 2] and mgr.num_free_blocks() == 5
     assert mgr.slot(0, 9) == (2, 1)
-    assert mgr.append_slot(0, 10) == (2, 2)
-    assert mgr.append_slot(0, 11) == (2, 3)
-    assert mgr.append_slot(0, 12) == (3, 0)  # a new block only when the last one is full
+    assert mgr.extend(0, list(range(11))) == 0 and mgr.slot(0, 10) == (2, 2)
+    assert mgr.extend(0, list(range(12))) == 0 and mgr.slot(0, 11) == (2, 3)
+    assert mgr.extend(0, list(range(13))) == 1 and mgr.slot(0, 12) == (3, 0)  # a new block only when the last is full
     assert mgr.num_tokens(0) == 13 and mgr.num_free_blocks() == 4
     with pytest.raises(ValueError, match="already has blocks"):
         mgr.allocate(0, [1])
@@ -148,8 +148,8 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     assert copies == [BlockCopy(src[1], dst[1], 2)]
     kv.apply(copies)
     assert mgr.num_computed(1) == 6
-    mgr.append_slot(0, 100)
-    mgr.append_slot(1, 200)  # each sample appends into its own last block
+    mgr.extend(0, [*mgr.token_ids(0), 100])
+    mgr.extend(1, [*mgr.token_ids(1), 200])  # each sample appends into its own last block
     kv.compute(0)
     kv.compute(1)
     kv.check(0)
@@ -188,18 +188,16 @@ def test_out_of_blocks_then_preempt_the_latest_and_recompute():
     with pytest.raises(OutOfBlocks):
         mgr.allocate(2, [7])
     mgr.check()  # a refused allocation changes nothing
-    assert mgr.append_slot(0, 9) == (1, 1)
-    assert mgr.append_slot(0, 10) is None  # needs a new block: none left
+    assert mgr.extend(0, [1, 2, 3, 9]) == 0 and mgr.slot(0, 3) == (1, 1)
+    assert mgr.extend(0, [1, 2, 3, 9, 10]) is None  # needs a new block: none left
     assert mgr.num_tokens(0) == 4
-    victim = mgr.pick_victim([0, 1])
-    assert victim == 1
-    assert mgr.preempt(victim) == 2
-    assert mgr.append_slot(0, 10) == (mgr.block_table(0)[2], 0)
+    mgr.free(1)  # preempt the latest admitted: its blocks become available
+    assert mgr.num_free_blocks() == 2
+    assert mgr.extend(0, [1, 2, 3, 9, 10]) == 1 and mgr.slot(0, 4) == (mgr.block_table(0)[2], 0)
     kv.compute(0)
     kv.check(0)
     mgr.free(0)
     assert mgr.allocate(1, [4, 5, 6]) == 2  # the victim's computed full block was still cached
-    assert mgr.pick_victim([]) is None
     mgr.check()
 
 
@@ -277,9 +275,9 @@ def test_random_operations_keep_invariants_and_kv(ops, block_size, num_blocks):
             if mgr.num_computed(seq) < mgr.num_tokens(seq):  # a prefill chunk
                 kv.compute(seq, min(mgr.num_tokens(seq), mgr.num_computed(seq) + 1 + r % 5))
             else:  # decode; out of blocks: preempt the latest admitted until it fits or `seq` itself goes
-                while mgr.append_slot(seq, r % 7) is None:
-                    victim = mgr.pick_victim(live)
-                    mgr.preempt(victim)
+                while mgr.extend(seq, [*mgr.token_ids(seq), r % 7]) is None:
+                    victim = max(live)  # sequence ids grow with admission
+                    mgr.free(victim)
                     live.remove(victim)
                     if victim == seq:
                         break

@@ -4,10 +4,13 @@ dtype, and tokens and log-probs agree with the model's own forward, `transformer
 
 Low-precision forwards of the same function may differ with the batch's shape (another summation order), so exact
 equality is not the contract here: a greedy token must be the reference's argmax up to a small logit gap, and
-log-probs must be close on average and at worst. Measured here (bf16 / fp16, the worst of the two sampling
-settings): mean |diff| 2.9e-4 / 2.2e-4, max 1.7e-2 / 4.9e-3; most bf16 tokens are exact (before the engine read
-its cache in whole 16-position tiles: 3.1e-3 / 6e-4, max 3.2e-2 / 3.6e-3). The trainer's mixed precision (fp32
-master weights under autocast) computes the same function: tests/models/test_bf16_consistency.py.
+log-probs must be close on average and at worst. Measured (bf16 / fp16, the worst of the two sampling settings):
+on an x86 CPU without native bf16 instructions, mean |diff| 2.9e-4 / 2.2e-4, max 1.7e-2 / 4.9e-3, most bf16 tokens
+exact; on one with AVX512-BF16 (AMD EPYC), where PyTorch's CPU attention rounds the probabilities to bf16 in some
+shapes (a chunked prefill's) and not in others, bf16 1.5e-3 / 2.2e-2 here and, over this folder and test_paged.py,
+means up to 5.0e-3 and maxima up to 3.3e-2. The bf16 bound covers both with margin and stays well under bf16's
+own distance from fp32 (1.8e-2 mean on this model, benchmarks/bf16_consistency.py). The trainer's mixed
+precision (fp32 master weights under autocast) computes the same function: tests/models/test_bf16_consistency.py.
 """
 
 import asyncio
@@ -24,9 +27,8 @@ from molt.engine.sampling import RowParams, sample
 
 DTYPES = [torch.bfloat16, torch.float16]
 # (mean, max) |engine - trainer| log-prob bound, and the largest logit gap a greedy token may have to the argmax;
-# bf16's mean allows the trainer's packing at offsets that are not multiples of the engine's 16-position tiles
-# (the paged cache measured 1.2e-3, almost all tokens exactly equal)
-LOGPROB_TOL = {torch.bfloat16: (2e-3, 0.03), torch.float16: (1e-3, 0.01)}
+# bf16's allows CPUs whose attention kernel rounds differently with the shape (see the module docstring)
+LOGPROB_TOL = {torch.bfloat16: (8e-3, 0.06), torch.float16: (1e-3, 0.01)}
 GAP_TOL = {torch.bfloat16: 0.1, torch.float16: 0.02}
 
 
@@ -138,8 +140,8 @@ def test_compiled_decode_in_bf16(folder):
 
 def test_moe_in_bf16_records_routing_and_matches_the_trainer():
     """A tiny MoE in bf16 (router in fp32): log-probs within bf16 rounding of the trainer's (measured: mean 8e-8,
-    max 5e-7; before whole-tile cache reads 5.7e-3, 3.7e-2), and the recorded experts agree with a direct
-    forward's on nearly every entry (bf16 noise may flip a near-tie)."""
+    max 5e-7 without native bf16 instructions; 3.5e-3, 1.8e-2 with AVX512-BF16), and the recorded experts agree
+    with a direct forward's on nearly every entry (bf16 noise may flip a near-tie)."""
     from molt.models import Routing
 
     model = small_model(kind="moe", std=0.2).to(torch.bfloat16).eval()

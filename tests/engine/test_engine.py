@@ -229,7 +229,7 @@ def test_abort_frees_cache_and_too_long_fails_cleanly(pair):
 
 
 def test_work_since_counts_between_snapshots_and_after_a_restart():
-    from molt.engine.core import work_since
+    from molt.engine.interface import work_since
 
     a = dict(steps=10, decode_steps=8, decode_tokens=40, busy_s=1.0, decode_s=0.5)
     b = dict(steps=14, decode_steps=10, decode_tokens=52, busy_s=1.5, decode_s=0.75)

@@ -1,9 +1,6 @@
 """One function in low precision: the trainer's mixed-precision forward (fp32 master weights under autocast) is
-the forward of the low-precision copy the engine serves, op for op, and the engine's log-probs follow it.
-
-Before, the autocast forward ran its residual stream, norms and rotary tables in fp32 and the copy rounded its
-rotary frequencies to bf16: engine vs trainer mean |log-prob diff| 1.8e-2 on the engine tests' tiny model in
-bf16, as far as bf16 is from fp32 (benchmarks/bf16_consistency.py). Tiny shapes: CPU bf16 matmuls are slow.
+the forward of the low-precision copy the engine serves, op for op, and the engine's log-probs follow it
+(benchmarks/bf16_consistency.py measures it). Tiny shapes: CPU bf16 matmuls are slow.
 """
 
 import asyncio
@@ -100,8 +97,7 @@ def scored(model: Transformer, pairs, precision: Precision) -> torch.Tensor:
 @pytest.mark.parametrize("paged", [False, True])
 def test_engine_logprobs_follow_the_mixed_precision_trainer_in_bf16(paged):
     """A bf16 engine (slot or paged cache; continuous batching, chunked prefill) against the trainer scoring its
-    tokens with the fp32 master under autocast. Measured here: mean |diff| 3.7e-5 and most tokens exact (before:
-    1.8e-2 / 1.9e-2, as far as the fp32 function); the rest is CPU SDPA's summation order (docs vs decode rows)."""
+    tokens with the fp32 master under autocast: most tokens exact, the rest is CPU SDPA's summation order."""
     model = master(TransformerConfig(model_type="qwen3", **SMALL))
     kv = dict(kv_blocks=64, block_size=16) if paged else {}
     engine = TorchEngine(copy.deepcopy(model).to(torch.bfloat16), num_slots=4, max_seq_len=96,

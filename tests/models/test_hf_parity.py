@@ -115,7 +115,7 @@ def test_logits_match_packed(pair):
 def test_incremental_decode_with_cache_matches_full_forward(pair):
     _, molt = pair
     ids_bt = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
-    cache = KVCache.for_model(molt.cfg, batch=2, max_len=32)
+    cache = KVCache(molt.cfg, batch=2, max_len=32)
     with torch.no_grad():
         full = molt(ids_bt)
         prefill = molt(ids_bt[:, :16], torch.arange(16).expand(2, 16), cache=cache)

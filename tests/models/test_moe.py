@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from conftest import small_model  # noqa: I001 - tests/conftest.py
 
 from molt import algo
-from molt.models import NO_ROUTE, Routing
+from molt.models import NO_ROUTE, Routing, TransformerConfig
 from molt.models.moe import SparseMoE, route
 
 
@@ -46,7 +46,8 @@ def test_routing_record_and_self_replay_reproduce_the_forward():
 
 def test_fp32_router_in_a_bf16_model():
     torch.manual_seed(0)
-    moe = SparseMoE(32, 16, num_experts=8, top_k=2, normalize=True, fp32=True).to(torch.bfloat16)
+    cfg = TransformerConfig(hidden_size=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+    moe = SparseMoE(cfg).to(torch.bfloat16)  # normalized top-k, fp32 router: the defaults
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(1, 50, 32).to(torch.bfloat16)

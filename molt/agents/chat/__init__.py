@@ -8,7 +8,7 @@
 from molt.agents.chat.agent import ChatAgent, ChatContext, ChatRunner, load_agent_class
 from molt.agents.chat.replies import TurnReply
 from molt.agents.chat.server import ChatServer
-from molt.agents.chat.session import Session, SessionStore
+from molt.agents.chat.session import Session
 from molt.agents.env import Result
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "ChatServer",
     "Result",
     "Session",
-    "SessionStore",
     "TurnReply",
     "load_agent_class",
 ]

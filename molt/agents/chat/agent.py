@@ -1,11 +1,9 @@
 """`ChatAgent`: an ordinary async program that drives the policy through the OpenAI or Anthropic SDK.
 
-`ChatRunner` owns one chat server per runner process (started on first use, on the running loop)
-and turns one `ChatAgent.run(ctx)` into its trajectory segments: it opens a session, hands the
-agent a `ChatContext` pointing at it, waits for the `Result` (the whole run gets
-`step_timeout_s x max_turns`), closes the session and stamps every segment with the rollout's
-reward, score, ids and segment index. The agent must use async clients (`AsyncOpenAI`,
-`AsyncAnthropic`) or run sync ones in a thread: the server shares the agent's event loop.
+`ChatRunner` owns one chat server per runner process (started on first use, on the running loop) and
+turns one `ChatAgent.run(ctx)` (within `step_timeout_s x max_turns`) into its session's trajectory
+segments, each stamped with the rollout's reward, score, ids and segment index. The agent must use async
+clients (`AsyncOpenAI`, `AsyncAnthropic`) or run sync ones in a thread: the server shares its event loop.
 """
 
 from __future__ import annotations
@@ -27,15 +25,7 @@ from molt.config import ConfigError
 from molt.data.trajectory import Trajectory
 
 # `chat` config fields that are ChatServer options in training (the rest only apply to `molt serve`)
-CHAT_SERVER_OPTIONS = (
-    "host",
-    "port",
-    "model_name",
-    "model_aliases",
-    "max_body_bytes",
-    "tool_parser",
-    "render_tools",
-)
+CHAT_SERVER_OPTIONS = ("host", "port", "model_name", "model_aliases", "max_body_bytes", "tool_parser", "render_tools")
 
 
 @dataclass
@@ -58,8 +48,7 @@ class ChatContext:
     def openai(self, **options: Any) -> Any:
         """An `AsyncOpenAI` client bound to this session, on the runner's shared connection pool.
 
-        The fast way: building one from scratch costs 20-90 ms of TLS set-up per rollout. `options` go to
-        the constructor (e.g. `max_retries`); closing it (`async with`) keeps the shared pool open.
+        `options` go to the constructor (e.g. `max_retries`); closing it (`async with`) keeps the pool open.
         """
         return self._client("openai", self.base_url, options)
 

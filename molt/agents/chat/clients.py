@@ -1,13 +1,10 @@
 """SDK clients bound to one session, sharing one HTTP client per runner (`ctx.openai()`, `ctx.anthropic()`).
 
-Building an `AsyncOpenAI` / `AsyncAnthropic` client from nothing loads the system CA bundle for TLS
-(20-90 ms of CPU, paid on the event loop the rollouts share), opens new connections and, on its first
-request, detects the platform in a worker thread; one built on an existing `http_client` with the platform
-already known costs ~0.2 ms, a copy of one less. So `ClientPool` keeps one HTTP client per SDK and hands
-out session-bound SDK clients on it, copies of a prototype. With the server (the runner's case: same event
-loop) that HTTP client sends requests into it in-process (`loopback.py`: completions straight to their
-handler); without it, over a keep-alive loopback pool (no proxy lookups). Closing a session client
-(`async with ctx.openai() as client`) leaves the shared one open; the runner closes it.
+Building an SDK client from nothing loads the system CA bundle (20-90 ms of CPU on the event loop the
+rollouts share), opens new connections and detects the platform in a worker thread, so `ClientPool` keeps
+one HTTP client per SDK and hands out session-bound SDK clients on it, copies of a prototype. With the server
+on the same event loop (the runner's case) requests go into it in-process (`loopback.py`); without it, over
+a keep-alive loopback pool. Closing a session client leaves the shared one open; the runner closes it.
 Imports the SDKs only when asked for their client.
 """
 
@@ -81,10 +78,8 @@ class ClientPool:
         self._prototypes: dict[tuple[str, str], Any] = {}  # (sdk, api key) -> a client never used itself
 
     def client(self, sdk: str, base_url: str, api_key: str, **options: Any) -> Any:
-        """An `AsyncOpenAI` (`sdk="openai"`) or `AsyncAnthropic` client on the shared HTTP client.
-
-        Without `options`, a shallow copy of a prototype with its own `base_url` (the constructor's
-        option and header processing, run per rollout, cost as much as the rollout's request)."""
+        """An `AsyncOpenAI` (`sdk="openai"`) or `AsyncAnthropic` client on the shared HTTP client; without
+        `options`, a shallow copy of a prototype (the constructor costs as much as a rollout's request)."""
         if options:
             return self._build(sdk, base_url, api_key, options)
         prototype = self._prototypes.get((sdk, api_key))

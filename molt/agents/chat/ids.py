@@ -19,8 +19,7 @@ os.register_at_fork(after_in_child=_rekey)  # a forked child must not repeat its
 
 
 def new_id(prefix: str = "", num_bytes: int = 12) -> str:
-    """An unguessable unique id: a keyed hash of a per-process counter. One `os.urandom` per process, not
-    per id (urandom took ~1 ms per call on a loaded 2-core VM, paid on the rollout loop several times per
-    request)."""
+    """An unguessable unique id: a keyed hash of a per-process counter (one `os.urandom` per process, not
+    per id: it can take ~1 ms on a loaded machine)."""
     digest = hashlib.blake2b(next(_ID_COUNTER).to_bytes(8, "little"), key=_ID_KEY, digest_size=num_bytes)
     return prefix + digest.hexdigest()

@@ -1,14 +1,11 @@
 """An in-process HTTP transport: SDK requests go straight into the chat server's ASGI app, no socket.
 
 `ctx.openai()` / `ctx.anthropic()` clients (`clients.py`) use it when the agent shares the server's event
-loop, as it does in training. The request is exactly the HTTP request the SDK would send (same app, same
-validation, same capture); what is skipped is TCP, HTTP/1.1 framing on both sides and the connection
-pool, ~60% of a loopback request's CPU on the rollout loop. Responses stream: each body chunk the app
-sends is handed to the SDK as it comes (server-sent events arrive as the engine produces tokens), and a
-client that stops reading (closes the response) is a disconnect to the app, which aborts the generation.
-When the app is a `ChatServer`, the completion routes skip the ASGI stack too: `direct_route` names the
-handler FastAPI would call, which gets the same Starlette `Request` and returns the same `Response`
-(`_direct`), ~1 ms less per request. Every other route goes through the app.
+loop, as in training. The request is exactly the HTTP request the SDK would send (same app, validation and
+capture) without TCP, HTTP/1.1 framing and the connection pool. Responses stream chunk by chunk, and a client
+that closes the response early is a disconnect to the app, which aborts the generation. With a `ChatServer`
+the completion routes skip the ASGI stack too: `direct_route` names the handler FastAPI would call, which gets
+the same Starlette `Request` and returns the same `Response` (`_direct`).
 Works with `httpx` and `httpx2` (the SDKs use either): the classes are built per httpx module.
 """
 
@@ -106,39 +103,31 @@ async def _direct(httpx, handler, scope: dict[str, Any], body: bytes):
     headers = response.raw_headers
     if not isinstance(response, StreamingResponse):
         return httpx.Response(response.status_code, headers=headers, stream=httpx.ByteStream(response.body))
-    return httpx.Response(response.status_code, headers=headers, stream=_stream_class(httpx)(response.body_iterator))
+    chunks = response.body_iterator
+    return httpx.Response(response.status_code, headers=headers, stream=_body_class(httpx)(chunks, chunks.aclose))
 
 
 @functools.cache
-def _stream_class(httpx) -> type:
-    class DirectStream(httpx.AsyncByteStream):
-        def __init__(self, chunks):
-            self.chunks = chunks
+def _body_class(httpx) -> type:
+    """A streamed httpx response body over the app's chunks; closing it calls `on_close` (ending the app's work)."""
+
+    class Body(httpx.AsyncByteStream):
+        def __init__(self, chunks, on_close):
+            self.chunks, self.on_close = chunks, on_close
 
         async def __aiter__(self):
             async for chunk in self.chunks:
                 yield chunk.encode() if isinstance(chunk, str) else chunk
 
         async def aclose(self) -> None:
-            await self.chunks.aclose()
+            await self.on_close()
 
-    return DirectStream
+    return Body
 
 
 @functools.cache
 def transport_class(httpx) -> type:
     """`InProcessTransport` for one httpx module (`httpx` or `httpx2`)."""
-
-    class Body(httpx.AsyncByteStream):
-        def __init__(self, exchange: _Exchange):
-            self.exchange = exchange
-
-        async def __aiter__(self):
-            async for chunk in self.exchange.iter_body():
-                yield chunk
-
-        async def aclose(self) -> None:
-            await self.exchange.close()
 
     class InProcessTransport(httpx.AsyncBaseTransport):
         """Sends each request into `app` (an ASGI app, or a `ChatServer`) on the running event loop."""
@@ -163,6 +152,10 @@ def transport_class(httpx) -> type:
                 raise
             except Exception as e:  # noqa: BLE001 - the app failed before answering: like a dropped connection
                 raise httpx.RemoteProtocolError(f"chat server failed: {type(e).__name__}: {e}") from e
-            return httpx.Response(head["status"], headers=head.get("headers", []), stream=Body(exchange))
+            return httpx.Response(
+                head["status"],
+                headers=head.get("headers", []),
+                stream=_body_class(httpx)(exchange.iter_body(), exchange.close),
+            )
 
     return InProcessTransport

@@ -84,13 +84,16 @@ def decode_arguments(arguments: Any) -> Any:
     return arguments
 
 
+def function_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
+    """A tool call in OpenAI form (`arguments`: an object in canonical messages, JSON text on the OpenAI wire)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def assistant_message(content: str, calls: list[ToolCall]) -> Message:
     """The canonical assistant turn for a reply."""
     message: Message = {"role": "assistant", "content": content}
     if calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
-        ]
+        message["tool_calls"] = [function_call(c.id, c.name, c.arguments) for c in calls]
     return message
 
 

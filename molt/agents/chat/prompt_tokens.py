@@ -36,11 +36,9 @@ def encode_within(tokenizer, text: str, max_tokens: int) -> list[int]:
     """`tokenizer.encode(text, add_special_tokens=False)` of megabytes of text in a worker thread, raising
     OverContext (the exact count) when it has `max_tokens` or more, without converting its ids.
 
-    transformers' `encode` turns the backend's ids, type ids and attention mask into Python lists, each one
-    C call holding the GIL (~150 ms per 4M tokens: the event loop stalls), so a fast tokenizer in its stock
-    state is called directly: `encode_batch_fast` (the same ids, no offsets) releases the GIL, runs ~4x
-    faster, and its encoding frees in ~55 ms per 4M tokens (with offsets ~200 ms, still holding the GIL);
-    counting first bounds the ids converted to the context. Other tokenizers take the plain `encode`."""
+    transformers' `encode` converts ids, type ids and attention mask to Python lists holding the GIL (the
+    event loop stalls), so a fast tokenizer in its stock state is called directly: `encode_batch_fast` (the
+    same ids, no offsets) releases the GIL. Other tokenizers take the plain `encode`."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (
         stock_fast(tokenizer, "_encode_plus")

@@ -1,23 +1,18 @@
 """The chat server: OpenAI- and Anthropic-compatible HTTP endpoints over the session capture.
 
-FastAPI app served by uvicorn on the caller's own asyncio loop (`start()` runs `Server.serve()` as a
-task; signals stay with the host program), bound to 127.0.0.1 on a free port unless told otherwise.
-Routes: `POST /s/{session}/v1/chat/completions`, `POST /s/{session}/v1/messages`,
-`GET /s/{session}/v1/models`, `GET /v1/models`, `GET /health`; with `serve_sampling` set (`molt serve`)
-also `POST /v1/chat/completions` and `POST /v1/messages`, each in an implicit one-request session.
+FastAPI app served by uvicorn on the caller's own asyncio loop (signals stay with the host program), on
+127.0.0.1 and a free port unless told otherwise. Routes: `POST /s/{session}/v1/chat/completions`,
+`POST /s/{session}/v1/messages` (and its `count_tokens`), `GET /s/{session}/v1/models`, `GET /v1/models`,
+`GET /health`; with `serve_sampling` set (`molt serve`) also `POST /v1/chat/completions` and
+`POST /v1/messages`, each in an implicit one-request session.
 
-Errors, in the wire's own error format, never a 500 for what a client sent: 401 without the API key (when
-one is set), 404 for an unknown or finished session or an unknown `model` (not the served name or an
-alias), 413 for a body over `max_body_bytes`, 400 for a body that is not JSON, nests deeper than
-`MAX_DEPTH` or asks for something unsupported (and, in serve mode, `context_length_exceeded`), 422 for a
-body that does not match the schema (or that the template cannot render), 503 when the engine fails.
-Anything else is Molt's own bug: a 500 naming a request id, logged with its traceback under that id.
-Streams are sent as the engine generates (`Session.stream`); a client that goes away mid-stream aborts
-the generation and nothing is recorded. `count_tokens` (Anthropic) renders without generating.
-The server is itself the ASGI app, with `direct_route` for in-process clients (`loopback.py`): the two
-completion routes' handler, called without FastAPI's routing and middleware (~1 ms a request), the same
-function with the same validation and responses as over HTTP.
-Knows sessions and wires; nothing of the trainer.
+Errors come in the wire's own format, never a 500 for what a client sent: 401 (API key), 404 (unknown or
+finished session, unknown `model`), 413 (body over `max_body_bytes`), 400 (not JSON, nested deeper than
+`MAX_DEPTH`, unsupported options, serve mode's `context_length_exceeded`), 422 (schema mismatch, or a template
+that cannot render it), 503 (the engine failed). Anything else is a 500 naming a request id, logged with its
+traceback. A client that goes away mid-stream aborts the generation and nothing is recorded.
+`direct_route` gives in-process clients (`loopback.py`) the completion handler itself, skipping FastAPI's
+routing and middleware: the same function, validation and responses as over HTTP.
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ from molt.agents.chat import wire_anthropic, wire_openai
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, TooDeep, check_depth
 from molt.agents.chat.replies import GenerationError, RequestError, SessionClosed
-from molt.agents.chat.session import RENDER_INLINE_BYTES, Session, SessionStore
+from molt.agents.chat.session import RENDER_INLINE_BYTES, Session
 from molt.agents.chat.tool_parser import get_parser
 from molt.agents.runner import first_prompt_ids
 from molt.data.trajectory import Trajectory
@@ -70,9 +65,8 @@ def _summary(error: ValidationError, limit: int = 3) -> str:
 def _listening_socket(host: str, port: int) -> socket.socket:
     """A bound, listening TCP socket whose accepted connections get TCP_NODELAY from asyncio.
 
-    asyncio sets TCP_NODELAY only on sockets whose `proto` is IPPROTO_TCP, and `socket.create_server` leaves
-    it 0; accepted sockets inherit it. Without it every response (headers and body are two writes) waits
-    ~40 ms for the client's delayed ACK (Nagle), which capped a sequential agent at ~20 requests/s.
+    asyncio sets TCP_NODELAY only on sockets whose `proto` is IPPROTO_TCP (`socket.create_server` leaves it
+    0); without it each response waits for the client's delayed ACK (Nagle, ~40 ms).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -120,7 +114,7 @@ class ChatServer:
         self.max_body_bytes, self.render_tools = max_body_bytes, render_tools
         self.parser = get_parser(tool_parser, tokenizer)
         self.serve_sampling, self.serve_max_len = serve_sampling, serve_max_len
-        self.store = SessionStore()
+        self.sessions: dict[str, Session] = {}  # open sessions by unguessable id (192 random bits)
         self.app = self._build_app()
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
@@ -130,35 +124,28 @@ class ChatServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    # ---- sessions ---------------------------------------------------------------------------------
     def open_session(self, sampling: SamplingParams, *, max_len: int, **options) -> Session:
         """A new recording session (options: max_turns, keep_ids, honor_sampling)."""
-        return self.store.open(
-            self.engine,
-            self.tokenizer,
-            sampling,
-            max_len=max_len,
-            parser=self.parser,
-            render_tools=self.render_tools,
-            **options,
-        )
+        options |= {"max_len": max_len, "parser": self.parser, "render_tools": self.render_tools}
+        session = Session(new_id(num_bytes=24), self.engine, self.tokenizer, sampling, **options)
+        self.sessions[session.id] = session
+        return session
 
     def close_session(self, session_id: str) -> list[Trajectory]:
         """Finish a session (later requests get 404) and return its segments."""
-        return self.store.close(session_id)
+        session = self.sessions.pop(session_id, None)
+        return session.close() if session is not None else []
 
-    # ---- lifecycle --------------------------------------------------------------------------------
+    def _session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionClosed("unknown or finished session")
+        return session
+
     async def start(self) -> ChatServer:
         """Serve on the running loop until `stop()`; returns once the socket is bound."""
-        config = uvicorn.Config(
-            self.app,
-            host=self.host,
-            port=self.port,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=2,
-        )
+        options = {"log_level": "warning", "access_log": False, "lifespan": "off", "timeout_graceful_shutdown": 2}
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, **options)
         try:  # bound here, so a taken port is a clear OSError (uvicorn would sys.exit inside the task)
             sock = _listening_socket(self.host, self.port)
         except OSError as e:
@@ -179,7 +166,6 @@ class ChatServer:
                 await self._task
         self._server = self._task = None
 
-    # ---- HTTP -------------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:  # ASGI: the FastAPI app
         await self.app(scope, receive, send)
 
@@ -201,8 +187,11 @@ class ChatServer:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="Molt chat server", docs_url=None, redoc_url=None, openapi_url=None)
         app.get("/health")(self._health)
-        app.get("/v1/models")(self._models)
-        app.get("/s/{session_id}/v1/models")(self._session_models)
+        app.get("/s/{session_id}/v1/models")(self._models)
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> Response:
+            return await self._models(request)
 
         @app.post("/s/{session_id}/v1/chat/completions")
         async def openai_session(request: Request, session_id: str) -> Response:
@@ -229,28 +218,19 @@ class ChatServer:
         return app
 
     async def _health(self) -> dict[str, Any]:
-        return {"status": "ok", "sessions": len(self.store), "version": getattr(self.engine, "version", 0)}
+        return {"status": "ok", "sessions": len(self.sessions), "version": getattr(self.engine, "version", 0)}
 
-    def _model_list(self) -> dict[str, Any]:
+    async def _models(self, request: Request, session_id: str | None = None) -> Response:
+        """The served model's card (on a session's route, once the session is checked to exist)."""
+        try:
+            self._authorize(request)
+            if session_id is not None:
+                self._session(session_id)
+        except (HTTPError, SessionClosed) as e:
+            status, message = self._failure(e, session_id)
+            return JSONResponse(wire_openai.error(status, message), status)
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "molt"}
-        return {"object": "list", "data": [card]}
-
-    async def _models(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-        except HTTPError as e:
-            return JSONResponse(wire_openai.error(e.status, e.message), e.status)
-        return JSONResponse(self._model_list())
-
-    async def _session_models(self, request: Request, session_id: str) -> Response:
-        try:
-            self._authorize(request)
-            self.store.get(session_id)
-        except HTTPError as e:
-            return JSONResponse(wire_openai.error(e.status, e.message), e.status)
-        except SessionClosed as e:
-            return JSONResponse(wire_openai.error(404, str(e)), 404)
-        return JSONResponse(self._model_list())
+        return JSONResponse({"object": "list", "data": [card]})
 
     def _authorize(self, request: Request) -> None:
         if not self.api_key:
@@ -299,7 +279,7 @@ class ChatServer:
         session, owned = None, session_id is None
         try:
             self._authorize(request)
-            session = self._implicit_session() if owned else self.store.get(session_id)
+            session = self._implicit_session() if owned else self._session(session_id)
             chat = await self._decode(request, wire)
             if not chat.stream:
                 return JSONResponse(wire.encode(await session.turn(chat), self.model_name, chat))
@@ -313,7 +293,7 @@ class ChatServer:
             return JSONResponse(wire.error(status, message, getattr(e, "code", None)), status)
         finally:
             if owned and session is not None:
-                self.store.close(session.id)
+                self.close_session(session.id)
 
     async def _sse(self, wire, chat: ChatRequest, first, events, implicit: Session | None) -> AsyncIterator[str]:
         async def all_events():
@@ -330,7 +310,7 @@ class ChatServer:
         finally:
             await events.aclose()  # a client gone mid-stream: aborts the generation, records nothing
             if implicit is not None:
-                self.store.close(implicit.id)
+                self.close_session(implicit.id)
 
     def _failure(self, error: Exception, session_id: str | None) -> tuple[int, str]:
         """(HTTP status, message) of an exception; Molt's own bugs are logged with a request id."""
@@ -354,12 +334,12 @@ class ChatServer:
         wire = wire_anthropic
         try:
             self._authorize(request)
-            session = self.store.get(session_id) if session_id is not None else None
+            if session_id is not None:
+                self._session(session_id)  # only checked to exist
             chat = await self._decode(request, wire)
             tools = chat.tools if self.render_tools else None
             count = functools.partial(first_prompt_ids, self.tokenizer, chat.messages, tools)
             ids = await asyncio.to_thread(count) if chat.size > RENDER_INLINE_BYTES else count()
-            del session  # only checked to exist
             return JSONResponse({"input_tokens": len(ids)})
         except (TemplateError, TypeError, KeyError, ValueError) as e:
             if isinstance(e, TooDeep):

@@ -1,33 +1,23 @@
 """Token-exact capture of one chat session: requests in, engine generations and segments out.
 
-Plain Python over the engine interface and the tokenizer (no HTTP), so it is tested directly.
-Per request, under the session's lock:
+Plain Python over the engine interface and the tokenizer (no HTTP). Per request, under the session's lock:
 
 1. A retry (same messages, tools and bounds as the last request) returns the cached reply.
-2. If the messages start with the previous request's messages plus the reply it got (compared by
-   fingerprint, `messages.py`) and the tools are unchanged, the request *extends* the segment: only
-   the template's delta after the last action is tokenized (`observation_ids`, which renders the
-   action as a probe), and the context is the segment's exact ids + delta. Earlier actions are never
-   re-tokenized.
-3. Otherwise (first turn, compaction, changed tools, or a template that re-renders history) the
-   whole conversation is rendered as the prompt of a new segment; the current one is sealed.
-4. Nothing is recorded until generation succeeds; a failed or aborted generation (or a stream whose
-   client went away) leaves the session as it was, so a client retry re-runs cleanly. No room left
-   (context or turn budget) answers an empty "length" reply without generating; in serve mode
-   (`honor_sampling`) an over-context prompt is a 400 `context_length_exceeded` instead.
-5. `n > 1`: the samples share the prompt (one prefill). The current segment is sealed, and each sample
-   becomes a segment over the whole context (earlier actions there have loss mask 0, so nothing is
-   trained twice); sample 0's segment is the one later requests extend.
+2. If the messages extend the previous request's messages plus its reply (by fingerprint, `messages.py`)
+   with the same tools, only the template's delta after the last action is tokenized (`observation_ids`)
+   and the context is the segment's exact ids + delta: earlier actions are never re-tokenized.
+3. Otherwise (first turn, compaction, changed tools, a template that re-renders history) the whole
+   conversation is the prompt of a new segment; the current one is sealed.
+4. Nothing is recorded until generation succeeds, so a client retry after a failed or aborted generation
+   re-runs cleanly. No room left (context or turns) answers an empty "length" reply without generating;
+   in serve mode (`honor_sampling`) an over-context prompt is a 400 `context_length_exceeded` instead.
+5. `n > 1`: the samples share the prompt; each becomes a segment over the whole context (earlier actions
+   there have loss mask 0) and sample 0's is the one later requests extend.
 
-Streaming (`stream`) yields `TextDelta`s as the engine produces tokens (no live text when tool calls
-are parsed: the call is only known at the end), then the `TurnReply`; the text sent is a prefix of
-the reply's content, which is the decoded action minus a trailing stop string, and the wires send the rest
-with the reply. Deltas that arrived while the consumer was busy go out as one, and those that arrived once
-the generation had ended go out with the reply (each delta costs the client a read). With `logprobs` each
-delta also carries its tokens and their log-probs, and with `top_logprobs` their alternatives as the engine
-streams them. Large requests are rendered and tokenized in a worker thread so the event loop keeps serving
-(counted before their ids are converted: `encode_within`), and one whose text certainly overflows the
-context is not tokenized at all (`min_tokens`).
+Streaming yields `TextDelta`s as the engine produces tokens (not when tool calls are parsed), then the
+`TurnReply`; the text sent is a prefix of the reply's content, and the wires send the rest with the reply.
+Large requests are rendered and tokenized in a worker thread, and one whose text certainly overflows the
+context is not tokenized at all (`prompt_tokens.py`).
 """
 
 from __future__ import annotations
@@ -40,7 +30,6 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import (
     ChatRequest,
     Message,
@@ -63,8 +52,8 @@ from molt.agents.chat.replies import (
 )
 from molt.agents.chat.textstream import TextStream, decoder, trim_at_stop
 from molt.agents.chat.tool_parser import Parser, call_prefix, parse_none
-from molt.agents.images import expand_images, message_images
-from molt.agents.runner import TemplateRewriteError, first_prompt_ids, observation_ids
+from molt.agents.images import expand_images, message_images, pixels_arg
+from molt.agents.runner import TemplateRewriteError, first_prompt_ids, observation_ids, record_completion
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Completion, ContextLengthError, SamplingParams
 from molt.models.tokenizer import render_chat
@@ -78,7 +67,7 @@ class _Plan:
     context: list[int]  # what the engine sees
     new_ids: list[int]  # the new segment's prompt, or the delta appended to the current segment
     new_segment: bool
-    images: list = dataclasses.field(default_factory=list)  # records of the images in new_ids (absolute starts)
+    images: list = dataclasses.field(default_factory=list)  # records of all images in `context`
     prefix: str = ""  # a forced tool-call opening at the end of `context` (tool_choice required/named)
 
 
@@ -194,8 +183,7 @@ class Session:
         return plan, self._sampling(request, room), tools
 
     async def _generate(self, plan: _Plan, sampling: SamplingParams, on_tokens) -> list[Completion]:
-        images = ([] if plan.new_segment else self.current.images or []) + plan.images
-        kw = {"images": [r["pixels"] for r in images]} if images else {}
+        kw = pixels_arg(plan.images)
         try:
             if on_tokens is not None:
                 completions = await self.engine.generate_streamed(
@@ -245,7 +233,7 @@ class Session:
             return None  # the template re-renders history: start a new segment
         offset = len(self.current.tokens)
         delta, images = expand_images(self.engine, delta, message_images(messages[n:]), offset)
-        return _Plan(self.current.tokens + delta, delta, False, images)
+        return _Plan(self.current.tokens + delta, delta, False, (self.current.images or []) + images)
 
     def _new_segment(self, messages: list[Message], tools: list | None, large: bool) -> _Plan:
         if large:  # not cached, and not tokenized at all if it cannot fit
@@ -258,10 +246,7 @@ class Session:
         return _Plan(prompt, prompt, True, images)
 
     def _check_fits(self, num_chars: int, new_segment: bool = False) -> None:
-        """Raise OverContext if `num_chars` more characters of text certainly overflow the context.
-
-        Tokenizing megabytes of text takes seconds (off the event loop), but converting and freeing millions
-        of tokens holds the GIL for 100s of ms; a prompt that cannot fit need not be tokenized at all."""
+        """Raise OverContext if `num_chars` more characters of text certainly overflow the context."""
         before = 0 if new_segment or self.current is None else len(self.current.tokens)
         num_tokens = before + min_tokens(self.tokenizer, num_chars)
         if num_tokens >= self.max_len:
@@ -303,19 +288,18 @@ class Session:
         self, request: ChatRequest, tools: list | None, plan: _Plan, completions: list[Completion]
     ) -> TurnReply:
         replies = [self._reply(request, plan, c) for c in completions]
-        if len(completions) == 1:
-            self._record(self._extended(plan, tools), completions[0])
-        else:  # siblings: each a segment over the whole context; sample 0's is extended later
-            images = ([] if plan.new_segment or self.current is None else self.current.images or []) + plan.images
+        if plan.new_segment or len(completions) > 1:  # siblings: each a segment over the whole context
             if self.current is not None:
                 self.sealed.append(self.current)
-            segments = [Trajectory() for _ in completions]
-            for segment, completion in zip(segments, completions, strict=True):
-                segment.extend_prompt(plan.context)
-                segment.images = list(images) or None
-                self._record(segment, completion)
+            segments, new_ids = [Trajectory() for _ in completions], plan.context
             self.sealed += segments[1:]
-            self.current, self.tools = segments[0], tools
+            self.current, self.tools = segments[0], tools  # sample 0's is the one later requests extend
+        else:
+            segments, new_ids = [self.current], plan.new_ids
+        for segment, completion in zip(segments, completions, strict=True):
+            segment.extend_prompt(new_ids)
+            segment.images = list(plan.images) or None
+            record_completion(segment, completion, self.keep_ids)
         self.num_turns += 1
         first = replies[0]
         self.history = list(request.messages)
@@ -324,23 +308,6 @@ class Session:
         self.ended_with_eos = bool(first.token_ids) and first.token_ids[-1] == self.tokenizer.eos_token_id
         first.siblings = replies[1:]
         return first
-
-    def _extended(self, plan: _Plan, tools: list | None) -> Trajectory:
-        """The current segment with the plan's new ids: extended, or a new one (the old one sealed)."""
-        if plan.new_segment:
-            if self.current is not None:
-                self.sealed.append(self.current)
-            self.current, self.tools = Trajectory(), tools
-        self.current.extend_prompt(plan.new_ids)
-        if plan.images:
-            self.current.images = (self.current.images or []) + plan.images
-        return self.current
-
-    def _record(self, segment: Trajectory, completion: Completion) -> None:
-        segment.extend_action(list(completion.token_ids), list(completion.logprobs), list(completion.versions),
-                              self.keep_ids)  # fmt: skip
-        segment.add_routing(getattr(completion, "routing", None))
-        segment.finish_reason = completion.finish_reason
 
     def _reply(self, request: ChatRequest, plan: _Plan, completion: Completion) -> TurnReply:
         ids = list(completion.token_ids)
@@ -355,29 +322,3 @@ class Session:
         reply = TurnReply(content, calls, finish, len(plan.context), len(ids), stop, ids, list(completion.logprobs))
         reply.top_logprobs = completion.top_logprobs
         return reply
-
-
-class SessionStore:
-    """Open sessions by unguessable id (192 random bits); a closed session is forgotten."""
-
-    def __init__(self):
-        self._sessions: dict[str, Session] = {}
-
-    def open(self, engine, tokenizer, sampling: SamplingParams, **options) -> Session:
-        session_id = new_id(num_bytes=24)
-        session = Session(session_id, engine, tokenizer, sampling, **options)
-        self._sessions[session_id] = session
-        return session
-
-    def get(self, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise SessionClosed("unknown or finished session")
-        return session
-
-    def close(self, session_id: str) -> list[Trajectory]:
-        session = self._sessions.pop(session_id, None)
-        return session.close() if session is not None else []
-
-    def __len__(self) -> int:
-        return len(self._sessions)

@@ -45,16 +45,6 @@ Parser = Callable[[str, Tools], tuple[str, list[ToolCall]]]
 PARSERS: Registry[Parser] = Registry("tool parser")
 
 
-def register_parser(name: str):
-    """Register `parse(text, tools) -> (content, calls)` under `name` (`--chat.tool_parser name`)."""
-
-    return PARSERS.register(name)
-
-
-def new_call_id() -> str:
-    return new_id("call_")
-
-
 def function_specs(tools: Tools) -> dict[str, dict[str, Any]]:
     """Offered function name -> its JSON-schema `parameters` (OpenAI function-tool form)."""
     specs = {}
@@ -79,7 +69,7 @@ def _json_call(body: str, specs: dict[str, dict[str, Any]]) -> ToolCall | None:
             args = json.loads(args)
         except (ValueError, RecursionError):
             return None
-    return ToolCall(new_call_id(), obj["name"], args) if isinstance(args, dict) else None
+    return ToolCall(new_id("call_"), obj["name"], args) if isinstance(args, dict) else None
 
 
 def _split_calls(text: str, tools: Tools, compact: bool) -> tuple[str, list[ToolCall]]:
@@ -108,39 +98,33 @@ def _compact_call(body: str, specs: dict[str, dict[str, Any]]) -> ToolCall | Non
     props = params.get("properties") or {}
     if len(props) != 1:
         return None
-    return ToolCall(new_call_id(), name, {next(iter(props)): body})
+    return ToolCall(new_id("call_"), name, {next(iter(props)): body})
 
 
-@register_parser("hermes")
+@PARSERS.register("hermes")
 def parse_hermes(text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the rest is content."""
     return _split_calls(text, tools, compact=False)
 
 
-@register_parser("molt")
+@PARSERS.register("molt")
 def parse_molt(text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
     """Hermes blocks, or compact `<tool_call>ARG</tool_call>` calls of a sole one-parameter function."""
     return _split_calls(text, tools, compact=True)
 
 
-@register_parser("none")
+@PARSERS.register("none")
 def parse_none(text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
     """Tool calls are not parsed; the agent sees the raw text."""
     return text, []
 
 
-def _hermes_prefix(name: str) -> str:
-    return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
-
-
-CALL_PREFIXES: dict[Parser, Callable[[str], str]] = {parse_hermes: _hermes_prefix, parse_molt: _hermes_prefix}
-
-
 def call_prefix(parser: Parser, name: str) -> str | None:
     """Text that opens a tool call in `parser`'s format (of function `name`, or any when ""), which a request
     with tool_choice required/named puts after the generation prompt; None if the parser has no format."""
-    make = CALL_PREFIXES.get(parser)
-    return make(name) if make is not None else None
+    if parser not in (parse_hermes, parse_molt):
+        return None
+    return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
 
 
 def get_parser(name: str, tokenizer=None) -> Parser:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from molt.agents.chat.ids import new_id
-from molt.agents.chat.messages import ChatRequest, text_content
+from molt.agents.chat.messages import ChatRequest, function_call, text_content
 from molt.agents.chat.replies import InvalidRequest, TextDelta, TurnReply
 
 
@@ -115,10 +115,7 @@ def _messages(m: MessageIn) -> list[dict[str, Any]]:
         out: dict[str, Any] = {"role": "assistant", "content": _text(m.content)}
         calls = [b for b in m.content if b.type == "tool_use"]
         if calls:
-            out["tool_calls"] = [
-                {"id": b.id or "", "type": "function", "function": {"name": b.name or "", "arguments": b.input or {}}}
-                for b in calls
-            ]
+            out["tool_calls"] = [function_call(b.id or "", b.name or "", b.input or {}) for b in calls]
         return [out]
     results = [
         {"role": "tool", "content": _text(b.content), "tool_call_id": b.tool_use_id or ""}

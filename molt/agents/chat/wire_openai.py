@@ -1,19 +1,15 @@
 """OpenAI Chat Completions wire: request schema -> `ChatRequest`, `TurnReply` -> response / SSE chunks.
 
-Decoding: `developer` becomes `system`; content is a string or text and `image_url` parts (data URIs,
-for a VLM policy; audio is refused with 422); assistant `tool_calls`
-arguments are decoded from their JSON string. `n` samples share the prompt; `seed` (serve mode);
-`tool_choice` required / named opens the reply with a tool call; `response_format` other than `text`
-is refused (400), and so is `top_logprobs` without `logprobs` (as OpenAI does).
-Encoding: one choice per sample whose message carries `content` and parsed `tool_calls`; with `logprobs`
-each generated token's log-prob is the engine's (`SamplingParams.logprob_mode`, by default
-log_softmax(logits / T) over the whole vocabulary: the number the trainer's ratio uses), and
-`top_logprobs` lists the k most likely tokens under that same log_softmax(logits / T) (so at
-temperature 0 the first is the generated token, with its log-prob); `usage` counts
-the engine's prompt (the whole context) and generated tokens. Streaming sends chunks as the engine
-generates: role, content deltas (with `logprobs`, each carries its tokens' `logprobs.content`, with their
-`top_logprobs` as the engine streams them), then each tool call (id and name, then its arguments in pieces,
-as OpenAI does), finish, usage when `stream_options.include_usage`, and `[DONE]`.
+Decoding: `developer` becomes `system`; content is a string or text and `image_url` parts (data URIs, for a
+VLM policy; audio is refused with 422); tool-call arguments are decoded from JSON. `n` samples share the
+prompt; `seed` applies in serve mode; `tool_choice` required / named opens the reply with a tool call;
+`response_format` other than `text`, and `top_logprobs` without `logprobs`, are refused (400, as OpenAI does).
+Encoding: one choice per sample with `content` and parsed `tool_calls`; `logprobs` are the engine's (by
+default log_softmax(logits / T) over the whole vocabulary: the number the trainer's ratio uses), and
+`top_logprobs` the k most likely tokens under that same distribution; `usage` counts the whole context as
+prompt. Streaming sends role, content deltas as the engine generates (with their `logprobs`), then each tool
+call (id and name, then its arguments in pieces, as OpenAI does), finish, usage when
+`stream_options.include_usage`, and `[DONE]`.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from molt.agents.chat.ids import new_id
-from molt.agents.chat.messages import ChatRequest, decode_arguments, text_content
+from molt.agents.chat.messages import ChatRequest, decode_arguments, function_call, text_content
 from molt.agents.chat.replies import InvalidRequest, TextDelta, TurnReply
 
 MAX_N = 16  # samples per request (each holds a sequence slot)
@@ -120,12 +116,7 @@ def _message(m: MessageIn) -> dict[str, Any]:
     out["content"] = text_content([p.canonical() for p in m.content] if isinstance(m.content, list) else m.content)
     if m.tool_calls:
         out["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.function.name, "arguments": decode_arguments(c.function.arguments)},
-            }
-            for c in m.tool_calls
+            function_call(c.id, c.function.name, decode_arguments(c.function.arguments)) for c in m.tool_calls
         ]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
@@ -175,13 +166,6 @@ def decode(body: Any) -> ChatRequest:
     )
 
 
-def _tool_calls(reply: TurnReply) -> list[dict[str, Any]]:
-    return [
-        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
-        for c in reply.tool_calls
-    ]
-
-
 def _usage(reply: TurnReply) -> dict[str, int]:
     completion = sum(c.num_completion_tokens for c in reply.choices)
     return {
@@ -216,7 +200,7 @@ def _choice_logprobs(choice: TurnReply, request: ChatRequest | None, start: int 
 def _message_of(choice: TurnReply) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": choice.content or (None if choice.tool_calls else "")}
     if choice.tool_calls:
-        message["tool_calls"] = _tool_calls(choice)
+        message["tool_calls"] = [function_call(c.id, c.name, c.arguments_json) for c in choice.tool_calls]
     return message
 
 
@@ -266,15 +250,9 @@ async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, reque
             rest, logprobs = choice.content[len(sent[i]) :], _choice_logprobs(choice, request, num_sent[i])
             if rest or (logprobs and logprobs["content"]):
                 yield chunk(i, {"content": rest}, logprobs=logprobs)
-            for k, call in enumerate(_tool_calls(choice)):
-                opening = {
-                    "index": k,
-                    "id": call["id"],
-                    "type": "function",
-                    "function": {"name": call["function"]["name"], "arguments": ""},
-                }
-                yield chunk(i, {"tool_calls": [opening]})
-                arguments = call["function"]["arguments"]
+            for k, call in enumerate(choice.tool_calls):
+                yield chunk(i, {"tool_calls": [{"index": k} | function_call(call.id, call.name, "")]})
+                arguments = call.arguments_json
                 for at in range(0, len(arguments), ARGUMENT_PIECE):
                     piece = arguments[at : at + ARGUMENT_PIECE]
                     yield chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": piece}}]})

@@ -1,20 +1,16 @@
 """Molt's own CPU kernels for the engine (fp32, AVX2/FMA, OpenMP), as torch operators: build, load, call.
 
-- `gemm.c`: the linear layers' product over a weight packed once into 16-column panels. On a 2-core AMD EPYC,
-  torch's fp32 `linear` (MKL sgemm) reaches a fraction of the FMA peak at the row counts of decoding (1-64
-  rows), and oneDNN's prepacked product only part of the way; this register-tiled kernel ran 2-5x sgemm at
-  1-16 rows, ~2x at 32 and still 1.1-1.2x at 512 (sums differ from sgemm's only in rounding order).
+- `gemm.c`: the linear layers' product over a weight packed once into 16-column panels, well ahead of MKL's
+  sgemm at decoding's row counts (docs/engine.md has the measurements).
 - `attention.c`: attention of one query token per row over its slot's cached keys (plus, optionally, its own
-  new key), in place of two batched matmuls of tiny matrices and a softmax (decode rows, and in eager steps
-  prefill tokens too).
+  new key), for decode rows and, in eager steps, prefill tokens.
 - `norm.c`: RMSNorm in one pass per row, for eager steps (a compiled graph fuses its own).
 
-`ops.cpp` wraps them as `molt_kernels::gemm`, `molt_kernels::decode_attention` and `molt_kernels::rms_norm`; it
-is compiled on first use with the system C++ compiler (`$CXX`, else `c++`; ~15 s) against the running torch into
-`$MOLT_CACHE/kernels`. As operators they are called without Python in between from eager code and from compiled
-graphs alike. They share torch's OpenMP runtime (the same `libgomp.so.1`), so they run on the calling thread's
-pool with torch's thread count. `load()` is False on CPUs without AVX2/FMA, when the build fails (logged once)
-or with `MOLT_GEMM_KERNEL=0`; callers then keep torch's own ops.
+`ops.cpp` wraps them as `molt_kernels::gemm`, `::decode_attention` and `::rms_norm`, compiled on first use with
+the system C++ compiler (`$CXX`, else `c++`) against the running torch into `$MOLT_CACHE/kernels`; eager code
+and compiled graphs call them alike. They share torch's OpenMP runtime, so they run on the calling thread's
+pool. `load()` is False on CPUs without AVX2/FMA, when the build fails (logged once) or with
+`MOLT_GEMM_KERNEL=0`; callers then keep torch's own ops.
 """
 
 from __future__ import annotations
@@ -45,10 +41,8 @@ def load() -> bool:
     `MOLT_GEMM_KERNEL=0` asks for torch's own ops (an A/B switch)."""
     if os.environ.get("MOLT_GEMM_KERNEL", "1") == "0":
         return False
-    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in (
-        "AVX2",
-        "AVX512",
-    ):
+    capability = torch.backends.cpu.get_cpu_capability()
+    if platform.machine().lower() not in ("x86_64", "amd64") or capability not in ("AVX2", "AVX512"):
         return False
     flags = [*FLAGS, *_torch_flags()]
     sources = b"".join(p.read_bytes() for p in SOURCES)
