@@ -7,6 +7,7 @@ duplicate name is a ValueError listing the known names. Imports nothing, so ever
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -23,11 +24,7 @@ class Registry(Generic[F]):
 
     def register(self, name: str, **info: Any) -> Callable[[F], F]:
         """Decorator: register `fn` under `name`; `info` is static metadata read by callers."""
-
-        def add(fn: F) -> F:
-            return self.add(name, fn, **info)
-
-        return add
+        return functools.partial(self.add, name, **info)
 
     def add(self, name: str, variant: F, **info: Any) -> F:
         """Register `variant` under `name` (the decorator's work, for values that are not defined by a `def`)."""

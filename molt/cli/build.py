@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from molt.config import ConfigError, ModelConfig
+from molt.config import ModelConfig
 from molt.models import PRESETS, Transformer, from_pretrained, preset
 from molt.models.moe import SparseMoE
 from molt.models.tokenizer import IMAGE_PLACEHOLDER, build_builtin_tokenizer, load_tokenizer
 from molt.train.precision import resolve_dtype
-
-
-def resolve_checkpoint(path: str) -> str:
-    """A model folder as given, or a run directory's latest checkpoint."""
-    folder = Path(path)
-    pointer = folder / "checkpoints" / "latest"
-    if not (folder / "config.json").exists() and pointer.exists():
-        return str(pointer.parent / pointer.read_text().strip())
-    if not folder.is_dir():
-        raise ConfigError(f"model.path: checkpoint {path!r} is not a folder")
-    return str(folder)
 
 
 def build_tokenizer(cfg: ModelConfig):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from molt.cli.build import build_model, build_tokenizer, resolve_checkpoint
+from molt.cli.build import build_model, build_tokenizer
 from molt.cli.inputs import load_inputs
 from molt.config import Config, ConfigError
 from molt.engine.torch_engine import on_fresh_thread
@@ -40,11 +40,6 @@ def _model(cfg: Config, checkpoint: str):
     return tokenizer, build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device).eval()
 
 
-def _plain(row: dict[str, Any]) -> dict[str, Any]:
-    """A row's columns for results.jsonl (images and other binary values as a short tag)."""
-    return json.loads(json.dumps(row, default=lambda v: f"<{type(v).__name__}>"))
-
-
 async def _eval_async(cfg: Config, checkpoint: str, rows: list[dict], make_env, threads: int, out: list) -> dict:
     tokenizer, model = on_fresh_thread(_model, cfg, checkpoint, threads=threads)
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True)
@@ -64,7 +59,7 @@ def run_eval(cfg: Config) -> EvalResult:
     """The `molt eval` command."""
     if not cfg.model.path:
         raise ConfigError("model.path: molt eval needs a checkpoint: `molt eval CHECKPOINT|RUN_DIR|MODEL_FOLDER`")
-    checkpoint = resolve_checkpoint(cfg.model.path)
+    checkpoint = cfg.model.path  # a run directory's latest checkpoint, resolved by ModelConfig
     inputs = load_inputs(cfg)  # data, reward and agent: errors before any model is built
     rows = inputs.eval_rows[: cfg.eval.num_prompts]
     if not rows:
@@ -80,7 +75,7 @@ def run_eval(cfg: Config) -> EvalResult:
         if inputs.reward:
             inputs.reward.close()
     for record, row in zip(records, rows, strict=True):
-        record["row"] = _plain(row)
+        record["row"] = json.loads(json.dumps(row, default=lambda v: f"<{type(v).__name__}>"))  # images: a short tag
     run.log({"checkpoint": checkpoint, **metrics})
     run.close()
     out = Path(cfg.eval.output) if cfg.eval.output else run.path / "results.jsonl"

@@ -20,8 +20,6 @@ from molt.data.dataset import dataset_rows
 
 @dataclass
 class RunInputs:
-    """What a run reads before any model is built: data rows, reward function and agent factory."""
-
     train_rows: list[dict]
     eval_rows: list[dict]
     reward: RewardFunction | None

@@ -10,27 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 
 import torch
 
 from molt.agents.chat.agent import CHAT_SERVER_OPTIONS
 from molt.agents.chat.server import ChatServer
-from molt.cli.build import build_model, build_tokenizer, resolve_checkpoint
-from molt.cli.inputs import check_user_code
+from molt.cli.build import build_model, build_tokenizer
 from molt.config import Config
 from molt.engine.interface import SamplingParams
 from molt.runtime.factory import build_engine
 
 
 def build_server(cfg: Config) -> ChatServer:
-    """Model, engine and a serve-mode ChatServer (not started) from the config."""
-    check_user_code(cfg)
-    model_cfg = cfg.model
-    if model_cfg.path:
-        model_cfg = dataclasses.replace(model_cfg, path=resolve_checkpoint(model_cfg.path))
-    tokenizer = build_tokenizer(model_cfg)
-    model = build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device)
+    """Model, engine and a serve-mode ChatServer (not started); `parse_command` checked the config's user code."""
+    tokenizer = build_tokenizer(cfg.model)
+    model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device)
     chat = cfg.chat
     threads = cfg.runtime.threads or torch.get_num_threads()
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True, num_slots=32, max_len=chat.max_len)

@@ -11,11 +11,10 @@ import asyncio
 import dataclasses
 import sys
 import time
-from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -31,8 +30,6 @@ from molt.loop.replay import ReplayLoop, replay_folder
 from molt.loop.rl import RLLoop
 from molt.runtime.base import Runtime, start_runtime
 from molt.train.precision import Precision
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -193,8 +190,8 @@ async def train_async(cfg: Config) -> TrainResult:
     return result
 
 
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run `coro` to completion from synchronous code: on this thread, or on a worker thread with its own event
+def run_train(cfg: Config) -> TrainResult:
+    """The `molt train` command, from synchronous code: on this thread, or on a worker thread with its own event
     loop when this thread already runs one (a notebook), since `asyncio.run` refuses to nest."""
     try:
         asyncio.get_running_loop()
@@ -202,10 +199,5 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         pass  # no running loop: run below, outside this block, so a failure's traceback does not start with it
     else:
         with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
-            return pool.submit(asyncio.run, coro).result()
-    return asyncio.run(coro)
-
-
-def run_train(cfg: Config) -> TrainResult:
-    """The `molt train` command (callable from a script or from inside a running event loop)."""
-    return run_sync(train_async(cfg))
+            return pool.submit(asyncio.run, train_async(cfg)).result()
+    return asyncio.run(train_async(cfg))

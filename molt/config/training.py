@@ -42,20 +42,21 @@ class ModelConfig:
         check(self.init_std > 0, "model.init_std", "must be > 0")
         check(self.warmstart_steps >= 0, "model.warmstart_steps", "must be >= 0 (0 = no warm start)")
         if self.path:
-            check_model_folder(self.path, "model.path")
+            self.path = check_model_folder(self.path, "model.path")  # a run directory: its latest checkpoint
         if self.tokenizer:
             check(os.path.isdir(self.tokenizer), "model.tokenizer", f"folder {self.tokenizer!r} does not exist")
 
 
-def check_model_folder(path: str, key: str) -> None:
-    """A ConfigError naming `key` unless `path` is a Hugging Face model folder or a run directory with a checkpoint."""
+def check_model_folder(path: str, key: str) -> str:
+    """The model folder `path` names: itself, or a run directory's latest checkpoint; a ConfigError naming `key` when
+    it is neither a Hugging Face model folder nor a run directory with a checkpoint."""
     from pathlib import Path
 
     folder = Path(path)
     check(folder.exists(), key, f"{path!r} does not exist")
     check(folder.is_dir(), key, f"{path!r} is a file; give a Hugging Face model folder (config.json + *.safetensors)")
     if (folder / "config.json").exists():
-        return
+        return path
     pointer = folder / "checkpoints" / "latest"
     check(
         pointer.exists() or (folder / "checkpoints").is_dir(),
@@ -65,6 +66,7 @@ def check_model_folder(path: str, key: str) -> None:
     check(pointer.exists(), key, f"run directory {path!r} has no completed checkpoint (no checkpoints/latest)")
     latest = pointer.parent / pointer.read_text().strip()
     check((latest / "config.json").exists(), key, f"{latest} (the run's latest checkpoint) has no config.json")
+    return str(latest)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 A `Runtime` places the policy trainer (with its reference, critic and teacher models), starts the rollout engines
 from the one engine factory (`molt/runtime/factory.py`) and reports its own metrics. Weight sync goes through the
 interfaces it hands out: `trainer.weights()` into `engine.update_weights(...)`. Backends are registered in
-`RUNTIMES` by `runtime.backend` name: `local` (one process) and `ray` (actors; Ray is imported only then).
+`RUNTIMES` by `runtime.backend` name: `local` (`LocalRuntime`, below: one process, the default, no Ray) and `ray`
+(actors; Ray is imported only then).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from molt.config import Config
 from molt.engine.interface import Engine
 from molt.models.transformer import Transformer
 from molt.registry import Registry
+from molt.runtime.factory import build_engine
 from molt.train.interface import Trainer
+from molt.train.trainer import Trainer as LocalTrainer
 
 
 class Runtime(abc.ABC):
@@ -43,10 +46,23 @@ RUNTIMES: Registry = Registry("runtime.backend")
 
 
 @RUNTIMES.register("local")
-def _local(cfg: Config, model: Transformer, threads: int) -> Runtime:
-    from molt.runtime.local import LocalRuntime
+class LocalRuntime(Runtime):
+    """One process: `Trainer(model)` here, and one engine from the factory over a copy of the policy in the
+    compute dtype (the trainer keeps the training copy)."""
 
-    return LocalRuntime(cfg, model, threads)
+    def __init__(self, cfg: Config, model: Transformer, threads: int):
+        self.cfg, self.model, self.threads = cfg, model, threads
+        self.trainer = LocalTrainer(model, cfg)
+        self.engine: Engine | None = None
+
+    def start_engines(self, tokenizer, version: int) -> Engine:
+        """One `runtime.engine` engine over a copy of the policy (`threads`: its compute threads)."""
+        self.engine = build_engine(self.cfg, self.model, tokenizer, version=version, threads=self.threads)
+        return self.engine
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
 
 
 @RUNTIMES.register("ray")

@@ -1,21 +1,55 @@
-"""The one engine factory: a rollout engine of the `runtime.engine` kind, sized by `sizing.engine_kwargs`.
+"""The one engine factory: a rollout engine of the `runtime.engine` kind, sized from the config.
 
 Used wherever an engine is started: the local runtime, each Ray engine replica, `molt eval` and
-`molt serve`. Engine kinds are registered in `ENGINES` by name; adding a rollout engine is one
-builder here plus its class behind `molt.engine.interface.Engine`.
+`molt serve`, so one sizing formula holds for all. Engine kinds are registered in `ENGINES` by name; adding a
+rollout engine is one builder here plus its class behind `molt.engine.interface.Engine`. The built-in engine's
+KV cache is the slot cache (num_slots x max_len positions preallocated; fastest on CPU) or the paged cache
+(blocks sized from a memory budget, so memory follows the tokens in flight); `auto` takes the paged one on CUDA
+for dense text models.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 from molt.config import Config
 from molt.engine.interface import Engine
+from molt.models.config import TransformerConfig
 from molt.models.transformer import Transformer
 from molt.registry import Registry
-from molt.runtime.sizing import engine_kwargs
 from molt.train.precision import resolve_dtype
+
+
+def kv_cache_kind(cfg: Config, model_cfg: TransformerConfig) -> str:
+    """`slot` or `paged`: `runtime.kv_cache`, with `auto` resolved by device and model."""
+    if cfg.runtime.kv_cache != "auto":
+        return cfg.runtime.kv_cache
+    dense_text = not model_cfg.num_moe_layers() and model_cfg.vision is None
+    return "paged" if cfg.runtime.device.startswith("cuda") and dense_text else "slot"
+
+
+def engine_kwargs(
+    cfg: Config, model_cfg: TransformerConfig, *, num_slots: int | None = None, max_len: int | None = None
+) -> dict[str, Any]:
+    """Keyword arguments of `TorchEngine` for this run's engine (not the model, tokenizer or version): twice the
+    episodes in flight in slots of `rollout.max_len` (+1) positions, unless `num_slots` / `max_len` are given."""
+    rt = cfg.runtime
+    slots = num_slots or cfg.rollout.episodes_in_flight * 2
+    max_len = max_len or cfg.rollout.max_len
+    kwargs: dict[str, Any] = dict(num_slots=slots, max_seq_len=max_len + 1, compile=rt.engine_compile)
+    if kv_cache_kind(cfg, model_cfg) == "paged":
+        kwargs["graphs"] = rt.cuda_graphs and rt.device.startswith("cuda")
+        if rt.kv_gb > 0:
+            kwargs["kv_bytes"] = int(rt.kv_gb * 1e9)
+        elif rt.device.startswith("cuda"):
+            kwargs["kv_memory_fraction"] = rt.kv_memory_fraction
+        else:  # the slot cache's positions, in blocks
+            kwargs["kv_blocks"] = -(-slots * (max_len + 1) // 16)
+            kwargs["block_size"] = 16
+    return kwargs
+
 
 ENGINES: Registry[Callable[..., Engine]] = Registry("runtime.engine")  # builders with `torch_engine`'s signature
 

@@ -33,10 +33,9 @@ from molt.config import Config, ConfigError, TrainConfig
 from molt.data.trajectory import Trajectory
 from molt.models import Transformer, save_pretrained
 from molt.train import parallel
-from molt.train.batch import MicroBatch, check_tokens, layout, padded, per_sample
+from molt.train.batch import MicroBatch, check_tokens, layout, padded, per_sample, trajectory_pixels
 from molt.train.compile import compile_model, resolve_compile
 from molt.train.critic import Critic
-from molt.train.images import trajectory_pixels
 from molt.train.logprobs import token_logprobs, token_logprobs_entropy
 from molt.train.lora import LoRA
 from molt.train.memory import checkpoint_layers

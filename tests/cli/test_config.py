@@ -106,3 +106,16 @@ def test_impossible_rl_combination(tmp_path):
     path.write_text('[algo]\nis_level = "geo"\nis_mode = "clip"\n')
     with pytest.raises(ConfigError, match="does not support mode 'clip'"):
         load_config_file(Config, path)
+
+
+def test_a_run_directory_as_model_path_is_its_latest_checkpoint(tmp_path):
+    """`--model.path RUN_DIR` means the run's latest checkpoint for every command (train loads it, eval and serve
+    score or serve it); a plain model folder stays as given."""
+    run = tmp_path / "run"
+    for step in ("step-1", "step-2"):
+        (run / "checkpoints" / step).mkdir(parents=True)
+        (run / "checkpoints" / step / "config.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step-2")
+    assert parse_config(["--model.path", str(run)]).model.path == str(run / "checkpoints" / "step-2")
+    folder = str(run / "checkpoints" / "step-1")
+    assert parse_config(["--model.path", folder]).model.path == folder

@@ -7,7 +7,7 @@ from test_loop import FAST  # noqa: I001 - tests/loop/test_loop.py
 from molt.cli.main import parse_config
 from molt.cli.train import run_train
 from molt.models import PRESETS
-from molt.runtime.sizing import engine_kwargs, kv_cache_kind
+from molt.runtime.factory import engine_kwargs, kv_cache_kind
 
 
 def test_auto_is_slot_on_cpu_and_paged_on_cuda_for_dense_text_models():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_loop import FAST  # noqa: I001 - tests/loop/test_loop.py
 
-import molt.runtime.local
+import molt.runtime.base
 from molt.cli.main import parse_command
 from molt.cli.train import run_train
 from molt.config import ConfigError
@@ -44,7 +44,7 @@ def _no_engine(monkeypatch) -> None:
     def refuse(*args, **kw):
         raise AssertionError("a replay must not build an engine")
 
-    monkeypatch.setattr(molt.runtime.local, "build_engine", refuse)
+    monkeypatch.setattr(molt.runtime.base, "build_engine", refuse)
 
 
 def test_dump_holds_every_trained_sample(dumped):

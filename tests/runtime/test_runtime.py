@@ -9,9 +9,8 @@ from conftest import IdleEngine, small_model  # noqa: I001 - tests/conftest.py
 
 from molt.cli.main import parse_config
 from molt.engine import SamplingParams, TorchEngine
-from molt.runtime.base import RUNTIMES, start_runtime
+from molt.runtime.base import RUNTIMES, LocalRuntime, start_runtime
 from molt.runtime.factory import ENGINES, build_engine
-from molt.runtime.local import LocalRuntime
 from molt.train.trainer import Trainer
 
 

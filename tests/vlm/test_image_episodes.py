@@ -12,7 +12,7 @@ from molt.agents.runner import EpisodeLimits, run_episode
 from molt.config import Config
 from molt.engine import SamplingParams, TorchEngine
 from molt.models.vision import ImageError, pixel_hash, to_pixels
-from molt.train.images import ImageMismatchError
+from molt.train.batch import ImageMismatchError
 from molt.train.trainer import Trainer, token_logprobs
 
 FIRST, SECOND = image((230, 30, 30)), image((30, 30, 230))

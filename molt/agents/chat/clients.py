@@ -52,16 +52,6 @@ def session_client(sdk: str, base_url: str, api_key: str, http_client: Any, **op
     return client
 
 
-def _new_pool(sdk: str, app=None):
-    """The SDK's own httpx client: in-process into `app`, or a keep-alive pool sized for many concurrent
-    loopback sessions."""
-    pool_cls, httpx = sdk_httpx(sdk)
-    if app is not None:
-        return pool_cls(transport=transport_class(httpx)(app), trust_env=False)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=MAX_KEEPALIVE)
-    return pool_cls(limits=limits, trust_env=False)
-
-
 @functools.cache
 def _platform(sdk: str) -> Any:
     """The SDK's platform headers, computed once (the SDK does it per client instance, in a thread)."""
@@ -90,8 +80,13 @@ class ClientPool:
         return client
 
     def _build(self, sdk: str, base_url: str, api_key: str, options: dict[str, Any]) -> Any:
-        if sdk not in self._pools:
-            self._pools[sdk] = _new_pool(sdk, self.app)
+        if sdk not in self._pools:  # the SDK's own httpx client: in-process into `app`, or a keep-alive pool
+            pool_cls, httpx = sdk_httpx(sdk)
+            if self.app is not None:
+                self._pools[sdk] = pool_cls(transport=transport_class(httpx)(self.app), trust_env=False)
+            else:
+                limits = httpx.Limits(max_connections=None, max_keepalive_connections=MAX_KEEPALIVE)
+                self._pools[sdk] = pool_cls(limits=limits, trust_env=False)
         return session_client(sdk, base_url, api_key, self._pools[sdk], **options)
 
     async def close(self) -> None:

@@ -341,10 +341,8 @@ class ChatServer:
             count = functools.partial(first_prompt_ids, self.tokenizer, chat.messages, tools)
             ids = await asyncio.to_thread(count) if chat.size > RENDER_INLINE_BYTES else count()
             return JSONResponse({"input_tokens": len(ids)})
-        except (TemplateError, TypeError, KeyError, ValueError) as e:
-            if isinstance(e, TooDeep):
-                return JSONResponse(wire.error(400, str(e)), 400)
-            return JSONResponse(wire.error(422, f"the chat template cannot render these messages: {e}"), 422)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a template that cannot render it is a 422, the rest as elsewhere
+            if isinstance(e, TemplateError | TypeError | KeyError | ValueError) and not isinstance(e, TooDeep):
+                return JSONResponse(wire.error(422, f"the chat template cannot render these messages: {e}"), 422)
             status, message = self._failure(e, session_id)
             return JSONResponse(wire.error(status, message), status)

@@ -166,7 +166,7 @@ def _blocks(reply: TurnReply) -> list[dict[str, Any]]:
     return blocks + [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in reply.tool_calls]
 
 
-def encode(reply: TurnReply, model: str, request: ChatRequest | None = None) -> dict[str, Any]:
+def encode(reply: TurnReply, model: str, request: ChatRequest) -> dict[str, Any]:
     return {
         "id": new_id("msg_"),
         "type": "message",

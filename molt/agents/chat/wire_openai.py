@@ -188,9 +188,9 @@ def _logprobs(tokens, tops, tokenizer_decode) -> dict[str, Any]:
                         for (i, lp), top in zip(tokens, tops, strict=True)]}  # fmt: skip
 
 
-def _choice_logprobs(choice: TurnReply, request: ChatRequest | None, start: int = 0) -> dict[str, Any] | None:
+def _choice_logprobs(choice: TurnReply, request: ChatRequest, start: int = 0) -> dict[str, Any] | None:
     """The log-probs of `choice`'s tokens from `start` on, if the request asked for them."""
-    if request is None or not request.logprobs:
+    if not request.logprobs:
         return None
     tops = choice.top_logprobs[start:] if choice.top_logprobs else None
     tokens = list(zip(choice.token_ids[start:], choice.logprobs[start:], strict=True))
@@ -204,7 +204,7 @@ def _message_of(choice: TurnReply) -> dict[str, Any]:
     return message
 
 
-def encode(reply: TurnReply, model: str, request: ChatRequest | None = None) -> dict[str, Any]:
+def encode(reply: TurnReply, model: str, request: ChatRequest) -> dict[str, Any]:
     choices = [
         {
             "index": i,
