@@ -18,7 +18,8 @@ class ModelConfig:
     preset: str = "tiny"
     """Built-in architecture with random weights (tiny, small, tiny-moe); used when `path` is empty."""
     path: str = ""
-    """Hugging Face model folder (config.json + *.safetensors) to load instead of a preset."""
+    """Hugging Face model folder (config.json + *.safetensors) to load instead of a preset, or a run directory
+    (its latest checkpoint)."""
     tokenizer: str = ""
     """Tokenizer folder. Default: `path` when loading a folder, else Molt's built-in byte tokenizer."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
