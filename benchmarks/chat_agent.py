@@ -3,25 +3,30 @@
 Baseline: the built-in `single_turn` Env on the `arithmetic` task (`run_episode`: the framework owns the
 LLM loop, no HTTP). Compared: `examples/openai_agent.py` and `examples/anthropic_agent.py` driving the same
 engine through `ChatRunner` (SDK -> loopback chat server -> session capture -> engine), as `molt train
---rollout.agent examples/openai_agent.py` does. Each path runs `--rollouts` episodes with `--in-flight`
-of them concurrent (as the RL loop keeps episodes in flight), at the rollout's settings (temperature 1,
-eos stops). A warm-started arithmetic policy answers in 2-4 tokens, so per-request overhead, not the
-engine, decides the ratio: `--max-tokens` (default 4) bounds every completion alike on all paths.
+--rollout.agent examples/openai_agent.py` does, on the engine's process; and the same agents in `--workers`
+agent worker processes (`--rollout.agent_workers`: SDK, chat server and capture there, the engine reached over a
+socket). Each path runs `--rollouts` episodes with `--in-flight` of them concurrent (as the RL loop keeps
+episodes in flight), at the rollout's settings (temperature 1, eos stops). A warm-started arithmetic policy
+answers in 2-4 tokens, so per-request overhead, not the engine, decides the ratio: `--max-tokens` (default 4)
+bounds every completion alike on all paths. The engine runs `--engine-threads` torch threads on every path (1:
+the tiny model decodes as fast on one as on two, measured, and the other core is left to the agent's work).
 Reported: generated tokens/s per path (best of `--repeats`, paths interleaved), each ChatAgent's ratio to
-the Env, and per path the event loop's CPU per rollout, the cores the process used, and the engine's steps
-and mean decode batch (requests batched as well as the Env's?). Goal: ChatAgent >= 0.7x the Env.
+the Env, and per path the event loop's CPU per rollout, the cores used (this process and the agent workers), the
+share of the time the engine was inside a step, its steps and its mean decode batch (requests batched as well as
+the Env's?). Goal: ChatAgent >= 0.7x the Env.
 
 The SDK floor: what the SDK alone costs. Each example's SDK call (`chat.completions.create`, Anthropic's
 `messages.stream` read to the final message) on a client whose transport answers every request with a
 response recorded once from Molt's server (same bytes in the same chunks; no server, no engine), ms per
-call (best of `--repeats`, sequential). That work runs on the one event loop every rollout shares, under
-the GIL the engine thread's Python also needs, so it bounds any chat server on this machine:
+call (best of `--repeats`, sequential). In process, that work runs on the one event loop every rollout shares,
+under the GIL the engine thread's Python also needs, so it bounds any in-process chat server on this machine:
 - serial: Env ms per rollout / (that + floor), the SDK's work never overlapping the Env's rollout (what
-  the GIL allows: the ChatAgent paths' process uses ~1 core);
+  the GIL allows: the in-process ChatAgent paths' process uses ~1 core);
 - cap: Env ms per rollout / max(that, floor + the Env's own loop CPU per rollout): even with perfect
   overlap, the one event-loop thread does at least that much per rollout;
 - measured: the `env+<sdk> SDK` paths run the Env's rollout plus that SDK call on the canned response
   (a server that costs nothing) at the same concurrency.
+Agent workers are not bound by these: their SDK and server work runs beside the engine, on other cores.
 
 Run: `.venv/bin/python benchmarks/chat_agent.py [--quick]` (writes benchmarks/results/chat_agent.md).
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import platform
 import sys
@@ -43,6 +49,9 @@ from molt.agents.chat.agent import ChatRunner, load_agent_class
 from molt.agents.chat.clients import sdk_httpx, session_client
 from molt.agents.chat.loopback import transport_class
 from molt.agents.runner import EpisodeLimits, run_episode
+from molt.agents.workers import AgentWorkers
+from molt.cli.inputs import worker_kit
+from molt.cli.main import parse_config
 from molt.data.tasks import get_task
 from molt.engine import SamplingParams, TorchEngine
 from molt.models import Transformer, preset
@@ -53,6 +62,16 @@ GROUP = 8  # rollout.n_samples_per_prompt's default
 AGENTS = {"openai": EXAMPLES / "openai_agent.py", "anthropic": EXAMPLES / "anthropic_agent.py"}
 FLOOR_CALLS = 200  # sequential SDK calls per floor measurement
 MODEL = "molt"  # ChatServer's default model_name
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds of this process and of `pids` (Linux /proc: user + system)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
 
 
 async def sdk_call(sdk: str, client, model: str, messages: list) -> None:
@@ -125,8 +144,10 @@ async def rollouts(run_one, rows: list[dict], in_flight: int) -> tuple[int, floa
     return tokens, time.perf_counter() - t0
 
 
-def paths(engine, tok, runner: ChatRunner, sampling: SamplingParams, limits: EpisodeLimits, canned=None) -> dict:
-    """Path name -> `run_one(i, row) -> segments`; with `canned` (SDK -> client), also `env+<sdk> SDK`."""
+def paths(engine, tok, runner: ChatRunner, sampling: SamplingParams, limits: EpisodeLimits, canned=None,
+          workers=None) -> dict:  # fmt: skip
+    """Path name -> `run_one(i, row) -> segments`; with `canned` (SDK -> client), also `env+<sdk> SDK`; with
+    `workers` (SDK -> AgentWorkers), also `<sdk> workers`."""
 
     def sampled(i: int) -> SamplingParams:
         return SamplingParams(**{**sampling.__dict__, "seed": 1000 + i})
@@ -147,21 +168,30 @@ def paths(engine, tok, runner: ChatRunner, sampling: SamplingParams, limits: Epi
 
         return run
 
+    def in_workers(pool: AgentWorkers):
+        async def run(i, row):
+            return await pool.run(row, sampled(i), limits, rollout_id=i)
+
+        return run
+
     runs = {"env": env} | {name: agent(load_agent_class(str(path))) for name, path in AGENTS.items()}
+    runs |= {f"{sdk} workers": in_workers(pool) for sdk, pool in (workers or {}).items()}
     return runs | {f"env+{sdk} SDK": env_and_sdk(sdk, client) for sdk, client in (canned or {}).items()}
 
 
-async def measured(engine, run_one, rows: list[dict], in_flight: int) -> dict[str, float]:
-    """One pass of a path: tokens/s, the event loop's CPU ms per rollout, cores used, engine steps and batch."""
-    stats, cpu, loop_cpu = dict(engine.stats), time.process_time(), time.thread_time()
+async def measured(engine, run_one, rows: list[dict], in_flight: int, pids: list[int]) -> dict[str, float]:
+    """One pass of a path: tokens/s, the event loop's CPU ms per rollout, cores used (this process and the agent
+    workers `pids`), engine steps and batch."""
+    stats, cpu, loop_cpu = dict(engine.stats), cpu_seconds(pids), time.thread_time()
     tokens, seconds = await rollouts(run_one, rows, in_flight)
     work = {k: engine.stats[k] - stats[k] for k in stats}
     return {
         "tps": tokens / seconds,
         "rollout_ms": seconds * 1e3 / len(rows),
         "loop_ms": (time.thread_time() - loop_cpu) * 1e3 / len(rows),
-        "cores": (time.process_time() - cpu) / seconds,
+        "cores": (cpu_seconds(pids) - cpu) / seconds,
         "steps": work["steps"],
+        "busy": work["busy_s"] / seconds,
         "batch": work["decode_tokens"] / max(work["decode_steps"], 1),
     }
 
@@ -171,27 +201,36 @@ async def measure(args) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     tok = build_builtin_tokenizer()
     arch = preset("tiny", vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = Transformer(arch).init_weights(0.02, torch.Generator().manual_seed(0)).eval()
-    engine = TorchEngine(model, tokenizer=tok, num_slots=args.in_flight, max_seq_len=256)
+    engine = TorchEngine(
+        model, tokenizer=tok, num_slots=args.in_flight, max_seq_len=256, num_threads=args.engine_threads or None
+    )
     sampling = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, stop_token_ids=(tok.eos_token_id,))
     limits = EpisodeLimits(max_turns=1, max_len=192)
     runner = ChatRunner(engine, tok)
     prompts = get_task("arithmetic").rows(args.rollouts // GROUP, seed=0)
     rows = [row for row in prompts for _ in range(GROUP)]  # n_samples_per_prompt rollouts of each prompt
+    workers = {}
     try:
         canned = await canned_clients(runner, sampling, rows[0])
-        runs = paths(engine, tok, runner, sampling, limits, canned)
+        for sdk, path in {"env": None, **AGENTS}.items():  # as `molt train --rollout.agent_workers` builds them
+            cfg = parse_config(["--data.task", "arithmetic"] + (["--rollout.agent", str(path)] if path else []))
+            workers[sdk] = await AgentWorkers(functools.partial(worker_kit, cfg, tok), engine, args.workers).start()
+        pids = [w.process.pid for pool in workers.values() for w in pool.workers]
+        runs = paths(engine, tok, runner, sampling, limits, canned, workers)
         best: dict[str, dict[str, float]] = {}
         floors = dict.fromkeys(canned, float("inf"))
         for run_one in runs.values():  # warm-up: engine thread, server, SDK clients
             await rollouts(run_one, rows[: args.in_flight], args.in_flight)
         for _ in range(args.repeats):
             for name, run_one in runs.items():
-                result = await measured(engine, run_one, rows, args.in_flight)
+                result = await measured(engine, run_one, rows, args.in_flight, pids)
                 if result["tps"] > best.get(name, {"tps": 0.0})["tps"]:
                     best[name] = result
             for sdk, client in canned.items():
                 floors[sdk] = min(floors[sdk], await floor_ms(sdk, client, MODEL, rows[0]["messages"]))
     finally:
+        for pool in workers.values():
+            await pool.close()
         await runner.close()
         await engine.close()
     return best, floors
@@ -205,22 +244,28 @@ def report(best: dict[str, dict[str, float]], floors: dict[str, float], args) ->
         f"`benchmarks/chat_agent.py`: `arithmetic` task, `tiny` preset (random weights, fp32, built-in byte "
         f"tokenizer), {args.rollouts} single-turn rollouts per path ({GROUP} per prompt) with {args.in_flight} in "
         f"flight, max_tokens {args.max_tokens}, temperature 1, best of {args.repeats} (paths interleaved). Machine: "
-        f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, engine on {args.engine_threads} "
+        f"torch thread(s), {args.workers} agent workers on the worker paths; "
         f"load average {os.getloadavg()[0]:.1f} at the end (other processes share the CPUs).",
         "",
-        "| path | generated tok/s | / Env | loop CPU ms/rollout | cores used | engine steps | mean decode batch |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| path | generated tok/s | / Env | loop CPU ms/rollout | cores used | engine busy | engine steps "
+        "| mean decode batch |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in best.items():
         if name == "env":
             label = "Env (`single_turn`)"
         elif name in AGENTS:
             label = f"ChatAgent (`examples/{name}_agent.py`)"
+        elif name == "env workers":
+            label = f"Env (`single_turn`) in {args.workers} agent workers (the transport's own cost)"
+        elif name.endswith("workers"):
+            label = f"ChatAgent (`examples/{name.split()[0]}_agent.py`) in {args.workers} agent workers"
         else:
             label = f"Env + the {name.split('+')[1].split()[0]} SDK call on a canned response (no server)"
         lines.append(
             f"| {label} | {r['tps']:.0f} | {r['tps'] / env['tps']:.2f} | {r['loop_ms']:.2f} | {r['cores']:.2f} "
-            f"| {r['steps']} | {r['batch']:.1f} |"
+            f"| {r['busy']:.2f} | {r['steps']} | {r['batch']:.1f} |"
         )
     lines += [
         "",
@@ -228,22 +273,26 @@ def report(best: dict[str, dict[str, float]], floors: dict[str, float], args) ->
         f"sequential, best of {args.repeats} x {FLOOR_CALLS} calls) against the Env's {env['rollout_ms']:.2f} ms "
         f"per rollout ({env['loop_ms']:.2f} ms of it on the event loop):",
         "",
-        "| SDK | floor ms/call | serial bound / Env | cap / Env | measured Env + SDK / Env | ChatAgent / Env |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| SDK | floor ms/call | serial bound / Env | cap / Env | measured Env + SDK / Env | ChatAgent / Env "
+        "| in agent workers / Env |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for sdk, floor in floors.items():
         serial = env["rollout_ms"] / (env["rollout_ms"] + floor)
         cap = env["rollout_ms"] / max(env["rollout_ms"], floor + env["loop_ms"])
         ceiling = best[f"env+{sdk} SDK"]["tps"] / env["tps"]
+        ratio, in_workers = best[sdk]["tps"] / env["tps"], best[f"{sdk} workers"]["tps"] / env["tps"]
         lines.append(
-            f"| {sdk} | {floor:.2f} | {serial:.2f} | {cap:.2f} | {ceiling:.2f} | {best[sdk]['tps'] / env['tps']:.2f} |"
+            f"| {sdk} | {floor:.2f} | {serial:.2f} | {cap:.2f} | {ceiling:.2f} | {ratio:.2f} | {in_workers:.2f} |"
         )
     lines += [
         "",
         "serial: Env ms/rollout / (Env ms/rollout + floor), an estimate: the SDK's Python never overlaps the Env's "
         "rollout (the GIL; a ChatAgent path's process uses ~1 core). cap: Env ms/rollout / max(Env ms/rollout, floor "
         "+ the Env's loop CPU per rollout), a strict bound: one event-loop thread does all that per rollout. measured: "
-        "what a server costing nothing reaches here. Goal: ChatAgent >= 0.7x the Env's rollout throughput.",
+        "what a server costing nothing reaches here (all three bound the in-process paths; agent workers run the SDK "
+        "beside the engine, so only the machine's cores bound them: see cores used). Goal: ChatAgent >= 0.7x the "
+        "Env's rollout throughput.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -254,6 +303,8 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine-threads", type=int, default=1, help="torch threads of the engine (all paths)")
+    parser.add_argument("--workers", type=int, default=2, help="agent worker processes of the `<sdk> workers` paths")
     parser.add_argument("--quick", action="store_true", help="128 rollouts, 1 repeat")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "chat_agent.md"))
     args = parser.parse_args()
@@ -262,7 +313,7 @@ def main() -> None:
     best, floors = asyncio.run(measure(args))
     text = report(best, floors, args)
     print(text)
-    for name in AGENTS:
+    for name in [*AGENTS, *(f"{sdk} workers" for sdk in AGENTS)]:
         print(f"ratio {name}/env = {best[name]['tps'] / best['env']['tps']:.2f}", file=sys.stderr)
     if not args.quick:
         Path(args.out).write_text(text)

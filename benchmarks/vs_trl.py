@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from molt.agents.builtin import env_for_task
+from molt.agents.chat.agent import local_rollout
 from molt.agents.runner import EpisodeLimits
 from molt.cli.main import parse_config
 from molt.cli.train import run_train
@@ -80,10 +81,8 @@ async def _eval(folder: str, rows: list[dict]) -> float:
     sampling = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=(tokenizer.eos_token_id,), seed=0)
     try:
         limits = EpisodeLimits(max_turns=1, max_len=128)
-        make_env = lambda: env_for_task("arithmetic")  # noqa: E731
-        metrics = await evaluate(
-            engine, tokenizer, make_env=make_env, rows=rows, sampling=sampling, limits=limits, n=4, seed=12345
-        )
+        rollout = local_rollout(None, engine, tokenizer, lambda: env_for_task("arithmetic"))
+        metrics = await evaluate(tokenizer, rollout, rows=rows, sampling=sampling, limits=limits, n=4, seed=12345)
     finally:
         await engine.close()
     return metrics["eval/reward_mean"]

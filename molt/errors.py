@@ -1,5 +1,6 @@
-"""The error types every stage may raise (this module imports nothing): user mistakes, and the two kinds of
-rollout error the loop treats specially (a dropped rollout, an error fatal to the run).
+"""The error types every stage may raise (this module imports nothing of Molt): user mistakes, the two kinds of
+rollout error the loop treats specially (a dropped rollout, an error fatal to the run), and a rollout error raised
+in another process (an agent worker), with the words the loop logs for any of them.
 
 A `UserError` is something the user can fix (config, data row, agent or reward file, checkpoint, device, port);
 the CLI prints it as one line naming the file and line or config key (see `molt/cli/main.py`). It is deliberately
@@ -7,6 +8,11 @@ not a `ValueError`: tyro would catch that while building the config from flags a
 """
 
 from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+MOLT_DIR = str(Path(__file__).resolve().parent)
 
 
 class UserError(Exception):
@@ -27,3 +33,40 @@ class RunFatalError(Exception):
     instead of counting a failed rollout."""
 
     fatal_to_run = True
+
+
+class RemoteRolloutError(Exception):
+    """A rollout that failed in an agent worker process: the worker's `describe_error` text, its traceback, and the
+    (type, place) that names this kind of failure."""
+
+    def __init__(self, what: str, traceback_text: str, kind: tuple[str, str]):
+        super().__init__(what)
+        self.traceback_text, self.kind = traceback_text, kind
+
+
+def describe_error(error: BaseException) -> str:
+    """`Type: message` (the type alone when the message is empty), plus where in user code it was raised."""
+    if isinstance(error, RemoteRolloutError):
+        return str(error)
+    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not f.filename.startswith((MOLT_DIR, "<")) and "/asyncio/" not in f.filename
+    ]
+    return text + (f" [{frames[-1].filename}:{frames[-1].lineno}]" if frames else "")
+
+
+def error_kind(error: BaseException) -> tuple[str, str]:
+    """(type name, `file:line` of the innermost frame): one kind of failure, logged with its traceback once."""
+    if isinstance(error, RemoteRolloutError):
+        return error.kind
+    frames = traceback.extract_tb(error.__traceback__)
+    return type(error).__name__, f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def error_traceback(error: BaseException) -> str:
+    """The traceback to log for `error` (the worker's own for a `RemoteRolloutError`)."""
+    if isinstance(error, RemoteRolloutError):
+        return error.traceback_text
+    return "".join(traceback.format_exception(error, chain=False))

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from molt.agents.chat.agent import local_rollout
 from molt.cli.build import build_model, build_tokenizer
-from molt.cli.inputs import load_inputs
+from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.config import Config, ConfigError
 from molt.engine.torch_engine import on_fresh_thread
 from molt.log import RunDir, atomic_write_text
-from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling, run_agent
+from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling
 from molt.runtime.factory import build_engine
 
 
@@ -40,17 +40,20 @@ def _model(cfg: Config, checkpoint: str):
     return tokenizer, build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device).eval()
 
 
-async def _eval_async(cfg: Config, checkpoint: str, rows: list[dict], make_env, threads: int, out: list) -> dict:
+async def _eval_async(cfg: Config, checkpoint: str, rows: list[dict], inputs: RunInputs, threads: int, out: list):
     tokenizer, model = on_fresh_thread(_model, cfg, checkpoint, threads=threads)
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True)
     chat = chat_runner(cfg, engine, tokenizer)
+    workers = await agent_workers(cfg, engine, tokenizer, None)
+    rollout = workers.run if workers else local_rollout(chat, engine, tokenizer, inputs.make_env)
     n = cfg.eval.n_samples
     try:
-        return await evaluate(engine, tokenizer, make_env=make_env, rows=rows, limits=episode_limits(cfg), n=n,
-                              sampling=rollout_sampling(cfg, tokenizer, cfg.eval.temperature), seed=cfg.eval.seed,
-                              run=functools.partial(run_agent, chat), ks=list(range(1, n + 1)),
-                              results=out)  # fmt: skip
+        return await evaluate(tokenizer, rollout, rows=rows, limits=episode_limits(cfg), n=n, seed=cfg.eval.seed,
+                              sampling=rollout_sampling(cfg, tokenizer, cfg.eval.temperature),
+                              ks=list(range(1, n + 1)), results=out)  # fmt: skip
     finally:
+        if workers:
+            await workers.close()
         await chat.close()
         await engine.close()
 
@@ -69,7 +72,7 @@ def run_eval(cfg: Config) -> EvalResult:
     torch.set_num_threads(1)  # as in training: this thread runs asyncio; the engine's thread computes
     run, records = RunDir(cfg.log.run_dir, "eval", cfg, tensorboard=False), []
     try:
-        metrics = asyncio.run(_eval_async(cfg, checkpoint, rows, inputs.make_env, threads, records))
+        metrics = asyncio.run(_eval_async(cfg, checkpoint, rows, inputs, threads, records))
     finally:
         torch.set_num_threads(main_threads)
         if inputs.reward:

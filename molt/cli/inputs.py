@@ -1,4 +1,5 @@
-"""What a run reads before any model is built: data rows, the reward function and the agent factory.
+"""What a run reads before any model is built: data rows, the reward function and the agent factory; and the
+agent worker processes (`rollout.agent_workers`) that build the same agent factory and reward function.
 
 Also the start-up checks of config values that name user code (`rollout.agent`, `rollout.reward`,
 `chat.tool_parser`): `molt.config` sits below the agents and cannot import them, so the commands run
@@ -7,6 +8,7 @@ these checks before anything is built. Each problem is one ConfigError line.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +16,11 @@ from molt.agents.chat.agent import load_agent_class
 from molt.agents.chat.tool_parser import PARSERS
 from molt.agents.reward_env import agent_factory
 from molt.agents.reward_fn import RewardFunction, load_reward
+from molt.agents.workers import AgentWorkers, WorkerKit
 from molt.config import Config, ConfigError, check
 from molt.data.dataset import dataset_rows
+from molt.engine.interface import Engine
+from molt.loop.evaluate import chat_options
 
 
 @dataclass
@@ -52,3 +57,20 @@ def load_inputs(cfg: Config) -> RunInputs:
     train_rows, eval_rows = dataset_rows(cfg.data)
     ro, reward = cfg.rollout, reward_function(cfg)
     return RunInputs(train_rows, eval_rows, reward, agent_factory(ro.agent, reward, cfg.data.task, ro.max_turns))
+
+
+def worker_kit(cfg: Config, tokenizer) -> WorkerKit:
+    """What an agent worker process builds: this run's agent factory and reward function, the main process's
+    tokenizer and the chat server's settings."""
+    reward, ro = reward_function(cfg), cfg.rollout
+    make_env = agent_factory(ro.agent, reward, cfg.data.task, ro.max_turns)
+    return WorkerKit(tokenizer, make_env, chat_options(cfg), close=reward.close if reward else lambda: None)
+
+
+async def agent_workers(cfg: Config, engine: Engine, tokenizer, reward: RewardFunction | None) -> AgentWorkers | None:
+    """The run's `rollout.agent_workers` processes over `engine`, started (None when rollouts run in process);
+    training's per-step reward metrics go to `reward`'s log."""
+    if not cfg.rollout.agent_workers:
+        return None
+    setup = functools.partial(worker_kit, cfg, tokenizer)
+    return await AgentWorkers(setup, engine, cfg.rollout.agent_workers, reward.log if reward else None).start()

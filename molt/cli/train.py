@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from molt.cli.build import build_model, build_tokenizer
-from molt.cli.inputs import RunInputs, load_inputs
+from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.cli.warm_start import wants_warm_start, warm_start
 from molt.config import Config, ConfigError
 from molt.config.run import latest_checkpoint
@@ -106,8 +106,14 @@ async def _start(cfg: Config, run: RunDir, threads: int, inputs: RunInputs) -> t
         raise
     if state is not None:  # the engines copied the checkpoint folder (LoRA: the unmerged base): the trainer wins
         await engine.update_weights(trainer.weights(), trainer.version)
+    try:
+        workers = await agent_workers(cfg, engine, tokenizer, inputs.reward)
+    except BaseException:
+        await runtime.close()
+        raise
     loop = RLLoop(cfg, engine=engine, trainer=trainer, tokenizer=tokenizer, make_env=inputs.make_env,
-                  train_rows=inputs.train_rows, eval_rows=inputs.eval_rows, state=state, run_dir=run.path)  # fmt: skip
+                  train_rows=inputs.train_rows, eval_rows=inputs.eval_rows, state=state, run_dir=run.path,
+                  workers=workers)  # fmt: skip
     return runtime, loop
 
 
@@ -131,7 +137,7 @@ async def _train_async(cfg: Config, run: RunDir, threads: int, inputs: RunInputs
         ckpt = save_checkpoint(run.path, loop.trainer, loop.snapshot(), loop.tokenizer)
     finally:
         progress.close()
-        await loop.chat.close()
+        await loop.close()
         await runtime.close()
         if inputs.reward:
             inputs.reward.close()

@@ -48,6 +48,11 @@ class Config:
             ]:
                 check(not on, key, f"needs a mixture-of-experts model; model.preset {self.model.preset!r} is dense")
         check(
+            not (self.rollout.agent_workers and self.chat.port),
+            "chat.port",
+            "must be 0 with rollout.agent_workers: each worker runs its own chat server on a free port",
+        )
+        check(
             self.rollout.prompts_per_step >= self.runtime.trainer_ranks,
             "runtime.trainer_ranks",
             f"({self.runtime.trainer_ranks}) must be <= rollout.prompts_per_step: each rank trains whole groups",

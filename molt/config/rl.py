@@ -54,6 +54,10 @@ class RolloutConfig:
     (e.g. a 0/1 success; a rollout without one uses its reward)."""
     max_in_flight: int = 0
     """Episodes generating at once; 0 = all the staleness bound lets start ((max_staleness + 1) x batch)."""
+    agent_workers: int = 0
+    """Run rollouts (agent code, its SDK clients, its chat server, reward functions) in this many worker processes;
+    0: on the loop's event loop. Workers take the agent's Python off the engine's process (one GIL): worth it for
+    ChatAgents and CPU-heavy agent code; each costs a Python process (~2-4 s to start, a few hundred MB)."""
     dump: bool = False
     """Write every trained batch to `<run_dir>/rollouts/step-<N>.jsonl` (tokens, loss masks, engine log-probs,
     versions, rewards, MoE routing, image hashes; pixels under `rollouts/images/`), for `--replay`."""
@@ -70,6 +74,7 @@ class RolloutConfig:
         check(self.max_tokens > 0 and self.max_turns > 0, "rollout.max_tokens", "max_tokens and max_turns must be > 0")
         check(0 <= self.max_failure_frac <= 1, "rollout.max_failure_frac", "must be in [0, 1]")
         check(self.max_in_flight >= 0, "rollout.max_in_flight", "must be >= 0")
+        check(self.agent_workers >= 0, "rollout.agent_workers", "must be >= 0")
         check(bool(self.reward) or not self.reward_weights, "rollout.reward_weights", "needs rollout.reward")
         check(self.step_timeout_s > 0, "rollout.step_timeout_s", "must be > 0")
         check(self.max_len > 1, "rollout.max_len", "must be > 1 (prompt tokens + room to generate)")

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from molt import algo
 from molt.config import Config
 from molt.data.trajectory import Trajectory
-from molt.errors import UserError
+from molt.errors import UserError, describe_error, error_kind, error_traceback
 
 log = logging.getLogger("molt.loop")
 
@@ -81,18 +80,6 @@ class AgentFailureRateError(RunStoppedError):
     """More than `rollout.max_failure_frac` of the rollouts failed."""
 
 
-def describe_error(error: BaseException) -> str:
-    """`Type: message` (the type alone when the message is empty), plus where in user code it was raised."""
-    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    molt_dir = str(Path(__file__).resolve().parents[1])
-    frames = [
-        f
-        for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith((molt_dir, "<")) and "/asyncio/" not in f.filename
-    ]
-    return text + (f" [{frames[-1].filename}:{frames[-1].lineno}]" if frames else "")
-
-
 class Accounting:
     """The counts of failed rollouts and dropped groups, and the lines and errors that explain them."""
 
@@ -125,13 +112,12 @@ class Accounting:
         """Append `line` to the failure log, with the traceback the first time this kind of error is seen."""
         if self.failure_log is None:
             return ""
-        frames = traceback.extract_tb(error.__traceback__)
-        kind = (type(error).__name__, f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "")
+        kind = error_kind(error)
         first = kind not in self.failure_kinds
         self.failure_kinds.add(kind)
         self.failure_log.parent.mkdir(parents=True, exist_ok=True)
         with self.failure_log.open("a") as f:
-            f.write(line + "\n" + ("".join(traceback.format_exception(error, chain=False)) + "\n" if first else ""))
+            f.write(line + "\n" + (error_traceback(error) + "\n" if first else ""))
         return f" (traceback in {self.failure_log})" if first else ""
 
     def _check_progress(self, reason: str) -> None:

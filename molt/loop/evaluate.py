@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import math
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatAgent, ChatRunner, last_completion_text
+from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatRunner, last_completion_text
 from molt.agents.reward_fn import EVALUATING
-from molt.agents.runner import EpisodeLimits, run_episode
+from molt.agents.runner import EpisodeLimits
 from molt.config import Config
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Engine, SamplingParams
@@ -37,17 +36,14 @@ def episode_limits(cfg: Config) -> EpisodeLimits:
     return EpisodeLimits(ro.max_turns, ro.max_len, ro.step_timeout_s)
 
 
+def chat_options(cfg: Config) -> dict[str, Any]:
+    """`ChatRunner`'s keyword arguments from the chat settings."""
+    return {"api_key": cfg.chat.api_key} | {k: getattr(cfg.chat, k) for k in CHAT_SERVER_OPTIONS}
+
+
 def chat_runner(cfg: Config, engine: Engine, tokenizer) -> ChatRunner:
     """The ChatAgent runner of a run (its chat server starts on first use)."""
-    return ChatRunner(engine, tokenizer, cfg.chat.api_key, **{k: getattr(cfg.chat, k) for k in CHAT_SERVER_OPTIONS})
-
-
-async def run_agent(chat: ChatRunner | None, engine: Engine, tokenizer, agent, row: dict, sampling: SamplingParams,
-                    limits: EpisodeLimits, **kw) -> list[Trajectory]:  # fmt: skip
-    """One rollout of an Env (one segment) or a ChatAgent (one or more segments, through `chat`)."""
-    if isinstance(agent, ChatAgent):
-        return await chat.run(agent, row, sampling, limits, **kw)
-    return [await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)]
+    return ChatRunner(engine, tokenizer, **chat_options(cfg))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -85,30 +81,27 @@ def _sample_record(tokenizer, traj, error: BaseException | None) -> dict[str, An
 
 
 async def evaluate(
-    engine: Engine,
     tokenizer,
+    rollout: Callable[..., Awaitable[list[Trajectory]]],
     *,
-    make_env: Callable,
     rows: list[dict],
     sampling: SamplingParams,
     limits: EpisodeLimits,
     n: int,
     seed: int,
-    run: Callable[..., Awaitable[list[Trajectory]]] | None = None,
     ks: list[int] | None = None,
     results: list[dict] | None = None,
 ) -> dict[str, float]:
-    """Run `n` episodes per row; a sample is correct when its score is >= 1 (exact answer). `run`: one rollout, with
-    `run_agent`'s arguments after the chat runner (default: Env episodes only); `ks`: the pass@k reported (default 1
-    and n); `results`, if given, receives one record per row."""
+    """Run `n` episodes per row; a sample is correct when its score is >= 1 (exact answer). `rollout(row, sampling,
+    limits, rollout_id=, group_id=)`: one rollout's segments (`local_rollout`, or agent workers); `ks`: the pass@k
+    reported (default 1 and n); `results`, if given, receives one record per row."""
     if not rows:
         return {}
-    run = run or functools.partial(run_agent, None)
 
     async def one(i: int, row: dict, k: int):
         s = dataclasses.replace(sampling, seed=seed + i * n + k)
         try:
-            segments = await run(engine, tokenizer, make_env(), row, s, limits, rollout_id=i * n + k, group_id=i)
+            segments = await rollout(row, s, limits, rollout_id=i * n + k, group_id=i)
             return segments[-1], None  # segments share reward and score
         except Exception as e:  # noqa: BLE001 - an agent failure scores 0 in eval
             return None, e

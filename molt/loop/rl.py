@@ -21,13 +21,16 @@ from typing import Any
 import torch
 
 from molt import algo
+from molt.agents.chat.agent import run_agent
+from molt.agents.runner import EpisodeLimits
+from molt.agents.workers import AgentWorkers
 from molt.config import Config
 from molt.data.trajectory import Trajectory
-from molt.engine.interface import Engine, work_since
+from molt.engine.interface import Engine, SamplingParams, work_since
 from molt.errors import RolloutDrop, RunFatalError
 from molt.loop.accounting import FAILURE_LOG, Accounting, Dropped, Failed, LoopState, RolloutOutcome, Sampled
 from molt.loop.dump import ROLLOUTS, write_shard
-from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling, run_agent
+from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling
 from molt.train.interface import Trainer
 
 log = logging.getLogger("molt.loop")
@@ -49,6 +52,7 @@ class RLLoop(Accounting):
         eval_rows: list[dict],
         state: LoopState | None = None,
         run_dir: str | Path | None = None,
+        workers: AgentWorkers | None = None,
     ):
         run_dir = run_dir or cfg.log.run_dir or cfg.ckpt.resume  # where run.py puts the run (when it is known)
         super().__init__(cfg, state or LoopState(), Path(run_dir) / FAILURE_LOG if run_dir else None)
@@ -72,6 +76,7 @@ class RLLoop(Accounting):
         self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()
         self.engine_stats: dict[str, float] = {}
         self.chat = chat_runner(cfg, engine, tokenizer)  # the server starts on first use
+        self.workers = workers  # rollout.agent_workers processes, started by the command
 
     # ---- rollout ---------------------------------------------------------------------------------
     def _may_start(self) -> bool:
@@ -127,19 +132,18 @@ class RLLoop(Accounting):
             self.running.discard(group_index)
         await self._notify()
 
-    async def _run_agent(self, *args, **kw) -> list[Trajectory]:
-        """One rollout of an Env or a ChatAgent (`run_agent`'s arguments after the chat runner)."""
-        return await run_agent(self.chat, *args, **kw)
+    async def _rollout(self, row: dict, sampling: SamplingParams, limits: EpisodeLimits, **kw) -> list[Trajectory]:
+        """One rollout of a fresh Env or ChatAgent: in an agent worker process if the run has them, else here."""
+        if self.workers is not None:
+            return await self.workers.run(row, sampling, limits, **kw)
+        return await run_agent(self.chat, self.engine, self.tokenizer, self.make_env(), row, sampling, limits, **kw)
 
     async def _episode(self, row: dict, group_index: int, k: int) -> RolloutOutcome:
         rollout_id = group_index * self.group_size + k
         sampling = dataclasses.replace(self.sampling, seed=self.cfg.train.seed * 1_000_003 + rollout_id)
         async with self.in_flight:
             try:
-                segments = await self._run_agent(
-                    self.engine,
-                    self.tokenizer,
-                    self.make_env(),
+                segments = await self._rollout(
                     row,
                     sampling,
                     self.limits,
@@ -275,8 +279,8 @@ class RLLoop(Accounting):
                     len(self.train_rows),
                 )
             return {}
-        return await evaluate(self.engine, self.tokenizer, make_env=self.make_env, rows=rows, sampling=sampling,
-                              limits=self.limits, n=ev.n_samples, seed=ev.seed, run=self._run_agent)  # fmt: skip
+        return await evaluate(self.tokenizer, self._rollout, rows=rows, sampling=sampling, limits=self.limits,
+                              n=ev.n_samples, seed=ev.seed)  # fmt: skip
 
     async def run(self, on_step=lambda m: None) -> list[dict[str, Any]]:
         """Run rollout and train concurrently until the last step; returns per-step metrics."""
@@ -296,6 +300,12 @@ class RLLoop(Accounting):
         for task in done:
             task.result()  # re-raise a failure of either coroutine
         return self.history
+
+    async def close(self) -> None:
+        """Stop the chat server and the agent workers, if they started."""
+        await self.chat.close()
+        if self.workers is not None:
+            await self.workers.close()
 
     def snapshot(self) -> LoopState:
         """Loop state for a checkpoint: buffered groups are kept; in-flight ones restart on resume."""

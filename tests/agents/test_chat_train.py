@@ -42,3 +42,15 @@ def test_tool_chat_agent_improves_held_out_reward(tmp_path):
     before, after = result.eval_before["eval/reward_mean"], result.eval_after["eval/reward_mean"]
     assert after >= before + 0.1, (before, after)
     assert all(m["rollout/failures"] == 0 for m in result.history)
+
+
+def test_a_chat_agent_trains_from_agent_workers(tmp_path):
+    """`--rollout.agent_workers 2`: the openai example runs in two worker processes against the run's engine; its
+    rollouts train, eval runs there too, and the reward function's metrics reach the step logs."""
+    flags = [*FAST, "--data.task", "arithmetic", "--rollout.agent", str(EXAMPLES / "openai_agent.py"),
+             "--rollout.agent_workers", "2", "--rollout.reward", "exact", "--log.run_dir", str(tmp_path)]  # fmt: skip
+    result = run_train(parse_config(flags))
+    last = result.history[-1]
+    assert [m["step"] for m in result.history] == [1, 2]
+    assert last["rollout/failures"] == 0 and last["eval/failures"] == 0 and last["train/num_samples"] >= 4
+    assert "eval/reward/exact" in last and any("reward/exact" in m for m in result.history)

@@ -27,7 +27,7 @@ class StubLoop(RLLoop):
                          train_rows=[{"messages": []}], eval_rows=[])  # fmt: skip
         self.reward, self.score = reward, score
 
-    async def _run_agent(self, engine, tokenizer, agent, row, sampling, limits, **ids):
+    async def _rollout(self, row, sampling, limits, **ids):
         k = ids["rollout_id"] % self.group_size
         if k in self.failing:
             raise ValueError(f"tool backend hiccup on sample {k}")

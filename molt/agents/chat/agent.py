@@ -13,6 +13,7 @@ import functools
 import inspect
 import secrets
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 from molt.agents.chat.clients import ClientPool
 from molt.agents.chat.server import ChatServer
 from molt.agents.env import Env, Messages, Result, load_agent
-from molt.agents.runner import EpisodeLimits, within
+from molt.agents.runner import EpisodeLimits, run_episode, within
 from molt.config import ConfigError
 from molt.data.trajectory import Trajectory
 
@@ -218,3 +219,20 @@ def _stamp(agent: ChatAgent, result: Result, segments: list[Trajectory], truncat
         seg.check()
     segments[-1].truncated |= bool(result.truncated) or truncated
     return segments
+
+
+async def run_agent(chat: ChatRunner | None, engine, tokenizer, agent, row: dict, sampling,
+                    limits: EpisodeLimits, **kw) -> list[Trajectory]:  # fmt: skip
+    """One rollout of an Env (one segment) or a ChatAgent (one or more segments, through `chat`)."""
+    if isinstance(agent, ChatAgent):
+        return await chat.run(agent, row, sampling, limits, **kw)
+    return [await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)]
+
+
+def local_rollout(chat: ChatRunner | None, engine, tokenizer, make_env: Callable[[], Any]):
+    """`rollout(row, sampling, limits, **ids)` on this event loop, a fresh agent from `make_env()` each time."""
+
+    async def rollout(row: dict, sampling, limits: EpisodeLimits, **kw) -> list[Trajectory]:
+        return await run_agent(chat, engine, tokenizer, make_env(), row, sampling, limits, **kw)
+
+    return rollout

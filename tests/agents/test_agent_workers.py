@@ -1,0 +1,83 @@
+"""Agent workers (`rollout.agent_workers`): rollouts in spawned processes against the main process's engine give
+what they give in process; failures, drops and a dying worker reach the loop as they would in process."""
+
+import asyncio
+import dataclasses
+
+import pytest
+from chat_support import SAMPLING, TOK, ScriptedEngine
+from worker_agents import Scripted, broken_kit, kit
+
+from molt.agents.chat import ChatRunner
+from molt.agents.reward_fn import RewardLog
+from molt.agents.runner import EpisodeLimits
+from molt.agents.workers import AgentWorkers, WorkerDrop
+from molt.cli.main import parse_config
+from molt.config import ConfigError
+from molt.errors import RemoteRolloutError, RunFatalError, describe_error
+
+LIMITS = EpisodeLimits(max_turns=2, max_len=512)
+
+
+def _row(do: str) -> dict:
+    return {"messages": [{"role": "user", "content": "12*345="}], "label": "4140", "do": do}
+
+
+def _strip(segments) -> list[dict]:
+    """Each segment's fields (ids, log-probs, versions, masks, reward, ids) and answer."""
+    return [
+        {k: v for k, v in dataclasses.asdict(s).items() if k != "info"} | {"text": s.info["text"]} for s in segments
+    ]
+
+
+def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exits():
+    async def main():
+        engine, log = ScriptedEngine(["4140"]), RewardLog()
+        pool = await AgentWorkers(kit, engine, 2, reward_log=log).start()
+        try:
+            ok = [await pool.run(_row(do), SAMPLING, LIMITS, rollout_id=i, group_id=1) for i, do in
+                  enumerate(["answer", "stream"])]  # fmt: skip
+            failed = await asyncio.gather(*(pool.run(_row(do), SAMPLING, LIMITS) for do in ("fail", "drop", "die")),
+                                          return_exceptions=True)  # fmt: skip
+            before = {w.process.pid for w in pool.workers}  # the dead one has left
+            while len(pool.workers) < 2:  # until its replacement joins
+                await asyncio.wait_for(pool.joined.wait(), 60)
+            after = await asyncio.gather(*(pool.run(_row("answer"), SAMPLING, LIMITS) for _ in range(4)))
+            pids = (before, {w.process.pid for w in pool.workers})
+        finally:
+            await pool.close()
+        runner = ChatRunner(ScriptedEngine(["4140"]), TOK)
+        try:
+            local = [await runner.run(Scripted(), _row(do), SAMPLING, LIMITS, rollout_id=i, group_id=1) for i, do in
+                     enumerate(["answer", "stream"])]  # fmt: skip
+        finally:
+            await runner.close()
+        return ok, failed, after, pids, local, log, engine
+
+    ok, (fail, drop, died), after, pids, local, log, engine = asyncio.run(main())
+    assert [_strip(s) for s in ok] == [_strip(s) for s in local]  # same ids, log-probs, versions, reward, masks
+    assert ok[0][0].reward == 1.0 and ok[1][0].info["text"] == "4140"
+    assert len(engine.prompts) == 2 + 4  # the engine of the main process served every request
+    assert isinstance(fail, RemoteRolloutError)
+    assert describe_error(fail).startswith("ValueError: tool backend down [") and "worker_agents.py" in str(fail)
+    assert "Traceback" in fail.traceback_text and "raise ValueError" in fail.traceback_text
+    assert isinstance(drop, WorkerDrop) and drop.drop_reason == "image_over_context"
+    assert isinstance(died, RemoteRolloutError) and "exited (code 3)" in str(died)
+    assert len(pids[0]) == 1 and len(pids[1]) == 2 and pids[0] < pids[1]  # the dead worker was replaced
+    assert all(s[0].reward == 1.0 for s in after)
+    assert log.drain() == {"reward/exact": 1.0}  # training's reward metrics, from the workers' rollouts
+
+
+def test_agent_workers_need_a_free_chat_port():
+    with pytest.raises((ConfigError, SystemExit)):
+        parse_config(["--rollout.agent_workers", "2", "--chat.port", "8123"])
+    assert parse_config(["--rollout.agent_workers", "2"]).rollout.agent_workers == 2
+
+
+def test_a_worker_that_cannot_start_stops_the_run_with_its_exit_code(capfd):
+    async def main():
+        await AgentWorkers(broken_kit, ScriptedEngine(), 1).start()
+
+    with pytest.raises(RunFatalError, match="exited \\(code 1\\) before it was ready"):
+        asyncio.run(main())
+    assert "ImportError: no module named 'my_tools'" in capfd.readouterr().err  # the worker's own traceback

@@ -1,0 +1,48 @@
+"""The agent the agent-worker tests run in worker processes (imported there by module name): what it does is the
+row's `do`."""
+
+from __future__ import annotations
+
+import os
+
+from openai import AsyncOpenAI
+
+from molt.agents.chat import ChatAgent, Result
+from molt.agents.workers import WorkerKit
+from molt.errors import RolloutDrop
+from molt.models.tokenizer import build_builtin_tokenizer
+
+
+class ImageTooLarge(RolloutDrop):
+    drop_reason = "image_over_context"
+
+
+class Scripted(ChatAgent):
+    """answer / stream: one OpenAI-SDK completion (streamed or not), reward 1 when it equals the label; fail:
+    raises; drop: a dropped rollout; die: the worker process exits."""
+
+    async def run(self, ctx) -> Result:
+        do = ctx.row["do"]
+        if do == "fail":
+            raise ValueError("tool backend down")
+        if do == "drop":
+            raise ImageTooLarge("the image needs 600 tokens of a 512-token budget")
+        if do == "die":
+            os._exit(3)
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        if do == "stream":
+            chunks = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+        else:
+            reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages)
+            text = reply.choices[0].message.content
+        await client.close()
+        return Result(reward=float(text == ctx.label), info={"text": text, "reward/exact": float(text == ctx.label)})
+
+
+def kit() -> WorkerKit:
+    return WorkerKit(build_builtin_tokenizer(), Scripted)
+
+
+def broken_kit() -> WorkerKit:
+    raise ImportError("no module named 'my_tools'")
