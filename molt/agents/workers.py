@@ -25,6 +25,7 @@ import itertools
 import logging
 import os
 import pickle
+import signal
 import socket
 import struct
 import subprocess
@@ -300,9 +301,11 @@ class RemoteEngine(Engine):
 
 def worker_main() -> None:
     """A worker process (`python -c ... FD`): the socket's first message is `setup` and the engine's vision spec;
-    then rollouts, with one torch thread (agents do not compute), until the main process hangs up."""
+    then rollouts, with one torch thread (agents do not compute), until the main process hangs up. Ctrl-C is the
+    main process's to handle: a worker ignores it and exits when the main process closes the socket."""
     import torch
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     sock = socket.socket(fileno=int(sys.argv[1]))
     sock.setblocking(True)

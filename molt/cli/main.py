@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
         COMMANDS[name](cfg)
     except UserError as e:
         fail(f"molt {name}", e)
+    except KeyboardInterrupt:
+        print(f"molt {name}: interrupted (the run directory keeps the checkpoints saved so far)", file=sys.stderr)
+        raise SystemExit(130) from None
     except Exception as e:  # not the user's doing: a bug in Molt, shown in full
         traceback.print_exception(e)
         print(f"molt {name}: internal error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -203,3 +203,12 @@ def test_a_bug_in_molt_prints_its_traceback_and_user_errors_do_with_the_env_var(
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" in err
     assert err.strip().splitlines()[-1] == "molt train: config error: data.path: not there"
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "train", interrupted)  # Ctrl-C: one line, exit code 130, no traceback
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 130 and "Traceback" not in err and err.startswith("molt train: interrupted")
