@@ -44,3 +44,27 @@ def png_bytes(img: Image.Image) -> bytes:
     buffer = io.BytesIO()
     img.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def looking_agent():
+    """A ChatAgent that shows the policy the row's PNG (OpenAI `image_url`) and scores nothing."""
+    import base64
+
+    from molt.agents.chat import ChatAgent, Result
+
+    class Looking(ChatAgent):
+        async def run(self, ctx) -> Result:
+            url = "data:image/png;base64," + base64.b64encode(ctx.row["png"]).decode()
+            content = [{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": url}}]
+            messages = [{"role": "user", "content": content}]
+            await ctx.openai().chat.completions.create(model=ctx.model, messages=messages)
+            return Result(reward=0.0)
+
+    return Looking()
+
+
+def looking_kit():
+    """The agent-worker kit of `looking_agent` over the VLM tokenizer."""
+    from molt.agents.workers import WorkerKit
+
+    return WorkerKit(TOK, looking_agent)
