@@ -1,4 +1,5 @@
-"""`molt train --runtime.backend ray` on the session's local cluster: 2 engine replicas, 2 trainer ranks."""
+"""`molt train --runtime.backend ray` on the session's local cluster: 2 engine replicas, 2 trainer ranks (the
+rollouts of the learning run in 2 agent worker processes, which reach the replicas through the driver's router)."""
 
 import json
 import threading
@@ -19,7 +20,7 @@ def ray_run(ray_cluster, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ray") / "run"
     flags = ["--train.max_steps", "6", "--eval.every", "6", "--eval.num_prompts", "40", "--rollout.max_staleness",
              "0", "--runtime.trainer_ranks", "2", "--train.lr", "2e-4", "--log.run_dir", str(run_dir),
-             "--runtime.collective_timeout_s", "180"]  # fmt: skip
+             "--runtime.collective_timeout_s", "180", "--rollout.agent_workers", "2"]  # fmt: skip
     return run_train(parse_config([*RAY, *flags])), run_dir
 
 
