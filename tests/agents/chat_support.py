@@ -75,3 +75,22 @@ class ServerThread:
 
 def masked_ids(traj) -> list[int]:
     return [t for t, m in zip(traj.tokens, traj.loss_mask, strict=True) if m]
+
+
+def in_process_and_in_a_worker(engine, tokenizer, agent, kit, row: dict, sampling, limits) -> tuple[list, list]:
+    """The segments of one rollout of `agent` in process, then of the same rollout in an agent worker built by
+    `kit`, both on `engine` (closed afterwards)."""
+    from molt.agents.chat import ChatRunner
+    from molt.agents.workers import AgentWorkers
+
+    async def main():
+        runner, pool = ChatRunner(engine, tokenizer), await AgentWorkers(kit, engine, 1).start()
+        try:
+            local = await runner.run(agent, row, sampling, limits, rollout_id=0)
+            return local, await pool.run(row, sampling, limits, rollout_id=0)
+        finally:
+            await pool.close()
+            await runner.close()
+            await engine.close()
+
+    return asyncio.run(main())

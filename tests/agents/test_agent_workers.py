@@ -5,7 +5,7 @@ import asyncio
 import dataclasses
 
 import pytest
-from chat_support import SAMPLING, TOK, ScriptedEngine
+from chat_support import SAMPLING, TOK, ScriptedEngine, in_process_and_in_a_worker
 from conftest import small_model  # noqa: I001 - tests/conftest.py
 from worker_agents import Scripted, broken_kit, kit
 
@@ -90,20 +90,10 @@ def test_a_moe_policys_routing_comes_back_from_a_worker():
 
     sampling = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
 
-    async def main():
-        model = small_model(kind="moe", vocab_size=len(TOK)).eval()
-        engine = TorchEngine(model, tokenizer=TOK, num_slots=4, max_seq_len=256)
-        runner, pool = ChatRunner(engine, TOK), await AgentWorkers(kit, engine, 1).start()
-        try:
-            local = await runner.run(Scripted(), _row("answer"), sampling, LIMITS, rollout_id=0)
-            remote = await pool.run(_row("answer"), sampling, LIMITS, rollout_id=0)
-        finally:
-            await pool.close()
-            await runner.close()
-            await engine.close()
-        return local, remote
-
-    (local,), (remote,) = asyncio.run(main())
+    engine = TorchEngine(
+        small_model(kind="moe", vocab_size=len(TOK)).eval(), tokenizer=TOK, num_slots=4, max_seq_len=256
+    )
+    (local,), (remote,) = in_process_and_in_a_worker(engine, TOK, Scripted(), kit, _row("answer"), sampling, LIMITS)
     assert remote.tokens == local.tokens  # the second run reuses the first's prompt KV: log-probs within fp32 noise
     assert remote.rollout_logprobs == pytest.approx(local.rollout_logprobs, abs=1e-5)
     assert remote.routing is not None and remote.routing.equal(local.routing)

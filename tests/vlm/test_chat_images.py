@@ -13,7 +13,7 @@ from molt.engine import SamplingParams, TorchEngine
 from molt.models.vision import pixel_hash, to_pixels
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "agents"))
-from chat_support import ServerThread  # noqa: E402
+from chat_support import ServerThread, in_process_and_in_a_worker  # noqa: E402
 
 KEY = "k"
 RED, BLUE = png_bytes(image((230, 20, 20))), png_bytes(image((20, 20, 230)))
@@ -75,30 +75,14 @@ def test_anthropic_image_blocks_are_recorded_with_their_pixels(served):
 
 def test_an_image_request_from_an_agent_worker_is_recorded_as_in_process():
     """`rollout.agent_workers`: the image's pixels travel to the main process's engine and back into the segment."""
-    import asyncio
-
     from vlm_support import looking_agent, looking_kit
 
-    from molt.agents.chat import ChatRunner
     from molt.agents.runner import EpisodeLimits
-    from molt.agents.workers import AgentWorkers
 
     row = {"messages": [], "png": RED}
     sampling, limits = SamplingParams(temperature=1.0, max_tokens=4, seed=3), EpisodeLimits(max_turns=1, max_len=256)
-
-    async def main():
-        engine = TorchEngine(small_vlm(), num_slots=4, max_seq_len=256, eos_token_ids=(TOK.eos_token_id,))
-        runner, pool = ChatRunner(engine, TOK), await AgentWorkers(looking_kit, engine, 1).start()
-        try:
-            local = await runner.run(looking_agent(), row, sampling, limits, rollout_id=0)
-            remote = await pool.run(row, sampling, limits, rollout_id=0)
-        finally:
-            await pool.close()
-            await runner.close()
-            await engine.close()
-        return local, remote
-
-    (local,), (remote,) = asyncio.run(main())
+    engine = TorchEngine(small_vlm(), num_slots=4, max_seq_len=256, eos_token_ids=(TOK.eos_token_id,))
+    (local,), (remote,) = in_process_and_in_a_worker(engine, TOK, looking_agent(), looking_kit, row, sampling, limits)
     assert remote.tokens == local.tokens and remote.loss_mask == local.loss_mask
     assert remote.rollout_logprobs == local.rollout_logprobs and remote.versions == local.versions
     assert [(r["start"], r["hash"]) for r in remote.images] == [(r["start"], r["hash"]) for r in local.images]
