@@ -29,7 +29,6 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
 
 
 def atomic_write_text(path: Path, text: str) -> Path:
-    """Write `text` to `path` atomically (`atomic_write`)."""
     return atomic_write(path, lambda tmp: tmp.write_text(text))
 
 

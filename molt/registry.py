@@ -32,7 +32,7 @@ class Registry(Generic[F]):
             owner = getattr(self._fns[name], "__name__", repr(self._fns[name]))
             raise ValueError(f"{self.kind} {name!r} is already registered (by {owner})")
         self._fns[name] = variant
-        self._info[name] = dict(info)
+        self._info[name] = info
         return variant
 
     def get(self, name: str) -> F:

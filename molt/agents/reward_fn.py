@@ -138,8 +138,7 @@ class RewardFunction:
         else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="molt-reward")
-            loop = asyncio.get_running_loop()
-            value = await loop.run_in_executor(self._pool, part.fn, completion, row)
+            value = await asyncio.get_running_loop().run_in_executor(self._pool, part.fn, completion, row)
         return await value if inspect.isawaitable(value) else value
 
     async def score(self, completion: str, row: dict[str, Any]) -> tuple[float, dict[str, float]]:

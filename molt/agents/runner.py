@@ -50,9 +50,8 @@ def observation_ids(tokenizer, history: Messages, observation: Messages, ended_w
     if not full.startswith(base):
         raise TemplateRewriteError("the chat template re-renders earlier turns when a new one is added")
     closing = base[base.rindex(PROBE) + len(PROBE) :]
-    eos = tokenizer.eos_token or ""
-    if ended_with_eos and eos and closing.startswith(eos):
-        closing = closing[len(eos) :]  # the engine already emitted it
+    if ended_with_eos:
+        closing = closing.removeprefix(tokenizer.eos_token or "")  # the engine already emitted it
     return tokenizer(closing + full[len(base) :], add_special_tokens=False)["input_ids"]
 
 
@@ -75,13 +74,6 @@ class ContextBudgetDrop(RolloutDrop, RuntimeError):
     """The prompt alone fills `rollout.max_len`: the rollout is dropped (counted), not failed."""
 
     drop_reason = "prompt_over_context"
-
-
-async def _step(env: Env, action: str, timeout_s: float) -> Result:
-    result = await within(timeout_s, env.step(action), f"{type(env).__name__}.step")  # no extra task per call
-    if not isinstance(result, Result):
-        raise TypeError(f"{type(env).__name__}.step returned {type(result).__name__}, expected molt.agents.Result")
-    return result
 
 
 def first_prompt_ids(tokenizer, messages: Messages, tools=None) -> list[int]:
@@ -129,7 +121,8 @@ async def run_episode(
     The reward is the sum of the steps' rewards. The episode ends on terminated/truncated, after
     `max_turns` actions, or when the context budget `max_len` is used up (then `truncated`).
     """
-    messages = await within(limits.step_timeout_s, env.reset(row), f"{type(env).__name__}.reset")
+    name = type(env).__name__
+    messages = await within(limits.step_timeout_s, env.reset(row), f"{name}.reset")
     tools = row.get("tools")
     traj = Trajectory(**ids)
     prompt = first_prompt_ids(tokenizer, messages, tools)
@@ -149,7 +142,9 @@ async def run_episode(
         completion = await engine.generate(traj.tokens, turn_sampling, **pixels_arg(traj.images))
         record_completion(traj, completion, keep_ids)
         action = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        result = await _step(env, action, limits.step_timeout_s)
+        result = await within(limits.step_timeout_s, env.step(action), f"{name}.step")  # no extra task per call
+        if not isinstance(result, Result):
+            raise TypeError(f"{name}.step returned {type(result).__name__}, expected molt.agents.Result")
         traj.reward += float(result.reward)
         traj.info.update(result.info)
         if result.terminated or result.truncated or result.observation is None or turn + 1 == limits.max_turns:

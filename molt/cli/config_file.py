@@ -7,6 +7,7 @@ is silently converted except int -> float.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import re
@@ -43,13 +44,13 @@ _Yaml12Loader.add_implicit_resolver(
 )
 
 
-def _yaml_lines(node: yaml.Node | None, prefix: str = "", where: dict[str, int] | None = None) -> dict[str, int]:
-    where = {} if where is None else where
+def _yaml_lines(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
+    where = {}
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             key = f"{prefix}{key_node.value}"
             where[key] = key_node.start_mark.line + 1
-            _yaml_lines(value_node, key + ".", where)
+            where |= _yaml_lines(value_node, key + ".")
     return where
 
 
@@ -80,13 +81,10 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     """`value` checked against type `tp` (int accepted for float; lists for tuples)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        for option in args:
-            try:
+        for option in args:  # none fits: the error at the end names the whole union
+            with contextlib.suppress(ConfigError):
                 return coerce(value, option, key)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    if origin is typing.Literal:
+    elif origin is typing.Literal:
         if value not in args:
             raise ConfigError(f"{key}: must be one of {list(args)}, got {value!r}")
         return value

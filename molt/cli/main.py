@@ -20,8 +20,6 @@ import tyro
 from molt.config import Config, ConfigError
 from molt.errors import UserError
 
-TRACEBACK_ENV = "MOLT_TRACEBACK"  # set to 1: user errors also print their traceback
-
 COMMANDS: dict[str, Callable[[Config], object]] = {}
 DEFAULTS: dict[str, dict] = {}
 
@@ -191,7 +189,7 @@ def check_port(host: str, port: int) -> None:
 
 def fail(prog: str, error: UserError) -> NoReturn:
     """Print a user error as one line (its traceback first with MOLT_TRACEBACK=1) and exit with code 2."""
-    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+    if os.environ.get("MOLT_TRACEBACK", "") not in ("", "0"):
         traceback.print_exception(error)
     message = " ".join(str(error).split("\n"))
     print(f"{prog}: {error.kind}: {message}", file=sys.stderr)

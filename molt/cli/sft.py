@@ -41,16 +41,16 @@ def run_sft(cfg: Config) -> SftResult:
     scaler = precision.scaler()
     train_rows, eval_rows = sft_rows(cfg)
     source = cfg.data.path or f"task {cfg.data.task}"
-    ids, masks, pixels = tokenize_rows(tokenizer, train_rows, cfg.data.max_len, source, model.cfg)
-    eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, cfg.data.max_len, source, model.cfg)
     row_len, mb = cfg.data.max_len, cfg.train.micro_batch_tokens
+    ids, masks, pixels = tokenize_rows(tokenizer, train_rows, row_len, source, model.cfg)
+    eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, row_len, source, model.cfg)
     eval_batches = pack(eval_ids, eval_masks, row_len, mb, eval_pixels) if eval_ids else []
     eval_batches = [b.to(cfg.runtime.device) for b in eval_batches]
     run.print(f"model {model.num_params() / 1e6:.2f}M params, {len(ids)} train / {len(eval_ids)} eval samples")
     opt, schedule = build_optimizer(model.parameters(), cfg.train)
     before = evaluate(model, eval_batches) if eval_batches else {}
     sampler = shuffled_batches(len(ids), cfg.train.batch_size, cfg.train.seed)
-    for step in range(cfg.train.max_steps):
+    for step in range(1, cfg.train.max_steps + 1):
         t0 = time.perf_counter()
         picked = next(sampler)
         batches = pack([ids[i] for i in picked], [masks[i] for i in picked], row_len, mb, [pixels[i] for i in picked])
@@ -58,11 +58,11 @@ def run_sft(cfg: Config) -> SftResult:
         metrics = train_step(model, opt, schedule, batches, cfg.train.grad_clip, precision, scaler)
         tokens = sum(b.num_tokens for b in batches)
         dt = time.perf_counter() - t0
-        metrics |= {"step": step + 1, "train/tokens_per_s": tokens / dt, "time/step_s": dt}
+        metrics |= {"step": step, "train/tokens_per_s": tokens / dt, "time/step_s": dt}
         run.log(metrics)
-        if (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.max_steps:
+        if step % cfg.log.every == 0 or step == cfg.train.max_steps:
             run.print(
-                f"step {step + 1}/{cfg.train.max_steps} loss {metrics['train/loss']:.4f} "
+                f"step {step}/{cfg.train.max_steps} loss {metrics['train/loss']:.4f} "
                 f"lr {metrics['train/lr']:.2e} {metrics['train/tokens_per_s']:.0f} tok/s"
             )
     after = evaluate(model, eval_batches) if eval_batches else {}

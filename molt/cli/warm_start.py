@@ -13,24 +13,15 @@ from typing import Any
 
 from molt import cache_root
 from molt.config import Config
+from molt.config.base import changed
 from molt.data.dataset import dataset_rows, has_demonstrations
 
 
-def _model_key(m) -> dict[str, Any]:
-    """The model fields that name a cached warm start (router_fp32 only when off: older caches stay valid)."""
-    fields = dataclasses.asdict(m)
-    if fields.get("router_fp32", False):
-        del fields["router_fp32"]
-    return fields
-
-
-def _data_key(d) -> dict[str, Any]:
-    """The data fields that name a cached warm start (newer fields only when set: older caches stay valid)."""
-    fields, defaults = dataclasses.asdict(d), dataclasses.asdict(type(d)())
-    for key in ("eval_path", "split", "columns", "system_prompt", "shuffle"):
-        if fields[key] == defaults[key]:
-            del fields[key]
-    return fields
+def _key_fields(group: Any, *newer: str) -> dict[str, Any]:
+    """The fields of a config group that name a cached warm start; those added later (`newer`) only when set away
+    from their defaults, so older caches stay valid."""
+    moved = changed(group, *newer)
+    return {k: v for k, v in dataclasses.asdict(group).items() if k not in newer or k in moved}
 
 
 def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
@@ -39,8 +30,8 @@ def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
 
     m = cfg.model
     rows = train_rows if train_rows is not None else dataset_rows(cfg.data)[0]
-    sample = rows[:8]  # the data itself, so a changed task definition is not served stale
-    fields = dict(model=_model_key(m), data=_data_key(cfg.data), seed=cfg.train.seed, sample=sample, version=1)
+    data = _key_fields(cfg.data, "eval_path", "split", "columns", "system_prompt", "shuffle")
+    fields = dict(model=_key_fields(m, "router_fp32"), data=data, seed=cfg.train.seed, sample=rows[:8], version=1)
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     folder = cache_root() / "warmstart" / key
     if not (folder / "checkpoint" / "config.json").exists():

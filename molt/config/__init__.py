@@ -2,8 +2,8 @@
 
 Every field's docstring is its `--help` text (tyro reads them). Groups check their own invariants in
 `__post_init__` and name the offending key: `training.py` (model, data, train), `rl.py` (rollout, algo, critic),
-`run.py` (eval, ckpt, log, runtime, chat), `base.py` (ConfigError, check). `Config` (here) is the root and checks
-combinations across groups. File loading and type checking of TOML/YAML values live in `molt/cli/config_file.py`.
+`run.py` (eval, ckpt, log, runtime, chat), `base.py` (ConfigError, check, changed). `Config` (here) is the root and
+checks combinations across groups. File loading and type checking of TOML/YAML values live in `molt/cli/config_file.py`.
 """
 
 from __future__ import annotations
@@ -67,18 +67,15 @@ class Config:
             "train.micro_batch_tokens",
             f"({self.train.micro_batch_tokens}) must be >= data.max_len ({self.data.max_len}) so every sample fits",
         )
-        fp32 = self.model.dtype == "float32" or (
-            self.model.dtype == "auto" and not self.runtime.device.startswith("cuda")
-        )
+        cuda = self.runtime.device.startswith("cuda")
+        fp32 = self.model.dtype == "float32" or (self.model.dtype == "auto" and not cuda)
         check(
             self.train.precision == "mixed" or not fp32,
             "train.precision",
             "pure has no effect here: the compute dtype (model.dtype; auto = float32 off CUDA) is float32, so the "
             "parameters are fp32 either way; set --model.dtype bfloat16 for bf16 parameters",
         )
-        compiles = self.train.compile == "on" or (
-            self.train.compile == "auto" and self.runtime.device.startswith("cuda")
-        )
+        compiles = self.train.compile == "on" or (self.train.compile == "auto" and cuda)
         check(
             compiles or self.train.compile_backend == "inductor",
             "train.compile_backend",

@@ -1,4 +1,4 @@
-"""The configuration's error (`ConfigError`, naming the offending key) and `check`, which every group raises it by."""
+"""The configuration's error (`ConfigError`, naming the offending key) and the two helpers every group checks by."""
 
 from __future__ import annotations
 
@@ -15,3 +15,9 @@ def check(ok: bool, key: str, message: str) -> None:
     """Raise ConfigError naming `key` unless `ok`."""
     if not ok:
         raise ConfigError(f"{key}: {message}")
+
+
+def changed(group: object, *keys: str) -> list[str]:
+    """The fields among `keys` of config dataclass `group` set away from their declared defaults."""
+    fields = type(group).__dataclass_fields__
+    return [k for k in keys if getattr(group, k) != fields[k].default]

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from molt.config.base import ConfigError, check
+from molt.config.base import ConfigError, changed, check
 
 
 @dataclass
@@ -198,36 +198,29 @@ class AlgoConfig:
     def inert_settings(self) -> list[tuple[str, str]]:
         """(field, why) for each field set away from its default where it cannot change training (no silent no-ops;
         tests/train/test_no_silent_noops.py checks every other change moves the loss or the update)."""
-        defaults, out = AlgoConfig.__dataclass_fields__, []
+        out: list[tuple[str, str]] = []
 
-        def changed(*keys: str) -> list[str]:
-            return [k for k in keys if getattr(self, k) != defaults[k].default]
+        def inert(reason: str, *keys: str) -> None:
+            out.extend((k, reason) for k in changed(self, *keys))
 
         one_step = (
             "molt train takes one optimizer step per batch against the proximal policy = the current weights, so "
             "the ratio is exactly 1: the PPO clip never binds and every surrogate has the same gradient (stale "
             "tokens are corrected by --algo.is_level/is_mode/is_low/is_high)"
         )
-        out += [(k, one_step) for k in changed("policy_loss", "clip_low", "clip_high", "dual_clip")]
+        inert(one_step, "policy_loss", "clip_low", "clip_high", "dual_clip")
         if self.is_level == "none":
-            out += [
-                (k, "--algo.is_level none turns the IS correction off") for k in changed("is_mode", "is_low", "is_high")
-            ]
+            inert("--algo.is_level none turns the IS correction off", "is_mode", "is_low", "is_high")
         elif self.is_mode == "trunc":
-            out += [
-                (k, "is_low bounds mask and clip; --algo.is_mode trunc only caps at is_high") for k in changed("is_low")
-            ]
+            inert("is_low bounds mask and clip; --algo.is_mode trunc only caps at is_high", "is_low")
         if not self.kl_coef:
-            out += [(k, "the KL loss is off (--algo.kl_coef 0)") for k in changed("kl_estimator", "kl_target")]
+            inert("the KL loss is off (--algo.kl_coef 0)", "kl_estimator", "kl_target")
         if not self.kl_target:
-            out += [(k, "the KL coefficient is fixed (--algo.kl_target 0)") for k in changed("kl_horizon")]
+            inert("the KL coefficient is fixed (--algo.kl_target 0)", "kl_horizon")
         if not self.teacher:
-            out += [(k, "there is no teacher (--algo.teacher)") for k in changed("teacher_coef")]
+            inert("there is no teacher (--algo.teacher)", "teacher_coef")
         if not self.overlong_buffer:
-            out += [
-                (k, "the overlong penalty is off (--algo.overlong_buffer 0)")
-                for k in changed("overlong_max_len", "overlong_coef")
-            ]
+            inert("the overlong penalty is off (--algo.overlong_buffer 0)", "overlong_max_len", "overlong_coef")
         from molt import algo
 
         if algo.AGGREGATIONS.info(self.loss_agg).get("needs_norm_len"):
@@ -268,7 +261,7 @@ class CriticConfig:
         check(self.lr >= 0 and self.clip >= 0, "critic.lr", "critic.lr and critic.clip must be >= 0")
         check(self.updates >= 1, "critic.updates", "must be >= 1")
         check(
-            self.updates > 1 or self.clip == CriticConfig.__dataclass_fields__["clip"].default,
+            self.updates > 1 or not changed(self, "clip"),
             "critic.clip",
             "has no effect here: with one critic update per batch V = V_old, so the clip never binds; "
             "add --critic.updates 2 or more",

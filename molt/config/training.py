@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from molt.config.base import ConfigError, check
+from molt.config.base import ConfigError, changed, check
 from molt.errors import UserError
 
 
@@ -60,7 +60,7 @@ def check_model_folder(path: str, key: str) -> str:
         return path
     pointer = folder / "checkpoints" / "latest"
     check(
-        pointer.exists() or (folder / "checkpoints").is_dir(),
+        pointer.parent.is_dir(),
         key,
         f"{path!r} is not a model folder (no config.json) nor a run directory with checkpoints",
     )
@@ -177,10 +177,8 @@ class TrainConfig:
         check(self.lora_rank >= 0 and self.lora_alpha > 0, "train.lora_rank", "lora_rank >= 0, lora_alpha > 0")
         unknown = set(self.lora_targets) - {"q", "k", "v", "o", "gate", "up", "down"}
         check(bool(self.lora_targets) and not unknown, "train.lora_targets", "choose from q,k,v,o,gate,up,down")
-        defaults = TrainConfig.__dataclass_fields__
-        for key in ("lora_alpha", "lora_targets"):
-            off = self.lora_rank == 0 and getattr(self, key) != defaults[key].default
-            check(not off, f"train.{key}", "has no effect here: LoRA is off (--train.lora_rank 0)")
+        for key in changed(self, "lora_alpha", "lora_targets"):
+            check(self.lora_rank > 0, f"train.{key}", "has no effect here: LoRA is off (--train.lora_rank 0)")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
         check(self.max_steps > 0, "train.max_steps", "must be > 0")
         check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")

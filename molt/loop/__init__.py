@@ -1,1 +1,1 @@
-"""The asynchronous RL loop, its evaluation and checkpoints, and the `molt train` command."""
+"""The asynchronous RL loop, its accounting, evaluation, checkpoints and rollout dumps (`molt train` is in molt/cli)."""

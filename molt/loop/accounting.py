@@ -98,8 +98,8 @@ class Accounting:
         what = describe_error(error)
         fate = "its group is dropped: the estimator needs complete groups" if self.complete_groups else (
             "the rest of its group still trains")  # fmt: skip
-        logged = self._log_failure(error, f"rollout {rollout_id} (group {group_index}) failed: {what}")
-        log.warning("rollout %d (group %d) failed: %s; %s%s", rollout_id, group_index, what, fate, logged)
+        line = f"rollout {rollout_id} (group {group_index}) failed: {what}"
+        log.warning("%s; %s%s", line, fate, self._log_failure(error, line))
         ro = self.cfg.rollout
         if self.state.rollouts >= 20 and self.state.failures / self.state.rollouts > ro.max_failure_frac:
             where = f"; tracebacks: {self.failure_log}" if self.failure_log else ""
@@ -148,9 +148,3 @@ class Accounting:
         ]
         total, self.group_drops = sum(self.group_drops.values()), collections.Counter()
         return f"{total} group{'s' * (total != 1)} dropped: " + ", ".join(parts)
-
-    def _say_drops(self) -> None:
-        """On logged steps: how many groups were dropped since the last such line, and why."""
-        logged = self.state.step % self.cfg.log.every == 0 or self.state.step == self.cfg.train.max_steps
-        if logged and (line := self.drop_line()):
-            log.warning("step %d: %s", self.state.step, line)

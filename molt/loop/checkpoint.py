@@ -81,8 +81,7 @@ def load_training_state(folder: Path, trainer: Trainer) -> LoopState:
         written = "runtime.backend ray" if state.get("sharded") else "runtime.backend local"
         raise ValueError(f"ckpt.resume: {folder} was written by {written}; resume it with the same backend")
     trainer.load(folder, state)  # sharded: any number of ranks, the shards are re-split on load
-    trainer.version = state["version"]
-    trainer.num_skipped_steps = state["num_skipped_steps"]
+    trainer.version, trainer.num_skipped_steps = state["version"], state["num_skipped_steps"]
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     loop = LoopState(**state["loop"])

@@ -84,12 +84,8 @@ def rollouts_folder(path: str | os.PathLike) -> Path:
 
 def shard_steps(folder: Path) -> list[int]:
     """The steps that have a shard in `folder`, ascending."""
-    steps = []
-    for path in folder.glob("step-*.jsonl"):
-        digits = path.stem.removeprefix("step-")
-        if digits.isdigit():
-            steps.append(int(digits))
-    return sorted(steps)
+    digits = (path.stem.removeprefix("step-") for path in folder.glob("step-*.jsonl"))
+    return sorted(int(d) for d in digits if d.isdigit())
 
 
 def read_shard(path: Path, *, step: int, vocab_size: int, trainer_version: int, max_staleness: int) -> list[Trajectory]:
@@ -194,9 +190,8 @@ def _check_tokens(traj: Trajectory, where: str, vocab_size: int) -> None:
     """Ids inside the policy's vocabulary; mask 1 exactly on the recorded actions, whose ids hash as recorded."""
     bad = next((i for i, t in enumerate(traj.tokens) if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise _fail(
-            where, "tokens", f"id {traj.tokens[bad]} at position {bad} is outside the vocabulary (0..{vocab_size - 1})"
-        )
+        vocab = f"the vocabulary (0..{vocab_size - 1})"
+        raise _fail(where, "tokens", f"id {traj.tokens[bad]} at position {bad} is outside {vocab}")
     covered = 0
     for start, end, digest, _ in traj.actions:
         if not 0 <= start <= end <= len(traj.tokens) or hash(tuple(traj.tokens[start:end])) != digest:
@@ -216,20 +211,14 @@ def _check_versions(record: dict, traj: Trajectory, where: str, step: int, train
     if record["step"] != step:
         raise _fail(where, "step", f"{record['step']} in the shard of step {step}")
     if record["version"] != trainer:
-        raise _fail(
-            where,
-            "version",
-            f"step {step} trained at version {record['version']}, the replaying trainer is at version {trainer}",
-        )
+        replaying = f"the replaying trainer is at version {trainer}"
+        raise _fail(where, "version", f"step {step} trained at version {record['version']}, {replaying}")
     sampled = [v for v, m in zip(traj.versions, traj.loss_mask, strict=True) if m]
     if any(v < 0 for v in sampled):
         raise _fail(where, "versions", f"a sampled token has version {min(sampled)} (< 0)")
     if sampled and max(sampled) > trainer:
-        raise _fail(
-            where,
-            "versions",
-            f"a token sampled at version {max(sampled)} is newer than the trainer (version {trainer} at step {step})",
-        )
+        newer = f"is newer than the trainer (version {trainer} at step {step})"
+        raise _fail(where, "versions", f"a token sampled at version {max(sampled)} {newer}")
     if sampled and trainer - min(sampled) > max_staleness:
         allowed = f"rollout.max_staleness={max_staleness} allows at version {trainer}"
         raise _fail(where, "versions", f"a token sampled at version {min(sampled)} is older than {allowed}")

@@ -73,11 +73,8 @@ def _sample_record(tokenizer, traj, error: BaseException | None) -> dict[str, An
         return {"text": None, "reward": 0.0, "score": 0.0, "correct": False, "error": failed}
     named = {k[len("reward/") :]: v for k, v in traj.info.items() if k.startswith("reward/")}
     record = {"text": last_completion_text(tokenizer, traj), "reward": traj.reward, "score": traj.score}
-    return (
-        record
-        | {"correct": traj.score >= 1.0, "turns": traj.num_turns, "truncated": traj.truncated}
-        | ({"rewards": named} if named else {})
-    )
+    record |= {"correct": traj.score >= 1.0, "turns": traj.num_turns, "truncated": traj.truncated}
+    return record | ({"rewards": named} if named else {})
 
 
 async def evaluate(

@@ -81,11 +81,9 @@ class ReplayLoop(RLLoop):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def sync(self) -> None:
-        """Nothing to sync: no engine."""
         self.sync_s = 0.0
 
     async def evaluate(self) -> dict[str, float]:
-        """No eval without an engine."""
         return {}
 
     def _engine_snapshot(self) -> dict[str, float]:
@@ -94,7 +92,7 @@ class ReplayLoop(RLLoop):
     async def run(self, on_step=lambda m: None) -> list[dict[str, Any]]:
         """Train on the dumped batches until `train.max_steps`; returns per-step metrics."""
         self.state.buffer = []  # a resumed live run's buffered groups: the dump has what trained instead
-        self.sync_s, self.run_t0 = 0.0, time.perf_counter()
+        self.run_t0 = time.perf_counter()
         try:
             await self.train(on_step)
         finally:

@@ -34,7 +34,6 @@ from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sa
 from molt.train.interface import Trainer
 
 log = logging.getLogger("molt.loop")
-Group = list[Trajectory]
 
 
 class RLLoop(Accounting):
@@ -62,7 +61,7 @@ class RLLoop(Accounting):
         self.group_size, self.groups_per_step = ro.n_samples_per_prompt, ro.prompts_per_step
         self.limits = episode_limits(cfg)
         self.sampling = rollout_sampling(cfg, tokenizer, ro.temperature)
-        self.buffer: asyncio.Queue[Group] = asyncio.Queue()
+        self.buffer: asyncio.Queue[list[Trajectory]] = asyncio.Queue()
         self.in_flight = asyncio.Semaphore(ro.episodes_in_flight)
         self.version_changed = asyncio.Condition()
         # groups assigned to steps >= state.step: started and not dropped (in flight, buffered, or taken)
@@ -91,7 +90,6 @@ class RLLoop(Accounting):
 
     async def rollout(self) -> None:
         """Keep prompt groups in flight; put complete, unfiltered groups in the buffer."""
-        tasks = self.group_tasks
         while True:
             async with self.version_changed:
                 await self.version_changed.wait_for(self._may_start)
@@ -104,8 +102,8 @@ class RLLoop(Accounting):
             self.scheduled += 1
             self.running.add(group_index)
             task = asyncio.create_task(self._group(group_index))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            self.group_tasks.add(task)
+            task.add_done_callback(self.group_tasks.discard)
 
     async def _group(self, group_index: int) -> None:
         row = self.train_rows[group_index % len(self.train_rows)]
@@ -163,7 +161,7 @@ class RLLoop(Accounting):
         self.rollout_tokens += sum(s.num_action_tokens for s in segments)
         return Sampled(segments)
 
-    def _keep(self, group: Group) -> bool:
+    def _keep(self, group: list[Trajectory]) -> bool:
         """Whether no group filter drops `group`; filters read `reward`, or `score` with rollout.filter_on score."""
         on_score = self.cfg.rollout.filter_on == "score"
         signal = [t.score if on_score and t.score is not None else t.reward for t in group]
@@ -173,9 +171,9 @@ class RLLoop(Accounting):
         if bool(keep.all()):
             self.filtered_in_a_row = 0
             return True
-        reason = next((k[len("filter_") : -len("_frac")] for k, v in metrics.items() if float(v) > 0), "filter")
-        self._drop(f"filter_{reason}", len(group))
-        self._check_progress(f"filter_{reason}")
+        reason = next((k.removesuffix("_frac") for k, v in metrics.items() if float(v) > 0), "filter_filter")
+        self._drop(reason, len(group))  # `filter_<name>`: `algo.filter_groups` names its metrics `filter_<name>_frac`
+        self._check_progress(reason)
         return False
 
     def _drop(self, reason: str, num_samples: int) -> None:
@@ -191,8 +189,7 @@ class RLLoop(Accounting):
         num_groups = 0
         while num_groups < self.groups_per_step:
             group = await self.buffer.get()
-            oldest = min(t.min_version() for t in group)
-            if self.trainer.version - oldest > self.cfg.rollout.max_staleness:
+            if self.trainer.version - min(t.min_version() for t in group) > self.cfg.rollout.max_staleness:
                 self._drop("stale", len(group))
                 await self._notify()
                 continue
@@ -226,7 +223,8 @@ class RLLoop(Accounting):
             metrics["rollout/dropped_groups"] = sum(self.group_drops.values())
             self.history.append(metrics)
             on_step(metrics)
-            self._say_drops()
+            if self._due(self.cfg.log.every) and (line := self.drop_line()):  # since the last such line, and why
+                log.warning("step %d: %s", self.state.step, line)
 
     async def _compute(self, fn, *args):
         """Model compute off the event loop, where the engine wants it (`Engine.run_on_engine_thread`)."""
@@ -287,7 +285,7 @@ class RLLoop(Accounting):
         for group in self.state.buffer:
             await self.buffer.put([Trajectory.from_dict(t) for t in group])
         self.state.buffer = []
-        self.sync_s, self.run_t0 = 0.0, time.perf_counter()
+        self.run_t0 = time.perf_counter()
         self.engine_stats = self._engine_snapshot()  # the eval before does not count
         producer = asyncio.create_task(self.rollout(), name="rollout")
         trainer = asyncio.create_task(self.train(on_step), name="train")

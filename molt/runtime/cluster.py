@@ -31,11 +31,9 @@ def connect(rt: RuntimeConfig) -> bool:
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     env = {"env_vars": {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
-    if rt.address:
-        ray.init(address=rt.address, runtime_env=env, log_to_driver=True)
-    else:
-        num_cpus = rt.num_cpus or int((rt.engines + rt.trainer_ranks) * max(rt.cpus_per_actor, 1) + 1)
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+    num_cpus = rt.num_cpus or int((rt.engines + rt.trainer_ranks) * max(rt.cpus_per_actor, 1) + 1)
+    local = {} if rt.address else {"num_cpus": num_cpus, "include_dashboard": False}
+    ray.init(address=rt.address or "local", runtime_env=env, log_to_driver=True, **local)
     return True
 
 

@@ -151,11 +151,10 @@ class RayTrainer:
     """The loop's trainer, fanned out over `trainer_ranks` actors."""
 
     def __init__(self, cfg: Config, ranks: list):
-        self.cfg, self.ranks, self.version = cfg, ranks, 0
-        self.num_skipped_steps = 0
+        self.cfg, self.ranks, self.version, self.num_skipped_steps = cfg, ranks, 0, 0
+        self.last_weights: ChunkedWeights | None = None
         address, port = get(ranks[0].address.remote(), "trainer rank 0")
         get([r.setup.remote(address, port) for r in ranks], "trainer setup")
-        self.last_weights: ChunkedWeights | None = None
 
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
         shards = parallel.split_by_tokens(trajs, len(self.ranks))

@@ -142,7 +142,6 @@ class Critic:
         return algo.aggregate("token-mean", loss_bt, mask_bt, denoms), float(metrics.get("value_clip_frac", 0.0))
 
     def state_dict(self) -> dict:
-        """Weights, optimizer and schedule: everything a resumed run needs to continue exactly."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(),

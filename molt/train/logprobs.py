@@ -118,12 +118,10 @@ def packed_hidden(
 def laid_out_rows(values: torch.Tensor, at_n: torch.Tensor, packed: PackedBatch, trained_only: bool) -> torch.Tensor:
     """Per-row outputs of `packed_hidden`'s rows as [R, W] (with forks: the flat [R * W + E] vector, forks last);
     with `trained_only` the positions not computed hold 0."""
-    num_forks = 0 if packed.forks is None else packed.forks.shape[0]
-    num_pos = values.shape[0] - num_forks
-    pos, forks = values[:num_pos], values[num_pos:]
+    pos, forks = values[: len(at_n)], values[len(at_n) :]  # one row per computed position, then the forks'
     if trained_only:
         pos = pos.new_zeros(packed.targets.numel()).index_put((at_n,), pos)
-    return pos.view(packed.targets.shape) if not num_forks else torch.cat([pos, forks])
+    return pos.view(packed.targets.shape) if packed.forks is None else torch.cat([pos, forks])
 
 
 def trained_columns(packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:

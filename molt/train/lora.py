@@ -121,14 +121,12 @@ class LoRA(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def peft_state(self) -> dict[str, torch.Tensor]:
-        """Adapters under PEFT's names for an HF causal LM (`base_model.model.model.<name>.lora_A.weight`)."""
-        out = {}
-        for name in self.linears:
-            adapter = self.adapters[_key(name)]
-            prefix = f"base_model.model.model.{name}"
-            out[f"{prefix}.lora_A.weight"] = adapter.lora_A.detach().float().contiguous().cpu()
-            out[f"{prefix}.lora_B.weight"] = adapter.lora_B.detach().float().contiguous().cpu()
-        return out
+        """Adapters under PEFT's names for an HF causal LM (`base_model.model.model.<name>.lora_A.weight`), fp32."""
+        return {
+            f"base_model.model.model.{name}.{ab}.weight": weight.detach().float().contiguous().cpu()
+            for name in self.linears
+            for ab, weight in self.adapters[_key(name)].named_parameters()  # lora_A, lora_B
+        }
 
     def save_peft(self, folder: str | Path, base_model: str = "") -> None:
         """Write `adapter_config.json` + `adapter_model.safetensors` that `peft.PeftModel.from_pretrained` loads."""

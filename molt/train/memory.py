@@ -37,7 +37,6 @@ def wrap_dense_layers(model: torch.nn.Module, wrap: Callable[[Callable], Callabl
 
 
 def _checkpointed(forward, *args, **kwargs):
-    """`forward(*args, **kwargs)` recomputed in backward when gradients are on; plain otherwise."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -70,11 +70,10 @@ def first_fit_rows(lengths: list[int], row_len: int) -> list[list[int]]:
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         if lengths[i] > row_len:
             raise ValueError(f"sample {i} has {lengths[i]} tokens, more than the row length {row_len}")
-        slot = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
-        if slot is None:
+        slot = next((r for r, room in enumerate(free) if room >= lengths[i]), len(rows))
+        if slot == len(rows):
             rows.append([])
             free.append(row_len)
-            slot = len(rows) - 1
         rows[slot].append(i)
         free[slot] -= lengths[i]
     return rows

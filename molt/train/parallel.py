@@ -35,9 +35,8 @@ def parallelize(model: torch.nn.Module, compute_dtype: torch.dtype | None = None
 
     `compute_dtype` (mixed precision): parameters are all-gathered and computed in it while the shards,
     gradient reduction and optimizer stay in the parameters' own dtype (FSDP2's `MixedPrecisionPolicy`)."""
-    policy = MixedPrecisionPolicy()
-    if compute_dtype is not None:
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    reduce_dtype = torch.float32 if compute_dtype is not None else None  # None, None: FSDP2's default policy
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     for layer in getattr(model, "body", model).layers:  # the critic's `ValueModel` wraps a Transformer body
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)

@@ -51,9 +51,7 @@ class Precision:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Context for forward passes: autocast to the compute dtype when parameters are wider."""
-        if not self.mixed:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.compute)
+        return torch.autocast(self.device_type, dtype=self.compute) if self.mixed else contextlib.nullcontext()
 
     def unsharded(self) -> Precision:
         """The same precision with autocast off (FSDP2's mixed-precision policy casts the parameters instead)."""
@@ -61,9 +59,7 @@ class Precision:
 
     def scaler(self) -> torch.amp.GradScaler | None:
         """A dynamic loss scaler for float16 compute with wider parameters (bf16 needs none)."""
-        if self.compute == torch.float16 and self.mixed:
-            return torch.amp.GradScaler(self.device_type)
-        return None
+        return torch.amp.GradScaler(self.device_type) if self.compute == torch.float16 and self.mixed else None
 
 
 def clip_and_step(

@@ -20,9 +20,7 @@ from molt.train.packing import PackedBatch, collate_routing
 
 def forward_routing(packed: PackedBatch, replay: bool) -> Routing:
     """The Routing object for one packed forward: replays `packed.routing` when asked, records always."""
-    recorded = packed.routing
-    replay_nlk = recorded.flatten(0, 1) if replay and recorded is not None else None
-    return Routing(replay_nlk=replay_nlk)
+    return Routing(replay_nlk=packed.routing.flatten(0, 1) if replay and packed.routing is not None else None)
 
 
 def routing_stats(routing: Routing, packed: PackedBatch, sums: dict) -> torch.Tensor:

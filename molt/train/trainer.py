@@ -53,17 +53,7 @@ from molt.train.routing import (
 from molt.train.teacher import load_teacher, teacher_logprobs
 
 
-def check_rl_settings(cfg: Config) -> None:
-    """Settings of the shared config tree that an RL step cannot use: a ConfigError saying why (no silent no-ops)."""
-    if cfg.train.batch_size != TrainConfig.__dataclass_fields__["batch_size"].default:
-        raise ConfigError(
-            "train.batch_size: has no effect here: it is molt sft's batch; an RL step trains "
-            "rollout.prompts_per_step x rollout.n_samples_per_prompt samples"
-        )
-
-
 def _add(sums: dict[str, float], **values: torch.Tensor) -> None:
-    """Accumulate each value's sum into `sums[name]` (a float)."""
     for name, value in values.items():
         sums[name] = sums.get(name, 0.0) + float(value.sum())
 
@@ -74,7 +64,11 @@ class Trainer:
     def __init__(self, model: Transformer, cfg: Config, fsdp: bool = False):
         """`fsdp` (a `TrainerRank`, in its process group): every model it builds is sharded like the policy (FSDP2,
         `parallel.parallelize`) before the optimizers are built."""
-        check_rl_settings(cfg)
+        if cfg.train.batch_size != TrainConfig.__dataclass_fields__["batch_size"].default:  # no silent no-ops
+            raise ConfigError(
+                "train.batch_size: has no effect here: it is molt sft's batch; an RL step trains "
+                "rollout.prompts_per_step x rollout.n_samples_per_prompt samples"
+            )
         self.precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
         self.model, self.cfg = model.to(self.precision.params), cfg
         if cfg.train.activation_checkpointing:
@@ -167,7 +161,7 @@ class Trainer:
         row_len = max(self.cfg.rollout.max_len, max(map(len, ids)))
         images = trajectory_pixels(trajs, self.model.cfg)
         groups = [t.group_id for t in trajs] if self.cfg.train.share_prefix else None
-        packs = pack(ids, masks, row_len, self.cfg.train.micro_batch_tokens, images, groups) if ids else []
+        packs = pack(ids, masks, row_len, self.cfg.train.micro_batch_tokens, images, groups)
         if self.moe_shape[0]:
             attach_routing(packs, [t.routing for t in trajs], self.moe_shape)
         return [layout(p, trajs) for p in packs]
@@ -246,12 +240,11 @@ class Trainer:
         metrics |= self._adapt_kl(metrics.get("train/kl", 0.0), len(trajs))
         self.version += 1
         dt = time.perf_counter() - t0
-        num_tokens = sum(len(t.tokens) for t in trajs)
         return metrics | {
             "train/grad_norm": float(grad_norm),
             "train/lr": lr,
             "train/skipped_steps": self.num_skipped_steps,
-            "train/tokens_per_s": num_tokens / dt,
+            "train/tokens_per_s": sum(len(t.tokens) for t in trajs) / dt,
             "time/train_s": dt,
         }
 
@@ -305,7 +298,6 @@ class Trainer:
         routing = forward_routing(packed, self.cfg.algo.routing_replay) if self.moe_shape[0] else None
         logp_bt, entropy_bt, ref_logp_bt = self._logprobs(mb, packed, routing)
         bonus_bt = entropy_bt if self.objective.entropy_coef else None  # with grad: the loss subtracts coef * H
-        entropy_bt = entropy_bt.detach()
         mask_bt = mb.mask_bt.to(device)
         rollout_logp_bt = per_sample([t.rollout_logprobs for t in trajs], mb).to(device)
         batch = algo.PolicyBatch(
@@ -320,7 +312,7 @@ class Trainer:
         loss, metrics = algo.policy_objective(batch, denoms, self.objective)
         if routing is not None:  # Switch load-balancing loss, weighted by this micro-batch's share of tokens
             aux = routing_stats(routing, packed, sums) * (packed.num_tokens / max(self.step_tokens, 1))
-            sums["moe_aux"] = sums.get("moe_aux", 0.0) + float(aux.detach())
+            _add(sums, moe_aux=aux.detach())
             if self.cfg.algo.moe_aux_coef > 0:
                 loss = loss + self.cfg.algo.moe_aux_coef * aux
         loss_scaled = loss * scale
@@ -328,7 +320,7 @@ class Trainer:
         fresh_bt = (per_sample([t.versions for t in trajs], mb).to(device) == self.version) * mask_bt
         diff_bt = (logp_bt.detach() - rollout_logp_bt).abs()
         _add(sums, loss=loss.detach(), abs_diff=diff_bt * mask_bt, fresh_diff=diff_bt * fresh_bt, fresh=fresh_bt)
-        _add(sums, entropy=entropy_bt * mask_bt, tokens=mask_bt)
+        _add(sums, entropy=entropy_bt.detach() * mask_bt, tokens=mask_bt)
         if routing is not None:  # MoE: |diff| with replayed and live routing (the other mode: a no-grad forward)
             other_logp = lambda r: self._logprobs(mb, packed, r, reference=False)[0]  # noqa: E731
             logprob_diffs(sums, packed, self.cfg.algo, logp_bt.detach(), rollout_logp_bt, mask_bt, other_logp)
@@ -351,11 +343,8 @@ class Trainer:
     @contextlib.contextmanager
     def _reference(self):
         """The KL reference policy: the frozen copy, or with LoRA the model with its adapters off."""
-        if self.ref is not None:
-            yield self.ref
-            return
-        with self.lora.disabled():
-            yield self.model
+        with self.lora.disabled() if self.ref is None else contextlib.nullcontext():
+            yield self.model if self.ref is None else self.ref
 
     def _step_metrics(self, trajs, sums, adv_metrics) -> dict[str, float]:
         n = max(sums.get("tokens", 0.0), 1.0)
@@ -364,13 +353,12 @@ class Trainer:
         out |= {f"train/{k}": float(v) for k, v in adv_metrics.items()} | routing_metrics(sums)
         if sums.get("fresh", 0.0) > 0:  # numerics alone: tokens the current weights sampled (absent when none)
             out["train/logprob_diff_fresh"] = sums["fresh_diff"] / sums["fresh"]
-        rewards = [t.reward for t in trajs]
         return out | {
             "train/loss": sums.get("loss", 0.0),
             "train/logprob_diff": sums.get("abs_diff", 0.0) / n,
             "train/fresh_tokens": sums.get("fresh", 0.0),
             "train/entropy": sums.get("entropy", 0.0) / n,
-            "train/reward_mean": sum(rewards) / len(rewards),
+            "train/reward_mean": sum(t.reward for t in trajs) / len(trajs),
             "train/staleness_mean": sum(staleness) / max(len(staleness), 1),
             "train/staleness_max": max(staleness, default=0),
             "train/num_samples": len(trajs),

@@ -55,10 +55,12 @@ def test_ppo_with_a_critic_reaches_the_grpo_gain_within_one_and_a_half_times_the
 def test_distillation_from_a_trained_checkpoint_closes_most_of_the_gap(tmp_path, grpo_reference):
     """Student: a fresh warm start; teacher: the GRPO run's last checkpoint. Reverse KL to the teacher alone (no
     task reward) moves the student's eval halfway to the teacher's (within eval noise), in fewer steps than the
-    teacher took. Measured: gains 0.19 and 0.25 over gaps of 0.30 and 0.25; one run in seven fell under half the gap."""
+    teacher took. Measured: gains 0.19 and 0.25 over gaps of 0.30 and 0.25; one run in seven fell under half the gap.
+    The KL to the teacher falls (last step below the first failed one run in eleven: the halves are compared)."""
     teacher_result, _, teacher = grpo_reference
     flags = ("--algo.estimator", "on_policy_distill", "--algo.teacher", str(teacher), "--rollout.filters", "nonfinite")
     result, gain = _run(tmp_path, "distill", 6, *flags)
     gap = teacher_result.eval_after["eval/reward_mean"] - result.eval_before["eval/reward_mean"]
     assert gap >= 0.15 and gain >= 0.5 * gap - EVAL_NOISE, (gain, gap)
-    assert result.history[-1]["train/distill_kl"] < result.history[0]["train/distill_kl"]
+    kl = [m["train/distill_kl"] for m in result.history]  # per step, noisy (k1 estimates, even < 0): halves compared
+    assert sum(kl[3:]) < sum(kl[:3]), kl  # measured 0.45 / 0.45 / 0.47 -> 0.11 / 0.19 / 0.11

@@ -11,13 +11,4 @@ from molt.agents.chat.server import ChatServer
 from molt.agents.chat.session import Session
 from molt.agents.env import Result
 
-__all__ = [
-    "ChatAgent",
-    "ChatContext",
-    "ChatRunner",
-    "ChatServer",
-    "Result",
-    "Session",
-    "TurnReply",
-    "load_agent_class",
-]
+__all__ = ["ChatAgent", "ChatContext", "ChatRunner", "ChatServer", "Result", "Session", "TurnReply", "load_agent_class"]

@@ -117,8 +117,8 @@ def _import_error(spec: str, error: Exception) -> ConfigError:
     text = str(error)
     if text.startswith("--rollout.agent: "):  # load_agent's own messages (missing file, class, attribute)
         return ConfigError("rollout.agent: " + text.removeprefix("--rollout.agent: "))
-    file = Path(spec.split(":")[0]).resolve()
     where = spec.split(":")[0]
+    file = Path(where).resolve()
     if isinstance(error, SyntaxError) and error.filename and error.lineno:
         where, text = f"{error.filename}:{error.lineno}", error.msg
     else:
@@ -157,13 +157,7 @@ class ChatRunner:
         await server.stop()
 
     async def run(
-        self,
-        agent: ChatAgent,
-        row: dict[str, Any],
-        sampling,
-        limits: EpisodeLimits,
-        keep_ids: bool = False,
-        **ids: int,
+        self, agent: ChatAgent, row: dict[str, Any], sampling, limits: EpisodeLimits, keep_ids: bool = False, **ids: int
     ) -> list[Trajectory]:
         """One ChatAgent rollout -> its segments (sharing reward and ids); raises if it made no request."""
         server = await self.server()

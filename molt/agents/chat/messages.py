@@ -42,10 +42,8 @@ class ChatRequest:
 
 def text_content(content: Any) -> str | list[dict[str, Any]]:
     """`None` -> "", all-text part lists -> their joined text, other lists kept as parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        return content or ""
     parts = [dict(p) for p in content]
     if all(p.get("type") == "text" for p in parts):
         return "".join(str(p.get("text") or "") for p in parts)

@@ -30,14 +30,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from molt.agents.chat.messages import (
-    ChatRequest,
-    Message,
-    assistant_message,
-    fingerprint,
-    fingerprints,
-    request_key,
-)
+from molt.agents.chat.messages import ChatRequest, Message, assistant_message, fingerprints, request_key
 from molt.agents.chat.prompt_tokens import OverContext, encode_within, min_tokens
 from molt.agents.chat.replies import (
     ContextLengthExceeded,
@@ -217,9 +210,7 @@ class Session:
             raise InvalidRequest("the request nests too deeply to render") from None
         except (TemplateError, TypeError, KeyError, AttributeError, ValueError) as e:
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
-        if request.force_tool is not None:
-            return self._force_call(plan, request)
-        return plan
+        return self._force_call(plan, request) if request.force_tool is not None else plan
 
     def _extension(self, messages: list[Message], tools: list | None, large: bool) -> _Plan | None:
         n = len(self.history_fps)
@@ -231,8 +222,7 @@ class Session:
             delta = observation_ids(self.tokenizer, self.history, messages[n:], self.ended_with_eos, tools)
         except TemplateRewriteError:
             return None  # the template re-renders history: start a new segment
-        offset = len(self.current.tokens)
-        delta, images = expand_images(self.engine, delta, message_images(messages[n:]), offset)
+        delta, images = expand_images(self.engine, delta, message_images(messages[n:]), len(self.current.tokens))
         return _Plan(self.current.tokens + delta, delta, False, (self.current.images or []) + images)
 
     def _new_segment(self, messages: list[Message], tools: list | None, large: bool) -> _Plan:
@@ -247,7 +237,7 @@ class Session:
 
     def _check_fits(self, num_chars: int, new_segment: bool = False) -> None:
         """Raise OverContext if `num_chars` more characters of text certainly overflow the context."""
-        before = 0 if new_segment or self.current is None else len(self.current.tokens)
+        before = 0 if new_segment else len(self.current.tokens)  # an extension has a current segment
         num_tokens = before + min_tokens(self.tokenizer, num_chars)
         if num_tokens >= self.max_len:
             raise OverContext(num_tokens)
@@ -303,8 +293,7 @@ class Session:
         self.num_turns += 1
         first = replies[0]
         self.history = list(request.messages)
-        self.history_fps = fingerprints(request.messages)
-        self.history_fps.append(fingerprint(assistant_message(first.content, first.tool_calls)))
+        self.history_fps = fingerprints([*request.messages, assistant_message(first.content, first.tool_calls)])
         self.ended_with_eos = bool(first.token_ids) and first.token_ids[-1] == self.tokenizer.eos_token_id
         first.siblings = replies[1:]
         return first

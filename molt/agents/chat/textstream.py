@@ -25,10 +25,7 @@ WINDOW = 32  # tokens decoded again before the checkpoint, which moves every WIN
 
 def trim_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
     """`text` cut before the earliest stop string it contains, and that stop string (or None)."""
-    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
-    if not hits:
-        return text, None
-    index, stop = min(hits)
+    index, stop = min(((i, s) for s in stops if (i := text.find(s)) >= 0), default=(len(text), None))
     return text[:index], stop
 
 
@@ -57,9 +54,8 @@ class TextStream:
         if self.stopped:
             return ""
         text, stop = trim_at_stop(self._text(self.ids), self.stops)
-        if stop is not None:
-            self.stopped = True
-        else:
+        self.stopped = stop is not None
+        if not self.stopped:
             if text.endswith(REPLACEMENT):  # maybe a character still being spelled out: its last bytes wait
                 text = self._text(self.ids[:-MAX_PARTIAL])
             elif len(self.ids) - self.mark >= WINDOW:

@@ -82,9 +82,8 @@ def _split_calls(text: str, tools: Tools, compact: bool) -> tuple[str, list[Tool
         return text, []  # an unclosed or stray tag: malformed
     calls = []
     for block in blocks:
-        call = _json_call(block[1].strip(), specs)
-        if call is None and compact:
-            call = _compact_call(block[1].strip(), specs)
+        body = block[1].strip()
+        call = _json_call(body, specs) or (_compact_call(body, specs) if compact else None)
         if call is None:
             return text, []
         calls.append(call)

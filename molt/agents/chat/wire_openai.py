@@ -135,18 +135,14 @@ def _forced_tool(choice: str | dict[str, Any] | None) -> str | None:
     return name
 
 
-def _check_supported(req: CompletionRequest) -> None:
+def decode(body: Any) -> ChatRequest:
+    """A validated request (raises pydantic.ValidationError, or InvalidRequest for unsupported options)."""
+    req = CompletionRequest.model_validate(body)
     kind = (req.response_format or {}).get("type", "text")
     if kind != "text":
         raise InvalidRequest(f"response_format {kind!r} is not supported (only 'text'): the output is unconstrained")
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true")
-
-
-def decode(body: Any) -> ChatRequest:
-    """A validated request (raises pydantic.ValidationError, or InvalidRequest for unsupported options)."""
-    req = CompletionRequest.model_validate(body)
-    _check_supported(req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     return ChatRequest(
         messages=[_message(m) for m in req.messages],
