@@ -43,11 +43,10 @@ def _model(cfg: Config, checkpoint: str):
 async def _eval_async(cfg: Config, checkpoint: str, rows: list[dict], inputs: RunInputs, threads: int, out: list):
     tokenizer, model = on_fresh_thread(_model, cfg, checkpoint, threads=threads)
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True)
-    chat = chat_runner(cfg, engine, tokenizer)
-    workers = await agent_workers(cfg, engine, tokenizer, None)
-    rollout = workers.run if workers else local_rollout(chat, engine, tokenizer, inputs.make_env)
-    n = cfg.eval.n_samples
+    chat, workers, n = chat_runner(cfg, engine, tokenizer), None, cfg.eval.n_samples
     try:
+        workers = await agent_workers(cfg, engine, tokenizer, None)
+        rollout = workers.run if workers else local_rollout(chat, engine, tokenizer, inputs.make_env)
         return await evaluate(tokenizer, rollout, rows=rows, limits=episode_limits(cfg), n=n, seed=cfg.eval.seed,
                               sampling=rollout_sampling(cfg, tokenizer, cfg.eval.temperature),
                               ks=list(range(1, n + 1)), results=out)  # fmt: skip
