@@ -13,9 +13,11 @@ captures its sessions exactly as in process and sends back the segments. A faili
 and a worker that dies fails the rollouts it had and is started again. Training's per-step `reward/<name>`
 metrics are fed from the returned segments, since the reward functions ran in the workers.
 
-Wire: a 4-byte length and a pickle, each way. main -> worker: `run` (a rollout), `stop` (cancel it), `reply` /
-`delta` / `error` (an engine call's result, streamed tokens, failure). worker -> main: `generate`, `cancel`,
-`abort` (engine calls), `done` / `failed` / `dropped` (a rollout's outcome).
+Wire: a 4-byte length and a pickle, each way (both ends are Molt's own processes). main -> worker: `setup`
+(first), `run` (a rollout), `stop` (cancel it), `reply` / `delta` / `error` (an engine call's result, streamed
+tokens, failure). worker -> main: `ready` (setup done), `generate`, `cancel`, `abort` (engine calls), `done` /
+`failed` / `dropped` (a rollout's outcome). A worker whose event loop agent code blocks stalls its own rollouts
+only (in process it would stall the run's loop).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def _portable(error: BaseException) -> BaseException:
 # ---- main process --------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Worker:
-    process: Any
+    process: subprocess.Popen
     writer: asyncio.StreamWriter
     jobs: dict[int, asyncio.Future] = field(default_factory=dict)
     calls: dict[int, asyncio.Task] = field(default_factory=dict)
