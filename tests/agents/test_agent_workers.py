@@ -97,3 +97,28 @@ def test_a_moe_policys_routing_comes_back_from_a_worker():
     assert remote.tokens == local.tokens  # the second run reuses the first's prompt KV: log-probs within fp32 noise
     assert remote.rollout_logprobs == pytest.approx(local.rollout_logprobs, abs=1e-5)
     assert remote.routing is not None and remote.routing.equal(local.routing)
+
+
+def test_a_stream_a_worker_hangs_up_on_is_aborted_in_the_main_process_and_not_recorded():
+    """The disconnect reaches the run's engine across the socket: the request stops early, nothing leaks, and the
+    rollout's segment holds only the request that completed."""
+    from molt.engine import SamplingParams, TorchEngine
+
+    sampling = SamplingParams(temperature=1.0, max_tokens=200, seed=1)  # random weights: no early eos
+    limits = EpisodeLimits(max_turns=2, max_len=320)
+
+    async def main():
+        engine = TorchEngine(small_model(vocab_size=len(TOK)).eval(), tokenizer=TOK, num_slots=4, max_seq_len=320)
+        pool = await AgentWorkers(kit, engine, 1).start()
+        try:
+            segments = await pool.run(_row("hang_up"), sampling, limits)
+            await asyncio.sleep(0.1)
+            return segments, engine.num_pending(), dict(engine.stats)
+        finally:
+            await pool.close()
+            await engine.close()
+
+    (segment,), pending, stats = asyncio.run(main())
+    assert pending == 0 and segment.num_turns == 1  # one recorded request: the stream left nothing behind
+    abandoned = stats["decode_tokens"] - segment.num_action_tokens  # measured: 6 of its 200
+    assert abandoned < 100, abandoned  # the abandoned stream stopped well before its 200 tokens

@@ -18,8 +18,9 @@ class ImageTooLarge(RolloutDrop):
 
 
 class Scripted(ChatAgent):
-    """answer / stream: one OpenAI-SDK completion (streamed or not), reward 1 when it equals the label; fail:
-    raises; drop: a dropped rollout; die: the worker process exits."""
+    """answer / stream: one OpenAI-SDK completion (streamed or not), reward 1 when it equals the label; hang_up: a
+    stream closed after its first content chunk, then an answer; fail: raises; drop: a dropped rollout; die: the
+    worker process exits."""
 
     async def run(self, ctx) -> Result:
         do = ctx.row["do"]
@@ -30,6 +31,13 @@ class Scripted(ChatAgent):
         if do == "die":
             os._exit(3)
         client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        if do == "hang_up":  # a stream dropped after its first content chunk, then a plain request
+            stream = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, stream=True)
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    break
+            await stream.close()
+            do = "answer"
         if do == "stream":
             chunks = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, stream=True)
             text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
