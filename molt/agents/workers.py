@@ -2,7 +2,7 @@
 
 `AgentWorkers(setup, engine, n)` spawns `n` processes. Each calls `setup()` once (a `WorkerKit`: the tokenizer,
 `make_env` and the chat server's options, built from the run's config as the main process builds its own) and
-runs rollouts as `run_agent` does in process, on its own event loop, against a `RemoteEngine`: the `Engine`
+runs rollouts as `local_rollout` does in process, on its own event loop, against a `RemoteEngine`: the `Engine`
 interface, its requests answered by the main process's engine over a socket pair. A rollout's Python (the SDK
 building and parsing requests, templates, tool code) then no longer shares one GIL with the engine's thread, which
 is what bounds a ChatAgent in one process (`benchmarks/chat_agent.py`).
@@ -32,17 +32,16 @@ import socket
 import struct
 import subprocess
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt.agents.chat.agent import ChatRunner, run_agent
+from molt.agents.chat.agent import ChatRunner, local_rollout
 from molt.agents.reward_fn import EVALUATING, RewardLog
 from molt.agents.runner import EpisodeLimits
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Completion, Engine, SamplingParams, TokenDelta
-from molt.errors import RemoteRolloutError, RolloutDrop, RunFatalError, describe_error, error_kind
+from molt.errors import RemoteRolloutError, RolloutDrop, RunFatalError, describe_error, error_kind, error_traceback
 
 log = logging.getLogger("molt.agents")
 HEADER = struct.Struct("!I")
@@ -309,42 +308,30 @@ def worker_main() -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    sock.setblocking(True)
-    (size,) = HEADER.unpack(_read_exactly(sock, HEADER.size))
-    _, _, (setup, info) = pickle.loads(_read_exactly(sock, size))
-    kit = setup()
-    sock.setblocking(False)
-    asyncio.run(_work(sock, kit, info))
+    asyncio.run(_work(socket.socket(fileno=int(sys.argv[1]))))
 
 
-def _read_exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise SystemExit(0)  # the main process hung up before sending setup
-        data += chunk
-    return data
-
-
-async def _work(sock: socket.socket, kit: WorkerKit, info: dict[str, Any]) -> None:
+async def _work(sock: socket.socket) -> None:
     reader, writer = await asyncio.open_unix_connection(sock=sock)
+    try:
+        _, _, (setup, info) = await _receive(reader)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return  # the main process hung up before sending setup
+    kit = setup()  # nothing else runs on this loop yet
     _send(writer, ("ready", 0, None))
     engine = RemoteEngine(writer, info)
     chat = ChatRunner(engine, kit.tokenizer, **kit.chat_options)
+    run_one = local_rollout(chat, engine, kit.tokenizer, kit.make_env)
     jobs: dict[int, asyncio.Task] = {}
 
     async def rollout(job: int, row, sampling, limits, kw: dict, evaluating: bool) -> None:
         EVALUATING.set(evaluating)  # this task's own context
         try:
-            segments = await run_agent(chat, engine, kit.tokenizer, kit.make_env(), row, sampling, limits, **kw)
-            _send(writer, ("done", job, segments))
+            _send(writer, ("done", job, await run_one(row, sampling, limits, **kw)))
         except RolloutDrop as e:
             _send(writer, ("dropped", job, (e.drop_reason, str(e))))
         except Exception as e:  # noqa: BLE001 - the agent's failure, reported to the loop
-            text = "".join(traceback.format_exception(e))
-            _send(writer, ("failed", job, (describe_error(e), text, error_kind(e))))
+            _send(writer, ("failed", job, (describe_error(e), error_traceback(e), error_kind(e))))
         finally:
             jobs.pop(job, None)
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from molt import algo
-from molt.agents.chat.agent import run_agent
+from molt.agents.chat.agent import local_rollout
 from molt.agents.runner import EpisodeLimits
 from molt.agents.workers import AgentWorkers
 from molt.config import Config
@@ -56,7 +56,7 @@ class RLLoop(Accounting):
         run_dir = run_dir or cfg.log.run_dir or cfg.ckpt.resume  # where run.py puts the run (when it is known)
         super().__init__(cfg, state or LoopState(), Path(run_dir) / FAILURE_LOG if run_dir else None)
         self.engine, self.trainer, self.tokenizer = engine, trainer, tokenizer
-        self.make_env, self.train_rows, self.eval_rows = make_env, train_rows, eval_rows
+        self.train_rows, self.eval_rows = train_rows, eval_rows
         ro = cfg.rollout
         self.group_size, self.groups_per_step = ro.n_samples_per_prompt, ro.prompts_per_step
         self.limits = episode_limits(cfg)
@@ -76,6 +76,7 @@ class RLLoop(Accounting):
         self.engine_stats: dict[str, float] = {}
         self.chat = chat_runner(cfg, engine, tokenizer)  # the server starts on first use
         self.workers = workers  # rollout.agent_workers processes, started by the command
+        self.local = local_rollout(self.chat, engine, tokenizer, make_env)  # rollouts on this event loop
 
     # ---- rollout ---------------------------------------------------------------------------------
     def _may_start(self) -> bool:
@@ -132,9 +133,7 @@ class RLLoop(Accounting):
 
     async def _rollout(self, row: dict, sampling: SamplingParams, limits: EpisodeLimits, **kw) -> list[Trajectory]:
         """One rollout of a fresh Env or ChatAgent: in an agent worker process if the run has them, else here."""
-        if self.workers is not None:
-            return await self.workers.run(row, sampling, limits, **kw)
-        return await run_agent(self.chat, self.engine, self.tokenizer, self.make_env(), row, sampling, limits, **kw)
+        return await (self.workers.run if self.workers is not None else self.local)(row, sampling, limits, **kw)
 
     async def _episode(self, row: dict, group_index: int, k: int) -> RolloutOutcome:
         rollout_id = group_index * self.group_size + k
