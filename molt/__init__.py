@@ -45,15 +45,20 @@ def _nested(*sources: dict[str, Any]) -> dict[str, Any]:
 
 def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> Config:
     """A checked `Config` from a Config, a (dotted or nested) dict or a TOML/YAML file, then `overrides`; a mistake
-    raises `ConfigError` naming the key (`train.max_stepz: unknown key; did you mean 'train.max_steps'?`)."""
+    raises `ConfigError` naming the key (`train.max_stepz: unknown key; did you mean 'train.max_steps'?`), or the
+    agent, reward function or tool-call parser that does not load, as the CLI does."""
     from molt.cli.config_file import build, load_config_file
+    from molt.cli.inputs import check_user_code
     from molt.config import Config
 
     if isinstance(config, str | os.PathLike):
         config = load_config_file(Config, config, base=Config())
     if isinstance(config, Config):
-        return build(Config, _nested(overrides), base=config) if overrides else config
-    return build(Config, _nested(config or {}, overrides), base=Config())  # one build: checked once
+        config = build(Config, _nested(overrides), base=config) if overrides else config
+    else:
+        config = build(Config, _nested(config or {}, overrides), base=Config())  # one build: checked once
+    check_user_code(config)
+    return config
 
 
 def train(config: Config | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> TrainResult:

@@ -7,7 +7,6 @@ stays an optional dependency (`pip install molt[wandb]`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -48,11 +47,12 @@ def check_new_run_dir(path: str | os.PathLike) -> None:
 
     path = Path(path)
     if path.is_dir() and any(path.iterdir()):
-        held = "a run" if (path / "config.yaml").exists() else "files"
-        raise ConfigError(
-            f"log.run_dir: {path} already holds {held}; choose a new --log.run_dir (or remove it), or continue "
-            f"that run with --resume {path}"
-        )
+        started, metrics = (path / "config.yaml").exists(), path / "metrics.jsonl"
+        if started and not (path / "checkpoints").exists() and not (metrics.exists() and metrics.stat().st_size):
+            return  # a run that stopped before logging anything (e.g. a bad model folder): it starts again here
+        resume = f", or continue that run with --resume {path}" if (path / "checkpoints" / "latest").exists() else ""
+        held = "a run" if started else "files"
+        raise ConfigError(f"log.run_dir: {path} already holds {held}; pick a new --log.run_dir (or remove it){resume}")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"log.run_dir: {path} is a file, not a folder")
 
@@ -82,21 +82,34 @@ def start_wandb(run_path: Path, log_cfg: Any, config: dict[str, Any]) -> Any:
     )
 
 
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite metrics.jsonl `path` without its rows of steps after `step`."""
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
 class RunDir:
     """A run's folder: `config.yaml` (loadable with --config), `metrics.jsonl`, `tb/`, checkpoints; W&B if asked."""
 
-    def __init__(self, path: str | os.PathLike, command: str, config: Any, tensorboard: bool = True):
+    def __init__(
+        self, path: str | os.PathLike, command: str, config: Any, tensorboard: bool = True, resumed: int | None = None
+    ):
+        """`resumed`: the step a resumed run goes on from; the rows logged after it (an interrupted tail) are
+        dropped, so metrics.jsonl and TensorBoard hold each step once."""
         self.path = Path(path) if path else default_run_dir(command)
         self.path.mkdir(parents=True, exist_ok=True)
-        resolved = json.loads(json.dumps(dataclasses.asdict(config)))  # tuples as lists, for YAML
-        resolved.pop("config", None)
+        resolved = config.file_form()
         atomic_write_text(self.path / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+        if resumed is not None:
+            _drop_rows_after(self.path / "metrics.jsonl", resumed)
         self.metrics_file = (self.path / "metrics.jsonl").open("a")
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.path / "tb"))
+            self.tb = SummaryWriter(str(self.path / "tb"), purge_step=None if resumed is None else resumed + 1)
         self.wandb = start_wandb(self.path, config.log, resolved) if config.log.wandb_project else None
         self.start = time.perf_counter()
 

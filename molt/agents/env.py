@@ -31,17 +31,26 @@ class Result:
     images: list[Any] | None = None
 
 
+def prompt_messages(messages: Messages) -> Messages:
+    """A conversation's RL prompt: its messages up to (not including) its trailing assistant turns."""
+    end = len(messages)
+    while end and messages[end - 1].get("role") == "assistant":
+        end -= 1
+    return list(messages[:end])
+
+
 class Env:
     """Base class of step environments. Override `step`; `reset` is optional.
 
-    `reset(row)` returns the first observation as chat messages (default: the row's `messages`).
+    `reset(row)` returns the first observation as chat messages, or text (one user message) (default: the row's
+    `messages` up to their trailing assistant turns, which are a demonstration for SFT, not part of the RL prompt).
     `step(action)` gets the decoded text of the policy's turn and returns a `Result`; the episode
     ends when it is `terminated` or `truncated` (or the framework's turn/context budget runs out).
     """
 
     async def reset(self, row: dict[str, Any]) -> Messages:
         self.row = row
-        return list(row["messages"])
+        return prompt_messages(row["messages"])
 
     async def step(self, action: str) -> Result:
         raise NotImplementedError

@@ -22,6 +22,7 @@ from molt.agents.builtin import env_for_task
 from molt.agents.chat.agent import ChatAgent, ChatContext, load_agent_class
 from molt.agents.env import Env, Messages, Result
 from molt.agents.reward_fn import RewardFunction
+from molt.agents.runner import check_result
 
 
 def _info(named: dict[str, float]) -> dict[str, float]:
@@ -59,9 +60,9 @@ class ScoredEnv(Env):
         return await self.inner.reset(row)
 
     async def step(self, action: str) -> Result:
-        result = await self.inner.step(action)
+        result = check_result(await self.inner.step(action), f"{type(self.inner).__name__}.step")
         self.turns += 1
-        self.agent_reward += float(result.reward)
+        self.agent_reward += result.reward
         final = result.terminated or result.truncated or result.observation is None or self.turns >= self.max_turns
         if not final:
             return dataclasses.replace(result, reward=0.0, score=None)
@@ -75,11 +76,11 @@ class ScoredChatAgent(ChatAgent):
         self.inner, self.reward = inner, reward
 
     async def run(self, ctx: ChatContext) -> Result:
-        return await self.inner.run(ctx)
+        return check_result(await self.inner.run(ctx), f"{type(self.inner).__name__}.run")
 
     async def rescore(self, result: Result, answer: str, row: dict[str, Any]) -> Result:
         """`result` with the reward function's score of `answer` (called by `ChatRunner` after the run)."""
-        return await _rescored(self.reward, result, answer, row, float(result.reward))
+        return await _rescored(self.reward, result, answer, row, result.reward)
 
 
 def agent_factory(agent: str, reward: RewardFunction | None, task: str, max_turns: int) -> Callable[[], Any]:

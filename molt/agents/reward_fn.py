@@ -4,30 +4,32 @@
 `rewards.py`), `file.py:fn` or `pkg.module:fn` (`file.py` alone means its function `reward`). Each
 returns a float, named after the function, or a dict of named rewards. The episode's reward is the
 weighted sum of all named rewards (`--rollout.reward_weights name=w,...`, default 1); each is logged
-(`reward/<name>` per step, `eval/reward/<name>`). User functions that are not `async` run on a small
-thread pool, so a slow one cannot stall the loop and its timeout (`rollout.step_timeout_s`) fires.
-Loading is checked when the config is built: a missing file or function is one line naming it.
+(`reward/<name>` per step, `eval/reward/<name>`). User functions that are not `async` run each call on a
+thread of its own, so a slow one cannot stall the loop, its timeout (`rollout.step_timeout_s`) fires, and
+one that hangs holds only its own (daemon) thread. Loading is checked when the config is built: a missing
+file or function is one line naming it. A value that is not a finite number fails its rollout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import importlib
 import inspect
 import math
+import threading
+import traceback
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from molt.agents.env import _load_module
 from molt.agents.rewards import BUILTIN_REWARDS
-
-MAX_THREADS = 4  # the pool that runs user reward functions that are not `async`
+from molt.agents.runner import real_number
 
 # set by evaluation while its episodes run, so training's per-step reward metrics leave them out
 EVALUATING: contextvars.ContextVar[bool] = contextvars.ContextVar("molt_evaluating", default=False)
@@ -39,7 +41,7 @@ class RewardPart:
 
     name: str
     fn: Callable[..., Any]
-    inline: bool  # built-ins are cheap and run on the event loop; user sync functions on the pool
+    inline: bool  # built-ins are cheap and run on the event loop; user sync functions on threads
 
 
 def parse_weights(spec: str) -> dict[str, float]:
@@ -64,7 +66,12 @@ def _user_function(spec: str, mtime: float) -> Callable[..., Any]:
     try:
         module = _load_module(target) if target.endswith(".py") else importlib.import_module(target)
     except ModuleNotFoundError as e:
-        raise ValueError(f"rollout.reward: cannot import {target!r}: {e}") from None
+        if not target.endswith(".py") and e.name and target.startswith(e.name):
+            raise ValueError(f"rollout.reward: cannot import {target!r}: {e}") from None
+        site = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")][-1]
+        raise ValueError(
+            f"rollout.reward: {target!r} imports a missing module {e.name!r} ({site.filename}:{site.lineno})"
+        ) from None
     except Exception as e:  # noqa: BLE001 - the user's module failed while importing
         raise ValueError(f"rollout.reward: importing {target!r} failed: {type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
@@ -118,16 +125,41 @@ class RewardLog:
         return out
 
 
+def _in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """`fn(*args)` on a new daemon thread, as a future of the running loop: a call that hangs past its timeout
+    holds only its own thread, never the calls after it."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():  # not cancelled by a timeout meanwhile
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting rollout
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed while the call ran
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="molt-reward", daemon=True).start()
+    return future
+
+
 class RewardFunction:
     """The configured reward: named parts, their weights, and the log of their values."""
 
     def __init__(self, spec: str, weights: str = ""):
         self.spec = spec
-        self.parts = [load_part(s.strip()) for s in spec.split(",") if s.strip()]
-        if not self.parts:
+        specs = [s.strip() for s in spec.split(",") if s.strip()]
+        if not specs:
             raise ValueError("rollout.reward: no reward function named")
+        if twice := sorted({s for s in specs if specs.count(s) > 1}):
+            raise ValueError(f"rollout.reward: {twice} named twice")
+        self.parts = [load_part(s) for s in specs]
         self.weights = parse_weights(weights)
-        self._pool: ThreadPoolExecutor | None = None
+        self.seen: set[str] = set()  # named rewards returned so far: a weight must name one of them
         self.log = RewardLog()
 
     async def _call(self, part: RewardPart, completion: str, row: dict[str, Any]) -> Any:
@@ -136,30 +168,31 @@ class RewardFunction:
         elif inspect.iscoroutinefunction(part.fn):
             value = await part.fn(completion, row)
         else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="molt-reward")
-            value = await asyncio.get_running_loop().run_in_executor(self._pool, part.fn, completion, row)
+            value = await _in_thread(part.fn, completion, row)
         return await value if inspect.isawaitable(value) else value
 
     async def score(self, completion: str, row: dict[str, Any]) -> tuple[float, dict[str, float]]:
-        """(weighted total, named rewards) of one completion; a bad return value is a TypeError."""
+        """(weighted total, named rewards) of one completion; a bad return value (not a finite number, an empty
+        dict, a name returned twice) or a weight naming no returned reward is an error failing the rollout."""
         named: dict[str, float] = {}
         for part in self.parts:
             value = await self._call(part, completion, row)
+            if isinstance(value, dict) and not value:
+                raise ValueError(f"reward {part.name!r} returned an empty dict; expected a number or named numbers")
             items = value.items() if isinstance(value, dict) else [(part.name, value)]
             for key, v in items:
-                if not isinstance(v, int | float):  # bool is an int: True scores 1
-                    raise TypeError(f"reward {part.name!r} returned {type(v).__name__} for {key!r}; expected a number")
+                number = real_number(v, f"reward {part.name!r} returned {key}")  # bool counts: True scores 1
                 if key in named:
                     raise ValueError(f"reward name {key!r} is returned twice (rollout.reward {self.spec!r})")
-                named[str(key)] = float(v)
+                named[str(key)] = number
+        self.seen |= named.keys()
+        if unknown := sorted(set(self.weights) - self.seen):
+            raise ValueError(f"rollout.reward_weights: {unknown} name no reward; rewards returned: {sorted(self.seen)}")
         self.log.add(named)
         return sum(self.weights.get(k, 1.0) * v for k, v in named.items()), named
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Nothing to release: a call still running holds a daemon thread, which ends with the process."""
 
 
 def load_reward(spec: str, weights: str = "") -> RewardFunction:

@@ -4,19 +4,23 @@ The framework owns the LLM loop: the first observation is rendered with the chat
 every later context is the exact accumulated ids (prompt, engine-generated ids, observation
 deltas). Observations are rendered as the template's *delta* after the previous turns, so earlier
 actions are never re-tokenized. Knows the engine interface (`generate`), not the trainer.
+`check_result` and `as_messages` admit what agent code returns (ChatAgent runs too).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
+import math
+import numbers
+import reprlib
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from molt.agents.env import Env, Messages, Result
 from molt.agents.images import expand_images, message_images, pixels_arg, with_images
+from molt.agents.watchdog import within
 from molt.data.trajectory import Trajectory
 from molt.errors import RolloutDrop
 from molt.models.tokenizer import apply_chat_template, render_chat
@@ -55,19 +59,38 @@ def observation_ids(tokenizer, history: Messages, observation: Messages, ended_w
     return tokenizer(closing + full[len(base) :], add_special_tokens=False)["input_ids"]
 
 
-def _as_messages(observation: str | Messages) -> Messages:
-    return [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
+def as_messages(observation: Any, what: str) -> Messages:
+    """An observation (`what`, e.g. `MyEnv.step returned Result.observation`) as chat messages: a str is one user
+    message; a list of message dicts is taken as is; anything else is a TypeError naming `what`."""
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    if isinstance(observation, list | tuple) and all(isinstance(m, dict) for m in observation):
+        return list(observation)
+    kind = type(observation).__name__
+    if isinstance(observation, list | tuple):
+        kind += " holding " + ", ".join(sorted({type(m).__name__ for m in observation if not isinstance(m, dict)}))
+    raise TypeError(f"{what} of type {kind}; expected str or a list of messages (dicts with role and content)")
 
 
-async def within(timeout_s: float, awaitable, what: str, knob: str = "rollout.step_timeout_s") -> Any:
-    """`await awaitable`, or a TimeoutError saying what ran past which limit (asyncio's own has no message)."""
-    try:
-        async with asyncio.timeout(timeout_s) as scope:
-            return await awaitable
-    except TimeoutError as e:
-        if not scope.expired():
-            raise  # the agent's own timeout, with its own message
-        raise TimeoutError(f"{what} did not finish within {timeout_s:g}s ({knob})") from e
+def real_number(value: Any, what: str) -> float:
+    """`value` as a float if it is a finite real number (bool, numpy scalar, 0-d tensor), else an error naming
+    `what`."""
+    number = value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
+    if not isinstance(number, numbers.Real):
+        raise TypeError(f"{what}={reprlib.repr(value)} ({type(value).__name__}); expected a number")
+    if not math.isfinite(number):
+        raise ValueError(f"{what}={number} ({type(value).__name__}); expected a finite number")
+    return float(number)
+
+
+def check_result(result: Any, where: str) -> Result:
+    """What agent method `where` (e.g. `MyEnv.step`) returned, checked: a `Result` whose reward is a finite real
+    number (bool, numpy and 0-d torch scalars count), as is its score unless None; returned with both as floats."""
+    if not isinstance(result, Result):
+        raise TypeError(f"{where} returned {type(result).__name__}, expected molt.agents.Result")
+    reward = real_number(result.reward, f"{where} returned Result.reward")
+    score = None if result.score is None else real_number(result.score, f"{where} returned Result.score")
+    return dataclasses.replace(result, reward=reward, score=score)
 
 
 class ContextBudgetDrop(RolloutDrop, RuntimeError):
@@ -122,7 +145,8 @@ async def run_episode(
     `max_turns` actions, or when the context budget `max_len` is used up (then `truncated`).
     """
     name = type(env).__name__
-    messages = await within(limits.step_timeout_s, env.reset(row), f"{name}.reset")
+    reset = await within(limits.step_timeout_s, env.reset(row), f"{name}.reset")
+    messages = as_messages(reset, f"{name}.reset returned a first observation")  # a str: one user message
     tools = row.get("tools")
     traj = Trajectory(**ids)
     prompt = first_prompt_ids(tokenizer, messages, tools)
@@ -143,14 +167,14 @@ async def run_episode(
         record_completion(traj, completion, keep_ids)
         action = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         result = await within(limits.step_timeout_s, env.step(action), f"{name}.step")  # no extra task per call
-        if not isinstance(result, Result):
-            raise TypeError(f"{name}.step returned {type(result).__name__}, expected molt.agents.Result")
-        traj.reward += float(result.reward)
+        result = check_result(result, f"{name}.step")
+        traj.reward += result.reward
         traj.info.update(result.info)
         if result.terminated or result.truncated or result.observation is None or turn + 1 == limits.max_turns:
             traj.truncated |= result.truncated or not result.terminated
             break
-        observation = with_images(_as_messages(result.observation), result.images)
+        observation = as_messages(result.observation, f"{name}.step returned Result.observation")
+        observation = with_images(observation, result.images)
         ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == eos_id
         delta = observation_ids(tokenizer, messages, observation, ended_with_eos, tools)
         _extend_prompt(traj, engine, delta, message_images(observation), limits.max_len)

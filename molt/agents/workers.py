@@ -10,14 +10,15 @@ is what bounds a ChatAgent in one process (`benchmarks/chat_agent.py`).
 The engine samples, stamps versions and computes log-probs in the main process as for any caller; the worker
 captures its sessions exactly as in process and sends back the segments. A failing agent fails its rollout
 (`RemoteRolloutError` with the worker's traceback), a dropped one stays dropped (`WorkerDrop` keeps the reason),
-and a worker that dies fails the rollouts it had and is started again. Training's per-step `reward/<name>`
-metrics are fed from the returned segments, since the reward functions ran in the workers.
+an error fatal to the run (`RunFatalError`, e.g. agent code blocking the worker's event loop past
+`rollout.step_timeout_s`) stops the run as it would in process, and a worker that dies fails the rollouts it had
+and is started again. Training's per-step `reward/<name>` metrics are fed from the returned segments, since the
+reward functions ran in the workers.
 
 Wire: a 4-byte length and a pickle, each way (both ends are Molt's own processes). main -> worker: `setup`
 (first), `run` (a rollout), `stop` (cancel it), `reply` / `delta` / `error` (an engine call's result, streamed
 tokens, failure). worker -> main: `ready` (setup done), `generate`, `cancel`, `abort` (engine calls), `done` /
-`failed` / `dropped` (a rollout's outcome). A worker whose event loop agent code blocks stalls its own rollouts
-only (in process it would stall the run's loop).
+`failed` / `dropped` / `fatal` (a rollout's outcome).
 """
 
 from __future__ import annotations
@@ -235,9 +236,11 @@ class AgentWorkers:
                 worker.reading.cancel()
 
 
-def _rollout_error(kind: str, value: tuple) -> BaseException:
+def _rollout_error(kind: str, value: Any) -> BaseException:
     if kind == "dropped":
         return WorkerDrop(*value)
+    if kind == "fatal":
+        return value  # the worker's RunFatalError itself
     return RemoteRolloutError(*value)
 
 
@@ -330,6 +333,8 @@ async def _work(sock: socket.socket) -> None:
             _send(writer, ("done", job, await run_one(row, sampling, limits, **kw)))
         except RolloutDrop as e:
             _send(writer, ("dropped", job, (e.drop_reason, str(e))))
+        except RunFatalError as e:  # e.g. agent code blocked this loop (watchdog.LoopWatchdog): the run stops
+            _send(writer, ("fatal", job, _portable(e)))
         except Exception as e:  # noqa: BLE001 - the agent's failure, reported to the loop
             _send(writer, ("failed", job, (describe_error(e), error_traceback(e), error_kind(e))))
         finally:

@@ -4,20 +4,39 @@ from __future__ import annotations
 
 import torch
 
-from molt.config import ModelConfig
-from molt.models import PRESETS, Transformer, from_pretrained, preset
+from molt.config import ConfigError, ModelConfig
+from molt.models import PRESETS, Transformer, from_pretrained, load_config, preset
 from molt.models.moe import SparseMoE
 from molt.models.tokenizer import IMAGE_PLACEHOLDER, build_builtin_tokenizer, load_tokenizer
 from molt.train.precision import resolve_dtype
 
 
 def build_tokenizer(cfg: ModelConfig):
-    """The configured tokenizer folder, the model folder's tokenizer, or Molt's built-in one."""
-    if cfg.tokenizer:
-        return load_tokenizer(cfg.tokenizer)
-    if cfg.path:
-        return load_tokenizer(cfg.path)
-    return build_builtin_tokenizer(image_token=PRESETS[cfg.preset].vision is not None)
+    """The configured tokenizer folder, the model folder's tokenizer, or Molt's built-in one; a ConfigError when it
+    cannot load or has more tokens than the model folder's vocabulary."""
+    if not cfg.tokenizer and not cfg.path:
+        return build_builtin_tokenizer(image_token=PRESETS[cfg.preset].vision is not None)
+    key = "model.tokenizer" if cfg.tokenizer else "model.path"
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer or cfg.path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+    vocab = load_config(cfg.path).vocab_size if cfg.path else len(tokenizer)
+    if len(tokenizer) > vocab:
+        raise ConfigError(f"{key}: the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary {vocab}")
+    return tokenizer
+
+
+def check_same_tokenizer(tokenizer, folder: str, key: str) -> None:
+    """A ConfigError naming `key` unless model folder `folder` has a tokenizer with `tokenizer`'s vocabulary (a
+    teacher or critic reads the policy's token ids)."""
+    try:
+        other = load_tokenizer(folder)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}; the folder needs the tokenizer it shares with the policy") from None
+    if other.get_vocab() != tokenizer.get_vocab():
+        sizes = f"{len(other)} vs {len(tokenizer)} tokens" if len(other) != len(tokenizer) else "other token ids"
+        raise ConfigError(f"{key}: {folder}'s tokenizer is not the policy's ({sizes}); it must share the policy's")
 
 
 def build_model(

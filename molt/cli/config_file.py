@@ -36,7 +36,17 @@ def _toml_lines(text: str) -> dict[str, int]:
 
 
 class _Yaml12Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2 floats: `5e-4` and `1E3` are numbers, not the strings YAML 1.1 reads."""
+    """PyYAML's safe loader with YAML 1.2 floats (`5e-4` and `1E3` are numbers, not the strings YAML 1.1 reads),
+    refusing a key repeated in one mapping (PyYAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 _Yaml12Loader.add_implicit_resolver(
@@ -68,7 +78,11 @@ def read_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
             if not isinstance(data, dict):
                 raise ConfigError(f"{path}: top level must be a mapping of config groups")
             return data, _yaml_lines(yaml.compose(text, Loader=_Yaml12Loader))
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: cannot parse: {getattr(e, 'problem', None) or e}") from None
+    except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: cannot parse: {e}") from None
     raise ConfigError(f"--config: {path} must end in .toml, .yaml or .yml")
 
@@ -103,8 +117,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
 
 
-def build(cls: type, data: dict[str, Any], base: Any = None, prefix: str = "") -> Any:
-    """Instance of dataclass `cls` from nested `data`, starting from `base` (or the defaults)."""
+def build(cls: type, data: dict[str, Any], base: Any = None, prefix: str = "", skip: frozenset[str] = frozenset()):
+    """Instance of dataclass `cls` from nested `data`, starting from `base` (or the defaults); the dotted keys in
+    `skip` (set again by flags) are left out, so their file values are neither used nor checked."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     values = {}
@@ -118,17 +133,18 @@ def build(cls: type, data: dict[str, Any], base: Any = None, prefix: str = "") -
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
                 raise ConfigError(f"{dotted}: expected a table of {tp.__name__} fields, got {value!r}")
-            values[key] = build(tp, value, getattr(base, key, None), f"{dotted}.")
-        else:
+            values[key] = build(tp, value, getattr(base, key, None), f"{dotted}.", skip)
+        elif dotted not in skip:
             values[key] = coerce(value, tp, dotted)
     return dataclasses.replace(base, **values) if base is not None else cls(**values)
 
 
-def load_config_file(cls: type, path: str | Path, base: Any = None) -> Any:
-    """Config tree `cls` (starting from `base`) with the values of file `path`; errors name file, line, key."""
+def load_config_file(cls: type, path: str | Path, base: Any = None, skip: frozenset[str] = frozenset()) -> Any:
+    """Config tree `cls` (starting from `base`) with the values of file `path` but the keys in `skip`; errors name
+    file, line, key."""
     data, lines = read_file(path)
     try:
-        return build(cls, data, base)
+        return build(cls, data, base, skip=skip)
     except ConfigError as e:
         key = str(e).split(":", 1)[0]
         line = lines.get(key) or lines.get(key.rsplit(".", 1)[0])

@@ -3,7 +3,8 @@
 The target (`--model.path`, filled from `molt eval TARGET`) is a checkpoint, a run directory (its latest checkpoint,
 with the run's config.yaml) or any HF model folder. Same data split, agent, rewards, engine, limits, sampling and
 seeds as training's eval, so it reproduces the in-training eval of the checkpoint's step. Writes `metrics.jsonl`
-(mean reward, named rewards, pass@k for every k up to `eval.n_samples`) and `results.jsonl` (one line per row).
+(mean reward, named rewards, pass@k for every k up to `eval.n_samples`), `results.jsonl` (one line per row) and, if
+samples failed, `rollout_failures.log`; a user error when every sample failed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from molt.cli.build import build_model, build_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.config import Config, ConfigError
 from molt.engine.torch_engine import on_fresh_thread
+from molt.errors import UserError
 from molt.log import RunDir, atomic_write_text
+from molt.loop.accounting import FAILURE_LOG
 from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling
 from molt.runtime.factory import build_engine
 
@@ -40,7 +43,9 @@ def _model(cfg: Config, checkpoint: str):
     return tokenizer, build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device).eval()
 
 
-async def _eval_async(cfg: Config, checkpoint: str, rows: list[dict], inputs: RunInputs, threads: int, out: list):
+async def _eval_async(
+    cfg: Config, checkpoint: str, rows: list[dict], inputs: RunInputs, threads: int, out: list, failure_log: Path
+):
     tokenizer, model = on_fresh_thread(_model, cfg, checkpoint, threads=threads)
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True)
     chat, workers, n = chat_runner(cfg, engine, tokenizer), None, cfg.eval.n_samples
@@ -49,7 +54,7 @@ async def _eval_async(cfg: Config, checkpoint: str, rows: list[dict], inputs: Ru
         rollout = workers.run if workers else local_rollout(chat, engine, tokenizer, inputs.make_env)
         return await evaluate(tokenizer, rollout, rows=rows, limits=episode_limits(cfg), n=n, seed=cfg.eval.seed,
                               sampling=rollout_sampling(cfg, tokenizer, cfg.eval.temperature),
-                              ks=list(range(1, n + 1)), results=out)  # fmt: skip
+                              ks=list(range(1, n + 1)), results=out, failure_log=failure_log)  # fmt: skip
     finally:
         if workers:
             await workers.close()
@@ -64,14 +69,21 @@ def run_eval(cfg: Config) -> EvalResult:
     checkpoint = cfg.model.path  # a run directory's latest checkpoint, resolved by ModelConfig
     inputs = load_inputs(cfg)  # data, reward and agent: errors before any model is built
     rows = inputs.eval_rows[: cfg.eval.num_prompts]
+    if not rows and cfg.data.path and not cfg.data.eval_path:
+        raise ConfigError(
+            f"data: no held-out rows to evaluate: a data file keeps data.num_eval={cfg.data.num_eval} rows, at most "
+            f"10% of its rows, for eval: none of the {len(inputs.train_rows)} rows of {cfg.data.path}; pass "
+            "--data.eval_path (or --data.num_eval > 0 with at least 10 rows)"
+        )
     if not rows:
         raise ConfigError("data: no held-out rows to evaluate (set --data.eval_path, or --data.num_eval > 0)")
     torch.manual_seed(cfg.train.seed)
     threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
     torch.set_num_threads(1)  # as in training: this thread runs asyncio; the engine's thread computes
     run, records = RunDir(cfg.log.run_dir, "eval", cfg, tensorboard=False), []
+    failure_log = run.path / FAILURE_LOG
     try:
-        metrics = asyncio.run(_eval_async(cfg, checkpoint, rows, inputs, threads, records))
+        metrics = asyncio.run(_eval_async(cfg, checkpoint, rows, inputs, threads, records, failure_log))
     finally:
         torch.set_num_threads(main_threads)
         if inputs.reward:
@@ -83,5 +95,10 @@ def run_eval(cfg: Config) -> EvalResult:
     out = Path(cfg.eval.output) if cfg.eval.output else run.path / "results.jsonl"
     atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in records))
     shown = " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items() if k != "eval/failures")
-    run.print(f"{checkpoint}: {len(rows)} rows x {cfg.eval.n_samples}: {shown}\n  results: {out}")
+    failed, total = metrics["eval/failures"], len(rows) * cfg.eval.n_samples
+    first = next((s["error"] for r in records for s in r["samples"] if "error" in s), "")
+    failures = f" failures {failed}/{total} (first: {first})\n  tracebacks: {failure_log}" if failed else ""
+    run.print(f"{checkpoint}: {len(rows)} rows x {cfg.eval.n_samples}: {shown}{failures}\n  results: {out}")
+    if failed == total:
+        raise UserError(f"every one of the {total} eval samples failed (first: {first}); tracebacks: {failure_log}")
     return EvalResult(str(run.path), checkpoint, metrics, records)

@@ -17,7 +17,7 @@ from molt.agents.chat.tool_parser import PARSERS
 from molt.agents.reward_env import agent_factory
 from molt.agents.reward_fn import RewardFunction, load_reward
 from molt.agents.workers import AgentWorkers, WorkerKit
-from molt.config import Config, ConfigError, check
+from molt.config import Config, ConfigError, DataConfig, check
 from molt.data.dataset import dataset_rows
 from molt.engine.interface import Engine
 from molt.loop.evaluate import chat_options
@@ -52,10 +52,17 @@ def check_user_code(cfg: Config) -> None:
 
 
 def load_inputs(cfg: Config) -> RunInputs:
-    """Data, reward and agent of a run; a bad row, file or function is an error here, before any model."""
+    """Data, reward and agent of a run; a bad row, file or function is an error here, before any model. (`molt sft`
+    reads data without a reward, so the check that a dataset has one is here rather than in `check_user_code`.)"""
     check_user_code(cfg)
+    ro, task_chosen = cfg.rollout, cfg.data.task != DataConfig.task  # a task's Env grades rows shaped as the task's
+    if cfg.data.path and not ro.reward and not ro.agent and not task_chosen:
+        raise ConfigError(
+            "data.path: a dataset needs --rollout.reward (e.g. math) or --rollout.agent (or --data.task naming the "
+            "built-in task whose Env grades its rows)"
+        )
     train_rows, eval_rows = dataset_rows(cfg.data)
-    ro, reward = cfg.rollout, reward_function(cfg)
+    reward = reward_function(cfg)
     return RunInputs(train_rows, eval_rows, reward, agent_factory(ro.agent, reward, cfg.data.task, ro.max_turns))
 
 

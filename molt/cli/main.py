@@ -7,6 +7,7 @@ traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -22,14 +23,17 @@ from molt.errors import UserError
 
 COMMANDS: dict[str, Callable[[Config], object]] = {}
 DEFAULTS: dict[str, dict] = {}
+UNUSED: dict[str, tuple[str, ...]] = {}
 
 
-def command(name: str, **defaults: dict):
-    """Register `fn(cfg)` as `molt <name>`; `defaults` ({"group": {"field": value}}) change its defaults."""
+def command(name: str, unused: tuple[str, ...] = (), **defaults: dict):
+    """Register `fn(cfg)` as `molt <name>`; `defaults` ({"group": {"field": value}}) change its defaults; a flag
+    of an `unused` config group is refused (a config file shared with other commands may set them)."""
 
     def wrap(fn):
         COMMANDS[name] = fn
         DEFAULTS[name] = defaults
+        UNUSED[name] = unused
         return fn
 
     return wrap
@@ -43,7 +47,7 @@ def train(cfg: Config) -> object:
     return run_train(cfg)
 
 
-@command("sft", train={"lr": 2e-3, "max_steps": 150})
+@command("sft", unused=("algo", "critic", "rollout", "eval", "ckpt", "chat"), train={"lr": 2e-3, "max_steps": 150})
 def sft(cfg: Config) -> object:
     """Supervised fine-tuning on chat data (loss on assistant tokens); writes an HF checkpoint."""
     from molt.cli.sft import run_sft
@@ -76,6 +80,12 @@ def _config_path(args: list[str]) -> str | None:
     return None
 
 
+def _flag_keys(args: list[str]) -> frozenset[str]:
+    """The dotted keys that flags in `args` set (`--data.no_shuffle` sets data.shuffle)."""
+    keys = {a[2:].split("=", 1)[0].replace("-", "_") for a in args if a.startswith("--") and "." in a}
+    return frozenset(keys | {k.replace(".no_", ".", 1) for k in keys})
+
+
 def parse_config(args: list[str], prog: str = "molt", command_name: str = "train") -> Config:
     """Resolve the config: defaults <- `--config` file <- flags. A bad file raises ConfigError; a bad flag exits
     with code 2 after one line naming it (a value the checks reject, or tyro's own message)."""
@@ -83,11 +93,17 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
 
     path = _config_path(args)
     defaults = build(Config, DEFAULTS.get(command_name, {}))
-    base = load_config_file(Config, path, base=defaults) if path else defaults
+    base = load_config_file(Config, path, base=defaults, skip=_flag_keys(args)) if path else defaults
     try:
-        return tyro.cli(Config, args=args, default=base, prog=prog, use_underscores=True)
+        cfg = tyro.cli(Config, args=args, default=base, prog=prog, use_underscores=True)
     except UserError as e:
         fail(prog, e)
+    for group in UNUSED.get(command_name, ()):
+        given, default = getattr(cfg, group), getattr(base, group)
+        for field in dataclasses.fields(given):
+            if getattr(given, field.name) != getattr(default, field.name):
+                raise ConfigError(f"{group}.{field.name}: `{prog}` does not use the {group} settings; drop the flag")
+    return cfg
 
 
 def _alias(args: list[str], short: str, flag: str, missing: str) -> tuple[list[str], str | None]:
@@ -104,7 +120,8 @@ def _alias(args: list[str], short: str, flag: str, missing: str) -> tuple[list[s
 
 
 def _resume_args(args: list[str]) -> list[str]:
-    """`--resume DIR` = `--ckpt.resume DIR` with the run's own config.yaml as the config file."""
+    """`--resume DIR` = `--ckpt.resume DIR` with the run's own config.yaml as the config file, continuing in DIR
+    (wherever the run was first written; a later `--log.run_dir` still wins)."""
     missing = "ckpt.resume: --resume needs a run directory, e.g. --resume runs/train-<time>"
     args, run_dir = _alias(args, "--resume", "--ckpt.resume", missing)
     if run_dir is None:
@@ -113,7 +130,7 @@ def _resume_args(args: list[str]) -> list[str]:
         raise ConfigError(f"ckpt.resume: run directory {run_dir!r} does not exist")
     if not (Path(run_dir) / "config.yaml").exists():
         raise ConfigError(f"ckpt.resume: {run_dir} has no config.yaml, so it is not a Molt run directory")
-    return ["--config", f"{run_dir}/config.yaml", *args]
+    return ["--config", f"{run_dir}/config.yaml", "--log.run_dir", run_dir, *args]
 
 
 def _replay_args(args: list[str]) -> list[str]:

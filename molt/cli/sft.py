@@ -1,11 +1,13 @@
 """`molt sft`: assemble supervised fine-tuning (tokenizer, model, rows, optimizer), train, evaluate, save.
 
 The stage's pieces (tokenization, packing, the token-mean loss, the step) live in `molt/train/sft.py`.
-Writes metrics.jsonl and an HF checkpoint (model + tokenizer) that `transformers` loads.
+Writes metrics.jsonl and an HF checkpoint (model + tokenizer) that `transformers` loads; with `--train.lora_rank`
+only LoRA adapters train, and the checkpoint holds the merged weights plus the adapters in PEFT format (`adapter/`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -13,8 +15,9 @@ import torch
 
 from molt.cli.build import build_model, build_tokenizer
 from molt.config import Config
-from molt.log import RunDir, plot_metrics
+from molt.log import RunDir, check_new_run_dir, plot_metrics
 from molt.models import save_pretrained
+from molt.train.lora import LoRA
 from molt.train.optim import build_optimizer
 from molt.train.packing import pack
 from molt.train.precision import Precision
@@ -34,6 +37,8 @@ def run_sft(cfg: Config) -> SftResult:
     torch.manual_seed(cfg.train.seed)
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
+    if cfg.log.run_dir:
+        check_new_run_dir(cfg.log.run_dir)
     run = RunDir(cfg.log.run_dir, "sft", cfg)
     tokenizer = build_tokenizer(cfg.model)
     precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
@@ -47,7 +52,9 @@ def run_sft(cfg: Config) -> SftResult:
     eval_batches = pack(eval_ids, eval_masks, row_len, mb, eval_pixels) if eval_ids else []
     eval_batches = [b.to(cfg.runtime.device) for b in eval_batches]
     run.print(f"model {model.num_params() / 1e6:.2f}M params, {len(ids)} train / {len(eval_ids)} eval samples")
-    opt, schedule = build_optimizer(model.parameters(), cfg.train)
+    tr = cfg.train
+    lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
+    opt, schedule = build_optimizer(lora.parameters() if lora is not None else model.parameters(), tr)
     before = evaluate(model, eval_batches) if eval_batches else {}
     sampler = shuffled_batches(len(ids), cfg.train.batch_size, cfg.train.seed)
     for step in range(1, cfg.train.max_steps + 1):
@@ -68,8 +75,12 @@ def run_sft(cfg: Config) -> SftResult:
     after = evaluate(model, eval_batches) if eval_batches else {}
     if after:
         run.log({"step": cfg.train.max_steps, **after})
-    ckpt = save_pretrained(model, run.path / "checkpoint", tokenizer=tokenizer)
+    with lora.merged() if lora is not None else contextlib.nullcontext():
+        ckpt = save_pretrained(model, run.path / "checkpoint", tokenizer=tokenizer)
+    if lora is not None:
+        lora.save_peft(ckpt / "adapter", cfg.model.path)
     run.close()
     plot = plot_metrics(run.path, ["train/loss", "train/lr"])
-    run.print(f"eval before {before} -> after {after}; checkpoint: {ckpt}; plot: {plot}")
+    evals = f"eval loss {before['eval/loss']:.4f} -> {after['eval/loss']:.4f}" if after else "no eval rows"
+    run.print(f"{evals}; checkpoint: {ckpt}; plot: {plot}")
     return SftResult(str(run.path), str(ckpt), before, after)

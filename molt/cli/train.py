@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
-from molt.cli.build import build_model, build_tokenizer
+from molt.cli.build import build_model, build_tokenizer, check_same_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.cli.warm_start import wants_warm_start, warm_start
 from molt.config import Config, ConfigError
@@ -161,15 +162,36 @@ def check_run_dir(cfg: Config) -> None:
         )
     if cfg.log.run_dir and Path(cfg.log.run_dir).resolve() != Path(cfg.ckpt.resume).resolve():
         check_new_run_dir(cfg.log.run_dir)
+    saved = Path(cfg.ckpt.resume) / "config.yaml"
+    if saved.exists():
+        was, now = _state_shape(yaml.safe_load(saved.read_text())), _state_shape(cfg.file_form())
+        for what in (k for k in now if now[k] != was[k]):
+            raise ConfigError(
+                f"ckpt.resume: {what} is {now[what]} here but {was[what]} in {cfg.ckpt.resume}, whose checkpoint "
+                f"holds the other training state; keep the run's setting, or start a new run from its policy with "
+                f"--model.path {cfg.ckpt.resume}"
+            )
+
+
+def _state_shape(config: dict) -> dict[str, object]:
+    """What a checkpoint's trainer state depends on, from a config's file form: adapters, critic, reference."""
+    train, algo = config["train"], config["algo"]
+    return {
+        "train.lora_rank": train["lora_rank"],
+        "train.lora_targets": list(train["lora_targets"]) if train["lora_rank"] else None,
+        "a critic (algo.estimator gae)": algo["estimator"] == "gae",
+        "a KL reference (algo.kl_coef > 0)": algo["kl_coef"] > 0,
+    }
 
 
 def _summary(run: RunDir, result: TrainResult) -> None:
     """The closing lines: eval reward before -> after, throughput, plot and checkpoint paths."""
     plot = plot_metrics(run.path, ["train/reward_mean", "eval/reward_mean", "train/logprob_diff"])
     last = result.history[-1] if result.history else {}
-    before, after = (r.get("eval/reward_mean", float("nan")) for r in (result.eval_before, result.eval_after))
+    ran = [r["eval/reward_mean"] for r in (result.eval_before, result.eval_after) if "eval/reward_mean" in r]
+    evals = "eval reward " + " -> ".join(f"{reward:.3f}" for reward in ran) if ran else "eval off"  # 1: resumed
     run.print(
-        f"done in {result.seconds:.0f}s: eval reward {before:.3f} -> {after:.3f}; "
+        f"done in {result.seconds:.0f}s: {evals}; "
         f"rollout {last.get('rollout/tokens_per_s', 0):.0f} tok/s, train {last.get('train/tokens_per_s', 0):.0f} tok/s"
         f"\n  plot: {plot}\n  checkpoint: {result.checkpoint}"
     )
@@ -178,14 +200,18 @@ def _summary(run: RunDir, result: TrainResult) -> None:
 async def train_async(cfg: Config) -> TrainResult:
     """`molt train` as a coroutine, for callers that already run an event loop (`await molt.train_async(cfg)`)."""
     check_run_dir(cfg)
+    for key, folder in (("algo.teacher", cfg.algo.teacher), ("critic.path", cfg.critic.path)):
+        if folder:  # before the run directory: their token ids must be the policy's
+            check_same_tokenizer(build_tokenizer(cfg.model), folder, key)
+    resumed = checkpoint_step(latest_checkpoint(cfg.ckpt.resume)) if cfg.ckpt.resume else None
     if cfg.rollout.replay:  # its shards cover the steps to train, before any data or model is read
-        replay_folder(cfg, checkpoint_step(latest_checkpoint(cfg.ckpt.resume)) if cfg.ckpt.resume else 0)
+        replay_folder(cfg, resumed or 0)
     torch.manual_seed(cfg.train.seed)
     threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
     torch.set_num_threads(1)  # this thread runs asyncio only; model compute runs on the engine's thread
     try:
         inputs = load_inputs(cfg)  # before the run directory and any model: a bad row stops here
-        run = RunDir(cfg.log.run_dir or cfg.ckpt.resume, "train", cfg)
+        run = RunDir(cfg.log.run_dir or cfg.ckpt.resume, "train", cfg, resumed=resumed)
         try:
             result = await _train_async(cfg, run, threads, inputs)
         finally:

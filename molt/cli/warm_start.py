@@ -1,7 +1,8 @@
 """The warm start of `molt train`: a preset SFT-trained on the task's demonstrations, trained once and cached.
 
-Cached under `cache_root()/warmstart/<key>`, the key naming the model and data settings, the seed and a
-sample of the rows (a changed task definition is not served stale).
+Cached under `cache_root()/warmstart/<key>`, the key naming the model and data settings, the seed and the rows
+(a data file's all, a task's first few: a changed file or task definition is not served stale). Full fine-tuning,
+also when the RL run trains LoRA adapters.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import shutil
 from typing import Any
 
 from molt import cache_root
-from molt.config import Config
+from molt.config import Config, TrainConfig
 from molt.config.base import changed
 from molt.data.dataset import dataset_rows, has_demonstrations
 
@@ -31,13 +33,16 @@ def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
     m = cfg.model
     rows = train_rows if train_rows is not None else dataset_rows(cfg.data)[0]
     data = _key_fields(cfg.data, "eval_path", "split", "columns", "system_prompt", "shuffle")
-    fields = dict(model=_key_fields(m, "router_fp32"), data=data, seed=cfg.train.seed, sample=rows[:8], version=1)
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    sample = rows if cfg.data.path else rows[:8]  # a file's every row (it may change); a task's follow its seed
+    fields = dict(model=_key_fields(m, "router_fp32"), data=data, seed=cfg.train.seed, sample=sample, version=1)
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     folder = cache_root() / "warmstart" / key
     if not (folder / "checkpoint" / "config.json").exists():
-        steps = m.warmstart_steps
+        shutil.rmtree(folder, ignore_errors=True)  # what an interrupted warm start left
+        steps, lora = m.warmstart_steps, ("lora_rank", "lora_alpha", "lora_targets")
+        lora_off = {k: TrainConfig.__dataclass_fields__[k].default for k in lora}
         train = dataclasses.replace(cfg.train, max_steps=steps, lr=m.warmstart_lr, batch_size=32,
-                                    warmup_steps=min(10, steps))  # fmt: skip
+                                    warmup_steps=min(10, steps), **lora_off)  # fmt: skip
         log = dataclasses.replace(cfg.log, run_dir=str(folder), wandb_project="")  # a cache, not a run
         run_sft(dataclasses.replace(cfg, train=train, log=log))
     return str(folder / "checkpoint")

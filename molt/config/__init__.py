@@ -8,7 +8,10 @@ checks combinations across groups. File loading and type checking of TOML/YAML v
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from molt.config.base import ConfigError as ConfigError  # re-exported, as is check_device
 from molt.config.base import check
@@ -35,6 +38,21 @@ class Config:
     chat: ChatConfig = field(default_factory=ChatConfig)
     config: str = ""
     """TOML or YAML file with any of these fields (e.g. `[train]\\nlr = 3e-4`); flags override it."""
+
+    def file_form(self) -> dict:
+        """This config as a run's config.yaml holds it: plain values, paths absolute (it is read from other folders:
+        `molt eval RUN`, `--resume`), `ckpt.resume` cleared (`--config` of it starts a new run)."""
+        data = json.loads(json.dumps(dataclasses.asdict(self)))  # tuples as lists, for YAML
+        data.pop("config")
+        data["ckpt"]["resume"] = ""
+        for dotted in ("model.path", "model.tokenizer", "data.path", "data.eval_path", "algo.teacher", "critic.path"):
+            group, key = dotted.split(".")
+            data[group][key] = data[group][key] and str(Path(data[group][key]).resolve())
+        for key in ("agent", "reward"):  # `file.py[:name]` parts, among built-in names and modules
+            parts = [part.partition(":") for part in data["rollout"][key].split(",")]
+            files = [(str(Path(f).resolve()) if f.endswith(".py") else f, sep, name) for f, sep, name in parts]
+            data["rollout"][key] = ",".join("".join(part) for part in files)
+        return data
 
     def __post_init__(self) -> None:
         from molt.models.config import PRESETS

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from molt.config.base import ConfigError, changed, check
+from molt.config.training import check_model_folder
 
 
 @dataclass
@@ -83,6 +84,7 @@ class RolloutConfig:
 
         unknown = [f for f in self.filters if f not in GROUP_FILTERS]
         check(not unknown, "rollout.filters", f"unknown {unknown}; choose from {GROUP_FILTERS.names()}")
+        check(self.filter_on == "reward" or bool(self.filters), "rollout.filter_on", "has no effect without filters")
 
     @property
     def episodes_in_flight(self) -> int:
@@ -172,7 +174,7 @@ class AlgoConfig:
             "algo.teacher",
             "--algo.estimator on_policy_distill needs --algo.teacher PATH (the teacher's HF model folder)",
         )
-        check(not self.teacher or os.path.isdir(self.teacher), "algo.teacher", f"folder {self.teacher!r} not found")
+        self.teacher = self.teacher and check_model_folder(self.teacher, "algo.teacher")
         check(not self.teacher or self.teacher_coef > 0, "algo.teacher_coef", "must be > 0 with algo.teacher")
 
         for key, registry in (
@@ -184,10 +186,12 @@ class AlgoConfig:
             check(getattr(self, key) in registry, f"algo.{key}", f"unknown; choose one of {registry.names()}")
         check(self.is_level == "none" or self.is_level in algo.IS_LEVELS, "algo.is_level", "token, seq, geo or none")
         check(self.moe_aux_coef >= 0, "algo.moe_aux_coef", "must be >= 0")
+        check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0 (0 = no KL term, no reference model)")
         check(self.kl_target >= 0 and self.kl_horizon > 0, "algo.kl_target", "kl_target >= 0, kl_horizon > 0")
         check(self.reward_clip >= 0, "algo.reward_clip", "must be >= 0 (0 = off)")
         check(min(self.overlong_buffer, self.overlong_max_len) >= 0, "algo.overlong_buffer", "must be >= 0")
         check(self.overlong_coef > 0, "algo.overlong_coef", "must be > 0")
+        check(0 <= self.is_low <= 1 <= self.is_high, "algo.is_low", "the IS band needs 0 <= is_low <= 1 <= is_high")
         try:
             self.objective()
         except ValueError as e:
@@ -266,4 +270,4 @@ class CriticConfig:
             "has no effect here: with one critic update per batch V = V_old, so the clip never binds; "
             "add --critic.updates 2 or more",
         )
-        check(not self.path or os.path.isdir(self.path), "critic.path", f"folder {self.path!r} not found")
+        self.path = self.path and check_model_folder(self.path, "critic.path")

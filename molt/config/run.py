@@ -31,7 +31,8 @@ class EvalConfig:
     """`molt eval`: per-row results file (JSON lines). Default: <run_dir>/results.jsonl."""
 
     def __post_init__(self) -> None:
-        check(self.every >= 0 and self.num_prompts > 0, "eval.every", "every must be >= 0 and num_prompts > 0")
+        check(self.every >= 0, "eval.every", "must be >= 0 (0 = never)")
+        check(self.num_prompts > 0, "eval.num_prompts", "must be > 0")
         check(self.n_samples > 0, "eval.n_samples", "must be > 0")
         check(self.temperature >= 0, "eval.temperature", "must be >= 0 (0 = greedy)")
 
@@ -231,7 +232,8 @@ class ChatConfig:
     tool_parser: str = "auto"
     """Tool-call parser: auto (from the chat template), molt, hermes, none."""
     render_tools: bool = True
-    """Render a request's `tools` into the prompt via the chat template (off: the policy knows its tools)."""
+    """Render a request's `tools` into the prompt via the chat template (off: the policy knows its tools); a template
+    that ignores tools is warned about once."""
     max_len: int = 2048
     """`molt serve`: context budget per request in tokens (training uses rollout.max_len)."""
     max_tokens: int = 256

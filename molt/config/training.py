@@ -49,15 +49,18 @@ class ModelConfig:
 
 
 def check_model_folder(path: str, key: str) -> str:
-    """The model folder `path` names: itself, or a run directory's latest checkpoint; a ConfigError naming `key` when
-    it is neither a Hugging Face model folder nor a run directory with a checkpoint."""
+    """The model folder `path` names: itself, a `molt train` run directory's latest checkpoint or a `molt sft` run
+    directory's checkpoint; a ConfigError naming `key` when it is neither a Hugging Face model folder nor a run
+    directory with a checkpoint."""
     from pathlib import Path
 
     folder = Path(path)
     check(folder.exists(), key, f"{path!r} does not exist")
     check(folder.is_dir(), key, f"{path!r} is a file; give a Hugging Face model folder (config.json + *.safetensors)")
     if (folder / "config.json").exists():
-        return path
+        return _loadable(path, key)
+    if (folder / "checkpoint" / "config.json").exists():  # molt sft's
+        return _loadable(str(folder / "checkpoint"), key)
     pointer = folder / "checkpoints" / "latest"
     check(
         pointer.parent.is_dir(),
@@ -67,7 +70,21 @@ def check_model_folder(path: str, key: str) -> str:
     check(pointer.exists(), key, f"run directory {path!r} has no completed checkpoint (no checkpoints/latest)")
     latest = pointer.parent / pointer.read_text().strip()
     check((latest / "config.json").exists(), key, f"{latest} (the run's latest checkpoint) has no config.json")
-    return str(latest)
+    return _loadable(str(latest), key)
+
+
+def _loadable(folder: str, key: str) -> str:
+    """`folder`, once its config.json names a supported architecture and it has safetensors weights."""
+    from pathlib import Path
+
+    from molt.models.hf_io import load_config, weight_files
+
+    try:
+        load_config(folder)
+        weight_files(Path(folder))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+    return folder
 
 
 @dataclass
@@ -182,7 +199,6 @@ class TrainConfig:
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
         check(self.max_steps > 0, "train.max_steps", "must be > 0")
         check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-        self.warmup_steps = min(self.warmup_steps, self.max_steps)  # any max_steps works with the default warm-up
         check(self.batch_size > 0, "train.batch_size", "must be > 0")
         check(self.micro_batch_tokens > 0, "train.micro_batch_tokens", "must be > 0")
         check(self.logprob_chunk_tokens > 0, "train.logprob_chunk_tokens", "must be > 0")

@@ -14,14 +14,18 @@ ROLES = {"system", "user", "assistant", "tool"}
 
 
 def check_messages(messages: Any, where: str, key: str = "messages") -> list[dict[str, Any]]:
-    """`messages` if it is a non-empty list of chat messages with known roles; else a DataError naming `where`."""
+    """`messages` if it is a non-empty list of chat messages with known roles, each with content (or tool calls), no
+    user turn empty (as an empty `prompt` string is not a prompt); else a DataError naming `where`."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: field {key!r} must be a non-empty list")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in ROLES:
             raise DataError(f"{where}: {key}[{i}] needs a 'role' in {sorted(ROLES)}")
-        if not isinstance(msg.get("content", ""), str | list) and "tool_calls" not in msg:
-            raise DataError(f"{where}: {key}[{i}].content must be a string or a list of parts")
+        content = msg.get("content")
+        if not isinstance(content, str | list) and "tool_calls" not in msg:
+            raise DataError(f"{where}: {key}[{i}] needs a 'content': a string or a list of parts")
+        if msg["role"] == "user" and not (content.strip() if isinstance(content, str) else content):
+            raise DataError(f"{where}: {key}[{i}].content is empty: a user turn needs text (or parts)")
     return messages
 
 

@@ -2,7 +2,8 @@
 
 Files and folders (`formats.py`) are mapped and checked row by row (`rows.py`) when the run starts,
 before any model is built. Held-out rows come from `data.eval_path`, a `DatasetDict`'s test or
-validation split, or a seeded shuffled split of `data.path` (`data.num_eval` rows, at most 10%).
+validation split other than `data.split`, or a seeded shuffled split of `data.path` (`data.num_eval`
+rows, at most 10%).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ def file_rows(path: str, data, split: str = "") -> list[Row]:
     return prompt_rows(located, parse_columns(data.columns), data.system_prompt, source=path)
 
 
-def _eval_split(path: str) -> str:
-    """The held-out split of a DatasetDict folder ("" if it has none, or `path` is not one)."""
-    return next((s for s in EVAL_SPLITS if s in dataset_splits(path)), "")
+def _eval_split(path: str, train_split: str = "") -> str:
+    """The held-out split of a DatasetDict folder other than `train_split` ("" if it has none, or `path` is not
+    one)."""
+    return next((s for s in EVAL_SPLITS if s in dataset_splits(path) and s != train_split), "")
 
 
 def _eval_file_rows(data) -> list[Row]:
@@ -43,7 +45,7 @@ def dataset_rows(data) -> tuple[list[Row], list[Row]]:
         random.Random(data.seed).shuffle(train)
     if data.eval_path:
         return train, _eval_file_rows(data)
-    if split := _eval_split(data.path):
+    if split := _eval_split(data.path, data.split):
         return train, file_rows(data.path, data, split)
     num_eval = min(data.num_eval, len(train) // 10)
     return train[num_eval:], train[:num_eval]

@@ -59,7 +59,7 @@ def read_located(path: str | Path, split: str = "train") -> Located:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is dropped
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); is it a binary file?") from None
 

@@ -226,6 +226,8 @@ class TorchEngine(Engine):
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
+            if not done.set_running_or_notify_cancel():  # the caller was cancelled while this waited
+                return
             try:
                 done.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller

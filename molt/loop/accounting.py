@@ -97,7 +97,7 @@ class Accounting:
         self.state.failures += 1
         what = describe_error(error)
         fate = "its group is dropped: the estimator needs complete groups" if self.complete_groups else (
-            "the rest of its group still trains")  # fmt: skip
+            "its group trains without it unless all of its rollouts fail")  # fmt: skip
         line = f"rollout {rollout_id} (group {group_index}) failed: {what}"
         log.warning("%s; %s%s", line, fate, self._log_failure(error, line))
         ro = self.cfg.rollout

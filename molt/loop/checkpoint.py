@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import random
 import shutil
 from pathlib import Path
 
 import torch
 
+from molt.config import ConfigError
 from molt.log import atomic_write, atomic_write_text
 from molt.loop.rl import LoopState
+from molt.models.hf_io import share_like_new_files
 from molt.train.interface import Trainer
 
 
@@ -30,26 +31,6 @@ def remove_orphans(checkpoints: Path) -> list[Path]:
         else:
             path.unlink(missing_ok=True)
     return orphans
-
-
-def _umask() -> int:
-    """The process umask, read from /proc where possible (setting it to read it races with other threads)."""
-    status = Path("/proc/self/status")
-    lines = status.read_text().splitlines() if status.exists() else []
-    for line in lines:
-        if line.startswith("Umask:"):
-            return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def share_like_new_files(folder: Path) -> None:
-    """Give `folder` and everything in it the modes the umask gives new files and folders (e.g. 755 / 644)."""
-    mask = _umask()
-    for path in [folder, *folder.rglob("*")]:
-        if not path.is_symlink():
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def save_checkpoint(run_dir: Path, trainer: Trainer, loop_state: LoopState, tokenizer) -> Path:
@@ -79,7 +60,7 @@ def load_training_state(folder: Path, trainer: Trainer) -> LoopState:
     state = torch.load(folder / "trainer_state.pt", weights_only=False)
     if bool(state.get("sharded")) != trainer.sharded:
         written = "runtime.backend ray" if state.get("sharded") else "runtime.backend local"
-        raise ValueError(f"ckpt.resume: {folder} was written by {written}; resume it with the same backend")
+        raise ConfigError(f"ckpt.resume: {folder} was written by {written}; resume it with the same backend")
     trainer.load(folder, state)  # sharded: any number of ranks, the shards are re-split on load
     trainer.version, trainer.num_skipped_steps = state["version"], state["num_skipped_steps"]
     torch.set_rng_state(state["rng"]["torch"])

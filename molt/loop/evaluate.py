@@ -2,7 +2,8 @@
 
 Training's eval and `molt eval` share it, so both score a checkpoint the same way: the same episodes, sampling,
 seeds (`eval.seed + row * n + k`) and rewards. Episodes run with the reward functions' `EVALUATING` flag set, so
-training's per-step reward metrics leave them out.
+training's per-step reward metrics leave them out. A failed sample scores 0 in every metric; its error goes, with the
+traceback of the first of each kind, to the run's `rollout_failures.log`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatRunner, last_completion_text
@@ -20,6 +22,7 @@ from molt.agents.runner import EpisodeLimits
 from molt.config import Config
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Engine, SamplingParams
+from molt.errors import RunFatalError, describe_error, error_kind, error_traceback
 
 
 def rollout_sampling(cfg: Config, tokenizer, temperature: float) -> SamplingParams:
@@ -56,25 +59,39 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _named_rewards(trajs: list) -> dict[str, float]:
-    """`eval/reward/<name>` means over the episodes that report named rewards (`info["reward/<name>"]`)."""
-    sums, counts = defaultdict(float), defaultdict(int)
+    """`eval/reward/<name>` means over the episodes that report named rewards (`info["reward/<name>"]`) and the
+    failed samples, which count 0 as in `eval/reward_mean`."""
+    sums, counts, failed = defaultdict(float), defaultdict(int), sum(t is None for t in trajs)
     for traj in trajs:
         for key, value in traj.info.items() if traj is not None else ():
             if key.startswith("reward/") and isinstance(value, int | float):
                 sums[key] += value
                 counts[key] += 1
-    return {f"eval/{k}": sums[k] / counts[k] for k in sums}
+    return {f"eval/{k}": sums[k] / (counts[k] + failed) for k in sums}
 
 
 def _sample_record(tokenizer, traj, error: BaseException | None) -> dict[str, Any]:
     """One sample of `molt eval`'s per-row results."""
     if traj is None:
-        failed = f"{type(error).__name__}: {error}"
-        return {"text": None, "reward": 0.0, "score": 0.0, "correct": False, "error": failed}
+        return {"text": None, "reward": 0.0, "score": 0.0, "correct": False, "error": describe_error(error)}
     named = {k[len("reward/") :]: v for k, v in traj.info.items() if k.startswith("reward/")}
     record = {"text": last_completion_text(tokenizer, traj), "reward": traj.reward, "score": traj.score}
-    record |= {"correct": traj.score >= 1.0, "turns": traj.num_turns, "truncated": traj.truncated}
+    truncated = traj.truncated or traj.finish_reason == "length"  # the episode, or its last completion, was cut
+    record |= {"correct": traj.score >= 1.0, "turns": traj.num_turns, "truncated": truncated}
     return record | ({"rewards": named} if named else {})
+
+
+def _log_failures(failure_log: Path, n: int, errors: list[BaseException | None]) -> None:
+    """One line per failed sample in `failure_log`, with the traceback of the first failure of each kind."""
+    kinds = set()
+    failure_log.parent.mkdir(parents=True, exist_ok=True)
+    with failure_log.open("a") as f:
+        for j, error in enumerate(errors):
+            if error is not None:
+                f.write(f"eval sample {j % n} of row {j // n} failed: {describe_error(error)}\n")
+                if (kind := error_kind(error)) not in kinds:
+                    kinds.add(kind)
+                    f.write(error_traceback(error) + "\n")
 
 
 async def evaluate(
@@ -88,10 +105,12 @@ async def evaluate(
     seed: int,
     ks: list[int] | None = None,
     results: list[dict] | None = None,
+    failure_log: Path | None = None,
 ) -> dict[str, float]:
     """Run `n` episodes per row; a sample is correct when its score is >= 1 (exact answer). `rollout(row, sampling,
     limits, rollout_id=, group_id=)`: one rollout's segments (`local_rollout`, or agent workers); `ks`: the pass@k
-    reported (default 1 and n); `results`, if given, receives one record per row."""
+    reported (default 1 and n); `results`, if given, receives one record per row; failed samples go to
+    `failure_log`, if given."""
     if not rows:
         return {}
 
@@ -100,6 +119,8 @@ async def evaluate(
         try:
             segments = await rollout(row, s, limits, rollout_id=i * n + k, group_id=i)
             return segments[-1], None  # segments share reward and score
+        except RunFatalError:  # e.g. agent code blocking the event loop: the run cannot go on
+            raise
         except Exception as e:  # noqa: BLE001 - an agent failure scores 0 in eval
             return None, e
 
@@ -109,6 +130,8 @@ async def evaluate(
     finally:
         EVALUATING.reset(token)
     trajs = [t for t, _ in outcomes]
+    if failure_log is not None and any(t is None for t in trajs):
+        _log_failures(failure_log, n, [e for _, e in outcomes])
     rewards = [t.reward if t is not None else 0.0 for t in trajs]
     correct = [[(t is not None and t.score >= 1.0) for t in trajs[i * n : (i + 1) * n]] for i in range(len(rows))]
     metrics = {"eval/reward_mean": sum(rewards) / len(rewards), "eval/failures": sum(t is None for t in trajs)}

@@ -276,8 +276,12 @@ class RLLoop(Accounting):
                     len(self.train_rows),
                 )
             return {}
-        return await evaluate(self.tokenizer, self._rollout, rows=rows, sampling=sampling, limits=self.limits,
-                              n=ev.n_samples, seed=ev.seed)  # fmt: skip
+        metrics = await evaluate(self.tokenizer, self._rollout, rows=rows, sampling=sampling, limits=self.limits,
+                                 n=ev.n_samples, seed=ev.seed, failure_log=self.failure_log)  # fmt: skip
+        if metrics["eval/failures"]:
+            log.warning("step %d: eval: %d of %d samples failed (tracebacks in %s)", self.state.step,
+                        metrics["eval/failures"], len(rows) * ev.n_samples, self.failure_log)  # fmt: skip
+        return metrics
 
     async def run(self, on_step=lambda m: None) -> list[dict[str, Any]]:
         """Run rollout and train concurrently until the last step; returns per-step metrics."""
@@ -288,12 +292,14 @@ class RLLoop(Accounting):
         self.engine_stats = self._engine_snapshot()  # the eval before does not count
         producer = asyncio.create_task(self.rollout(), name="rollout")
         trainer = asyncio.create_task(self.train(on_step), name="train")
-        done, _ = await asyncio.wait({producer, trainer}, return_when=asyncio.FIRST_COMPLETED)
-        producer.cancel()
-        trainer.cancel()
-        for task in self.group_tasks:
-            task.cancel()  # in-flight groups of steps that will not run; restarted on resume
-        await asyncio.gather(producer, trainer, *self.group_tasks, return_exceptions=True)
+        try:
+            done, _ = await asyncio.wait({producer, trainer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the run itself is cancelled (Ctrl-C): no rollout outlives the loop's engine
+            producer.cancel()
+            trainer.cancel()
+            for task in self.group_tasks:
+                task.cancel()  # in-flight groups of steps that will not run; restarted on resume
+            await asyncio.gather(producer, trainer, *self.group_tasks, return_exceptions=True)
         for task in done:
             task.result()  # re-raise a failure of either coroutine
         return self.history

@@ -165,8 +165,8 @@ def _read_qwen3_moe(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
-    """HF `config.json` dict for `cfg` (readable by transformers and vLLM)."""
+def config_to_hf(cfg: TransformerConfig, dtype: str = "float32") -> dict[str, Any]:
+    """HF `config.json` dict for `cfg` (readable by transformers and vLLM); `dtype`: the saved weights'."""
     rope = {"rope_type": "default"} | (cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
     hf: dict[str, Any] = dict(
         architectures=[FAMILIES.info(cfg.model_type)["architecture"]],
@@ -189,7 +189,7 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
         bos_token_id=cfg.bos_token_id,
         eos_token_id=cfg.eos_token_id,
         pad_token_id=cfg.pad_token_id,
-        torch_dtype="float32",
+        torch_dtype=dtype,
     )
     if cfg.model_type == "llama":
         hf["mlp_bias"] = cfg.mlp_bias

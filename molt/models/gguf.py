@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from molt.models.hf_io import atomic_folder
+from molt.models.tokenizer import save_tokenizer
 
 
 def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -32,7 +33,7 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     plain.load_state_dict(loaded.state_dict())
     with atomic_folder(out_dir) as tmp:
         plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)  # readable by older transformers and vLLM, as checkpoints are
     return out_dir
 
 

@@ -114,7 +114,8 @@ class LazyTensors(Mapping):
         return len(self.where)
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of HF model folder `folder` (its index's, or all); FileNotFoundError if none."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
         return sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -147,8 +148,28 @@ def from_pretrained(
     model = model.to_empty(device=device).to(dtype)  # `Transformer._apply` recomputes the rotary buffer
     if cfg.tie_word_embeddings:  # materialising from meta breaks the tie
         model.lm_head.weight = model.embed_tokens.weight
-    from_hf_state(model, LazyTensors(_weight_files(folder), dtype), source=str(folder))
+    from_hf_state(model, LazyTensors(weight_files(folder), dtype), source=str(folder))
     return model
+
+
+def _umask() -> int:
+    """The process umask, read from /proc where possible (setting it to read it races with other threads)."""
+    status = Path("/proc/self/status")
+    lines = status.read_text().splitlines() if status.exists() else []
+    for line in lines:
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_like_new_files(folder: Path) -> None:
+    """Give `folder` and everything in it the modes the umask gives new files and folders (e.g. 755 / 644)."""
+    mask = _umask()
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 @contextlib.contextmanager
@@ -157,11 +178,9 @@ def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700: the saved folder reads like any other the user makes
     try:
         yield tmp
+        share_like_new_files(tmp)  # mkdtemp makes it 0700, safetensors writes 0600: read like any other the user makes
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
@@ -173,7 +192,8 @@ def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
 def save_pretrained(model: Transformer, folder: str | os.PathLike, tokenizer=None) -> Path:
     """Write an HF model folder atomically (config.json, safetensors shards, tokenizer if given)."""
     with atomic_folder(folder) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
+        dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")  # the weights' as written
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg, dtype), indent=2) + "\n")
         _write_shards(to_hf_state(model), tmp)
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)

@@ -10,7 +10,8 @@ from molt.config import TrainConfig
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
-    """Multiplier of the peak LR at optimizer step `step` (0-based)."""
+    """Multiplier of the peak LR at optimizer step `step` (0-based); a warm-up longer than the run is the run."""
+    warmup_steps = min(warmup_steps, max_steps)
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))

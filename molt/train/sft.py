@@ -94,7 +94,8 @@ def train_step(
         loss = loss_sum / denom
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total += float(loss_sum.detach())
-    norm, finite = clip_and_step(opt, model.parameters(), grad_clip, scaler)
+    params = [p for group in opt.param_groups for p in group["params"]]  # the model's, or its LoRA adapters
+    norm, finite = clip_and_step(opt, params, grad_clip, scaler)
     lr = schedule.get_last_lr()[0]
     schedule.step()
     return {

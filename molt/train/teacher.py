@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from molt.config import ConfigError
 from molt.models import Transformer, from_pretrained
 from molt.train.logprobs import token_logprobs
 from molt.train.packing import PackedBatch
@@ -20,7 +21,7 @@ def load_teacher(path: str, policy: Transformer, device: str, dtype: torch.dtype
     """The teacher from an HF folder, frozen in `dtype` (the compute dtype: it never trains)."""
     teacher = from_pretrained(path, dtype=dtype, device=device).eval().requires_grad_(False)
     if teacher.cfg.vision is None and policy.cfg.vision is not None:
-        raise ValueError(f"algo.teacher {path}: the policy reads images but the teacher has no vision tower")
+        raise ConfigError(f"algo.teacher: the policy reads images but {path} has no vision tower")
     return teacher
 
 

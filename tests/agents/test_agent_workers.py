@@ -12,6 +12,7 @@ from worker_agents import Scripted, broken_kit, kit
 from molt.agents.chat import ChatRunner
 from molt.agents.reward_fn import RewardLog
 from molt.agents.runner import EpisodeLimits
+from molt.agents.watchdog import LoopBlockedError
 from molt.agents.workers import AgentWorkers, WorkerDrop
 from molt.cli.main import parse_config
 from molt.config import ConfigError
@@ -67,6 +68,18 @@ def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exit
     assert len(pids[0]) == 1 and len(pids[1]) == 2 and pids[0] < pids[1]  # the dead worker was replaced
     assert all(s[0].reward == 1.0 for s in after)
     assert log.drain() == {"reward/exact": 1.0}  # training's reward metrics, from the workers' rollouts
+
+
+def test_agent_code_blocking_a_workers_event_loop_stops_the_run():
+    async def main():
+        pool = await AgentWorkers(kit, ScriptedEngine(["4140"]), 1).start()
+        try:
+            return await pool.run(_row("block"), SAMPLING, dataclasses.replace(LIMITS, step_timeout_s=0.5))
+        finally:
+            await pool.close()
+
+    with pytest.raises(LoopBlockedError, match=r"Scripted.run \(.*worker_agents.py:\d+\) has not returned for 1s"):
+        asyncio.run(main())
 
 
 def test_agent_workers_need_a_free_chat_port():

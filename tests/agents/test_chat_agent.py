@@ -81,11 +81,28 @@ class NotAResult(ChatAgent):
         return 1.0
 
 
+class Graded(ChatAgent):
+    """One request, then `self.result`."""
+
+    def __init__(self, result=None):
+        self.result = result
+
+    async def run(self, ctx):
+        await ctx.openai().chat.completions.create(model=ctx.model, messages=ctx.messages)
+        return self.result
+
+
 def test_agent_failures_are_clear_errors():
     with pytest.raises(RuntimeError, match="made no completion request"):
         _run(ChatRunner(ScriptedEngine(), TOK), Silent())
     with pytest.raises(TypeError, match="NotAResult.run returned float"):
         _run(ChatRunner(ScriptedEngine(), TOK), NotAResult())
+    with pytest.raises(TypeError, match=r"Graded.run returned Result.score='good' \(str\); expected a number"):
+        _run(ChatRunner(ScriptedEngine(), TOK), Graded(Result(reward=1.0, score="good")))
+    with pytest.raises(TypeError, match=r"Graded.run returned Result.reward='high' \(str\); expected a number"):
+        _run(ChatRunner(ScriptedEngine(), TOK), Graded(Result(reward="high")))
+    segments = _run(ChatRunner(ScriptedEngine(), TOK), Graded(Result(reward=torch.tensor(1), score=True)))
+    assert (type(segments[0].reward), segments[0].reward, segments[0].score) == (float, 1.0, 1.0)
 
 
 class AnthropicAgent(ChatAgent):
@@ -118,7 +135,7 @@ def test_serve_mode_answers_without_sessions():
         server = await ChatServer(engine, TOK, serve_sampling=sampling, serve_max_len=256).start()
         try:
             async with httpx.AsyncClient(base_url=server.url) as http:
-                body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+                body = {"model": "molt", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
                 first = (await http.post("/v1/chat/completions", json=body)).json()
                 second = (await http.post("/v1/chat/completions", json=body)).json()
                 anthropic_reply = await http.post("/v1/messages", json=body | {"max_tokens": 4})

@@ -27,9 +27,8 @@ openai_message = st.fixed_dictionaries(
     optional={"tool_calls": st.lists(tool_call, max_size=2), "tool_call_id": text},
 )
 openai_body = st.fixed_dictionaries(
-    {"messages": st.lists(openai_message, max_size=4)},
+    {"messages": st.lists(openai_message, max_size=4), "model": st.just("molt") | text},  # no model: a 400
     optional={
-        "model": text,
         "max_tokens": st.integers(-2, 50),
         "temperature": st.floats(-1, 3),
         "stop": st.none() | text | st.lists(text, max_size=5),
@@ -46,9 +45,11 @@ anthropic_body = st.fixed_dictionaries(
     {
         "messages": st.lists(
             st.fixed_dictionaries({"role": roles, "content": text | st.lists(anthropic_block)}), max_size=4
-        )
+        ),
+        "model": st.just("molt"),
+        "max_tokens": st.integers(-1, 50),
     },
-    optional={"system": content, "max_tokens": st.integers(-1, 50), "stream": st.booleans(), "tools": json_values},
+    optional={"system": content, "stream": st.booleans(), "tools": json_values},
 )
 
 

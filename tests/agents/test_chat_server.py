@@ -1,16 +1,19 @@
 """The chat server through the real `openai` and `anthropic` SDKs: plain, streaming, tools, usage, errors."""
 
 import json
+import logging
 
 import anthropic
 import httpx
 import openai
 import pytest
-from chat_support import CALC_TOOL, TOK, ScriptedEngine, ServerThread, masked_ids
+from chat_support import CALC_TOOL, SAMPLING, TOK, ScriptedEngine, ServerThread, masked_ids
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from molt.agents.chat.prompt_tokens import OverContext, encode_within
+from molt.agents.chat.server import template_renders_tools
+from molt.models.tokenizer import build_builtin_tokenizer
 
 KEY = "test-key"
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12*345"}}\n</tool_call>'
@@ -172,6 +175,59 @@ def test_error_codes(served):
     assert masked_ids(segment) == engine.emitted[0]
 
 
+def test_requests_the_apis_refuse_are_400s_naming_the_field(served):
+    server, engine = served
+    session = server.open()
+    oa, an = _openai(server, session), _anthropic(server, session)
+    messages = [{"role": "user", "content": "hi"}]
+    openai_refused = {
+        "nope": {"tools": [CALC_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "no tools": {"tool_choice": "required"},
+        "logit_bias": {"logit_bias": {"5": 10}},
+        "presence_penalty": {"presence_penalty": 1},
+    }
+    anthropic_refused = {
+        "nope": {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "tool", "name": "nope"}},
+        "no tools": {"tool_choice": {"type": "any"}},
+        "thinking": {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+        "output_config": {"output_config": {"effort": "low"}},
+        "prefill": {"messages": [*messages, {"role": "assistant", "content": "The answer is"}]},
+    }
+    for name, options in openai_refused.items():
+        with pytest.raises(openai.BadRequestError, match=name):
+            oa.chat.completions.create(**{"model": "molt", "messages": messages} | options)
+    for name, options in anthropic_refused.items():
+        with pytest.raises(anthropic.BadRequestError, match=name):
+            an.messages.create(**{"model": "molt", "max_tokens": 8, "messages": messages} | options)
+    url, auth = server.session_url(session), {"authorization": f"Bearer {KEY}"}
+    missing = [
+        ("/v1/chat/completions", {"messages": messages}, "model"),
+        ("/v1/messages", {"messages": messages, "max_tokens": 8}, "model"),
+        ("/v1/messages", {"model": "molt", "messages": messages}, "max_tokens"),
+    ]
+    for path, body, name in missing:
+        response = httpx.post(url + path, json=body, headers=auth)
+        assert response.status_code == 400 and name in response.text, response.text
+    lone = json.dumps({"model": "molt", "messages": [*messages, {"role": "user", "content": "a\ud800"}]})
+    response = httpx.post(url + "/v1/chat/completions", content=lone, headers=auth)
+    assert response.status_code == 400 and "messages[1].content" in response.json()["error"]["message"]
+    assert engine.emitted == []
+    defaults = oa.chat.completions.create(model="molt", messages=messages, presence_penalty=0, logit_bias={})
+    assert defaults.choices[0].message.content == "hello there"
+
+
+def test_models_retrieve_knows_the_name_and_its_aliases():
+    server = ServerThread(ScriptedEngine(), api_key=KEY, model_aliases=("Org/base",))
+    try:
+        for base in (server.server.url, server.session_url(server.open())):
+            client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+            assert client.models.retrieve("molt").id == "molt" and client.models.retrieve("Org/base").id == "Org/base"
+            with pytest.raises(openai.NotFoundError, match="does not exist"):
+                client.models.retrieve("gpt-5")
+    finally:
+        server.stop()
+
+
 def test_engine_failure_is_503_and_a_retry_succeeds(served):
     server, engine = served
     engine.fail_next = 1
@@ -209,3 +265,41 @@ def test_large_prompts_are_counted_before_their_ids_are_converted():
     full = truncating.encode(text, add_special_tokens=False)
     truncating.backend_tokenizer.enable_truncation(8)
     assert encode_within(truncating, text, 1 << 20) == full
+
+
+@pytest.mark.parametrize("served", [["こんにちは"]], indirect=True)
+def test_logprob_bytes_are_each_tokens_own_and_rebuild_the_text(served):
+    """Byte tokens hold parts of a character: `bytes` are theirs (joined: the text's UTF-8), `token` escapes them."""
+    server, _ = served
+    client = _openai(server, server.open())
+    reply = client.chat.completions.create(model="molt", messages=[{"role": "user", "content": "hi"}], logprobs=True)
+    tokens = reply.choices[0].logprobs.content
+    assert b"".join(bytes(t.bytes) for t in tokens[:-1]) == "こんにちは".encode()  # the last one: <|im_end|>
+    assert [t.token for t in tokens[:3]] == ["\\xe3", "\\x81", "\\x93"] and tokens[-1].token == "<|im_end|>"
+
+
+IGNORES_TOOLS = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+def test_a_template_that_ignores_tools_is_warned_about_once(caplog):
+    """SmolLM2-like templates drop `tools`: `molt serve` warns at start-up, training at the first tools; once."""
+    blind = build_builtin_tokenizer()
+    blind.chat_template = IGNORES_TOOLS
+    assert template_renders_tools(TOK) and not template_renders_tools(blind)
+    for serve in (SAMPLING, None):
+        with caplog.at_level(logging.WARNING, "molt.chat"):
+            server = ServerThread(ScriptedEngine(), blind, api_key=KEY, serve_sampling=serve)
+            warned_at_start = len(caplog.records)
+            for _ in range(2):  # answered normally, warned about once
+                reply = _openai(server, server.open()).chat.completions.create(
+                    model="molt", messages=[{"role": "user", "content": "hi"}], tools=[CALC_TOOL]
+                )
+                assert reply.choices[0].message.content == "ok"
+            server.stop()
+        assert warned_at_start == (serve is not None) and len(caplog.records) == 1
+        assert "--chat.no_render_tools" in caplog.text and "--chat.tool_parser" in caplog.text
+        caplog.clear()
+    quiet = ServerThread(ScriptedEngine(), blind, render_tools=False)  # the policy knows its tools: no warning
+    _openai(quiet, quiet.open()).chat.completions.create(model="molt", messages=[{"role": "user", "content": "hi"}])
+    quiet.stop()
+    assert not caplog.records

@@ -12,7 +12,7 @@ from molt.agents.chat.prompt_tokens import min_tokens
 from molt.agents.chat.replies import GenerationError, RequestError, SessionClosed, TextDelta, TurnReply
 from molt.agents.chat.session import RENDER_INLINE_BYTES, Session
 from molt.agents.chat.tool_parser import get_parser
-from molt.engine.interface import Completion, TokenDelta
+from molt.engine.interface import Completion, ContextLengthError, TokenDelta
 from molt.models.tokenizer import apply_chat_template
 
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12*345"}}\n</tool_call>'
@@ -124,6 +124,18 @@ def test_budgets_answer_length_without_generating():
     reply = _turn(session, [{"role": "user", "content": "q"}])
     reply = _turn(session, [{"role": "user", "content": "q"}, _assistant(reply), {"role": "user", "content": "r"}])
     assert reply.finish_reason == "length" and session.truncated and len(session.close()[0].actions) == 1
+
+
+class _OverContextEngine(ScriptedEngine):
+    async def generate_group(self, prompt_token_ids, sampling=None, *, request_id=None, session_id=None):
+        raise ContextLengthError("no room")
+
+
+def test_an_empty_length_reply_has_n_choices():
+    spent, no_room = _session(ScriptedEngine(["x"]), max_turns=0), _session(_OverContextEngine())
+    for session in (spent, no_room):  # the session's turns are used up / the engine finds no room
+        reply = _turn(session, [{"role": "user", "content": "q"}], n=2)
+        assert [c.finish_reason for c in reply.choices] == ["length", "length"]
 
 
 def test_max_tokens_is_clipped_to_the_context_and_the_request():

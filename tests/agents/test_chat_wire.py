@@ -12,7 +12,7 @@ import pytest
 import torch
 from chat_support import TOK, ScriptedEngine, ServerThread, masked_ids
 from test_chat_server import ANTHROPIC_TOOL, CALL, reassemble_calls
-from tokenizers import Tokenizer, decoders, models
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from molt.agents.chat import wire_anthropic
@@ -337,6 +337,30 @@ def test_text_stream_decodes_a_window_yet_sends_the_full_decodes_text(tokenizer)
     assert windowed >= 10
 
 
+def _japanese_bpe() -> PreTrainedTokenizerFast:
+    """A byte-level BPE (GPT-2's byte alphabet) whose few merges split characters: 'ãģ' = E3 81, '«ãģ' = AB E3 81."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=260, initial_alphabet=alphabet, show_progress=False)
+    backend.train_from_iterator(["こんにちは、世界"] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "text"),
+    [(_japanese_bpe(), "こんにちは、世界"), (_metaspace_tokenizer(), "ü你好é")],
+    ids=["byte-level", "byte-fallback"],
+)
+def test_logprob_token_bytes_rebuild_the_text(tokenizer, text):
+    """A token's OpenAI `bytes` are its own (joined: the text's UTF-8, partial characters included); its `token`
+    escapes the bytes that do not decode, as OpenAI's does."""
+    tokens = [ChatServer(None, tokenizer)._decode_token(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    assert b"".join(raw for _, raw in tokens) == text.encode()
+    assert all(token == raw.decode(errors="backslashreplace") for token, raw in tokens)
+    assert ("\\xab\\xe3\\x81", b"\xab\xe3\x81") in tokens or ("\\xc3", b"\xc3") in tokens  # split characters
+
+
 def test_anthropic_text_delta_template_writes_the_events_bytes():
     for text in ["12", 'a "quote", a \\ and a\nnewline', "é🎉你好", "\x00\x1f", ""]:
         delta = {"index": 0, "delta": {"type": "text_delta", "text": text}}
@@ -421,3 +445,12 @@ def test_session_clients_are_copies_with_their_own_url_and_resources():
         await pool.close()
 
     asyncio.run(check())
+
+
+def test_top_k_is_honoured_in_serve_mode_on_both_wires(served):
+    kw = {"model": "molt", "messages": MESSAGES, "max_tokens": 8}
+    greedy = _openai(served).chat.completions.create(temperature=0, **kw).choices[0].message.content
+    top1 = _openai(served).chat.completions.create(temperature=1, extra_body={"top_k": 1}, **kw)
+    assert top1.choices[0].message.content == greedy  # only the most likely token can be drawn
+    top1 = _anthropic(served).messages.create(extra_body={"temperature": 1, "top_k": 1}, **kw)
+    assert top1.content[0].text == greedy

@@ -131,3 +131,74 @@ def test_scored_env_replaces_the_agent_reward_with_the_final_answer_score():
     traj = asyncio.run(run_episode(engine, TOK, env, row, SAMPLING, EpisodeLimits(), rollout_id=1))
     # the calculator's own grader wants the bare number (0 here); the math reward reads the box
     assert traj.num_turns == 2 and traj.reward == 1.0 and traj.info["reward/agent"] == 0.0
+
+
+BAD_RETURNS = """
+import math, threading
+import numpy as np
+import torch
+
+release = threading.Event()
+
+def stuck(completion, row):
+    if completion == "hang":
+        release.wait()
+    return 1.0
+
+def nan(completion, row):
+    return math.nan
+
+def inf_part(completion, row):
+    return {"acc": 1.0, "len": math.inf}
+
+def empty(completion, row):
+    return {}
+
+def scalars(completion, row):
+    return {"np32": np.float32(0.5), "np64": np.int64(2), "tensor": torch.tensor(0.25), "flag": np.bool_(True)}
+
+def parts(completion, row):
+    return {"acc": 1.0, "len": 0.5}
+"""
+
+
+def test_numpy_and_tensor_scalars_count_and_bad_values_fail_the_rollout(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(BAD_RETURNS)
+    assert _score(f"{path}:scalars")[1] == {"np32": 0.5, "np64": 2.0, "tensor": 0.25, "flag": 1.0}
+    for spec, message in [
+        (f"{path}:nan", r"reward 'nan' returned nan=nan \(float\); expected a finite number"),
+        (f"{path}:inf_part", "reward 'inf_part' returned len=inf"),
+        (f"{path}:empty", "reward 'empty' returned an empty dict"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            _score(spec)
+    assert _score(f"{path}:parts", weights="len=2") == (2.0, {"acc": 1.0, "len": 0.5})
+    with pytest.raises(
+        ValueError, match=r"reward_weights: \['lenn'\] name no reward; rewards returned: \['acc', 'len'\]"
+    ):
+        _score(f"{path}:parts", weights="lenn=5")  # a typo in a weight of a dict-returning user function
+    with pytest.raises(ValueError, match=r"rollout.reward: \['math'\] named twice"):
+        load_reward("math, format,math")
+    (tmp_path / "imports.py").write_text("\nimport not_installed_xyz\n")
+    with pytest.raises(
+        ValueError, match=r"'.*imports.py' imports a missing module 'not_installed_xyz' \(.*imports.py:2\)"
+    ):
+        load_reward(str(tmp_path / "imports.py"))
+
+
+def test_a_hung_sync_reward_fails_only_its_own_rollouts(tmp_path):
+    path = tmp_path / "hang.py"
+    path.write_text(BAD_RETURNS)
+    reward = load_reward(f"{path}:stuck")
+
+    async def main():
+        for _ in range(6):  # more stuck calls than any fixed pool would have threads
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(reward.score("hang", {}), 0.01)
+        return await asyncio.wait_for(reward.score("ok", {}), 30)  # starts now: no queue behind the stuck calls
+
+    try:
+        assert asyncio.run(main()) == (1.0, {"stuck": 1.0})
+    finally:
+        reward.parts[0].fn.__globals__["release"].set()

@@ -1,13 +1,19 @@
 """Env episodes: exact token accumulation, masks, budgets and agent failures (scripted engine)."""
 
 import asyncio
+import math
+import time
 
+import numpy as np
 import pytest
+import torch
 from chat_support import SAMPLING, TOK, ScriptedEngine  # noqa: I001
 
 from molt.agents.builtin import env_for_task
+from molt.agents.chat.agent import local_rollout
 from molt.agents.env import Env, Result, load_agent
 from molt.agents.runner import EpisodeLimits, run_episode
+from molt.agents.watchdog import LoopBlockedError
 from molt.data.tasks import get_task
 from molt.models.tokenizer import apply_chat_template, build_builtin_tokenizer
 
@@ -69,6 +75,74 @@ class Slow(Env):
     async def step(self, action):
         await asyncio.sleep(10)
         return Result(reward=1.0)
+
+
+class Returns(Env):
+    """Returns `result` from its first step; `first` from reset, if given."""
+
+    def __init__(self, result=None, first=None):
+        self.result, self.first = result, first
+
+    async def reset(self, row):
+        return self.first if self.first is not None else row["messages"]
+
+    async def step(self, action):
+        return self.result
+
+
+def test_result_numbers_and_observations_are_checked_where_they_enter_the_trajectory():
+    row = get_task("arithmetic").rows(1, seed=8)[0]
+    for value in (True, np.float32(0.5), torch.tensor(2.0), 3):
+        traj = _run(ScriptedEngine(["1"]), Returns(Result(reward=value, score=value, terminated=True)), row)
+        assert type(traj.reward) is float and type(traj.score) is float and traj.reward == float(value)
+    bad = [
+        (Result(reward="high"), TypeError, r"Returns.step returned Result.reward='high' \(str\); expected a number"),
+        (Result(reward=1.0, score="good"), TypeError, r"Result.score='good' \(str\); expected a number"),
+        (Result(reward=math.nan), ValueError, r"Result.reward=nan \(float\); expected a finite number"),
+        (Result(reward=torch.ones(2)), TypeError, r"Result.reward=.*\(Tensor\); expected a number"),
+        (
+            Result(reward=1.0, observation=12345),
+            TypeError,
+            "Returns.step returned Result.observation of type int; expected str or a list of messages",
+        ),  # fmt: skip
+        (Result(reward=1.0, observation=["hi"]), TypeError, "Result.observation of type list holding str"),
+    ]
+    for result, error, message in bad:
+        with pytest.raises(error, match=message):
+            _run(ScriptedEngine(["1"]), Returns(result), row)
+    with pytest.raises(TypeError, match="Returns.reset returned a first observation of type int"):
+        _run(ScriptedEngine(["1"]), Returns(first=7), row)
+
+
+def test_a_reset_returning_text_is_one_user_message():
+    engine = ScriptedEngine(["1"])
+    traj = _run(engine, Returns(Result(reward=1.0, terminated=True), first="just a string"), {"messages": []})
+    assert engine.prompts[0] == apply_chat_template(TOK, [{"role": "user", "content": "just a string"}],
+                                                    add_generation_prompt=True)  # fmt: skip
+    assert traj.reward == 1.0
+
+
+class Sleepy(Env):
+    """Blocks the event loop (as a sync SDK call does) in its step."""
+
+    async def step(self, action):
+        time.sleep(60)  # interrupted by the watchdog
+        return Result(reward=1.0)
+
+
+def test_agent_code_blocking_the_event_loop_stops_the_run_with_its_line():
+    row = get_task("arithmetic").rows(1, seed=8)[0]
+
+    async def main():
+        rollout = local_rollout(None, ScriptedEngine(["1"]), TOK, lambda: Returns(Result(reward=1.0, terminated=True)))
+        limits = EpisodeLimits(step_timeout_s=0.2)
+        await rollout(row, SAMPLING, limits)  # starts the watchdog
+        time.sleep(1.3)  # blocking outside agent code (e.g. a checkpoint save) is not the agent's
+        await asyncio.sleep(0)
+        return await local_rollout(None, ScriptedEngine(["1"]), TOK, Sleepy)(row, SAMPLING, limits)
+
+    with pytest.raises(LoopBlockedError, match=r"Sleepy.step \(.*test_runner.py:\d+\) has not returned for 1s"):
+        asyncio.run(main())
 
 
 def test_agent_timeout():

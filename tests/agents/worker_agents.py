@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, OpenAI
 
 from molt.agents.chat import ChatAgent, Result
 from molt.agents.workers import WorkerKit
@@ -20,7 +20,7 @@ class ImageTooLarge(RolloutDrop):
 class Scripted(ChatAgent):
     """answer / stream: one OpenAI-SDK completion (streamed or not), reward 1 when it equals the label; hang_up: a
     stream closed after its first content chunk, then an answer; fail: raises; drop: a dropped rollout; die: the
-    worker process exits."""
+    worker process exits; block: the sync SDK client, which blocks the worker's event loop (and so its server)."""
 
     async def run(self, ctx) -> Result:
         do = ctx.row["do"]
@@ -30,6 +30,8 @@ class Scripted(ChatAgent):
             raise ImageTooLarge("the image needs 600 tokens of a 512-token budget")
         if do == "die":
             os._exit(3)
+        if do == "block":
+            OpenAI(base_url=ctx.base_url, api_key=ctx.api_key).chat.completions.create(model=ctx.model, messages=[])
         client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
         if do == "hang_up":  # a stream dropped after its first content chunk, then a plain request
             stream = await client.chat.completions.create(model=ctx.model, messages=ctx.messages, stream=True)

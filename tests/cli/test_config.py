@@ -1,10 +1,12 @@
 """The config tree and its CLI: flags, files, overrides, and clear errors."""
 
 import pytest
+from conftest import small_model  # noqa: I001 - tests/conftest.py
 
 from molt.cli.config_file import load_config_file
 from molt.cli.main import main, parse_config
 from molt.config import Config, ConfigError
+from molt.models import save_pretrained
 
 
 def test_flags_set_fields():
@@ -113,9 +115,42 @@ def test_a_run_directory_as_model_path_is_its_latest_checkpoint(tmp_path):
     score or serve it); a plain model folder stays as given."""
     run = tmp_path / "run"
     for step in ("step-1", "step-2"):
-        (run / "checkpoints" / step).mkdir(parents=True)
-        (run / "checkpoints" / step / "config.json").write_text("{}")
+        save_pretrained(small_model(), run / "checkpoints" / step)
     (run / "checkpoints" / "latest").write_text("step-2")
     assert parse_config(["--model.path", str(run)]).model.path == str(run / "checkpoints" / "step-2")
     folder = str(run / "checkpoints" / "step-1")
     assert parse_config(["--model.path", folder]).model.path == folder
+
+
+def test_yaml_duplicate_key_is_an_error_with_its_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  max_steps: 2\n  lr: 5.0e-3\ntrain:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"run.yaml:4: cannot parse: duplicate key 'train'"):
+        load_config_file(Config, path)
+
+
+def test_a_flag_replaces_a_file_value_unchecked_and_run_files_hold_absolute_paths(tmp_path, monkeypatch):
+    """A bad path in the file is not an error when a flag sets it again; config.yaml paths work from anywhere."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    (tmp_path / "r.py").write_text("def fn(completion, row):\n    return 1.0\n")
+    (tmp_path / "run.toml").write_text('[data]\npath = "gone.jsonl"\n\n[train]\nmax_steps = 5\n')
+    with pytest.raises(ConfigError, match="run.toml:2: data.path: file 'gone.jsonl' does not exist"):
+        parse_config(["--config", "run.toml"])
+    cfg = parse_config(["--config", "run.toml", "--data.path", "rows.jsonl", "--rollout.reward", "math,r.py:fn"])
+    assert cfg.data.path == "rows.jsonl" and cfg.train.max_steps == 5
+    saved = cfg.file_form()
+    assert saved["data"]["path"] == str(tmp_path / "rows.jsonl")
+    assert saved["rollout"]["reward"] == f"math,{tmp_path / 'r.py'}:fn" and saved["ckpt"]["resume"] == ""
+    cfg = parse_config(["--config", "run.toml", "--data.path", "rows.jsonl", "--train.max_steps", "100"])
+    assert cfg.train.warmup_steps == 10  # the default, not clamped to the file's max_steps
+
+
+def test_ineffective_filter_on_and_is_band_name_their_key(capsys):
+    for flags, key in (
+        (["--rollout.filters", "--rollout.filter_on", "score"], "rollout.filter_on: has no effect without filters"),
+        (["--algo.is_low", "2"], "algo.is_low: the IS band needs 0 <= is_low <= 1 <= is_high"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(flags)
+        assert key in capsys.readouterr().err

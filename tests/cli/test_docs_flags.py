@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import small_model  # noqa: I001 - tests/conftest.py
 
 import molt.config
 from molt.cli.main import parse_command
 from molt.config import Config
+from molt.models import save_pretrained
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAG = re.compile(r"--([a-z_]+\.[a-z0-9_.]*[a-z0-9_])")
@@ -72,12 +74,10 @@ def _workspace(tmp_path: Path, argv: list[str]) -> None:
     (tmp_path / "run.toml").write_text(toml)  # the README's own config file example
     folders = [value for flag, value in zip(argv, argv[1:], strict=False) if flag in MODEL_FLAGS]
     folders.append(".cache/smollm2-135m-instruct")  # what examples/smollm2/prepare.py writes for the recipe
-    for folder in folders:
-        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
-        (tmp_path / folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     run = tmp_path / "runs" / "train-<time>"  # the README's placeholder, literally
-    (run / "checkpoints" / "step-1").mkdir(parents=True)
-    (run / "checkpoints" / "step-1" / "config.json").write_text("{}")
+    model = small_model()
+    for folder in [*folders, run / "checkpoints" / "step-1"]:
+        save_pretrained(model, tmp_path / folder)
     (run / "checkpoints" / "latest").write_text("step-1")
     (run / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(dataclasses.asdict(Config())))))
     (tmp_path / "examples").symlink_to(ROOT / "examples")

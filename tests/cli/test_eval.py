@@ -2,12 +2,13 @@
 
 import json
 
-from conftest import TINY_RUN  # noqa: I001 - tests/conftest.py
+from conftest import TINY_RUN, one_line, run_molt  # noqa: I001 - tests/conftest.py
 
 from molt.cli.main import main, parse_config
 from molt.cli.train import run_train
 from molt.data.tasks import get_task
 from molt.log import read_metrics
+from molt.models import Transformer, build_builtin_tokenizer, preset, save_pretrained
 
 FAST = [*TINY_RUN, "--train.max_steps", "2", "--train.lr", "1e-3", "--eval.every", "2", "--eval.num_prompts", "6",
         "--eval.n_samples", "3"]  # fmt: skip
@@ -36,3 +37,21 @@ def test_molt_eval_reproduces_the_in_training_eval_of_the_checkpoint(tmp_path):
           "--log.run_dir", str(tmp_path / "greedy")])  # fmt: skip
     greedy = [json.loads(line) for line in (tmp_path / "greedy" / "results.jsonl").read_text().splitlines()]
     assert all(len({s["text"] for s in r["samples"]}) == 1 for r in greedy)
+
+
+def test_failed_samples_are_shown_and_an_eval_where_all_failed_is_an_error(tmp_path, capsys, monkeypatch):
+    tokenizer = build_builtin_tokenizer()
+    save_pretrained(Transformer(preset("tiny", vocab_size=len(tokenizer))), tmp_path / "model", tokenizer=tokenizer)
+    (tmp_path / "rows.jsonl").write_text("".join(f'{{"prompt": "say {i}", "answer": "{i}"}}\n' for i in range(30)))
+    (tmp_path / "bad.py").write_text("def reward(completion, row):\n    raise ValueError('boom')\n")
+    monkeypatch.chdir(tmp_path)
+    flags = ["--data.path", "rows.jsonl", "--data.num_eval", "3", "--eval.n_samples", "2", "--rollout.max_tokens", "4"]
+    result = run_molt(capsys, "eval", "model", *flags, "--rollout.reward", "bad.py", "--log.run_dir", "ev")
+    summary, error = result.stderr.splitlines()[0], result.stderr.splitlines()[-1]
+    assert result.returncode == 2 and "failures 6/6 (first: ValueError: boom [" in summary
+    assert error.startswith("molt eval: error: every one of the 6 eval samples failed (first: ValueError: boom")
+    assert "Traceback" in (tmp_path / "ev" / "rollout_failures.log").read_text()
+
+    (tmp_path / "five.jsonl").write_text("".join(f'{{"prompt": "say {i}", "answer": "{i}"}}\n' for i in range(5)))
+    one_line(run_molt(capsys, "eval", "model", "--data.path", "five.jsonl", "--rollout.reward", "exact"),
+             "data.num_eval=200 rows, at most 10% of its rows, for eval: none of the 5 rows of five.jsonl")  # fmt: skip

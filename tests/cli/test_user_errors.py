@@ -118,8 +118,10 @@ def test_too_long_row_names_the_file_line(tmp_path, molt):
 
 
 def test_any_max_steps_works_with_the_default_warmup():
-    assert parse_config(["--train.max_steps", "4"]).train.warmup_steps == 4
-    assert parse_config(["--train.max_steps", "40"]).train.warmup_steps == 10
+    from molt.train.optim import lr_factor
+
+    assert parse_config(["--train.max_steps", "4"]).train.warmup_steps == 10  # as given: the schedule clamps it
+    assert [lr_factor(step, 10, 4, 0.1) for step in range(4)] == [0.25, 0.5, 0.75, 1.0]
 
 
 def test_prompt_over_the_context_budget_is_named_not_blamed_on_the_policy(molt):
@@ -159,6 +161,23 @@ def test_eval_with_no_samples_or_no_held_out_rows(tmp_path, molt, caplog):
 def test_distillation_without_a_teacher(molt):
     result = molt("train", "--algo.estimator", "on_policy_distill")
     one_line(result, "config error: algo.teacher:", "--algo.teacher")
+
+
+def test_teacher_and_critic_folders_are_checked_at_start_up(tmp_path, molt):
+    """Not a model folder, or a model with another tokenizer: one line naming the flag, nothing built."""
+    from molt.models import Transformer, build_builtin_tokenizer, preset, save_pretrained
+
+    tokenizer = build_builtin_tokenizer()
+    tokenizer.add_tokens(["<other>"])  # one token more than the policy's built-in tokenizer
+    model = Transformer(preset("tiny", vocab_size=len(tokenizer)))
+    save_pretrained(model, tmp_path / "other", tokenizer=tokenizer)
+    (tmp_path / "empty").mkdir()
+    one_line(molt("train", *FAST, "--algo.teacher", "empty"), "config error: algo.teacher: 'empty' is not a model")
+    one_line(molt("train", *FAST, "--algo.estimator", "gae", "--critic.path", "empty"), "critic.path: 'empty'")
+    result = molt("train", *FAST, "--algo.teacher", "other", shared_cache=True)
+    sizes = f"({len(tokenizer)} vs {len(tokenizer) - 1} tokens)"
+    one_line(result, f"config error: algo.teacher: other's tokenizer is not the policy's {sizes}")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_env_and_result_import_from_molt_agents(tmp_path):

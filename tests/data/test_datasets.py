@@ -96,3 +96,39 @@ def test_config_time_errors_name_the_key(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parse_config(flags)
         assert message in " ".join(capsys.readouterr().err.split()), flags
+
+
+def test_byte_order_mark_empty_turns_and_the_split_held_out(tmp_path):
+    good = json.dumps({"prompt": "hi", "answer": "1"})
+    (tmp_path / "bom.jsonl").write_bytes(("\ufeff" + good + "\n").encode())
+    assert (
+        dataset_rows(_data("--data.path", str(tmp_path / "bom.jsonl"), "--data.num_eval", "0"))[0][0]["answer"] == "1"
+    )
+    for name, messages, message in [
+        ("empty", [{"role": "user", "content": " "}], r"empty\.jsonl:2: messages\[0\]\.content is empty"),
+        (
+            "missing",
+            [{"role": "user", "content": "q"}, {"role": "assistant"}],
+            r"missing\.jsonl:2: messages\[1\] needs",
+        ),
+    ]:
+        (tmp_path / f"{name}.jsonl").write_text(good + "\n" + json.dumps({"messages": messages}) + "\n")
+        with pytest.raises(DataError, match=message):
+            dataset_rows(_data("--data.path", str(tmp_path / f"{name}.jsonl")))
+    _write_all(tmp_path, ROWS)  # dsdict: train = ROWS[4:], test = ROWS[:4]
+    flags = ["--data.path", str(tmp_path / "dsdict"), "--data.split", "test", "--data.columns", "prompt=question"]
+    train, held = dataset_rows(_data(*flags, "--data.num_eval", "5"))
+    assert sorted(r["question"] for r in train + held) == sorted(r["question"] for r in ROWS[:4])
+    assert not {r["question"] for r in held} & {r["question"] for r in train}  # never the training split itself
+
+
+def test_a_chat_row_with_its_answer_prompts_rl_without_it():
+    import asyncio
+
+    from molt.agents.env import Env
+
+    user = [{"role": "system", "content": "s"}, {"role": "user", "content": "What is 0+3?"}]
+    answer = [{"role": "assistant", "content": "ANSWER3"}]
+    assert asyncio.run(Env().reset({"messages": user + answer, "answer": "3"})) == user
+    multi = [*user, *answer, {"role": "user", "content": "and 1+1?"}]
+    assert asyncio.run(Env().reset({"messages": [*multi, *answer, *answer]})) == multi

@@ -1,5 +1,6 @@
 """The RL loop end to end with the built-in engine: staleness bound, on-policy exactness, resume."""
 
+import asyncio
 import json
 
 import pytest
@@ -7,7 +8,9 @@ from conftest import TINY_RUN  # noqa: I001 - tests/conftest.py
 
 from molt.cli.main import parse_config
 from molt.cli.train import run_train
-from molt.loop.evaluate import pass_at_k
+from molt.data.trajectory import Trajectory
+from molt.engine.interface import SamplingParams
+from molt.loop.evaluate import evaluate, pass_at_k
 
 FAST = [*TINY_RUN, "--rollout.max_turns", "2", "--data.num_train", "64", "--data.num_eval", "8"]
 
@@ -81,3 +84,23 @@ def test_run_outputs_metrics_tensorboard_and_plot(tmp_path):
     rows = [m["rollout/decode_batch_mean"] for m in result.history]  # 0: no decoding since the last step
     assert max(rows) >= 1 and all(r == 0 or r >= 1 for r in rows)
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
+
+
+def test_eval_failures_score_0_everywhere_and_are_logged_with_their_traceback(tmp_path):
+    """A failed sample counts 0 in the named rewards as in reward_mean; cut-off completions are `truncated`."""
+
+    async def rollout(row, sampling, limits, rollout_id, group_id):
+        if row["fail"]:
+            raise ValueError(f"bad row {group_id}")
+        return [Trajectory(reward=1.0, score=1.0, info={"reward/exact": 1.0}, finish_reason="length")]
+
+    results, log = [], tmp_path / "rollout_failures.log"
+    rows = [{"fail": False}, {"fail": True}]
+    metrics = asyncio.run(evaluate(None, rollout, rows=rows, sampling=SamplingParams(), limits=None, n=2, seed=0,
+                                   results=results, failure_log=log))  # fmt: skip
+    assert metrics["eval/failures"] == 2 and metrics["eval/reward_mean"] == metrics["eval/reward/exact"] == 0.5
+    assert results[0]["samples"][0]["truncated"] and results[1]["samples"][0]["error"].startswith(
+        "ValueError: bad row 1 ["
+    )
+    lines = log.read_text()
+    assert "eval sample 1 of row 1 failed: ValueError: bad row 1" in lines and lines.count("Traceback") == 1

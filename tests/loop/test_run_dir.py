@@ -1,13 +1,21 @@
-"""Run directories: a new run refuses a non-empty one, a finished run's resume says what to raise, and
-checkpoints are readable by the group with an interrupted save's temp folders removed at the next save."""
+"""Run directories: a new run refuses a non-empty one, a finished run's resume says what to raise, Ctrl-C
+leaves a resumable run (no rollout counted failed), a resumed run goes on in its own (possibly moved) folder
+with each step logged once, and checkpoints are readable by the group with an interrupted save's temp folders
+removed at the next save."""
 
+import json
 import os
+import signal
 import stat
+import subprocess
+import sys
 
+import yaml
 from conftest import TINY_RUN, one_line, run_molt  # noqa: I001 - tests/conftest.py
 
 from molt.cli.main import main
-from molt.loop.checkpoint import remove_orphans, share_like_new_files
+from molt.loop.checkpoint import remove_orphans
+from molt.models.hf_io import share_like_new_files
 
 TINY = [*TINY_RUN, "--data.task", "arithmetic", "--data.num_train", "32", "--data.num_eval", "4",
         "--rollout.n_samples_per_prompt", "2", "--rollout.max_tokens", "4"]  # fmt: skip
@@ -17,7 +25,7 @@ def test_new_run_refuses_a_non_empty_run_dir(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("mine")
     err = one_line(run_molt(capsys, "train", *TINY, "--log.run_dir", str(tmp_path / "run")))
-    assert f"log.run_dir: {tmp_path / 'run'} already holds files" in err and "--resume" in err
+    assert f"log.run_dir: {tmp_path / 'run'} already holds files" in err and "--resume" not in err  # none to resume
     assert sorted(os.listdir(tmp_path / "run")) == ["notes.txt"]  # nothing written
 
 
@@ -43,6 +51,26 @@ def test_resume_finished_run_orphans_and_group_readable_checkpoints(tmp_path, ca
         assert stat.S_IMODE(path.stat().st_mode) == expected, path
 
 
+def test_ctrl_c_then_resume_of_the_moved_run_dir(tmp_path):
+    run, moved = tmp_path / "run", tmp_path / "moved"
+    args = [*TINY, "--train.max_steps", "40", "--ckpt.every", "2", "--log.every", "1", "--log.run_dir", str(run)]
+    molt = subprocess.Popen([sys.executable, "-m", "molt.cli.main", "train", *args], stderr=subprocess.PIPE, text=True)
+    for line in molt.stderr:
+        if "step 5/40" in line:
+            molt.send_signal(signal.SIGINT)  # Ctrl-C mid-run, rollouts in flight
+            break
+    err = molt.stderr.read()
+    assert molt.wait() == 130, err
+    assert err.strip().splitlines()[-1].startswith("molt train: interrupted") and "failed" not in err, err
+    assert not (run / "rollout_failures.log").exists()  # the closing engine fails no rollout
+    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt"]["resume"] == ""  # --config of it: a new run
+    run.rename(moved)
+    main(["train", "--resume", str(moved), "--train.max_steps", "8"])
+    assert not run.exists()  # continued where the run now is
+    steps = [json.loads(line)["step"] for line in (moved / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))  # rows logged after the resumed checkpoint were dropped, none twice
+
+
 def test_orphan_cleanup_and_modes_follow_the_umask(tmp_path):
     (tmp_path / ".step-3.abc").mkdir()
     (tmp_path / ".latest.tmp").write_text("step-3")
@@ -60,3 +88,39 @@ def test_orphan_cleanup_and_modes_follow_the_umask(tmp_path):
         os.umask(old_mask)
     assert stat.S_IMODE(folder.stat().st_mode) == 0o750
     assert stat.S_IMODE((folder / "w.bin").stat().st_mode) == 0o640
+
+
+def test_a_run_that_stopped_before_its_first_step_can_start_again_and_models_save_readable(tmp_path, capsys):
+    from conftest import small_model
+
+    from molt.models import save_pretrained
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"model_type": "gpt2"}')
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"")
+    err = one_line(run_molt(capsys, "train", *TINY, "--model.path", str(tmp_path / "bad")))
+    assert "model.path: " in err and "model_type='gpt2' is not supported" in err
+    run = tmp_path / "run"
+    run.mkdir()  # what a start that failed after writing its config leaves
+    (run / "config.yaml").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    main(["train", *TINY, "--train.max_steps", "1", "--log.run_dir", str(run)])
+    assert (run / "checkpoints" / "latest").exists()
+    old_mask = os.umask(0o022)
+    try:
+        folder = save_pretrained(small_model(), tmp_path / "model")  # safetensors itself writes 0600
+    finally:
+        os.umask(old_mask)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == {0o644}
+
+
+def test_resume_refuses_settings_its_checkpoint_state_cannot_hold(tmp_path, capsys):
+    run = tmp_path / "run"
+    main(["train", *TINY, "--train.max_steps", "1", "--log.run_dir", str(run)])
+    for flags, what in (
+        (["--train.lora_rank", "4"], "train.lora_rank is 4 here but 0"),
+        (["--algo.estimator", "gae"], "a critic (algo.estimator gae) is True here but False"),
+        (["--algo.kl_coef", "0.1"], "a KL reference (algo.kl_coef > 0) is True here but False"),
+    ):
+        err = one_line(run_molt(capsys, "train", "--resume", str(run), "--train.max_steps", "2", *flags))
+        assert f"ckpt.resume: {what} in {run}" in err and f"--model.path {run}" in err

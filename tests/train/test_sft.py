@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from molt.cli.build import build_model, build_tokenizer
 from molt.cli.main import parse_config
 from molt.cli.sft import run_sft
 from molt.data.chat import read_jsonl
@@ -54,3 +55,34 @@ def test_malformed_dataset_line_names_file_and_line(tmp_path):
     path.write_text('{"messages": [{"role": "robot", "content": "hi"}]}\n')
     with pytest.raises(DataError, match=r"data\.jsonl:1: messages\[0\] needs a 'role'"):
         read_jsonl(path)
+
+
+def test_lora_sft_trains_only_adapters_and_saves_merged_and_peft(tmp_path):
+    flags = ["--train.max_steps", "3", "--train.warmup_steps", "0", "--data.num_train", "40", "--data.num_eval", "8"]
+    flags += ["--train.batch_size", "8", "--train.lora_rank", "4", "--train.lora_targets", "q", "v"]
+    cfg = parse_config([*flags, "--log.run_dir", str(tmp_path / "run")], command_name="sft")
+    result = run_sft(cfg)
+    assert result.eval_after["eval/loss"] < result.eval_before["eval/loss"]
+    merged = from_pretrained(result.checkpoint)  # only the targeted projections moved from the initial model
+    init = build_model(cfg.model, build_tokenizer(cfg.model), cfg.train.seed)
+    for (name, w), w0 in zip(merged.state_dict().items(), init.state_dict().values(), strict=True):
+        assert torch.equal(w, w0) != (name.endswith(("q_proj.weight", "v_proj.weight"))), name
+    adapter = json.loads((tmp_path / "run" / "checkpoint" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
+
+
+def test_sft_refuses_rl_flags_and_a_used_run_dir(tmp_path, capsys):
+    from molt.cli.main import main
+
+    for flag, value in (("--ckpt.every", "1"), ("--rollout.n_samples_per_prompt", "3"), ("--algo.estimator", "rloo")):
+        with pytest.raises(SystemExit):
+            main(["sft", flag, value, "--log.run_dir", str(tmp_path / "never")])
+        group = flag[2:].split(".")[0]
+        assert f"{flag[2:]}: `molt sft` does not use the {group} settings" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "config.yaml").write_text("{}")
+    (tmp_path / "used" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(SystemExit):
+        main(["sft", "--log.run_dir", str(tmp_path / "used")])
+    assert "already holds a run" in capsys.readouterr().err

@@ -61,5 +61,5 @@ def test_teacher_kl_is_added_to_a_task_estimator(tmp_path):
 def test_distill_needs_an_existing_teacher_folder(tmp_path):
     with pytest.raises(ConfigError, match="algo.teacher"):
         AlgoConfig(estimator="on_policy_distill")
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError, match="does not exist"):
         AlgoConfig(teacher=str(tmp_path / "missing"))

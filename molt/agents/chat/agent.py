@@ -3,7 +3,8 @@
 `ChatRunner` owns one chat server per runner process (started on first use, on the running loop) and
 turns one `ChatAgent.run(ctx)` (within `step_timeout_s x max_turns`) into its session's trajectory
 segments, each stamped with the rollout's reward, score, ids and segment index. The agent must use async
-clients (`AsyncOpenAI`, `AsyncAnthropic`) or run sync ones in a thread: the server shares its event loop.
+clients (`AsyncOpenAI`, `AsyncAnthropic`) or run sync ones in a thread: the server shares its event loop (one
+blocked past `step_timeout_s` stops the run: `watchdog.LoopWatchdog`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 
 from molt.agents.chat.clients import ClientPool
 from molt.agents.chat.server import ChatServer
-from molt.agents.env import Env, Messages, Result, load_agent
-from molt.agents.runner import EpisodeLimits, run_episode, within
+from molt.agents.env import Env, Messages, Result, load_agent, prompt_messages
+from molt.agents.runner import EpisodeLimits, check_result, run_episode
+from molt.agents.watchdog import watch_loop, within
 from molt.config import ConfigError
 from molt.data.trajectory import Trajectory
 
@@ -168,7 +170,7 @@ class ChatRunner:
             session_url=url,
             api_key=self.api_key,
             model=server.model_name,
-            messages=list(row["messages"]),
+            messages=prompt_messages(row["messages"]),  # a trailing assistant turn is an SFT answer, not a prompt
             tools=row.get("tools"),
             label=row.get("label"),
             row=row,
@@ -182,10 +184,12 @@ class ChatRunner:
             result = await within(budget_s, agent.run(ctx), f"{name}.run", "rollout.step_timeout_s x max_turns")
         finally:
             segments = server.close_session(session.id)
+        result = check_result(result, f"{name}.run")
         rescore = getattr(agent, "rescore", None)  # a reward function scoring the final answer (reward_env.py)
         if rescore is not None and segments:
             answer = last_completion_text(self.tokenizer, segments[-1])
             result = await within(limits.step_timeout_s, rescore(result, answer, row), "the reward function")
+            result = check_result(result, "the reward function")
         return _stamp(agent, result, segments, session.truncated, ids)
 
 
@@ -198,16 +202,15 @@ def last_completion_text(tokenizer, segment: Trajectory) -> str:
 
 
 def _stamp(agent: ChatAgent, result: Result, segments: list[Trajectory], truncated: bool, ids: dict) -> list:
+    """`segments` stamped with the checked `result`'s reward, score and info, the ids and segment indices."""
     name = type(agent).__name__
-    if not isinstance(result, Result):
-        raise TypeError(f"{name}.run returned {type(result).__name__}, expected molt.agents.Result")
     if not segments and truncated:
         raise RuntimeError(f"{name}.run: no request fit the context budget (rollout.max_len); nothing was generated")
     if not segments:
         raise RuntimeError(f"{name}.run made no completion request on its session (nothing to train)")
-    score = result.score if result.score is not None else float(result.reward)
+    score = result.score if result.score is not None else result.reward
     for i, seg in enumerate(segments):
-        seg.reward, seg.score, seg.info = float(result.reward), score, dict(result.info)
+        seg.reward, seg.score, seg.info = result.reward, score, dict(result.info)
         seg.segment, seg.num_segments = i, len(segments)
         seg.group_id, seg.rollout_id = ids.get("group_id", 0), ids.get("rollout_id", 0)
         seg.check()
@@ -224,9 +227,11 @@ async def run_agent(chat: ChatRunner | None, engine, tokenizer, agent, row: dict
 
 
 def local_rollout(chat: ChatRunner | None, engine, tokenizer, make_env: Callable[[], Any]):
-    """`rollout(row, sampling, limits, **ids)` on this event loop, a fresh agent from `make_env()` each time."""
+    """`rollout(row, sampling, limits, **ids)` on this event loop, a fresh agent from `make_env()` each time; agent
+    code blocking the loop past `limits.step_timeout_s` stops the run (`watchdog.LoopWatchdog`)."""
 
     async def rollout(row: dict, sampling, limits: EpisodeLimits, **kw) -> list[Trajectory]:
+        watch_loop(limits.step_timeout_s)
         return await run_agent(chat, engine, tokenizer, make_env(), row, sampling, limits, **kw)
 
     return rollout

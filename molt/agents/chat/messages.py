@@ -11,9 +11,11 @@ left out, because templates do not render them.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from molt.agents.chat.replies import InvalidRequest
 from molt.agents.chat.tool_parser import ToolCall
 
 Message = dict[str, Any]
@@ -28,6 +30,7 @@ class ChatRequest:
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
     stop: tuple[str, ...] = ()
     parse_tools: bool = True  # False for tool_choice "none"
     stream: bool = False
@@ -66,6 +69,29 @@ def check_depth(value: Any, where: str = "request body", max_depth: int = MAX_DE
         level += 1
         if frontier and level >= max_depth:
             raise TooDeep(f"{where} nests deeper than {max_depth} levels")
+
+
+def refuse_unsupported(body: Any, defaults: dict[str, tuple]) -> None:
+    """InvalidRequest naming the first option of `defaults` (options Molt does not implement, each with the values
+    that ask for nothing) that `body` sets otherwise: such a setting is refused, never silently ignored."""
+    for name, allowed in defaults.items():
+        if isinstance(body, dict) and body.get(name) not in (None, *allowed):
+            raise InvalidRequest(f"{name} is not supported by Molt's server")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value: Any, path: str = "body") -> str | None:
+    """Where in `value` (parsed JSON, depth already checked) a string holds a lone UTF-16 surrogate, or None."""
+    if isinstance(value, str):
+        return path if not value.isascii() and _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}".removeprefix("body.")
+        if (found := lone_surrogate(key, where) or lone_surrogate(item, where)) is not None:
+            return found
+    return None
 
 
 def decode_arguments(arguments: Any) -> Any:

@@ -57,6 +57,13 @@ class TurnReply:
     def choices(self) -> list[TurnReply]:
         return [self, *self.siblings]
 
+    @classmethod
+    def length(cls, n: int, num_prompt_tokens: int) -> TurnReply:
+        """The empty "length" reply (no room left to generate), with its n choices."""
+        return cls(
+            "", [], "length", num_prompt_tokens, 0, siblings=[cls.length(1, num_prompt_tokens) for _ in range(n - 1)]
+        )
+
 
 @dataclass
 class TextDelta:

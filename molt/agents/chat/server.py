@@ -2,15 +2,17 @@
 
 FastAPI app served by uvicorn on the caller's own asyncio loop (signals stay with the host program), on
 127.0.0.1 and a free port unless told otherwise. Routes: `POST /s/{session}/v1/chat/completions`,
-`POST /s/{session}/v1/messages` (and its `count_tokens`), `GET /s/{session}/v1/models`, `GET /v1/models`,
-`GET /health`; with `serve_sampling` set (`molt serve`) also `POST /v1/chat/completions` and
+`POST /s/{session}/v1/messages` (and its `count_tokens`), `GET /s/{session}/v1/models[/{model}]`,
+`GET /v1/models[/{model}]`, `GET /health`; with `serve_sampling` set (`molt serve`) also `POST /v1/chat/completions` and
 `POST /v1/messages`, each in an implicit one-request session.
 
 Errors come in the wire's own format, never a 500 for what a client sent: 401 (API key), 404 (unknown or
 finished session, unknown `model`), 413 (body over `max_body_bytes`), 400 (not JSON, nested deeper than
-`MAX_DEPTH`, unsupported options, serve mode's `context_length_exceeded`), 422 (schema mismatch, or a template
-that cannot render it), 503 (the engine failed). Anything else is a 500 naming a request id, logged with its
-traceback. A client that goes away mid-stream aborts the generation and nothing is recorded.
+`MAX_DEPTH`, no `model`, a lone surrogate in a string, unsupported options, serve mode's
+`context_length_exceeded`), 422 (schema mismatch, or a template that cannot render it), 503 (the engine
+failed). Anything else is a 500 naming a request id, logged with its traceback. A client that goes away
+mid-stream aborts the generation and nothing is recorded. A chat template that ignores `tools` (so requests'
+tools never reach the prompt) is warned about once: at start-up in serve mode, else at the first tools.
 `direct_route` gives in-process clients (`loopback.py`) the completion handler itself, skipping FastAPI's
 routing and middleware: the same function, validation and responses as over HTTP.
 """
@@ -22,6 +24,7 @@ import contextlib
 import functools
 import json
 import logging
+import re
 import secrets
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,18 +35,24 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
+from tokenizers import decoders
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from molt.agents.chat import wire_anthropic, wire_openai
 from molt.agents.chat.ids import new_id
-from molt.agents.chat.messages import ChatRequest, TooDeep, check_depth
+from molt.agents.chat.messages import ChatRequest, TooDeep, check_depth, lone_surrogate
 from molt.agents.chat.replies import GenerationError, RequestError, SessionClosed
 from molt.agents.chat.session import RENDER_INLINE_BYTES, Session
-from molt.agents.chat.tool_parser import get_parser
+from molt.agents.chat.tool_parser import PARSERS, get_parser
 from molt.agents.runner import first_prompt_ids
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import SamplingParams
+from molt.models.tokenizer import render_chat
 
 log = logging.getLogger("molt.chat")
+BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE's alphabet -> the byte it spells
+BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {}}}
 
 
 class HTTPError(Exception):
@@ -60,6 +69,17 @@ def _summary(error: ValidationError, limit: int = 3) -> str:
     parts = [f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in error.errors()[:limit]]
     more = error.error_count() - limit
     return "invalid request: " + "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template puts a request's `tools` into the prompt: a probe conversation
+    renders differently with one tool than without (a template that cannot render it counts as rendering)."""
+    messages = [{"role": "user", "content": "Hi."}]
+    try:
+        with_tool = render_chat(tokenizer, messages, tools=[PROBE_TOOL], add_generation_prompt=True)
+        return with_tool != render_chat(tokenizer, messages, add_generation_prompt=True)
+    except (TemplateError, TypeError, KeyError, AttributeError, ValueError):
+        return True
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -113,6 +133,10 @@ class ChatServer:
         self.model_names = frozenset((model_name, *model_aliases))  # what a request's `model` may say
         self.max_body_bytes, self.render_tools = max_body_bytes, render_tools
         self.parser = get_parser(tool_parser, tokenizer)
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = isinstance(decoder, decoders.ByteLevel)  # tokens spell bytes (GPT-2's byte alphabet)
+        self._added_ids = frozenset(getattr(tokenizer, "added_tokens_decoder", ()))  # their text is literal
+        self._tools_checked = not render_tools  # whether a template that ignores tools was looked for
         self.serve_sampling, self.serve_max_len = serve_sampling, serve_max_len
         self.sessions: dict[str, Session] = {}  # open sessions by unguessable id (192 random bits)
         self.app = self._build_app()
@@ -151,6 +175,8 @@ class ChatServer:
         except OSError as e:
             raise RuntimeError(f"chat server cannot bind {self.host}:{self.port}: {e}") from None
         self.port = sock.getsockname()[1]
+        if self.serve_sampling is not None:  # `molt serve`: say at start-up; training: at the first tools
+            self._warn_if_tools_ignored()
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="chat-server")
         while not self._server.started:
@@ -188,10 +214,15 @@ class ChatServer:
         app = FastAPI(title="Molt chat server", docs_url=None, redoc_url=None, openapi_url=None)
         app.get("/health")(self._health)
         app.get("/s/{session_id}/v1/models")(self._models)
+        app.get("/s/{session_id}/v1/models/{model_id:path}")(self._models)
 
         @app.get("/v1/models")
         async def models(request: Request) -> Response:
             return await self._models(request)
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(request: Request, model_id: str) -> Response:
+            return await self._models(request, model_id=model_id)
 
         @app.post("/s/{session_id}/v1/chat/completions")
         async def openai_session(request: Request, session_id: str) -> Response:
@@ -220,17 +251,26 @@ class ChatServer:
     async def _health(self) -> dict[str, Any]:
         return {"status": "ok", "sessions": len(self.sessions), "version": getattr(self.engine, "version", 0)}
 
-    async def _models(self, request: Request, session_id: str | None = None) -> Response:
-        """The served model's card (on a session's route, once the session is checked to exist)."""
+    async def _models(self, request: Request, session_id: str | None = None, model_id: str | None = None) -> Response:
+        """The served model's card in a list, or `model_id`'s card (a name it answers to); on a session's route
+        once the session is checked to exist."""
         try:
             self._authorize(request)
             if session_id is not None:
                 self._session(session_id)
+            if model_id is not None:
+                self._check_model(model_id)
         except (HTTPError, SessionClosed) as e:
             status, message = self._failure(e, session_id)
             return JSONResponse(wire_openai.error(status, message), status)
-        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "molt"}
-        return JSONResponse({"object": "list", "data": [card]})
+        card = {"id": model_id or self.model_name, "object": "model", "created": 0, "owned_by": "molt"}
+        return JSONResponse(card if model_id is not None else {"object": "list", "data": [card]})
+
+    def _check_model(self, model: str) -> None:
+        if not model:
+            raise HTTPError(400, f"model is required (this server serves {self.model_name!r})")
+        if model not in self.model_names:
+            raise HTTPError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}")
 
     def _authorize(self, request: Request) -> None:
         if not self.api_key:
@@ -254,22 +294,54 @@ class ChatServer:
         except (ValueError, RecursionError) as e:
             raise HTTPError(400, f"request body is not valid JSON: {e}") from None
 
-    async def _decode(self, request: Request, wire) -> ChatRequest:
+    async def _decode(self, request: Request, wire, **options) -> ChatRequest:
         body = await self._read_json(request)
         try:
             check_depth(body)
-            chat = wire.decode(body)
+            if (where := lone_surrogate(body)) is not None:  # not text: the tokenizer would fail on it
+                raise HTTPError(400, f"{where} holds a lone UTF-16 surrogate (not valid Unicode text)")
+            chat = wire.decode(body, **options)
         except ValidationError as e:
             raise HTTPError(422, _summary(e)) from None
-        model = chat.extra.get("model") or ""
-        if model and model not in self.model_names:
-            raise HTTPError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}")
+        self._check_model(chat.extra.get("model") or "")
+        if chat.tools:
+            self._warn_if_tools_ignored()
         chat.size = int(request.headers.get("content-length") or 0)
         chat.extra["decode_token"] = self._decode_token
         return chat
 
-    def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _warn_if_tools_ignored(self) -> None:
+        """Once per server (with render_tools on): log a warning if the chat template ignores `tools`, so that
+        requests' tools never reach the prompt; such requests are still answered."""
+        if self._tools_checked:
+            return
+        self._tools_checked = True
+        if template_renders_tools(self.tokenizer):
+            return
+        parser = next(name for name in PARSERS if PARSERS[name] is self.parser)
+        parsed = "so replies never carry tool calls" if parser == "none" else f"calls are parsed as {parser!r}"
+        log.warning(
+            "the chat template ignores `tools`: a request's tools are not rendered into the prompt (the model never "
+            "sees them), and the tool parser (--chat.tool_parser) is %r, %s. Describe the tools in the messages "
+            "(e.g. the system prompt) and pass --chat.no_render_tools (the policy knows its tools: this warning "
+            "goes), and --chat.tool_parser hermes (or molt) to parse <tool_call>{json}</tool_call> calls it writes.",
+            parser,
+            parsed,
+        )
+
+    def _decode_token(self, token_id: int) -> tuple[str, bytes]:
+        """A token as OpenAI's logprobs show it: its text and its own bytes, which joined rebuild the reply's
+        UTF-8. A byte-level (or byte-fallback) token may hold part of a character: its text then escapes the
+        bytes that do not decode ("\\xe3\\x81"), as OpenAI does. Other tokens: their decoded text's bytes."""
+        text = self.tokenizer.decode([token_id])
+        piece = None if token_id in self._added_ids else self.tokenizer.convert_ids_to_tokens(token_id)
+        if self._byte_level and piece and all(c in BYTE_OF_CHAR for c in piece):
+            raw = bytes(BYTE_OF_CHAR[c] for c in piece)
+        elif piece and BYTE_FALLBACK.fullmatch(piece):  # sentencepiece's <0xE3>
+            raw = bytes([int(piece[3:5], 16)])
+        else:
+            return text, text.encode()
+        return (raw.decode(errors="backslashreplace") if "\ufffd" in text else text), raw
 
     def _implicit_session(self) -> Session:
         return self.open_session(self.serve_sampling, max_len=self.serve_max_len, honor_sampling=True)
@@ -336,7 +408,7 @@ class ChatServer:
             self._authorize(request)
             if session_id is not None:
                 self._session(session_id)  # only checked to exist
-            chat = await self._decode(request, wire)
+            chat = await self._decode(request, wire, counting=True)
             tools = chat.tools if self.render_tools else None
             count = functools.partial(first_prompt_ids, self.tokenizer, chat.messages, tools)
             ids = await asyncio.to_thread(count) if chat.size > RENDER_INLINE_BYTES else count()

@@ -140,7 +140,7 @@ class Session:
             if self.closed:
                 raise SessionClosed(f"session {self.id[:6]}... finished during generation")
             if not completions:
-                yield TurnReply("", [], "length", len(plan.context), 0)
+                yield TurnReply.length(request.n, len(plan.context))
                 return
             reply = self._commit(request, tools, plan, completions)
             self.last_key, self.last_reply = request_key(request), reply
@@ -172,7 +172,7 @@ class Session:
             )
         if room <= 0 or (self.max_turns is not None and self.num_turns >= self.max_turns):
             self.truncated = True
-            return TurnReply("", [], "length", num_tokens, 0)
+            return TurnReply.length(request.n, num_tokens)
         return plan, self._sampling(request, room), tools
 
     async def _generate(self, plan: _Plan, sampling: SamplingParams, on_tokens) -> list[Completion]:
@@ -246,6 +246,9 @@ class Session:
         """tool_choice required / named: the tool-call opening goes after the generation prompt (as prompt)."""
         if not request.tools:
             raise InvalidRequest("tool_choice requires a tool call, but the request offers no tools")
+        names = [t.get("function", {}).get("name") for t in request.tools]
+        if request.force_tool and request.force_tool not in names:
+            raise InvalidRequest(f"tool_choice names {request.force_tool!r}, not one of the request's tools {names}")
         prefix = call_prefix(self.parser, request.force_tool)
         if prefix is None:
             raise InvalidRequest("tool_choice required/named needs a tool-call format (chat.tool_parser hermes/molt)")
@@ -268,7 +271,9 @@ class Session:
         if request.stop:
             changes["stop"] = tuple(request.stop)
         if self.honor_sampling:  # training sessions keep the rollout's settings: the trainer assumes them
-            changes |= {k: v for k in ("temperature", "top_p", "seed") if (v := getattr(request, k)) is not None}
+            changes |= {
+                k: v for k in ("temperature", "top_p", "top_k", "seed") if (v := getattr(request, k)) is not None
+            }
         try:
             return dataclasses.replace(base, **changes)
         except ValueError as e:

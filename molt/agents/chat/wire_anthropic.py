@@ -4,11 +4,13 @@ Decoding: top-level `system` becomes the first message; assistant `text` blocks 
 `tool_use` blocks its tool calls; each user `tool_result` block becomes a `tool` message (in order,
 before the user's remaining text); `tools` (`input_schema`) become OpenAI function schemas so one
 template path renders both wires. Base64 `image` blocks become image parts (for a VLM policy);
-document blocks are refused (422).
+document blocks are refused (422). `max_tokens` is required (not by `count_tokens`); `top_k`
+applies in serve mode; a final assistant message (a prefill to continue) and the `UNSUPPORTED` options
+(`thinking`, `output_config`) are refused (400): Molt's reply is always a new turn, captured token-exact.
 Encoding: `text` and `tool_use` content blocks, `stop_reason` (end_turn, max_tokens, tool_use,
-stop_sequence) and `usage`; `tool_choice` any / tool opens the reply with a tool call. Streaming
-sends the standard event sequence as the engine generates: text deltas live, then each `tool_use` block
-with its input in `input_json_delta` pieces.
+stop_sequence) and `usage`; `tool_choice` any / tool opens the reply with a call of the request's
+tools. Streaming sends the standard event sequence as the engine generates: text deltas live, then each
+`tool_use` block with its input in `input_json_delta` pieces.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from molt.agents.chat.ids import new_id
-from molt.agents.chat.messages import ChatRequest, function_call, text_content
+from molt.agents.chat.messages import ChatRequest, function_call, refuse_unsupported, text_content
 from molt.agents.chat.replies import InvalidRequest, TextDelta, TurnReply
+
+# options Molt does not implement, with the values that ask for nothing: any other value is a 400, never ignored
+UNSUPPORTED = {"thinking": ({"type": "disabled"},), "output_config": ({},), "mcp_servers": ([],)}
 
 
 class _Model(BaseModel):
@@ -88,6 +93,7 @@ class MessagesRequest(_Model):
     tool_choice: ToolChoice | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
     stop_sequences: list[str] | None = Field(default=None, max_length=8)
     stream: bool = False
 
@@ -127,9 +133,15 @@ def _messages(m: MessageIn) -> list[dict[str, Any]]:
     return results + ([{"role": "user", "content": text_content(parts)}] if parts or not results else [])
 
 
-def decode(body: Any) -> ChatRequest:
-    """A validated request (raises pydantic.ValidationError)."""
+def decode(body: Any, counting: bool = False) -> ChatRequest:
+    """A validated request (raises pydantic.ValidationError, or InvalidRequest for what Molt refuses); `counting`:
+    for `count_tokens`, which needs no `max_tokens`."""
     req = MessagesRequest.model_validate(body)
+    refuse_unsupported(body, UNSUPPORTED)
+    if req.max_tokens is None and not counting:
+        raise InvalidRequest("max_tokens is required")
+    if req.messages[-1].role == "assistant":
+        raise InvalidRequest("a final assistant message (prefill) is not supported: Molt's reply is a new turn")
     messages = [{"role": "system", "content": text_content(_text(req.system))}] if req.system else []
     for m in req.messages:
         messages += _messages(m)
@@ -146,11 +158,12 @@ def decode(body: Any) -> ChatRequest:
         max_tokens=req.max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
+        top_k=req.top_k,
         stop=tuple(req.stop_sequences or ()),
         parse_tools=not (req.tool_choice and req.tool_choice.type == "none"),
         stream=req.stream,
         extra={"model": req.model},
-        force_tool=req.tool_choice.forced() if req.tool_choice and tools else None,
+        force_tool=req.tool_choice.forced() if req.tool_choice else None,
     )
 
 

@@ -2,12 +2,14 @@
 
 Decoding: `developer` becomes `system`; content is a string or text and `image_url` parts (data URIs, for a
 VLM policy; audio is refused with 422); tool-call arguments are decoded from JSON. `n` samples share the
-prompt; `seed` applies in serve mode; `tool_choice` required / named opens the reply with a tool call;
-`response_format` other than `text`, and `top_logprobs` without `logprobs`, are refused (400, as OpenAI does).
+prompt; `seed` and `top_k` (vLLM's extra) apply in serve mode; `tool_choice` required / named opens the reply with
+a tool call of the request's tools; `response_format` other than `text`, `top_logprobs` without `logprobs`, and
+the options of `UNSUPPORTED` set to anything but their no-op values are refused (400).
 Encoding: one choice per sample with `content` and parsed `tool_calls`; `logprobs` are the engine's (by
 default log_softmax(logits / T) over the whole vocabulary: the number the trainer's ratio uses), and
-`top_logprobs` the k most likely tokens under that same distribution; `usage` counts the whole context as
-prompt. Streaming sends role, content deltas as the engine generates (with their `logprobs`), then each tool
+`top_logprobs` the k most likely tokens under that same distribution (each token's `bytes` are its own: a
+byte-level token may hold part of a character, whose `token` escapes those bytes); `usage` counts the whole
+context as prompt. Streaming sends role, content deltas as the engine generates (with their `logprobs`), then each tool
 call (id and name, then its arguments in pieces, as OpenAI does), finish, usage when
 `stream_options.include_usage`, and `[DONE]`.
 """
@@ -22,10 +24,26 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from molt.agents.chat.ids import new_id
-from molt.agents.chat.messages import ChatRequest, decode_arguments, function_call, text_content
+from molt.agents.chat.messages import ChatRequest, decode_arguments, function_call, refuse_unsupported, text_content
 from molt.agents.chat.replies import InvalidRequest, TextDelta, TurnReply
 
 MAX_N = 16  # samples per request (each holds a sequence slot)
+# options Molt does not implement, with the values that ask for nothing: any other value is a 400, never ignored
+UNSUPPORTED = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logit_bias": ({},),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "parallel_tool_calls": (True,),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+}
 
 
 class _Model(BaseModel):
@@ -93,6 +111,7 @@ class CompletionRequest(_Model):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extra_body option; 0 or -1: off
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     seed: int | None = None
@@ -138,6 +157,7 @@ def _forced_tool(choice: str | dict[str, Any] | None) -> str | None:
 def decode(body: Any) -> ChatRequest:
     """A validated request (raises pydantic.ValidationError, or InvalidRequest for unsupported options)."""
     req = CompletionRequest.model_validate(body)
+    refuse_unsupported(body, UNSUPPORTED)
     kind = (req.response_format or {}).get("type", "text")
     if kind != "text":
         raise InvalidRequest(f"response_format {kind!r} is not supported (only 'text'): the output is unconstrained")
@@ -150,6 +170,7 @@ def decode(body: Any) -> ChatRequest:
         max_tokens=req.max_completion_tokens or req.max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
+        top_k=req.top_k,
         stop=tuple(req.stop or ()),
         parse_tools=req.tool_choice != "none",
         stream=req.stream,
@@ -158,7 +179,7 @@ def decode(body: Any) -> ChatRequest:
         seed=req.seed,
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs or 0,
-        force_tool=_forced_tool(req.tool_choice) if req.tools else None,
+        force_tool=_forced_tool(req.tool_choice),
     )
 
 
@@ -171,13 +192,14 @@ def _usage(reply: TurnReply) -> dict[str, int]:
     }
 
 
-def _logprobs(tokens, tops, tokenizer_decode) -> dict[str, Any]:
+def _logprobs(tokens, tops, decode_token) -> dict[str, Any]:
     """OpenAI `logprobs.content`: each generated (token, log-prob) with the engine's log-prob (the one trained
-    on) and its `top_logprobs` alternatives (`tops`, one list per token, or None)."""
+    on) and its `top_logprobs` alternatives (`tops`, one list per token, or None); `decode_token(id)` gives a
+    token's text and bytes."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer_decode(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        text, raw = decode_token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     tops = tops or [()] * len(tokens)
     return {"content": [entry(i, lp) | {"top_logprobs": [entry(*t) for t in top]}

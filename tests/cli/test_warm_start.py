@@ -1,0 +1,26 @@
+"""The warm start's cache: keyed by every row of a data file, full fine-tuning even for a LoRA run, and a folder
+that an interrupted warm start left is trained again."""
+
+import json
+from pathlib import Path
+
+from molt.cli.main import parse_config
+from molt.cli.warm_start import warm_start
+
+
+def test_warm_start_key_covers_every_row_and_ignores_lora(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOLT_CACHE", str(tmp_path / "cache"))
+    rows = [{"messages": [{"role": "user", "content": f"{i}+{i}?"}, {"role": "assistant", "content": f"{2 * i}"}]}
+            for i in range(12)]  # fmt: skip
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = ["--data.path", str(data), "--rollout.reward", "exact", "--model.warmstart_steps", "1"]
+    cfg = parse_config([*flags, "--train.lora_rank", "4", "--train.lora_alpha", "8"])
+    first = Path(warm_start(cfg))
+    assert not (first / "adapter").exists()  # all weights trained, not adapters
+    rows[-1]["messages"][1]["content"] = "changed"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    second = Path(warm_start(parse_config(flags)))
+    assert second != first  # the last row changed: not served stale
+    (second / "config.json").unlink()  # as if interrupted before it finished
+    assert Path(warm_start(parse_config(flags))) == second and (second / "config.json").exists()
