@@ -28,7 +28,8 @@ under the GIL the engine thread's Python also needs, so it bounds any in-process
   (a server that costs nothing) at the same concurrency.
 Agent workers are not bound by these: their SDK and server work runs beside the engine, on other cores.
 
-Run: `.venv/bin/python benchmarks/chat_agent.py [--quick]` (writes benchmarks/results/chat_agent.md).
+Run: `.venv/bin/python benchmarks/chat_agent.py [--quick] [--out FILE]` (writes benchmarks/results/chat_agent.md,
+or FILE; `--quick` writes only with `--out`).
 """
 
 from __future__ import annotations
@@ -306,7 +307,7 @@ def main() -> None:
     parser.add_argument("--engine-threads", type=int, default=1, help="torch threads of the engine (all paths)")
     parser.add_argument("--workers", type=int, default=2, help="agent worker processes of the `<sdk> workers` paths")
     parser.add_argument("--quick", action="store_true", help="128 rollouts, 1 repeat")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "chat_agent.md"))
+    parser.add_argument("--out", default="", help="report file (default results/chat_agent.md; --quick: only here)")
     args = parser.parse_args()
     if args.quick:
         args.rollouts, args.repeats = 128, 1
@@ -315,8 +316,8 @@ def main() -> None:
     print(text)
     for name in [*AGENTS, *(f"{sdk} workers" for sdk in AGENTS)]:
         print(f"ratio {name}/env = {best[name]['tps'] / best['env']['tps']:.2f}", file=sys.stderr)
-    if not args.quick:
-        Path(args.out).write_text(text)
+    if args.out or not args.quick:  # a quick run leaves the committed results alone
+        Path(args.out or Path(__file__).parent / "results" / "chat_agent.md").write_text(text)
 
 
 if __name__ == "__main__":

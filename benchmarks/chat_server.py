@@ -9,7 +9,8 @@ paths do the same engine work. Reported: generated tokens/s of all sessions toge
 HTTP / direct and the throughput loss, at 1, 16 and 64 concurrent sessions (best of `--repeats`,
 paths interleaved).
 
-Run: `.venv/bin/python benchmarks/chat_server.py [--quick]` (writes benchmarks/results/chat_server.md).
+Run: `.venv/bin/python benchmarks/chat_server.py [--quick] [--out FILE]` (writes benchmarks/results/chat_server.md,
+or FILE; `--quick` writes only with `--out`).
 """
 
 from __future__ import annotations
@@ -129,10 +130,14 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--out", default="", help="report file (default results/chat_server.md; --quick: only here)")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.tokens = 1, 16
     rows = asyncio.run(main(args))
-    out = Path(__file__).parent / "results" / "chat_server.md"
-    out.write_text(report(rows, args))
-    print(f"wrote {out}", file=sys.stderr)
+    text = report(rows, args)
+    print(text)
+    if args.out or not args.quick:  # a quick run leaves the committed results alone
+        out = Path(args.out or Path(__file__).parent / "results" / "chat_server.md")
+        out.write_text(text)
+        print(f"wrote {out}", file=sys.stderr)

@@ -22,8 +22,9 @@ batch to `TorchEngine` at once (continuous batching, all requests concurrent). R
   (torch.compile on CPU), run after the other sides, warm-up then best of `REPEATS` per batch;
   the ratio is the faster Molt (eager or compiled) over it.
 
-Run: `.venv/bin/python benchmarks/engine.py [--quick]` (writes benchmarks/results/engine.md);
-`.venv-vllm/bin/python benchmarks/engine.py --out engine_vllm_cpu.md` adds vLLM.
+Run: `.venv/bin/python benchmarks/engine.py [--quick] [--out NAME]` (writes benchmarks/results/engine.md, or
+benchmarks/results/NAME; `--quick` writes only with `--out`); `.venv-vllm/bin/python benchmarks/engine.py --out
+engine_vllm_cpu.md` adds vLLM.
 """
 
 from __future__ import annotations
@@ -266,6 +267,9 @@ def main() -> None:
         " pinned to the same cores, run after the other sides; best of the runs after one warm-up per batch;"
         " n/a where vLLM is not importable.",
     ]
+    if quick and "--out" not in sys.argv:  # a quick run leaves the committed results alone
+        print("\n".join(report))
+        return
     name = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "engine.md"
     out = Path(__file__).parent / "results" / name
     out.write_text("\n".join(report) + "\n")

@@ -14,10 +14,11 @@ parameters per token, random weights, fp32, in one process:
   The trainers run with `algo.moe_diff_both` off: its extra no-grad forward is a diagnostic, not replay.
 
 Every variant is measured `REPEATS` times interleaved (A B A B ...) and the median kept, so load
-from other processes hits all of them alike. The VLM section (image prefill tokens/s, visual-task
-samples/s) is added below `# ---- VLM` by the multimodal work.
+from other processes hits all of them alike. VLM throughput (image prefill, visual-task samples/s) is
+measured by `benchmarks/vlm.py`.
 
-Run: `.venv/bin/python benchmarks/moe_vlm.py [--quick]` (writes benchmarks/results/moe_vlm.md).
+Run: `.venv/bin/python benchmarks/moe_vlm.py [--quick] [--out FILE]` (writes benchmarks/results/moe_vlm.md,
+or FILE; `--quick` writes only with `--out`).
 """
 
 from __future__ import annotations
@@ -144,9 +145,6 @@ def moe_section(repeats: int) -> tuple[list[str], dict[str, float]]:
     return rows, cost
 
 
-# ---- VLM (image prefill tokens/s, visual-task samples/s): added by the multimodal work ----
-
-
 def main() -> None:
     quick = "--quick" in sys.argv
     torch.set_num_threads(THREADS)
@@ -158,7 +156,7 @@ def main() -> None:
     )
     print("\n".join(rows) + "\n" + summary)
     text = (
-        "# MoE (and VLM) throughput\n\n"
+        "# MoE throughput\n\n"
         f"torch {torch.__version__}, fp32, {THREADS} thread(s), {GROUPS} prompts x {N} samples x {NEW_TOKENS} "
         "new tokens "
         f"(prompt {PROMPT_LEN}); medians of {2 if quick else REPEATS} interleaved repeats. "
@@ -166,7 +164,10 @@ def main() -> None:
         "(a shared 2-core machine: absolute numbers are noisy, ratios less so).\n\n"
         "## MoE: tiny-moe vs dense of equal active parameters\n\n" + "\n".join(rows) + "\n\n" + summary + "\n"
     )
-    out = Path(__file__).parent / "results" / "moe_vlm.md"
+    if quick and "--out" not in sys.argv:  # a quick run leaves the committed results alone
+        return
+    default = Path(__file__).parent / "results" / "moe_vlm.md"
+    out = Path(sys.argv[sys.argv.index("--out") + 1]) if "--out" in sys.argv else default
     out.write_text(text)
     print(f"wrote {out}")
 

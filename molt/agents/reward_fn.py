@@ -12,14 +12,11 @@ file or function is one line naming it. A value that is not a finite number fail
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import contextvars
 import functools
 import importlib
 import inspect
 import math
-import threading
 import traceback
 from collections import defaultdict
 from collections.abc import Callable
@@ -30,6 +27,7 @@ from typing import Any
 from molt.agents.env import _load_module
 from molt.agents.rewards import BUILTIN_REWARDS
 from molt.agents.runner import real_number
+from molt.threads import in_daemon_thread
 
 # set by evaluation while its episodes run, so training's per-step reward metrics leave them out
 EVALUATING: contextvars.ContextVar[bool] = contextvars.ContextVar("molt_evaluating", default=False)
@@ -125,28 +123,6 @@ class RewardLog:
         return out
 
 
-def _in_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-    """`fn(*args)` on a new daemon thread, as a future of the running loop: a call that hangs past its timeout
-    holds only its own thread, never the calls after it."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if not future.done():  # not cancelled by a timeout meanwhile
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting rollout
-            result, error = None, e
-        with contextlib.suppress(RuntimeError):  # the loop closed while the call ran
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name="molt-reward", daemon=True).start()
-    return future
-
-
 class RewardFunction:
     """The configured reward: named parts, their weights, and the log of their values."""
 
@@ -168,7 +144,7 @@ class RewardFunction:
         elif inspect.iscoroutinefunction(part.fn):
             value = await part.fn(completion, row)
         else:
-            value = await _in_thread(part.fn, completion, row)
+            value = await in_daemon_thread(part.fn, completion, row, name="molt-reward")
         return await value if inspect.isawaitable(value) else value
 
     async def score(self, completion: str, row: dict[str, Any]) -> tuple[float, dict[str, float]]:

@@ -46,7 +46,7 @@ def _model(cfg: Config, checkpoint: str):
 async def _eval_async(
     cfg: Config, checkpoint: str, rows: list[dict], inputs: RunInputs, threads: int, out: list, failure_log: Path
 ):
-    tokenizer, model = on_fresh_thread(_model, cfg, checkpoint, threads=threads)
+    tokenizer, model = await on_fresh_thread(_model, cfg, checkpoint, threads=threads)
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True)
     chat, workers, n = chat_runner(cfg, engine, tokenizer), None, cfg.eval.n_samples
     try:

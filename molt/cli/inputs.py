@@ -14,13 +14,19 @@ from typing import Any
 
 from molt.agents.chat.agent import load_agent_class
 from molt.agents.chat.tool_parser import PARSERS
+from molt.agents.env import prompt_messages
 from molt.agents.reward_env import agent_factory
 from molt.agents.reward_fn import RewardFunction, load_reward
 from molt.agents.workers import AgentWorkers, WorkerKit
 from molt.config import Config, ConfigError, DataConfig, check
 from molt.data.dataset import dataset_rows
+from molt.data.formats import DataError
+from molt.data.rows import row_location
 from molt.engine.interface import Engine
 from molt.loop.evaluate import chat_options
+from molt.models.config import PRESETS
+from molt.models.hf_io import load_config
+from molt.models.vision import ImageError, load_image, message_images
 
 
 @dataclass
@@ -62,8 +68,30 @@ def load_inputs(cfg: Config) -> RunInputs:
             "built-in task whose Env grades its rows)"
         )
     train_rows, eval_rows = dataset_rows(cfg.data)
+    if cfg.data.path or cfg.data.eval_path:  # a built-in task's own rows are checked by Config (one drawn row)
+        check_row_images(train_rows + eval_rows, model_has_vision(cfg), cfg.data.path or f"task {cfg.data.task}")
     reward = reward_function(cfg)
     return RunInputs(train_rows, eval_rows, reward, agent_factory(ro.agent, reward, cfg.data.task, ro.max_turns))
+
+
+def model_has_vision(cfg: Config) -> bool:
+    """Whether the policy `cfg.model` names has a vision tower (read from its config.json; no weights loaded)."""
+    return (load_config(cfg.model.path) if cfg.model.path else PRESETS[cfg.model.preset]).vision is not None
+
+
+def check_row_images(rows: list[dict], vision: bool, source: str) -> None:
+    """Every image in the rows' prompts opens and verifies (no pixels decoded: cheap, yet it reads each file once),
+    and none is given to a text-only model: else a DataError naming the row (file:line) and the image."""
+    for i, row in enumerate(rows):
+        images = message_images(prompt_messages(row["messages"]))
+        where = row_location(row, f"{source} row {i}")
+        if images and not vision:
+            raise DataError(f"{where}: the row has {len(images)} image(s) but the model has no vision tower")
+        for k, image in enumerate(images):
+            try:
+                load_image(image, f"{where}: image {k}", verify=True)
+            except ImageError as e:
+                raise DataError(str(e)) from None
 
 
 def worker_kit(cfg: Config, tokenizer) -> WorkerKit:

@@ -7,10 +7,10 @@ traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +19,7 @@ from typing import NoReturn
 import tyro
 
 from molt.config import Config, ConfigError
-from molt.errors import UserError
+from molt.errors import RunFatalError, UserError
 
 COMMANDS: dict[str, Callable[[Config], object]] = {}
 DEFAULTS: dict[str, dict] = {}
@@ -94,16 +94,13 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
     path = _config_path(args)
     defaults = build(Config, DEFAULTS.get(command_name, {}))
     base = load_config_file(Config, path, base=defaults, skip=_flag_keys(args)) if path else defaults
+    for key in sorted(_flag_keys(args)):  # before the groups' own checks, which may name other flags
+        if (group := key.split(".")[0]) in UNUSED.get(command_name, ()):
+            raise ConfigError(f"{key}: `{prog}` does not use the {group} settings; drop the flag")
     try:
-        cfg = tyro.cli(Config, args=args, default=base, prog=prog, use_underscores=True)
+        return tyro.cli(Config, args=args, default=base, prog=prog, use_underscores=True)
     except UserError as e:
         fail(prog, e)
-    for group in UNUSED.get(command_name, ()):
-        given, default = getattr(cfg, group), getattr(base, group)
-        for field in dataclasses.fields(given):
-            if getattr(given, field.name) != getattr(default, field.name):
-                raise ConfigError(f"{group}.{field.name}: `{prog}` does not use the {group} settings; drop the flag")
-    return cfg
 
 
 def _alias(args: list[str], short: str, flag: str, missing: str) -> tuple[list[str], str | None]:
@@ -130,7 +127,7 @@ def _resume_args(args: list[str]) -> list[str]:
         raise ConfigError(f"ckpt.resume: run directory {run_dir!r} does not exist")
     if not (Path(run_dir) / "config.yaml").exists():
         raise ConfigError(f"ckpt.resume: {run_dir} has no config.yaml, so it is not a Molt run directory")
-    return ["--config", f"{run_dir}/config.yaml", "--log.run_dir", run_dir, *args]
+    return ["--config", f"{run_dir}/config.yaml", "--log.run_dir", str(Path(run_dir).resolve()), *args]
 
 
 def _replay_args(args: list[str]) -> list[str]:
@@ -230,7 +227,15 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"molt {name}", e)
     except KeyboardInterrupt:
         print(f"molt {name}: interrupted (the run directory keeps the checkpoints saved so far)", file=sys.stderr)
+        if any(t.name == "molt-build" and t.is_alive() for t in threading.enumerate()):
+            sys.stderr.flush()  # a warm start or model load still runs torch on its thread: exiting the
+            os._exit(130)  # interpreter under it aborts the process, so leave at once (nothing else holds state)
         raise SystemExit(130) from None
+    except RunFatalError as e:  # the run cannot go on (e.g. a cluster that cannot place or keep its actors)
+        if os.environ.get("MOLT_TRACEBACK", "") not in ("", "0"):
+            traceback.print_exception(e)
+        print(f"molt {name}: run stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     except Exception as e:  # not the user's doing: a bug in Molt, shown in full
         traceback.print_exception(e)
         print(f"molt {name}: internal error: {type(e).__name__}: {e}", file=sys.stderr)

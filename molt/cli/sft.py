@@ -21,6 +21,7 @@ from molt.train.lora import LoRA
 from molt.train.optim import build_optimizer
 from molt.train.packing import pack
 from molt.train.precision import Precision
+from molt.train.routing import freeze_routers
 from molt.train.sft import evaluate, sft_rows, shuffled_batches, tokenize_rows, train_step
 
 
@@ -53,6 +54,7 @@ def run_sft(cfg: Config) -> SftResult:
     eval_batches = [b.to(cfg.runtime.device) for b in eval_batches]
     run.print(f"model {model.num_params() / 1e6:.2f}M params, {len(ids)} train / {len(eval_ids)} eval samples")
     tr = cfg.train
+    freeze_routers(model, cfg)  # `train.freeze_router`: before the optimizer, which takes requires_grad params
     lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
     opt, schedule = build_optimizer(lora.parameters() if lora is not None else model.parameters(), tr)
     before = evaluate(model, eval_batches) if eval_batches else {}

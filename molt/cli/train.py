@@ -93,13 +93,13 @@ async def _start(cfg: Config, run: RunDir, threads: int, inputs: RunInputs) -> t
     """The runtime (policy trainer, extra models, engines) and the loop over them; a resume restores both.
     `rollout.replay`: the trainer alone and the loop over the dump (no engine is built)."""
     warm = wants_warm_start(cfg, inputs.train_rows, run.print)
-    tokenizer, model = on_fresh_thread(_policy, cfg, inputs.train_rows, warm, threads=threads)
+    tokenizer, model = await on_fresh_thread(_policy, cfg, inputs.train_rows, warm, threads=threads)
     runtime = start_runtime(cfg, model, threads)
     try:
         trainer = runtime.trainer
         state = load_training_state(latest_checkpoint(cfg.ckpt.resume), trainer) if cfg.ckpt.resume else None
         if cfg.rollout.replay:  # no engine: the trainer steps on the dumped batches
-            return runtime, ReplayLoop(cfg, trainer=trainer, tokenizer=tokenizer, vocab_size=model.cfg.vocab_size,
+            return runtime, ReplayLoop(cfg, trainer=trainer, tokenizer=tokenizer, model_cfg=model.cfg,
                                        threads=threads, state=state, run_dir=run.path)  # fmt: skip
         engine = runtime.start_engines(tokenizer, trainer.version)
     except BaseException:
@@ -174,11 +174,14 @@ def check_run_dir(cfg: Config) -> None:
 
 
 def _state_shape(config: dict) -> dict[str, object]:
-    """What a checkpoint's trainer state depends on, from a config's file form: adapters, critic, reference."""
+    """What a checkpoint's trainer state depends on, from a config's file form: adapters, frozen routers, critic,
+    reference."""
     train, algo = config["train"], config["algo"]
     return {
         "train.lora_rank": train["lora_rank"],
         "train.lora_targets": list(train["lora_targets"]) if train["lora_rank"] else None,
+        "train.freeze_router": train["freeze_router"],  # frozen routers are not in the optimizer's groups
+        "runtime.backend": config["runtime"]["backend"],  # ray writes sharded (DCP) checkpoints
         "a critic (algo.estimator gae)": algo["estimator"] == "gae",
         "a KL reference (algo.kl_coef > 0)": algo["kl_coef"] > 0,
     }

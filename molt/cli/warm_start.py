@@ -35,6 +35,7 @@ def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
     data = _key_fields(cfg.data, "eval_path", "split", "columns", "system_prompt", "shuffle")
     sample = rows if cfg.data.path else rows[:8]  # a file's every row (it may change); a task's follow its seed
     fields = dict(model=_key_fields(m, "router_fp32"), data=data, seed=cfg.train.seed, sample=sample, version=1)
+    fields |= {"freeze_router": True} if cfg.train.freeze_router else {}  # the warm start freezes it too
     key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     folder = cache_root() / "warmstart" / key
     if not (folder / "checkpoint" / "config.json").exists():

@@ -21,6 +21,14 @@ from molt.config.run import check_device as check_device
 from molt.config.training import DataConfig, ModelConfig, TrainConfig
 
 
+def _task_has_images(name: str) -> bool:
+    """Whether built-in task `name`'s rows hold images (one row drawn; an unknown name is checked elsewhere)."""
+    from molt.data.tasks import TASKS, get_task
+    from molt.models.vision import message_images
+
+    return name in TASKS and bool(message_images(get_task(name).rows(1, 0)[0]["messages"]))
+
+
 @dataclass
 class Config:
     """Molt's full configuration; `--config FILE` (TOML/YAML) sets any field, flags override it."""
@@ -41,11 +49,13 @@ class Config:
 
     def file_form(self) -> dict:
         """This config as a run's config.yaml holds it: plain values, paths absolute (it is read from other folders:
-        `molt eval RUN`, `--resume`), `ckpt.resume` cleared (`--config` of it starts a new run)."""
+        `molt eval RUN`, `--resume`), `ckpt.resume` and `log.run_dir` cleared (`--config` of it starts a new run in
+        a new folder; `--resume` names the folder)."""
         data = json.loads(json.dumps(dataclasses.asdict(self)))  # tuples as lists, for YAML
         data.pop("config")
-        data["ckpt"]["resume"] = ""
-        for dotted in ("model.path", "model.tokenizer", "data.path", "data.eval_path", "algo.teacher", "critic.path"):
+        data["ckpt"]["resume"] = data["log"]["run_dir"] = ""
+        paths = ("model.path", "model.tokenizer", "data.path", "data.eval_path", "algo.teacher", "critic.path")
+        for dotted in (*paths, "rollout.replay", "eval.output"):
             group, key = dotted.split(".")
             data[group][key] = data[group][key] and str(Path(data[group][key]).resolve())
         for key in ("agent", "reward"):  # `file.py[:name]` parts, among built-in names and modules
@@ -56,6 +66,7 @@ class Config:
 
     def __post_init__(self) -> None:
         from molt.models.config import PRESETS
+        from molt.models.hf_io import load_config
 
         warn_slow_dtype(self.model.dtype, self.runtime.device)
         if not self.model.path and self.model.preset in PRESETS and not PRESETS[self.model.preset].num_experts:
@@ -65,6 +76,17 @@ class Config:
                 ("train.freeze_router", self.train.freeze_router),
             ]:
                 check(not on, key, f"needs a mixture-of-experts model; model.preset {self.model.preset!r} is dense")
+        arch = load_config(self.model.path) if self.model.path else PRESETS.get(self.model.preset, PRESETS["tiny"])
+        check(self.runtime.kv_cache != "paged" or not (arch.num_moe_layers() or arch.vision), "runtime.kv_cache",
+              "paged serves dense text models; MoE and VLM policies keep the slot cache (slot, or auto)")  # fmt: skip
+        check(self.runtime.backend != "ray" or arch.vision is None, "runtime.backend",
+              "Ray engine replicas do not take images yet; run VLM policies with --runtime.backend local")  # fmt: skip
+        text_only = not self.model.path and arch.vision is None
+        if text_only and not self.data.path and _task_has_images(self.data.task):
+            vlm = "has no vision tower (use a VLM preset, e.g. tiny-vlm)"
+            raise ConfigError(
+                f"data.task: {self.data.task!r} rows hold images; model.preset {self.model.preset!r} {vlm}"
+            )
         check(
             not (self.rollout.agent_workers and self.chat.port),
             "chat.port",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from molt.config.base import check
+from molt.config.base import changed, check
 
 
 @dataclass
@@ -167,7 +167,14 @@ class RuntimeConfig:
             self.engines >= 1 and self.trainer_ranks >= 1, "runtime.engines", "engines and trainer_ranks must be >= 1"
         )
         check(self.cpus_per_actor >= 0 and self.gpus_per_actor >= 0, "runtime.cpus_per_actor", "must be >= 0")
-        check(self.sync_chunk_mb > 0 and self.engine_restarts >= 0, "runtime.sync_chunk_mb", "must be > 0")
+        check(self.sync_chunk_mb > 0, "runtime.sync_chunk_mb", "must be > 0")
+        check(self.engine_restarts >= 0, "runtime.engine_restarts", "must be >= 0")
+        check(self.num_cpus >= 0, "runtime.num_cpus", "must be >= 0 (0 = enough for every actor)")
+        check(not (self.num_cpus and self.address), "runtime.num_cpus", "sizes a local cluster; not with address")
+        need = (self.engines + self.trainer_ranks) * self.cpus_per_actor
+        check(not self.num_cpus or self.num_cpus >= need, "runtime.num_cpus", f"({self.num_cpus}) must be >= "
+              f"(engines + trainer_ranks) x cpus_per_actor = {need:g}, or the actors cannot be placed")  # fmt: skip
+        self._check_cache_settings()
         check(
             self.backend == "ray" or (self.engines, self.trainer_ranks, self.address) == (1, 1, ""),
             "runtime.backend",
@@ -176,6 +183,18 @@ class RuntimeConfig:
         check(self.device.split(":")[0] in ("cpu", "cuda", "mps"), "runtime.device", f"unknown device {self.device!r}")
         if not self.address:  # a remote Ray cluster's GPUs are not visible from here
             check_device(self.device)
+
+    def _check_cache_settings(self) -> None:
+        """KV-cache and CUDA settings that cannot act here are refused, not ignored."""
+        cuda = self.device.startswith("cuda")
+        for key in changed(self, "kv_cache", "kv_gb", "kv_memory_fraction", "cuda_graphs"):
+            check(self.engine == "torch", f"runtime.{key}", "sets the built-in engine (runtime.engine torch)")
+        for key in changed(self, "kv_memory_fraction", "cuda_graphs"):
+            hint = " (on CPU, --runtime.kv_gb sizes a paged cache)" if key == "kv_memory_fraction" else ""
+            check(cuda, f"runtime.{key}", "acts on CUDA only" + hint)
+        paged = self.kv_cache == "paged" or (self.kv_cache == "auto" and cuda)
+        check(paged or not self.kv_gb, "runtime.kv_gb", "sizes the paged cache; the slot cache (runtime.kv_cache "
+              "slot, or auto on CPU) is sized by the sequences in flight: add --runtime.kv_cache paged")  # fmt: skip
 
 
 def check_device(device: str) -> None:
@@ -200,11 +219,9 @@ def warn_slow_dtype(dtype: str, device: str) -> None:
 
     import torch
 
-    if (
-        device.startswith("cpu")
-        and dtype in ("bfloat16", "float16")
-        and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    ):
+    mkldnn = torch.ops.mkldnn
+    native = {"bfloat16": mkldnn._is_mkldnn_bf16_supported, "float16": mkldnn._is_mkldnn_fp16_supported}
+    if device.startswith("cpu") and dtype in native and not native[dtype]():
         warnings.warn(
             f"model.dtype {dtype} on a CPU without native {dtype} support: matmuls run 5-60x slower than float32; "
             "use --model.dtype float32 (or auto) on CPU",

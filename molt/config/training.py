@@ -16,7 +16,8 @@ class ModelConfig:
     """Which policy model to build or load."""
 
     preset: str = "tiny"
-    """Built-in architecture with random weights (tiny, small, tiny-moe); used when `path` is empty."""
+    """Built-in architecture with random weights (tiny, small, tiny-moe, tiny-vlm, qwen3-0.6b); used when `path` is
+    empty."""
     path: str = ""
     """Hugging Face model folder (config.json + *.safetensors) to load instead of a preset, or a run directory
     (its latest checkpoint)."""

@@ -41,10 +41,10 @@ def parse_columns(spec: str) -> dict[str, str]:
 
 
 def _images(row: Row) -> list[Any]:
-    images = row.get("images")
-    if images is None and row.get("image") is not None:
-        images = [row["image"]]
-    return list(images or [])
+    """The row's `images` (or `image`) column: a list is its images; anything else (a path, bytes, an HF
+    `{"bytes"/"path"}` dict, a PIL image) is one image, checked with the others at start-up."""
+    images = row.get("images") if row.get("images") is not None else row.get("image")
+    return [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
 
 
 def _prompt_messages(row: Row, where: str) -> list[dict[str, Any]]:

@@ -68,11 +68,15 @@ def kv_budget_bytes(free_bytes: int, memory_fraction: float) -> int:
     return int(free_bytes * memory_fraction)
 
 
+class KVBudgetError(ValueError):
+    """The KV budget cannot hold one sequence of the engine's max_seq_len."""
+
+
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
     """How many whole blocks fit in `budget_bytes` (at least one, else the budget is an error)."""
     num_blocks = budget_bytes // block_bytes
     if num_blocks < 1:
-        raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {block_bytes} bytes")
+        raise KVBudgetError(f"a KV budget of {budget_bytes} bytes holds no block of {block_bytes} bytes")
     return num_blocks
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from molt.engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager
+from molt.engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager, KVBudgetError
 from molt.engine.cache import SlotCacheManager
 from molt.engine.images import chunk_image_embeds
 from molt.engine.interface import Completion, TokenDelta, Weights, find_stop_string
@@ -58,7 +58,8 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         if kv_blocks is not None:  # the paged KV cache (paged.py); otherwise the slot cache
             if kv_blocks * block_size < max_seq_len:  # a lone sequence must always fit, or preemption could not help
-                raise ValueError(f"kv_blocks={kv_blocks} x block_size={block_size} < max_seq_len={max_seq_len}")
+                raise KVBudgetError(f"{kv_blocks} KV blocks of {block_size} positions hold less than one sequence "
+                                    f"of {max_seq_len} positions")  # fmt: skip
             max_blocks = -(-max_seq_len // block_size)
             self.manager = PagedSlots(BlockManager(kv_blocks, block_size, prefix_cache), num_slots, max_blocks)
             self.runner = PagedRunner(model, self.manager, graphs)

@@ -43,6 +43,7 @@ from molt.engine.paged import num_kv_blocks
 from molt.engine.sampling import sample_seed
 from molt.engine.scheduler import Group
 from molt.models.transformer import Transformer
+from molt.threads import in_daemon_thread
 
 log = logging.getLogger(__name__)
 KV_POLICIES = ("recompute", "keep")
@@ -277,10 +278,10 @@ class TorchEngine(Engine):
         self._closed = True
 
 
-def on_fresh_thread(fn: Callable[..., object], *args, threads: int):
-    """`fn(*args)` on a new thread with `threads` torch threads; its OpenMP pool ends with the thread."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(with_threads, threads, fn, *args).result()
+async def on_fresh_thread(fn: Callable[..., object], *args, threads: int):
+    """`fn(*args)` on a new thread with `threads` torch threads (its OpenMP pool ends with the thread), awaited
+    with the event loop free: Ctrl-C stops the command at once (the daemon thread dies with the process)."""
+    return await in_daemon_thread(with_threads, threads, fn, *args, name="molt-build")
 
 
 def with_threads(threads: int, fn: Callable[..., object], *args):

@@ -4,7 +4,8 @@
 trajectory, in the trainer's order, with the `Trajectory` fields plus `step` and `version` (the trainer's).
 Images keep their start and hash; their pixels go once to `rollouts/images/<hash>.pt`. Floats keep `repr`
 precision, so a read-back batch is bit-identical. `read_shard` checks every line (types, aligned lists, vocabulary,
-action hashes, pixels, versions) and fails with a `DumpError` naming file, line and field. Knows trajectories only.
+action hashes, pixels, versions, MoE routing: shape, expert ids) and fails with a `DumpError` naming file, line and
+field. Knows trajectories only.
 """
 
 from __future__ import annotations
@@ -88,8 +89,11 @@ def shard_steps(folder: Path) -> list[int]:
     return sorted(int(d) for d in digits if d.isdigit())
 
 
-def read_shard(path: Path, *, step: int, vocab_size: int, trainer_version: int, max_staleness: int) -> list[Trajectory]:
-    """Step `step`'s batch from its shard, every line checked (see the module docstring); DumpError if wrong."""
+def read_shard(
+    path: Path, *, step: int, vocab_size: int, trainer_version: int, max_staleness: int, moe: tuple | None = None
+) -> list[Trajectory]:
+    """Step `step`'s batch from its shard, every line checked (see the module docstring); DumpError if wrong.
+    `moe`: the policy's (MoE layers, top-k, experts), which recorded routing must fit (None: not checked)."""
     if not path.exists():
         raise DumpError(f"{path}: missing: the dump has no shard for step {step}")
     batch = []
@@ -100,7 +104,7 @@ def read_shard(path: Path, *, step: int, vocab_size: int, trainer_version: int, 
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DumpError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            traj = _trajectory(record, where, path.parent / IMAGES)
+            traj = _trajectory(record, where, path.parent / IMAGES, moe)
             _check_tokens(traj, where, vocab_size)
             _check_versions(record, traj, where, step, trainer_version, max_staleness)
             batch.append(traj)
@@ -144,7 +148,7 @@ def _check_types(record: Any, where: str) -> None:
         raise _fail(where, "reward", f"must be a number, got {record['reward']!r}")
 
 
-def _trajectory(record: Any, where: str, images: Path) -> Trajectory:
+def _trajectory(record: Any, where: str, images: Path, moe: tuple | None = None) -> Trajectory:
     """The Trajectory a checked line holds (routing back to a tensor, images with their pixels)."""
     _check_types(record, where)
     data = {k: v for k, v in record.items() if k not in ("step", "version", "routing_dtype")}
@@ -160,6 +164,7 @@ def _trajectory(record: Any, where: str, images: Path) -> Trajectory:
             data["routing"] = torch.tensor(record["routing"], dtype=dtype)
         except (TypeError, ValueError) as e:
             raise _fail(where, "routing", f"not a [positions, layers, k] list of ints ({e})") from None
+        _check_routing(data["routing"], where, len(record["tokens"]), moe)
     if record.get("images"):
         data["images"] = [_load_image(im, where, images) for im in record["images"]]
     traj = Trajectory(**data)
@@ -180,10 +185,35 @@ def _load_image(image: Any, where: str, folder: Path) -> dict[str, Any]:
     try:
         pixels = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the dump's fault, named as such
-        raise _fail(where, "images", f"pixels {path} cannot be read ({type(e).__name__}: {e})") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise _fail(where, "images", f"pixels {path} cannot be read ({type(e).__name__}: {first})") from None
     if not isinstance(pixels, torch.Tensor) or pixel_hash(pixels) != image["hash"]:
         raise _fail(where, "images", f"pixels {path} do not hash to {image['hash']}")
     return image | {"pixels": pixels}
+
+
+def _check_routing(routing: torch.Tensor, where: str, num_tokens: int, moe: tuple | None) -> None:
+    """Recorded expert ids: [<= num_tokens, MoE layers, top-k] ints; per position and layer either all -1 (no
+    record) or k distinct ids in 0..experts-1."""
+    layers, k, experts = moe or (None, None, None)
+    if routing.dtype.is_floating_point or routing.dtype == torch.bool or routing.ndim != 3:
+        raise _fail(where, "routing", f"must be a [positions, layers, k] list of ints, got {routing.dtype} "
+                    f"of shape {tuple(routing.shape)}")  # fmt: skip
+    n, num_layers, top_k = routing.shape
+    if n > num_tokens or (moe and (num_layers, top_k) != (layers, k)):
+        model = f", {layers} MoE layers, top-k {k}" if moe else ""
+        raise _fail(where, "routing", f"shape {tuple(routing.shape)} does not fit [<= {num_tokens} tokens{model}]")
+    low, high = (int(routing.min()), int(routing.max())) if routing.numel() else (-1, -1)
+    if low < -1 or (experts is not None and high >= experts):
+        bad = low if low < -1 else high
+        raise _fail(where, "routing", f"expert id {bad} outside -1..{experts - 1 if experts else 'num_experts-1'}")
+    none = routing < 0
+    ids = routing.sort(-1).values
+    mixed, repeated = none.any(-1) != none.all(-1), ((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any(-1)
+    for what, bad in (("mixes -1 with expert ids", mixed), ("repeats an expert", repeated)):
+        if bad.any():
+            pos, layer = (int(x) for x in bad.nonzero()[0])
+            raise _fail(where, "routing", f"position {pos} MoE layer {layer} {what}: {routing[pos, layer].tolist()}")
 
 
 def _check_tokens(traj: Trajectory, where: str, vocab_size: int) -> None:

@@ -20,6 +20,7 @@ from molt.data.trajectory import Trajectory
 from molt.engine.torch_engine import with_threads
 from molt.loop.dump import read_shard, rollouts_folder, shard_name, shard_steps
 from molt.loop.rl import LoopState, RLLoop
+from molt.models import TransformerConfig
 from molt.train.interface import Trainer
 
 log = logging.getLogger("molt.loop")
@@ -52,7 +53,7 @@ class ReplayLoop(RLLoop):
         *,
         trainer: Trainer,
         tokenizer,
-        vocab_size: int,
+        model_cfg: TransformerConfig,
         threads: int,
         state: LoopState | None = None,
         run_dir: str | Path | None = None,
@@ -60,7 +61,9 @@ class ReplayLoop(RLLoop):
         super().__init__(cfg, engine=None, trainer=trainer, tokenizer=tokenizer, make_env=lambda: None,  # type: ignore[arg-type]
                          train_rows=[], eval_rows=[], state=state, run_dir=run_dir)  # fmt: skip
         self.folder = replay_folder(cfg, self.state.step)
-        self.vocab_size = vocab_size
+        self.vocab_size = model_cfg.vocab_size  # dumped ids and routing must fit the policy
+        moe = (model_cfg.num_moe_layers(), model_cfg.num_experts_per_tok, model_cfg.num_experts)
+        self.moe = moe if model_cfg.num_experts else None
         if cfg.eval.every:
             log.warning("replay of %s: no eval (eval.every=%d): nothing generates without an engine",
                         self.folder, cfg.eval.every)  # fmt: skip
@@ -74,7 +77,7 @@ class ReplayLoop(RLLoop):
         path = self.folder / shard_name(step)
         return await asyncio.to_thread(read_shard, path, step=step, vocab_size=self.vocab_size,
                                        trainer_version=self.trainer.version,
-                                       max_staleness=self.cfg.rollout.max_staleness)  # fmt: skip
+                                       max_staleness=self.cfg.rollout.max_staleness, moe=self.moe)  # fmt: skip
 
     async def _compute(self, fn, *args):
         """On the one compute thread, with the torch threads a live run's trainer step has."""

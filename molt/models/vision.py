@@ -33,8 +33,10 @@ class ImageError(ValueError):
 # ------------------------------------------------------------------------------------------ processor
 
 
-def load_image(image: Any, where: str = "image"):
-    """A PIL image from a PIL image, file path, raw bytes, a `data:` URI or an HF `{"bytes"/"path"}` dict."""
+def load_image(image: Any, where: str = "image", verify: bool = False):
+    """A PIL image from a PIL image, file path, raw bytes, a `data:` URI or an HF `{"bytes"/"path"}` dict; `verify`:
+    only check that it decodes (PIL's `verify`, no pixels). URLs are not fetched; images over PIL's
+    `MAX_IMAGE_PIXELS` (a decompression bomb: a small file of huge size) are refused."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(image, Image.Image):
@@ -46,6 +48,8 @@ def load_image(image: Any, where: str = "image"):
             image = base64.b64decode(image.split(",", 1)[1], validate=True)
         except (IndexError, binascii.Error):
             raise ImageError(f"{where}: malformed base64 data URI") from None
+    if isinstance(image, str) and image.startswith(("http://", "https://")):
+        raise ImageError(f"{where}: image URLs are not fetched ({image[:80]!r}); give a file path, bytes or a data URI")
     if isinstance(image, (str, Path)):
         if not Path(image).is_file():
             raise ImageError(f"{where}: image file {str(image)!r} does not exist")
@@ -54,10 +58,26 @@ def load_image(image: Any, where: str = "image"):
         raise ImageError(f"{where}: expected a PIL image, path, bytes or data URI, got {type(image).__name__}")
     try:
         loaded = Image.open(io.BytesIO(image))
-        loaded.load()
+        if loaded.width * loaded.height > (limit := Image.MAX_IMAGE_PIXELS or float("inf")):
+            raise Image.DecompressionBombError(
+                f"Image size ({loaded.width * loaded.height} pixels) exceeds limit of {limit} pixels"
+            )
+        loaded.verify() if verify else loaded.load()
         return loaded
-    except (UnidentifiedImageError, OSError) as e:
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"{where}: image is too large ({str(e).split(',')[0]})") from None
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
         raise ImageError(f"{where}: cannot decode image bytes ({len(image)} bytes): {e}") from None
+
+
+def image_data_uri(image: Any, where: str = "image") -> str:
+    """`image` (anything `load_image` takes) as a base64 PNG `data:` URI, the image form both chat wires accept
+    (a data URI passes unchanged; the RGB pixels `to_pixels` makes are the same either way)."""
+    if isinstance(image, str) and image.startswith("data:"):
+        return image
+    buffer = io.BytesIO()
+    load_image(image, where).convert("RGB").save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def to_pixels(image: Any, size: int, where: str = "image") -> torch.Tensor:
@@ -114,8 +134,9 @@ def expand_row_images(ids: list[int], mask: list[int], messages: list, cfg, wher
     expanded, starts = expand_image_tokens(ids, image_id, per)
     if len(starts) != len(images):
         raise ImageError(f"{where}: the chat template rendered a placeholder count different from {len(images)} images")
-    pixels = [to_pixels(im, cfg.vision.image_size, f"{where} image {k}") for k, im in enumerate(images)]
-    mask = [m for m, t in zip(mask, ids, strict=True) for _ in range(per if t == image_id else 1)]
+    pixels = [to_pixels(im, cfg.vision.image_size, f"{where}: image {k}") for k, im in enumerate(images)]
+    # placeholders are inputs, never targets (an image in an assistant turn is not something the model writes)
+    mask = [x for m, t in zip(mask, ids, strict=True) for x in ([0] * per if t == image_id else [m])]
     return expanded, mask, pixels
 
 

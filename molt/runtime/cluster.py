@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from molt.config import RuntimeConfig
+from molt.config import ConfigError, RuntimeConfig
 from molt.errors import RunFatalError
 
 
@@ -31,6 +32,13 @@ def connect(rt: RuntimeConfig) -> bool:
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     env = {"env_vars": {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
+    if rt.address and rt.address != "auto":  # ray.init would retry an unreachable address for minutes
+        host, _, port = rt.address.removeprefix("ray://").rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except (OSError, ValueError) as e:
+            message = f"runtime.address: cannot reach {rt.address} ({e}); is `ray start --head` running there?"
+            raise ConfigError(message) from None
     num_cpus = rt.num_cpus or int((rt.engines + rt.trainer_ranks) * max(rt.cpus_per_actor, 1) + 1)
     local = {} if rt.address else {"num_cpus": num_cpus, "include_dashboard": False}
     ray.init(address=rt.address or "local", runtime_env=env, log_to_driver=True, **local)

@@ -14,7 +14,8 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from molt.config import Config
+from molt.config import Config, ConfigError
+from molt.engine.blocks import KVBudgetError
 from molt.engine.interface import Engine
 from molt.models.config import TransformerConfig
 from molt.models.transformer import Transformer
@@ -92,4 +93,7 @@ def build_engine(
     sizing = engine_kwargs(cfg, model.cfg, num_slots=num_slots, max_len=max_len)
     if cfg.runtime.engine == "torch" and not owned:
         model = copy.deepcopy(model)
-    return ENGINES.get(cfg.runtime.engine)(cfg, model, tokenizer, version=version, threads=threads, sizing=sizing)
+    try:
+        return ENGINES.get(cfg.runtime.engine)(cfg, model, tokenizer, version=version, threads=threads, sizing=sizing)
+    except KVBudgetError as e:
+        raise ConfigError(f"runtime.kv_gb: {e}; raise the budget (or lower rollout.max_len / chat.max_len)") from None

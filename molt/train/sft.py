@@ -21,7 +21,7 @@ from molt.data.rows import row_location
 from molt.data.tasks import get_task
 from molt.models import Transformer
 from molt.models.tokenizer import assistant_mask
-from molt.models.vision import expand_row_images
+from molt.models.vision import ImageError, expand_row_images
 from molt.train.packing import PackedBatch
 from molt.train.precision import Precision, clip_and_step
 
@@ -39,15 +39,17 @@ def sft_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
 def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str, model_cfg=None) -> tuple[list, list, list]:
     """Token ids, assistant masks and pixels per row (images expanded for a VLM `model_cfg`).
 
-    A too-long row, one without targets or with an unusable image is an error naming the row.
+    A too-long row, one without targets or with an unusable image is a DataError naming the row (file:line).
+    Image placeholders never carry loss, even in an assistant turn.
     """
     ids, masks, pixels = [], [], []
     for i, row in enumerate(rows):
-        row_ids, row_mask = assistant_mask(tokenizer, row["messages"], tools=row.get("tools"))
-        row_ids, row_mask, row_pixels = expand_row_images(
-            row_ids, row_mask, row["messages"], model_cfg, f"{source} row {i}"
-        )
         where = row_location(row, f"{source} row {i}")
+        row_ids, row_mask = assistant_mask(tokenizer, row["messages"], tools=row.get("tools"))
+        try:
+            row_ids, row_mask, row_pixels = expand_row_images(row_ids, row_mask, row["messages"], model_cfg, where)
+        except ImageError as e:
+            raise DataError(str(e)) from None
         if len(row_ids) > max_len:
             raise DataError(f"{where}: {len(row_ids)} tokens exceed data.max_len={max_len}; raise --data.max_len "
                             "or shorten the row")  # fmt: skip

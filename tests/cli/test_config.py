@@ -1,5 +1,7 @@
 """The config tree and its CLI: flags, files, overrides, and clear errors."""
 
+import socket
+
 import pytest
 from conftest import small_model  # noqa: I001 - tests/conftest.py
 
@@ -154,3 +156,50 @@ def test_ineffective_filter_on_and_is_band_name_their_key(capsys):
         with pytest.raises(SystemExit):
             parse_config(flags)
         assert key in capsys.readouterr().err
+
+
+def test_runtime_settings_that_cannot_act_here_are_refused_naming_their_key(capsys):
+    for flags, message in (
+        (["--runtime.kv_gb", "1"], "runtime.kv_gb: sizes the paged cache"),
+        (["--runtime.no_cuda_graphs"], "runtime.cuda_graphs: acts on CUDA only"),
+        (["--runtime.kv_memory_fraction", "0.9"], "runtime.kv_memory_fraction: acts on CUDA only"),
+        (["--runtime.engine_restarts", "-1"], "runtime.engine_restarts: must be >= 0"),
+        (["--runtime.backend", "ray", "--runtime.num_cpus", "-3"], "runtime.num_cpus: must be >= 0"),
+        (["--runtime.backend", "ray", "--runtime.engines", "2", "--runtime.num_cpus", "2"], "= 3, or the actors"),
+        (["--model.preset", "tiny-moe", "--runtime.kv_cache", "paged"], "runtime.kv_cache: paged serves dense"),
+        (["--model.preset", "tiny-vlm", "--runtime.backend", "ray"], "runtime.backend: Ray engine replicas do not"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(flags)
+        assert message in capsys.readouterr().err, flags
+    assert parse_config(["--runtime.kv_cache", "paged", "--runtime.kv_gb", "0.5"]).runtime.kv_gb == 0.5
+
+
+def test_an_unreachable_ray_address_is_a_config_error():
+    from molt.runtime.cluster import connect
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cfg = parse_config(["--runtime.backend", "ray", "--runtime.address", f"127.0.0.1:{port}"])
+    with pytest.raises(ConfigError, match=f"runtime.address: cannot reach 127.0.0.1:{port}"):
+        connect(cfg.runtime)
+
+
+def test_sft_names_the_refused_flag_before_other_checks_and_run_stops_are_not_bugs(capsys, monkeypatch):
+    import molt.cli.main as cli
+    from molt.errors import RunFatalError
+
+    with pytest.raises(SystemExit):
+        main(["sft", "--critic.lr", "1e-3", "--rollout.max_tokens", "32"])  # max_tokens 32 is the default
+    assert "critic.lr: `molt sft` does not use the critic settings" in capsys.readouterr().err
+
+    def stopped(cfg):
+        raise RunFatalError("engine replica 0 died and was not restarted")
+
+    monkeypatch.setitem(cli.COMMANDS, "train", stopped)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "run stopped: RunFatalError: engine replica 0 died" in err
+    assert "bug in Molt" not in err and "Traceback" not in err

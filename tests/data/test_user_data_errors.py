@@ -9,6 +9,7 @@ import molt
 from molt.cli.inputs import load_inputs
 from molt.cli.main import parse_config
 from molt.config import ConfigError
+from molt.models.vision import message_images
 
 
 def test_a_dataset_without_reward_or_agent_is_a_config_error(tmp_path):
@@ -30,3 +31,36 @@ def test_make_config_checks_the_reward_and_agent_it_names(tmp_path):
     with pytest.raises(ConfigError, match="agent file .*missing.py' does not exist"):
         molt.make_config(rollout={"agent": str(tmp_path / "missing.py")})
     assert molt.make_config(rollout={"reward": "math"}).rollout.reward == "math"
+
+
+def test_row_images_are_checked_at_start_up(tmp_path):
+    """Each prompt image opens and verifies before any model; a bad one names the file, line and image."""
+    from PIL import Image
+
+    from molt.data.formats import DataError
+
+    Image.new("RGB", (8, 8), (200, 0, 0)).save(tmp_path / "red.png")
+    (tmp_path / "cut.png").write_bytes((tmp_path / "red.png").read_bytes()[:40])
+
+    def inputs(images, *flags):
+        rows = [{"prompt": "Colour?", "images": str(tmp_path / "red.png"), "label": "red"}] * 3
+        rows.insert(1, {"prompt": "Colour?", "images": images, "label": "red"})
+        (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        argv = ["--data.path", str(tmp_path / "rows.jsonl"), "--data.task", "shape_colour", *flags]
+        return load_inputs(parse_config(argv))
+
+    vlm = ("--model.preset", "tiny-vlm")
+    rows = inputs([str(tmp_path / "red.png")], *vlm).train_rows + inputs([], *vlm).eval_rows
+    assert all(len(message_images(r["messages"])) <= 1 for r in rows)  # a path string is one image, not characters
+    for images, message in [
+        ([str(tmp_path / "nope.png")], "image 0: image file '.*nope.png' does not exist"),
+        ([str(tmp_path / "red.png"), str(tmp_path / "cut.png")], "image 1: cannot decode image bytes"),
+        (["https://example.com/a.png"], "image 0: image URLs are not fetched"),
+        ([7], "image 0: expected a PIL image, path, bytes or data URI, got int"),
+    ]:
+        with pytest.raises(DataError, match=r"rows\.jsonl:2: " + message):
+            inputs(images, *vlm)
+    with pytest.raises(DataError, match=r"rows\.jsonl:\d: the row has 1 image\(s\) but the model has no vision tower"):
+        inputs([])
+    with pytest.raises(ConfigError, match="data.task: 'shape_colour' rows hold images; model.preset 'tiny' has no"):
+        molt.make_config({"data.task": "shape_colour"})

@@ -262,7 +262,7 @@ def test_sizing_and_refusals(models, tmp_path):
     assert engine.manager.blocks.num_blocks == 10 and engine.core.runner.cache_bytes() == 10 * block_bytes
     with pytest.raises(ValueError, match="free CUDA memory"):
         TorchEngine(molt, kv_memory_fraction=0.5)
-    with pytest.raises(ValueError, match="max_seq_len"):
+    with pytest.raises(ValueError, match="hold less than one sequence of 64 positions"):
         TorchEngine(molt, max_seq_len=64, kv_blocks=3)
     with pytest.raises(ValueError, match="dense text models"):
         TorchEngine(random_hf_in_molt("qwen3-moe", tmp_path), kv_blocks=64)

@@ -115,7 +115,7 @@ def test_shard_round_trip_keeps_routing_images_and_floats_exactly(tmp_path):
     traj = Trajectory(reward=0.1 + 0.2, score=1.0, group_id=3, rollout_id=7, info={"t": torch.tensor(2.5)})
     traj.extend_prompt([1, 2, 3])
     traj.extend_action([4, 5], [-0.123456789012345678, -1e-30], [2, 2])
-    traj.routing = torch.tensor([[[0, 1]], [[1, -1]], [[3, 2]], [[2, 0]], [[-1, -1]]], dtype=torch.int16)
+    traj.routing = torch.tensor([[[0, 1]], [[-1, -1]], [[3, 2]], [[2, 0]], [[-1, -1]]], dtype=torch.int16)
     traj.images = [{"start": 1, "pixels": pixels, "hash": pixel_hash(pixels)}]
     folder = tmp_path / "rollouts"
     path = write_shard(folder, 3, 3, [traj])  # tokens of version 2 trained at version 3
@@ -130,5 +130,31 @@ def test_shard_round_trip_keeps_routing_images_and_floats_exactly(tmp_path):
     with pytest.raises(DumpError, match=re.escape(f"{path}:1: field 'step'")):
         read_shard(path, step=4, vocab_size=8, trainer_version=3, max_staleness=1)
     next(folder.glob("images/*.pt")).write_bytes(b"")
-    with pytest.raises(DumpError, match=re.escape(f"{path}:1: field 'images'")):
+    with pytest.raises(DumpError, match=re.escape(f"{path}:1: field 'images'")) as err:
         read_shard(path, step=3, vocab_size=8, trainer_version=3, max_staleness=1)
+    assert "\n" not in str(err.value)  # the exception's first line, not PyTorch's weights_only paragraph
+
+
+@pytest.mark.parametrize(
+    "routing, message",
+    [
+        ([[[0, 1]]] * 6, r"shape \(6, 1, 2\) does not fit \[<= 5 tokens, 1 MoE layers, top-k 2\]"),
+        ([[[0, 1], [0, 1]]] * 5, r"shape \(5, 2, 2\) does not fit"),
+        ([[[0, 1, 2]]] * 5, r"shape \(5, 1, 3\) does not fit"),
+        ([[[0, 4]]] * 5, r"expert id 4 outside -1..3"),
+        ([[[0, -5]]] * 5, r"expert id -5 outside -1..3"),
+        ([[[0, 1]], [[2, 2]]], r"position 1 MoE layer 0 repeats an expert: \[2, 2\]"),
+        ([[[0, 1]], [[-1, 2]]], r"position 1 MoE layer 0 mixes -1 with expert ids"),
+        ([[0, 1]], r"must be a \[positions, layers, k\] list of ints"),
+    ],
+)
+def test_dumped_routing_must_fit_the_model(tmp_path, routing, message):
+    traj = Trajectory(reward=1.0)
+    traj.extend_prompt([1, 2, 3])
+    traj.extend_action([4, 5], [-0.5, -0.5], [0, 0])
+    traj.routing = torch.tensor([[[0, 1]]] * 5)
+    path = write_shard(tmp_path, 1, 0, [traj])
+    record = json.loads(path.read_text()) | {"routing": routing}
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(DumpError, match=re.escape(f"{path}:1: field 'routing': ") + message):
+        read_shard(path, step=1, vocab_size=8, trainer_version=0, max_staleness=0, moe=(1, 2, 4))

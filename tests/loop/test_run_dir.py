@@ -71,6 +71,20 @@ def test_ctrl_c_then_resume_of_the_moved_run_dir(tmp_path):
     assert steps == list(range(1, 9))  # rows logged after the resumed checkpoint were dropped, none twice
 
 
+def test_ctrl_c_during_the_warm_start_stops_at_once(tmp_path):
+    env = {**os.environ, "MOLT_CACHE": str(tmp_path / "cache")}
+    args = [*TINY, "--model.warmstart_steps", "100000", "--log.every", "1", "--log.run_dir", str(tmp_path / "run")]
+    molt = subprocess.Popen([sys.executable, "-m", "molt.cli.main", "train", *args], stderr=subprocess.PIPE,
+                            text=True, env=env)  # fmt: skip
+    for line in molt.stderr:
+        if "step 2/100000" in line:  # the warm start's SFT is training on its thread
+            molt.send_signal(signal.SIGINT)
+            break
+    err = molt.stderr.read()
+    assert molt.wait(timeout=120) == 130, err  # not after 100000 steps
+    assert err.strip().splitlines()[-1].startswith("molt train: interrupted"), err
+
+
 def test_orphan_cleanup_and_modes_follow_the_umask(tmp_path):
     (tmp_path / ".step-3.abc").mkdir()
     (tmp_path / ".latest.tmp").write_text("step-3")

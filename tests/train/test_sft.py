@@ -86,3 +86,30 @@ def test_sft_refuses_rl_flags_and_a_used_run_dir(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["sft", "--log.run_dir", str(tmp_path / "used")])
     assert "already holds a run" in capsys.readouterr().err
+
+
+def test_sft_image_errors_name_the_file_and_line(tmp_path):
+    from molt.train.sft import sft_rows, tokenize_rows
+
+    path = tmp_path / "rows.jsonl"
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    bad = {"messages": [{"role": "user", "content": [{"type": "image", "image": "nope.png"}]}, row["messages"][1]]}
+    path.write_text("".join(json.dumps(r) + "\n" for r in [row] * 9 + [bad] + [row] * 10))
+    cfg = parse_config(["--data.path", str(path), "--model.preset", "tiny-vlm"], command_name="sft")
+    train, held_out = sft_rows(cfg)
+    model_cfg = build_model(cfg.model, build_tokenizer(cfg.model), 0).cfg
+    with pytest.raises(DataError, match=r"rows\.jsonl:10: image 0: image file 'nope.png' does not exist"):
+        tokenize_rows(build_tokenizer(cfg.model), held_out + train, 256, str(path), model_cfg)
+
+
+def test_sft_freezes_the_router_when_asked(tmp_path):
+    flags = ["--model.preset", "tiny-moe", "--train.freeze_router", "--train.max_steps", "1"]
+    flags += ["--train.warmup_steps", "0", "--data.num_train", "8", "--data.num_eval", "0"]
+    cfg = parse_config([*flags, "--log.run_dir", str(tmp_path / "run")], command_name="sft")
+    trained = from_pretrained(run_sft(cfg).checkpoint)
+    init = build_model(cfg.model, build_tokenizer(cfg.model), cfg.train.seed)
+    routers = set(init.router_names())
+    assert routers
+    for (name, w), w0 in zip(trained.state_dict().items(), init.state_dict().values(), strict=True):
+        if name in routers or name.endswith(("q_proj.weight", "gate_up_proj")):
+            assert torch.equal(w, w0) == (name in routers), name

@@ -87,3 +87,49 @@ def test_an_image_request_from_an_agent_worker_is_recorded_as_in_process():
     assert remote.rollout_logprobs == local.rollout_logprobs and remote.versions == local.versions
     assert [(r["start"], r["hash"]) for r in remote.images] == [(r["start"], r["hash"]) for r in local.images]
     assert [r["hash"] for r in remote.images] == _hashes(RED)
+
+
+def test_image_urls_paths_and_file_ids_are_never_read(served, tmp_path):
+    """Only base64 images are taken: a server-side path or a URL is a 400 that reveals nothing of the file."""
+    (tmp_path / "secret.png").write_bytes(RED)
+    session = served.open()
+    client = openai.OpenAI(base_url=served.session_url(session) + "/v1", api_key=KEY, max_retries=0)
+    for url in (str(tmp_path / "secret.png"), "/etc/shadow", "https://example.com/a.png"):
+        part = {"type": "image_url", "image_url": {"url": url}}
+        with pytest.raises(openai.BadRequestError, match="image URLs and paths are not fetched") as err:
+            client.chat.completions.create(model="molt", messages=[{"role": "user", "content": [part]}])
+        assert "bytes" not in str(err.value)
+    claude = anthropic.Anthropic(base_url=served.session_url(session), api_key=KEY, max_retries=0)
+    for source, message in [({"type": "url", "url": str(tmp_path / "secret.png")}, "image URLs are not fetched"),
+                            ({"type": "file", "file_id": "file_1"}, "file_id sources are not supported")]:  # fmt: skip
+        with pytest.raises(anthropic.BadRequestError, match=message):
+            block = {"type": "image", "source": source}
+            claude.messages.create(model="molt", max_tokens=4, messages=[{"role": "user", "content": [block]}])
+
+
+@pytest.mark.parametrize("example", ["openai_agent.py", "anthropic_agent.py"])
+def test_the_sdk_examples_run_on_image_rows(example):
+    """`ctx.messages` of a `shape_colour` row hold OpenAI image parts (data URIs) that both SDKs' wires take."""
+    import asyncio
+    import random
+
+    from molt.agents.chat import ChatRunner
+    from molt.agents.chat.agent import load_agent_class
+    from molt.agents.runner import EpisodeLimits
+    from molt.data.tasks import get_task
+
+    row = get_task("shape_colour").row(random.Random(0))
+    row["messages"][0]["content"][0]["image"] = image((230, 20, 20))  # a PIL image in the row: sent as a data URI
+    agent = load_agent_class(str(Path(__file__).parents[2] / "examples" / example))()
+    engine = TorchEngine(small_vlm(), num_slots=2, max_seq_len=256, eos_token_ids=(TOK.eos_token_id,))
+
+    async def main():
+        runner = ChatRunner(engine, TOK)
+        try:
+            return await runner.run(agent, row, SamplingParams(temperature=1.0, max_tokens=4, seed=0), EpisodeLimits())
+        finally:
+            await runner.close()
+            await engine.close()
+
+    (traj,) = asyncio.run(main())
+    assert [r["hash"] for r in traj.images] == _hashes(png_bytes(image((230, 20, 20))))

@@ -5,12 +5,22 @@ import json
 
 import pytest
 import torch
+from PIL import Image
 from vlm_support import IMAGE_ID, PER_IMAGE, TOK, VISION, image, png_bytes, small_vlm
 
 from molt.models import apply_chat_template, from_pretrained, preset, save_pretrained
-from molt.models.tokenizer import BUILTIN_TOKENIZER_VOCAB_SIZE, build_builtin_tokenizer
+from molt.models.tokenizer import BUILTIN_TOKENIZER_VOCAB_SIZE, assistant_mask, build_builtin_tokenizer
 from molt.models.transformer import Transformer
-from molt.models.vision import ImageError, expand_image_tokens, image_spans, pixel_hash, to_pixels
+from molt.models.vision import (
+    ImageError,
+    expand_image_tokens,
+    expand_row_images,
+    image_data_uri,
+    image_spans,
+    load_image,
+    pixel_hash,
+    to_pixels,
+)
 
 
 def test_every_image_kind_gives_the_same_pixels(tmp_path):
@@ -19,6 +29,7 @@ def test_every_image_kind_gives_the_same_pixels(tmp_path):
     (tmp_path / "a.png").write_bytes(data)
     uri = "data:image/png;base64," + base64.b64encode(data).decode()
     kinds = [img, data, str(tmp_path / "a.png"), uri, {"bytes": data}]
+    kinds += [image_data_uri(k) for k in kinds]  # what ChatContext.messages hold
     pixels = [to_pixels(k, 16) for k in kinds]
     assert pixels[0].dtype == torch.uint8 and pixels[0].shape == (3, 16, 16)
     assert len({pixel_hash(p) for p in pixels}) == 1
@@ -33,6 +44,27 @@ def test_bad_images_are_clear_errors(tmp_path):
         to_pixels("data:image/png;base64,@@@", 16)
     with pytest.raises(ImageError, match="expected a PIL image"):
         to_pixels(3.5, 16)
+    with pytest.raises(ImageError, match="image URLs are not fetched"):
+        to_pixels("https://example.com/a.png", 16)
+    Image.new("1", (20000, 20000)).save(tmp_path / "bomb.png")  # ~76 KB, 400M pixels
+    for verify in (False, True):
+        with pytest.raises(ImageError, match=r"image is too large \(Image size \(400000000 pixels\)"):
+            load_image(str(tmp_path / "bomb.png"), verify=verify)
+    (tmp_path / "cut.png").write_bytes(png_bytes(image((1, 2, 3)))[:60])
+    with pytest.raises(ImageError, match="cannot decode"):
+        load_image(str(tmp_path / "cut.png"), verify=True)
+
+
+def test_image_placeholders_in_an_assistant_turn_carry_no_loss():
+    part = {"type": "image", "image": png_bytes(image((9, 9, 9)))}
+    messages = [
+        {"role": "user", "content": "draw"},
+        {"role": "assistant", "content": [part, {"type": "text", "text": "ok"}]},
+    ]
+    ids, mask = assistant_mask(TOK, messages)
+    ids, mask, pixels = expand_row_images(ids, mask, messages, small_vlm().cfg, "row")
+    assert len(pixels) == 1 and ids.count(IMAGE_ID) == PER_IMAGE
+    assert all(m == 0 for t, m in zip(ids, mask, strict=True) if t == IMAGE_ID) and any(mask)
 
 
 def test_placeholders_expand_to_whole_images():

@@ -26,6 +26,7 @@ from molt.agents.runner import EpisodeLimits, check_result, run_episode
 from molt.agents.watchdog import watch_loop, within
 from molt.config import ConfigError
 from molt.data.trajectory import Trajectory
+from molt.models.vision import image_data_uri
 
 # `chat` config fields that are ChatServer options in training (the rest only apply to `molt serve`)
 CHAT_SERVER_OPTIONS = ("host", "port", "model_name", "model_aliases", "max_body_bytes", "tool_parser", "render_tools")
@@ -39,7 +40,7 @@ class ChatContext:
     session_url: str  # Anthropic SDK base_url (the SDK appends /v1/messages)
     api_key: str
     model: str
-    messages: Messages  # the row's chat messages
+    messages: Messages  # the row's prompt as OpenAI chat messages (images: `image_url` parts with data URIs)
     tools: list[dict[str, Any]] | None  # OpenAI function schemas from the row
     label: Any
     row: dict[str, Any] = field(default_factory=dict)
@@ -170,7 +171,7 @@ class ChatRunner:
             session_url=url,
             api_key=self.api_key,
             model=server.model_name,
-            messages=prompt_messages(row["messages"]),  # a trailing assistant turn is an SFT answer, not a prompt
+            messages=wire_messages(prompt_messages(row["messages"])),  # a trailing assistant turn: an SFT answer
             tools=row.get("tools"),
             label=row.get("label"),
             row=row,
@@ -191,6 +192,19 @@ class ChatRunner:
             result = await within(limits.step_timeout_s, rescore(result, answer, row), "the reward function")
             result = check_result(result, "the reward function")
         return _stamp(agent, result, segments, session.truncated, ids)
+
+
+def wire_messages(messages: Messages) -> Messages:
+    """`messages` with Molt's `{"type": "image", "image": X}` parts as OpenAI `image_url` parts (data URIs), which
+    both chat wires accept (an unusable image is an ImageError: the rollout fails)."""
+
+    def part(p: Any) -> Any:
+        if not (isinstance(p, dict) and p.get("type") == "image"):
+            return p
+        return {"type": "image_url", "image_url": {"url": image_data_uri(p.get("image"))}}
+
+    return [m | {"content": [part(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
+            for m in messages]  # fmt: skip
 
 
 def last_completion_text(tokenizer, segment: Trajectory) -> str:

@@ -1,12 +1,13 @@
 """Anthropic Messages wire: request schema -> `ChatRequest`, `TurnReply` -> message / event stream.
 
-Decoding: top-level `system` becomes the first message; assistant `text` blocks are the content and
-`tool_use` blocks its tool calls; each user `tool_result` block becomes a `tool` message (in order,
-before the user's remaining text); `tools` (`input_schema`) become OpenAI function schemas so one
-template path renders both wires. Base64 `image` blocks become image parts (for a VLM policy);
-document blocks are refused (422). `max_tokens` is required (not by `count_tokens`); `top_k`
-applies in serve mode; a final assistant message (a prefill to continue) and the `UNSUPPORTED` options
-(`thinking`, `output_config`) are refused (400): Molt's reply is always a new turn, captured token-exact.
+Decoding: top-level `system` becomes the first message; assistant `text` blocks are the content and `tool_use`
+blocks its tool calls; each user `tool_result` block becomes a `tool` message (in order, before the user's remaining
+text); `tools` (`input_schema`) become OpenAI function schemas so one template path renders both wires. Base64
+`image` blocks become image parts (for a VLM policy; a `url` or `file` source is a 400, never fetched), as are
+OpenAI `image_url` parts with a data URI (`ChatContext.messages` hold those, so one list drives both SDKs); document
+blocks are refused (422). `max_tokens` is required (not by `count_tokens`); `top_k` applies in serve mode; a final
+assistant message (a prefill to continue) and the `UNSUPPORTED` options (`thinking`, `output_config`) are refused
+(400): Molt's reply is always a new turn, captured token-exact.
 Encoding: `text` and `tool_use` content blocks, `stop_reason` (end_turn, max_tokens, tool_use,
 stop_sequence) and `usage`; `tool_choice` any / tool opens the reply with a call of the request's
 tools. Streaming sends the standard event sequence as the engine generates: text deltas live, then each
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, function_call, refuse_unsupported, text_content
 from molt.agents.chat.replies import InvalidRequest, TextDelta, TurnReply
+from molt.agents.chat.wire_openai import NOT_FETCHED
 
 # options Molt does not implement, with the values that ask for nothing: any other value is a 400, never ignored
 UNSUPPORTED = {"thinking": ({"type": "disabled"},), "output_config": ({},), "mcp_servers": ([],)}
@@ -42,6 +44,7 @@ class Block(_Model):
     tool_use_id: str | None = None
     content: str | list[Block] | None = None
     source: dict[str, Any] | None = None
+    image_url: dict[str, Any] | None = None  # an OpenAI image part (ChatContext.messages hold those)
 
     @field_validator("type")
     @classmethod
@@ -51,11 +54,18 @@ class Block(_Model):
         return kind
 
     def image_part(self) -> dict[str, Any]:
-        """An `image` block as a canonical image part (base64 source -> data URI)."""
+        """An `image` block (base64 source) or OpenAI `image_url` part (data URI) as a canonical image part."""
         src = self.source or {}
+        if self.type == "image_url":
+            url = (self.image_url or {}).get("url")
+            if not isinstance(url, str) or not url.startswith("data:"):
+                raise InvalidRequest(NOT_FETCHED)
+            return {"type": "image", "image": url}
         if src.get("type") == "base64":
             return {"type": "image", "image": f"data:{src.get('media_type', 'image/png')};base64,{src.get('data', '')}"}
-        return {"type": "image", "image": src.get("url", "")}
+        if src.get("type") == "file":
+            raise InvalidRequest("image file_id sources are not supported; send a base64 image source")
+        raise InvalidRequest("image URLs are not fetched; send a base64 image source (source.type 'base64')")
 
 
 class MessageIn(_Model):
@@ -128,8 +138,8 @@ def _messages(m: MessageIn) -> list[dict[str, Any]]:
         for b in m.content
         if b.type == "tool_result"
     ]
-    parts = [b.image_part() if b.type == "image" else {"type": "text", "text": b.text or ""} for b in m.content
-             if b.type in ("text", "image")]  # fmt: skip
+    parts = [{"type": "text", "text": b.text or ""} if b.type == "text" else b.image_part() for b in m.content
+             if b.type in ("text", "image", "image_url")]  # fmt: skip
     return results + ([{"role": "user", "content": text_content(parts)}] if parts or not results else [])
 
 

@@ -1,10 +1,11 @@
 """OpenAI Chat Completions wire: request schema -> `ChatRequest`, `TurnReply` -> response / SSE chunks.
 
-Decoding: `developer` becomes `system`; content is a string or text and `image_url` parts (data URIs, for a
-VLM policy; audio is refused with 422); tool-call arguments are decoded from JSON. `n` samples share the
-prompt; `seed` and `top_k` (vLLM's extra) apply in serve mode; `tool_choice` required / named opens the reply with
-a tool call of the request's tools; `response_format` other than `text`, `top_logprobs` without `logprobs`, and
-the options of `UNSUPPORTED` set to anything but their no-op values are refused (400).
+Decoding: `developer` becomes `system`; content is a string or text and `image_url` parts (base64 data URIs only,
+for a VLM policy: a URL or path is a 400, never fetched or read; audio is refused with 422); tool-call arguments are
+decoded from JSON. `n` samples share the prompt; `seed` and `top_k` (vLLM's extra) apply in serve mode;
+`tool_choice` required / named opens the reply with a tool call of the request's tools; `response_format` other than
+`text`, `top_logprobs` without `logprobs`, and the options of `UNSUPPORTED` set to anything but their no-op values
+are refused (400).
 Encoding: one choice per sample with `content` and parsed `tool_calls`; `logprobs` are the engine's (by
 default log_softmax(logits / T) over the whole vocabulary: the number the trainer's ratio uses), and
 `top_logprobs` the k most likely tokens under that same distribution (each token's `bytes` are its own: a
@@ -46,6 +47,9 @@ UNSUPPORTED = {
 }
 
 
+NOT_FETCHED = "image URLs and paths are not fetched; send the image as a base64 data URI (data:image/png;base64,...)"
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -63,6 +67,8 @@ class ContentPart(_Model):
         if self.type == "image_url":
             if self.image_url is None:
                 raise ValueError("an image_url part needs image_url.url")
+            if not self.image_url.url.startswith("data:"):
+                raise InvalidRequest(NOT_FETCHED)
             return {"type": "image", "image": self.image_url.url}
         return {"type": "text", "text": self.text or ""}
 
