@@ -181,11 +181,24 @@ def parse_command(argv: list[str]) -> Config:
         rest = ["--model.path", *rest]  # `molt serve CHECKPOINT`
     if name == "eval" and rest and not rest[0].startswith("-"):
         rest = _eval_args(rest[0], rest[1:])  # `molt eval CHECKPOINT|RUN_DIR`
-    cfg = parse_config(_resume_args(_replay_args(rest)), prog=f"molt {name}", command_name=name)
-    check_user_code(cfg)
+    args = _resume_args(_replay_args(rest))
+    cfg = parse_config(args, prog=f"molt {name}", command_name=name)
+    try:
+        check_user_code(cfg)
+    except ConfigError as e:
+        raise _in_file(e, args) from None
     if cfg.chat.port and (name == "serve" or cfg.rollout.agent):
         check_port(cfg.chat.host, cfg.chat.port)
     return cfg
+
+
+def _in_file(error: ConfigError, args: list[str]) -> ConfigError:
+    """`error` (naming its key first) with the `--config` file and line that set the key, when a file did."""
+    from molt.cli.config_file import read_file
+
+    key, path = str(error).split(":", 1)[0], _config_path(args)
+    line = read_file(path)[1].get(key) if path and key not in _flag_keys(args) else None
+    return ConfigError(f"{path}:{line}: {error}") if line else error
 
 
 def check_port(host: str, port: int) -> None:

@@ -203,3 +203,15 @@ def test_sft_names_the_refused_flag_before_other_checks_and_run_stops_are_not_bu
     err = capsys.readouterr().err
     assert exit_info.value.code == 1 and "run stopped: RunFatalError: engine replica 0 died" in err
     assert "bug in Molt" not in err and "Traceback" not in err
+
+
+def test_a_reward_error_from_a_config_file_names_its_file_and_line(tmp_path, monkeypatch, capsys):
+    from molt.cli.main import parse_command
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    (tmp_path / "rw.toml").write_text('[rollout]\nreward = "math"\nreward_weights = "math=1,fmt=0.1"\n')
+    with pytest.raises(ConfigError, match=r"^rw.toml:3: rollout.reward_weights: \['fmt'\] name no reward"):
+        parse_command(["train", "--config", "rw.toml", "--data.path", "rows.jsonl"])
+    with pytest.raises(ConfigError, match=r"^rollout.reward_weights: "):  # set by the flag: no file line
+        parse_command(["train", "--config", "rw.toml", "--data.path", "rows.jsonl", "--rollout.reward_weights", "x=1"])
