@@ -82,12 +82,11 @@ def start_wandb(run_path: Path, log_cfg: Any, config: dict[str, Any]) -> Any:
     )
 
 
-def _drop_rows_after(path: Path, step: int) -> None:
-    """Rewrite metrics.jsonl `path` without its rows of steps after `step`."""
-    if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
-        atomic_write_text(path, "".join(line + "\n" for line in kept))
+def _drop_rows_after(run_path: Path, step: int) -> None:
+    """Rewrite the run's metrics.jsonl without its rows of steps after `step` (as `RunDir.log` writes them)."""
+    if (run_path / "metrics.jsonl").exists():
+        kept = [row for row in read_metrics(run_path) if row.get("step", 0) <= step]
+        atomic_write_text(run_path / "metrics.jsonl", "".join(json.dumps(row) + "\n" for row in kept))
 
 
 class RunDir:
@@ -103,7 +102,7 @@ class RunDir:
         resolved = config.file_form()
         atomic_write_text(self.path / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
         if resumed is not None:
-            _drop_rows_after(self.path / "metrics.jsonl", resumed)
+            _drop_rows_after(self.path, resumed)
         self.metrics_file = (self.path / "metrics.jsonl").open("a")
         self.tb = None
         if tensorboard:

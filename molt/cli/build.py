@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from molt.config import ConfigError, ModelConfig
-from molt.models import PRESETS, Transformer, from_pretrained, load_config, preset
+from molt.models import PRESETS, Transformer, from_pretrained, preset
 from molt.models.moe import SparseMoE
 from molt.models.tokenizer import IMAGE_PLACEHOLDER, build_builtin_tokenizer, load_tokenizer
 from molt.train.precision import resolve_dtype
@@ -21,7 +21,7 @@ def build_tokenizer(cfg: ModelConfig):
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: {e}") from None
-    vocab = load_config(cfg.path).vocab_size if cfg.path else len(tokenizer)
+    vocab = cfg.architecture().vocab_size if cfg.path else len(tokenizer)
     if len(tokenizer) > vocab:
         raise ConfigError(f"{key}: the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary {vocab}")
     return tokenizer

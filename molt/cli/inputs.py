@@ -24,8 +24,6 @@ from molt.data.formats import DataError
 from molt.data.rows import row_location
 from molt.engine.interface import Engine
 from molt.loop.evaluate import chat_options
-from molt.models.config import PRESETS
-from molt.models.hf_io import load_config
 from molt.models.vision import ImageError, load_image, message_images
 
 
@@ -69,14 +67,10 @@ def load_inputs(cfg: Config) -> RunInputs:
         )
     train_rows, eval_rows = dataset_rows(cfg.data)
     if cfg.data.path or cfg.data.eval_path:  # a built-in task's own rows are checked by Config (one drawn row)
-        check_row_images(train_rows + eval_rows, model_has_vision(cfg), cfg.data.path or f"task {cfg.data.task}")
+        vision = cfg.model.architecture().vision is not None
+        check_row_images(train_rows + eval_rows, vision, cfg.data.path or f"task {cfg.data.task}")
     reward = reward_function(cfg)
     return RunInputs(train_rows, eval_rows, reward, agent_factory(ro.agent, reward, cfg.data.task, ro.max_turns))
-
-
-def model_has_vision(cfg: Config) -> bool:
-    """Whether the policy `cfg.model` names has a vision tower (read from its config.json; no weights loaded)."""
-    return (load_config(cfg.model.path) if cfg.model.path else PRESETS[cfg.model.preset]).vision is not None
 
 
 def check_row_images(rows: list[dict], vision: bool, source: str) -> None:

@@ -147,13 +147,14 @@ async def _train_async(cfg: Config, run: RunDir, threads: int, inputs: RunInputs
     return TrainResult(str(run.path), str(ckpt), before, after, history, time.perf_counter() - t0)
 
 
-def check_run_dir(cfg: Config) -> None:
+def check_run_dir(cfg: Config) -> int | None:
     """Start-up checks of the run directory: a new run needs an empty one; a resume needs a checkpoint to go on
-    from, short of `train.max_steps`. Each failure is one ConfigError line, before any data or model is read."""
+    from, short of `train.max_steps`, and settings its trainer state can hold. Each failure is one ConfigError
+    line, before any data or model is read. Returns the step a resume goes on from (None: a new run)."""
     if not cfg.ckpt.resume:
         if cfg.log.run_dir:
             check_new_run_dir(cfg.log.run_dir)
-        return
+        return None
     step = checkpoint_step(latest_checkpoint(cfg.ckpt.resume))  # ckpt.resume checked it exists
     if step >= cfg.train.max_steps:
         raise ConfigError(
@@ -171,6 +172,7 @@ def check_run_dir(cfg: Config) -> None:
                 f"holds the other training state; keep the run's setting, or start a new run from its policy with "
                 f"--model.path {cfg.ckpt.resume}"
             )
+    return step
 
 
 def _state_shape(config: dict) -> dict[str, object]:
@@ -202,11 +204,10 @@ def _summary(run: RunDir, result: TrainResult) -> None:
 
 async def train_async(cfg: Config) -> TrainResult:
     """`molt train` as a coroutine, for callers that already run an event loop (`await molt.train_async(cfg)`)."""
-    check_run_dir(cfg)
+    resumed = check_run_dir(cfg)
     for key, folder in (("algo.teacher", cfg.algo.teacher), ("critic.path", cfg.critic.path)):
         if folder:  # before the run directory: their token ids must be the policy's
             check_same_tokenizer(build_tokenizer(cfg.model), folder, key)
-    resumed = checkpoint_step(latest_checkpoint(cfg.ckpt.resume)) if cfg.ckpt.resume else None
     if cfg.rollout.replay:  # its shards cover the steps to train, before any data or model is read
         replay_folder(cfg, resumed or 0)
     torch.manual_seed(cfg.train.seed)

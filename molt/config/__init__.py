@@ -64,19 +64,16 @@ class Config:
             data["rollout"][key] = ",".join("".join(part) for part in files)
         return data
 
-    def __post_init__(self) -> None:
-        from molt.models.config import PRESETS
-        from molt.models.hf_io import load_config
-
-        warn_slow_dtype(self.model.dtype, self.runtime.device)
-        if not self.model.path and self.model.preset in PRESETS and not PRESETS[self.model.preset].num_experts:
+    def _check_policy_kind(self) -> None:
+        """Settings that need an MoE, a VLM or a dense text policy, against the model's architecture."""
+        arch, preset = self.model.architecture(), self.model.preset
+        if not self.model.path and not arch.num_experts:  # a dense folder is refused when its trainer is built
             for key, on in [
                 ("algo.routing_replay", self.algo.routing_replay),
                 ("algo.moe_aux_coef", self.algo.moe_aux_coef > 0),
                 ("train.freeze_router", self.train.freeze_router),
             ]:
-                check(not on, key, f"needs a mixture-of-experts model; model.preset {self.model.preset!r} is dense")
-        arch = load_config(self.model.path) if self.model.path else PRESETS.get(self.model.preset, PRESETS["tiny"])
+                check(not on, key, f"needs a mixture-of-experts model; model.preset {preset!r} is dense")
         check(self.runtime.kv_cache != "paged" or not (arch.num_moe_layers() or arch.vision), "runtime.kv_cache",
               "paged serves dense text models; MoE and VLM policies keep the slot cache (slot, or auto)")  # fmt: skip
         check(self.runtime.backend != "ray" or arch.vision is None, "runtime.backend",
@@ -84,9 +81,11 @@ class Config:
         text_only = not self.model.path and arch.vision is None
         if text_only and not self.data.path and _task_has_images(self.data.task):
             vlm = "has no vision tower (use a VLM preset, e.g. tiny-vlm)"
-            raise ConfigError(
-                f"data.task: {self.data.task!r} rows hold images; model.preset {self.model.preset!r} {vlm}"
-            )
+            raise ConfigError(f"data.task: {self.data.task!r} rows hold images; model.preset {preset!r} {vlm}")
+
+    def __post_init__(self) -> None:
+        warn_slow_dtype(self.model.dtype, self.runtime.device)
+        self._check_policy_kind()
         check(
             not (self.rollout.agent_workers and self.chat.port),
             "chat.port",

@@ -35,6 +35,13 @@ class ModelConfig:
     router_fp32: bool = True
     """MoE models: router matmul, softmax and the expert combine in fp32 whatever the parameter dtype."""
 
+    def architecture(self):
+        """The policy's `TransformerConfig`: its folder's config.json, or the preset (no weights read)."""
+        from molt.models.config import PRESETS
+        from molt.models.hf_io import load_config
+
+        return load_config(self.path) if self.path else PRESETS[self.preset]
+
     def __post_init__(self) -> None:
         from molt.models.config import PRESETS
 
