@@ -7,11 +7,13 @@ traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
 import threading
 import traceback
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -55,7 +57,7 @@ def sft(cfg: Config) -> object:
     return run_sft(cfg)
 
 
-@command("eval")
+@command("eval", unused=("algo", "critic", "ckpt"))
 def eval_(cfg: Config) -> object:
     """Score a checkpoint, run directory or model folder on held-out rows: `molt eval TARGET` (pass@k, per-row)."""
     from molt.cli.eval import run_eval
@@ -63,7 +65,7 @@ def eval_(cfg: Config) -> object:
     return run_eval(cfg)
 
 
-@command("serve", chat={"port": 8000})
+@command("serve", unused=("data", "algo", "critic", "eval", "ckpt", "log"), chat={"port": 8000})
 def serve(cfg: Config) -> object:
     """OpenAI/Anthropic-compatible chat server over a checkpoint: `molt serve CHECKPOINT` (= --model.path)."""
     from molt.cli.serve import run_serve
@@ -97,10 +99,20 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
     for key in sorted(_flag_keys(args)):  # before the groups' own checks, which may name other flags
         if (group := key.split(".")[0]) in UNUSED.get(command_name, ()):
             raise ConfigError(f"{key}: `{prog}` does not use the {group} settings; drop the flag")
+    wants_help = "-h" in args or "--help" in args
     try:
-        return tyro.cli(Config, args=args, default=base, prog=prog, use_underscores=True)
+        schema = _without(UNUSED.get(command_name, ())) if wants_help else Config
+        return tyro.cli(schema, args=args, default=base, prog=prog, use_underscores=True)
     except UserError as e:
         fail(prog, e)
+
+
+def _without(groups: tuple[str, ...]) -> type:
+    """`Config` with `groups` hidden from `--help` (a command's unused groups: their flags are refused)."""
+    hints, fields = typing.get_type_hints(Config), {f.name: f for f in dataclasses.fields(Config)}
+    hidden = {name: dataclasses.field(default_factory=fields[name].default_factory) for name in groups}
+    hidden["__annotations__"] = {name: typing.Annotated[hints[name], tyro.conf.Suppress] for name in groups}
+    return dataclasses.dataclass(type("Config", (Config,), hidden))
 
 
 def _alias(args: list[str], short: str, flag: str, missing: str) -> tuple[list[str], str | None]:

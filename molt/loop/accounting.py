@@ -16,8 +16,9 @@ from pathlib import Path
 
 from molt import algo
 from molt.config import Config
+from molt.data.rows import row_location
 from molt.data.trajectory import Trajectory
-from molt.errors import UserError, describe_error, error_kind, error_traceback
+from molt.errors import RolloutDrop, UserError, describe_error, error_kind, error_traceback
 
 log = logging.getLogger("molt.loop")
 
@@ -57,6 +58,7 @@ class Failed:
 
 
 RolloutOutcome = Sampled | Dropped | Failed
+MAX_DROPPED_ROWS_LOGGED = 20  # data rows named in a warning when their rollouts are dropped
 FAILURE_LOG = "rollout_failures.log"  # in the run directory: full tracebacks of the first failure of each kind
 
 DROP_WHY = {  # what a group drop reason means, for the progress lines
@@ -90,6 +92,7 @@ class Accounting:
         self.group_drops: collections.Counter[str] = collections.Counter()  # since the last drop line
         self.failure_kinds: set[tuple[str, str]] = set()
         self.drop_details: dict[str, str] = {}  # reason -> the last such drop's message
+        self.dropped_rows: set[str] = set()  # rows whose rollouts were dropped (each logged once)
 
     def _count_failure(self, error: Exception, rollout_id: int, group_index: int) -> None:
         """One line per failed rollout; the first of each kind with its traceback in the failure log."""
@@ -107,6 +110,16 @@ class Accounting:
                 f"{self.state.failures} of {self.state.rollouts} rollouts failed (rollout.max_failure_frac="
                 f"{ro.max_failure_frac}); last error: {what}{where}"
             ) from error
+
+    def _count_drop(self, error: RolloutDrop, row: dict) -> Dropped:
+        """A rollout that could not run as asked; a data file's row is named (`file:line`), logged once each, at
+        most `MAX_DROPPED_ROWS_LOGGED` rows (the progress lines count the rest)."""
+        where = row_location(row, "")
+        self.drop_details[error.drop_reason] = f"{where}: {error}" if where else str(error)
+        if where and where not in self.dropped_rows and len(self.dropped_rows) < MAX_DROPPED_ROWS_LOGGED:
+            self.dropped_rows.add(where)
+            log.warning("%s: %s; its group is dropped (%s)", where, error, error.drop_reason)
+        return Dropped(error.drop_reason)
 
     def _log_failure(self, error: Exception, line: str) -> str:
         """Append `line` to the failure log, with the traceback the first time this kind of error is seen."""

@@ -149,8 +149,7 @@ class RLLoop(Accounting):
                     group_id=group_index,
                 )
             except RolloutDrop as e:  # e.g. an image that does not fit the context: dropped, not failed
-                self.drop_details[e.drop_reason] = str(e)
-                return Dropped(e.drop_reason)
+                return self._count_drop(e, row)
             except RunFatalError:  # e.g. an engine replica that is gone for good
                 raise
             except Exception as e:  # noqa: BLE001 - agent code fails this rollout only

@@ -193,6 +193,15 @@ def test_sft_names_the_refused_flag_before_other_checks_and_run_stops_are_not_bu
     with pytest.raises(SystemExit):
         main(["sft", "--critic.lr", "1e-3", "--rollout.max_tokens", "32"])  # max_tokens 32 is the default
     assert "critic.lr: `molt sft` does not use the critic settings" in capsys.readouterr().err
+    for command, flag in [("eval", "--algo.kl_coef"), ("serve", "--data.path"), ("serve", "--log.run_dir")]:
+        with pytest.raises(SystemExit):
+            main([command, "model", flag, "x"])
+        group = flag[2:].split(".")[0]
+        assert f"{flag[2:]}: `molt {command}` does not use the {group} settings" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # nor does its --help list them
+        main(["sft", "--help"])
+    shown = capsys.readouterr().out
+    assert "--train.lr" in shown and "--model.path" in shown and "--rollout." not in shown and "--algo." not in shown
 
     def stopped(cfg):
         raise RunFatalError("engine replica 0 died and was not restarted")

@@ -130,6 +130,15 @@ def test_prompt_over_the_context_budget_is_named_not_blamed_on_the_policy(molt):
     assert "raise --rollout.max_len" in err and "policy" not in err
 
 
+def test_a_dropped_prompt_names_its_data_row(tmp_path, molt, caplog):
+    rows = ['{"prompt": "say 1", "answer": "1"}', '{"prompt": "%s", "answer": "2"}' % ("long " * 40)]
+    (tmp_path / "two.jsonl").write_text("\n".join(rows) + "\n")
+    flags = ["--data.path", "two.jsonl", "--rollout.reward", "exact", "--rollout.max_len", "96"]
+    molt("train", *FAST, *flags, "--rollout.filters", "nonfinite", "--train.max_steps", "2", shared_cache=True)
+    drops = [m for m in caplog.messages if "its group is dropped (prompt_over_context)" in m]
+    assert len(drops) == 1 and drops[0].startswith("two.jsonl:2: the prompt is"), drops
+
+
 def test_step_timeout_says_what_timed_out(tmp_path, molt, caplog):
     (tmp_path / "slow.py").write_text(
         "import asyncio\nfrom molt.agents import Env, Result\n\n\nclass SlowEnv(Env):\n"
