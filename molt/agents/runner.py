@@ -42,21 +42,27 @@ class EpisodeLimits:
     step_timeout_s: float = 30.0
 
 
-def observation_ids(tokenizer, history: Messages, observation: Messages, ended_with_eos: bool, tools=None) -> list[int]:
+def observation_ids(
+    tokenizer, history: Messages, observation: Messages, ended_with_eos: bool, tools=None, *, strict: bool = True
+) -> list[int]:
     """Token ids to append after an action: the template's closing markup of that turn + the new turns.
 
     `history` ends with the user/tool turn the action answered. The action itself is replaced by a
-    probe string, so the delta never depends on how the action's text would re-tokenize.
+    probe string, so the delta never depends on how the action's text would re-tokenize. `strict`: the render
+    with the new turns must extend the render without them (else TemplateRewriteError: a chat session then starts
+    a new segment); not strict (the Env runner, which keeps its exact ids as the context): only the text after the
+    action must, so a template that renders earlier turns differently once one follows (Qwen3's empty `<think>`
+    block on the last assistant turn) still extends the episode.
     """
     with_action = history + [{"role": "assistant", "content": PROBE}]
     base = render_chat(tokenizer, with_action, tools=tools)
     full = render_chat(tokenizer, with_action + observation, tools=tools, add_generation_prompt=True)
-    if not full.startswith(base):
+    closing, after = (text[text.rindex(PROBE) + len(PROBE) :] for text in (base, full))
+    if not (full.startswith(base) if strict else after.startswith(closing)):
         raise TemplateRewriteError("the chat template re-renders earlier turns when a new one is added")
-    closing = base[base.rindex(PROBE) + len(PROBE) :]
     if ended_with_eos:
-        closing = closing.removeprefix(tokenizer.eos_token or "")  # the engine already emitted it
-    return tokenizer(closing + full[len(base) :], add_special_tokens=False)["input_ids"]
+        after = after.removeprefix(tokenizer.eos_token or "")  # the engine already emitted it
+    return tokenizer(after, add_special_tokens=False)["input_ids"]
 
 
 def as_messages(observation: Any, what: str) -> Messages:
@@ -176,7 +182,7 @@ async def run_episode(
         observation = as_messages(result.observation, f"{name}.step returned Result.observation")
         observation = with_images(observation, result.images)
         ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == eos_id
-        delta = observation_ids(tokenizer, messages, observation, ended_with_eos, tools)
+        delta = observation_ids(tokenizer, messages, observation, ended_with_eos, tools, strict=False)
         _extend_prompt(traj, engine, delta, message_images(observation), limits.max_len)
         messages = messages + [{"role": "assistant", "content": action}] + observation
     traj.score = result.score if result is not None and result.score is not None else traj.reward

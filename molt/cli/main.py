@@ -170,7 +170,7 @@ def _eval_args(target: str, args: list[str]) -> list[str]:
     run = _run_of(target)
     base = ["--model.path", target]
     if run is not None and _config_path(args) is None:
-        reset = ["--log.run_dir", "", "--ckpt.resume", "", "--model.tokenizer", ""]
+        reset = ["--log.run_dir", "", "--model.tokenizer", ""]  # eval reads no ckpt settings
         base = ["--config", str(run / "config.yaml"), *reset, *base]
     return base + args
 

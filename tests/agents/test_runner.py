@@ -12,7 +12,7 @@ from chat_support import SAMPLING, TOK, ScriptedEngine  # noqa: I001
 from molt.agents.builtin import env_for_task
 from molt.agents.chat.agent import local_rollout
 from molt.agents.env import Env, Result, load_agent
-from molt.agents.runner import EpisodeLimits, run_episode
+from molt.agents.runner import EpisodeLimits, TemplateRewriteError, observation_ids, run_episode
 from molt.agents.watchdog import LoopBlockedError
 from molt.data.tasks import get_task
 from molt.models.tokenizer import apply_chat_template, build_builtin_tokenizer
@@ -43,6 +43,25 @@ def test_calculator_episode_is_token_exact():
     assert traj.tokens == apply_chat_template(TOK, conversation)[: len(traj.tokens)]
     assert traj.versions == [engine.version if m else -1 for m in traj.loss_mask]
     assert traj.rollout_id == 3 and traj.group_id == 1
+
+
+def test_a_template_rendering_the_last_assistant_turn_its_own_way_still_extends_an_episode():
+    # Like Qwen3: the last assistant turn gets an empty <think> block, earlier ones do not
+    head = "{{- '<|im_start|>assistant\\n' + "
+    think = TOK.chat_template.replace(head, head + "('<think>\\n\\n</think>\\n\\n' if loop.last else '') + ")
+    row = get_task("calculator").rows(1, seed=5)[0]
+    engine = ScriptedEngine([f"<tool_call>{row['a']}*{row['b']}</tool_call>", row["label"]])
+    original, TOK.chat_template = TOK.chat_template, think
+    try:
+        assert think != original
+        traj = _run(engine, env_for_task("calculator"), row)
+        with pytest.raises(TemplateRewriteError):  # a chat session's check: its next request starts a new segment
+            observation_ids(TOK, row["messages"], [{"role": "tool", "content": "1"}], False)
+    finally:
+        TOK.chat_template = original
+    assert traj.reward == 1.0 and traj.num_turns == 2
+    assert [t for t, m in zip(traj.tokens, traj.loss_mask, strict=True) if m] == engine.emitted[0] + engine.emitted[1]
+    assert TOK.decode(traj.tokens[len(engine.prompts[0]) + len(engine.emitted[0]) :]).startswith("\n<|im_start|>user")
 
 
 def test_max_turns_truncates():
