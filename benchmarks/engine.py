@@ -44,8 +44,14 @@ import transformers
 from molt.engine import SamplingParams, TorchEngine
 from molt.engine.cpu import kernels
 from molt.engine.cpu import packed as packed_mod
-from molt.engine.torch_engine import on_fresh_thread
+from molt.engine.torch_engine import on_fresh_thread as _on_fresh_thread
 from molt.models import from_pretrained
+
+
+def on_fresh_thread(fn, *args, threads: int):
+    """`fn(*args)` on a fresh thread with `threads` torch threads (Molt's async helper, run to completion)."""
+    return asyncio.run(_on_fresh_thread(fn, *args, threads=threads))
+
 
 CONFIGS = {
     "5M": dict(

@@ -31,9 +31,15 @@ from molt.cli.warm_start import warm_start
 from molt.data.dataset import dataset_rows
 from molt.data.tasks import get_task
 from molt.engine import SamplingParams, TorchEngine
-from molt.engine.torch_engine import on_fresh_thread
+from molt.engine.torch_engine import on_fresh_thread as _on_fresh_thread
 from molt.loop.evaluate import evaluate
 from molt.models import from_pretrained, load_tokenizer
+
+
+def on_fresh_thread(fn, *args, threads: int):
+    """`fn(*args)` on a fresh thread with `threads` torch threads (Molt's async helper, run to completion)."""
+    return asyncio.run(_on_fresh_thread(fn, *args, threads=threads))
+
 
 FLAGS = [
     "--data.task", "arithmetic", "--model.warmstart_steps", "300", "--rollout.max_turns", "1",

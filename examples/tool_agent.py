@@ -11,8 +11,6 @@ demonstrations without a tool list in its prompt; drop it for a model that expec
 
 import json
 
-from openai import AsyncOpenAI
-
 from molt.agents.chat import ChatAgent, ChatContext, Result
 from molt.data.tasks import calculate
 
@@ -29,17 +27,17 @@ CALCULATOR = {
 class CalculatorAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
         messages, num_calls, answer = list(ctx.messages), 0, ""
-        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
-            for _ in range(ctx.limits.max_turns):
-                response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=[CALCULATOR])
-                message = response.choices[0].message
-                messages.append(message.model_dump(exclude_none=True))
-                if not message.tool_calls:
-                    answer = message.content or ""
-                    break
-                for call in message.tool_calls:
-                    expression = json.loads(call.function.arguments).get("expression", "")
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(str(expression))})
-                    num_calls += 1
+        client = ctx.openai()  # bound to this rollout's session, on the runner's shared connection pool
+        for _ in range(ctx.limits.max_turns):
+            response = await client.chat.completions.create(model=ctx.model, messages=messages, tools=[CALCULATOR])
+            message = response.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                answer = message.content or ""
+                break
+            for call in message.tool_calls:
+                expression = json.loads(call.function.arguments).get("expression", "")
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(str(expression))})
+                num_calls += 1
         score = float(answer.strip() == ctx.label)
         return Result(reward=score, score=score, truncated=not answer, info={"tool_calls": num_calls})

@@ -49,8 +49,10 @@ def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = Non
     agent, reward function or tool-call parser that does not load, as the CLI does."""
     from molt.cli.config_file import build, load_config_file
     from molt.cli.inputs import check_user_code
-    from molt.config import Config
+    from molt.config import Config, ConfigError
 
+    if not isinstance(config, Config | dict | str | os.PathLike | None):
+        raise ConfigError(f"config: expected a Config, a dict or a TOML/YAML path, got {type(config).__name__}")
     if isinstance(config, str | os.PathLike):
         config = load_config_file(Config, config, base=Config())
     if isinstance(config, Config):
@@ -63,7 +65,8 @@ def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = Non
 
 def train(config: Config | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> TrainResult:
     """Run `molt train` and return its `TrainResult`. Inside a running event loop (a notebook cell) the run goes to
-    a worker thread with its own loop and this call blocks; prefer `await molt.train_async(...)` there."""
+    a worker thread with its own loop and this call blocks (an interrupt cancels the run, waits for its clean-up and
+    raises KeyboardInterrupt); prefer `await molt.train_async(...)` there."""
     from molt.cli.train import run_train
 
     return run_train(make_config(config, **overrides))

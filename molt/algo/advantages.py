@@ -3,7 +3,8 @@
 Call `compute_advantages(name, inputs, params)` once per optimizer step on the whole step batch
 (group statistics and whitening are step-global), before splitting into micro-batches. Every
 estimator is registered in `ESTIMATORS` with static info: `whiten` (its default), `needs` (the
-`AdvantageInputs` fields it requires) and `uses_kl` (whether it consumes `kl_bt` as a reward).
+`AdvantageInputs` fields it requires), `uses_kl` (whether it consumes `kl_bt` as a reward) and `group_baseline`
+(whether it compares a rollout with its group, so an all-equal group carries no signal).
 
 Layout: `mask_bt` [B, T] is 1 on action tokens; `rewards_b`, `group_ids_b`, `rollout_ids_b` are
 [B]. Outputs are [B, T], zero off the mask. `returns_bt` are the un-whitened targets (the critic's
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from molt.algo.groups import RolloutGroups, rollout_groups
+from molt.algo.groups import RolloutGroups, rollout_groups, rollout_mean
 from molt.algo.masked import (
     last_action_index,
     masked_mean,
@@ -53,7 +54,9 @@ class AdvantageParams:
 
 
 Estimator = Callable[[AdvantageInputs, AdvantageParams], tuple[Tensor, Tensor, Metrics]]
-ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+ESTIMATORS: Registry[Estimator] = Registry(
+    "advantage estimator", required=("whiten", "needs", "uses_kl", "group_baseline")
+)
 GROUPED = ("rewards_b", "group_ids_b")
 GroupAdvantage = Callable[[Tensor, RolloutGroups, AdvantageParams], Tensor]
 
@@ -70,7 +73,7 @@ def compute_advantages(
     if inputs.kl_bt is not None and params.kl_coef != 0 and not info["uses_kl"]:
         raise ValueError(
             f"estimator {name!r} ignores a per-token KL reward; add the KL as a loss term instead "
-            "(--algo.kl.use_loss) or pick reinforce / gae / on_policy_distill"
+            "(--algo.kl_coef) or pick reinforce / gae / on_policy_distill"
         )
     if inputs.rewards_b is not None and not bool(torch.isfinite(inputs.rewards_b).all()):
         raise ValueError("non-finite rewards; drop them first (filtering.filter_groups with 'nonfinite')")
@@ -106,7 +109,7 @@ def _broadcast(values_r: Tensor, groups: RolloutGroups, mask_bt: Tensor) -> Tens
 def _group_estimator(name: str, whiten: bool, advantage_r: GroupAdvantage) -> None:
     """Register an outcome estimator from `advantage_r(rewards_r, groups, params) -> [R]`."""
 
-    @ESTIMATORS.register(name, whiten=whiten, needs=GROUPED, uses_kl=False)
+    @ESTIMATORS.register(name, whiten=whiten, needs=GROUPED, uses_kl=False, group_baseline=True)
     def estimate(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
         groups, rewards_r, metrics = _grouped_rewards(inputs)
         advantages_bt = _broadcast(advantage_r(rewards_r, groups, params), groups, inputs.mask_bt)
@@ -164,7 +167,7 @@ def _token_rewards(inputs: AdvantageInputs, params: AdvantageParams) -> Tensor:
     return torch.where(mask, rewards_bt, 0.0)
 
 
-@ESTIMATORS.register("reinforce", whiten=True, needs=("rewards_b",), uses_kl=True)
+@ESTIMATORS.register("reinforce", whiten=True, needs=("rewards_b",), uses_kl=True, group_baseline=False)
 def reinforce(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
     """REINFORCE++: discounted return of the token rewards over action tokens; whitened by default."""
     mask = inputs.mask_bt.bool()
@@ -172,10 +175,10 @@ def reinforce(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor,
     # Observation tokens are transparent: they carry the return unchanged and do not discount.
     step_bt = torch.ones_like(rewards_bt).masked_fill(mask, params.gamma)
     returns_bt = torch.where(mask, reverse_linear_scan(rewards_bt, step_bt), 0.0)
-    return returns_bt, returns_bt, {"reward_mean": inputs.rewards_b.mean()}
+    return returns_bt, returns_bt, {"reward_mean": rollout_mean(inputs.rewards_b, inputs.rollout_ids_b)}
 
 
-@ESTIMATORS.register("gae", whiten=True, needs=("rewards_b", "values_bt"), uses_kl=True)
+@ESTIMATORS.register("gae", whiten=True, needs=("rewards_b", "values_bt"), uses_kl=True, group_baseline=False)
 def gae(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
     """GAE(gamma, lambda) over action tokens, masked positions transparent; terminal after the last."""
     mask = inputs.mask_bt.bool()
@@ -187,10 +190,10 @@ def gae(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tenso
     step_bt = torch.ones_like(rewards_bt).masked_fill(mask, params.gamma * params.lam)
     advantages_bt = torch.where(mask, reverse_linear_scan(deltas_bt, step_bt), 0.0)
     returns_bt = torch.where(mask, advantages_bt + values_bt, 0.0)
-    return advantages_bt, returns_bt, {"reward_mean": inputs.rewards_b.mean()}
+    return advantages_bt, returns_bt, {"reward_mean": rollout_mean(inputs.rewards_b, inputs.rollout_ids_b)}
 
 
-@ESTIMATORS.register("on_policy_distill", whiten=False, needs=("kl_bt",), uses_kl=True)
+@ESTIMATORS.register("on_policy_distill", whiten=False, needs=("kl_bt",), uses_kl=True, group_baseline=False)
 def on_policy_distill(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
     """Per-token reverse KL to the teacher as the advantage: A_t = -kl_coef * kl_t (no reward)."""
     mask = inputs.mask_bt.bool()

@@ -29,7 +29,7 @@ Metrics = dict[str, Tensor]
 
 Level = Callable[[Tensor, Tensor], Tensor]
 Mode = Callable[[Tensor, Tensor, float, float], tuple[Tensor, Tensor]]
-IS_LEVELS: Registry[Level] = Registry("IS correction level")
+IS_LEVELS: Registry[Level] = Registry("IS correction level", required=("modes",))
 IS_MODES: Registry[Mode] = Registry("IS correction mode")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from molt.algo.groups import RolloutGroups, rollout_groups
+from molt.algo.groups import RolloutGroups, rollout_groups, rollout_mean
 from molt.registry import Registry
 
 Metrics = dict[str, Tensor]
@@ -23,7 +23,7 @@ Metrics = dict[str, Tensor]
 
 @dataclass(frozen=True)
 class FilterParams:
-    score_range: tuple[float, float] = (0.0, 1.0)  # score-range: keep groups whose mean is inside
+    score_range: tuple[float, float] = (0.0, 1.0)  # score-range: keep groups whose mean is strictly inside
 
 
 GroupFilter = Callable[[Tensor, RolloutGroups, FilterParams], Tensor]
@@ -44,10 +44,10 @@ def drop_all_equal(scores_r: Tensor, groups: RolloutGroups, params: FilterParams
 
 @GROUP_FILTERS.register("score-range")
 def drop_out_of_range(scores_r: Tensor, groups: RolloutGroups, params: FilterParams) -> Tensor:
-    """Drop groups whose mean score lies outside `params.score_range` (inclusive)."""
+    """Drop groups whose mean score is not strictly inside `params.score_range` (DAPO: keep 0 < mean < 1)."""
     low, high = params.score_range
     mean_g = groups.group_sum(scores_r) / groups.group_sizes_g.to(scores_r.dtype)
-    return (mean_g < low) | (mean_g > high)
+    return ~((mean_g > low) & (mean_g < high))
 
 
 def filter_groups(
@@ -124,7 +124,7 @@ def shape_rewards(
         lengths_b = rollout_totals(lengths_b.to(torch.float32), rollout_ids_b)
         penalty_b = overlong_penalty(lengths_b, params.overlong_max_len, params.overlong_buffer, params.overlong_coef)
         rewards_b = rewards_b + penalty_b.to(rewards_b.dtype)
-        metrics["overlong_penalty_mean"] = penalty_b.mean()
+        metrics["overlong_penalty_mean"] = rollout_mean(penalty_b, rollout_ids_b)
     if params.clip:
         rewards_b, clip_metrics = clip_rewards(rewards_b, -params.clip, params.clip)
         metrics |= clip_metrics

@@ -73,3 +73,14 @@ def rollout_groups(group_ids_b: Tensor, rollout_ids_b: Tensor | None = None) -> 
     _, rollout_to_group_r = torch.unique(group_r, return_inverse=True)
     group_sizes_g = torch.bincount(rollout_to_group_r) if num_r else torch.zeros(0, dtype=torch.long)
     return RolloutGroups(sample_to_rollout_b, first_sample_r, rollout_to_group_r, group_sizes_g)
+
+
+def rollout_mean(values_b: Tensor, rollout_ids_b: Tensor | None = None) -> Tensor:
+    """Mean over rollouts of a per-sample value its segments share (each rollout counts once); no ids = per sample."""
+    if rollout_ids_b is None:
+        return values_b.mean()
+    _, rollout_b = torch.unique(rollout_ids_b, return_inverse=True)
+    num_r = int(rollout_b.max()) + 1 if len(rollout_b) else 0
+    sums_r = values_b.new_zeros(num_r).index_add_(0, rollout_b, values_b)
+    counts_r = values_b.new_zeros(num_r).index_add_(0, rollout_b, torch.ones_like(values_b))
+    return (sums_r / counts_r).mean()

@@ -133,12 +133,13 @@ def value_loss(
     values_bt: Tensor, old_values_bt: Tensor, returns_bt: Tensor, mask_bt: Tensor, clip: float | None = 0.2
 ) -> tuple[Tensor, Metrics]:
     """Critic loss 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2); unclipped if None."""
-    mask = mask_bt.bool()
+    mask = mask_bt.bool()  # off-mask inputs (NaN included) are selected away before any arithmetic: no NaN grads
+    values_bt, old_bt, returns_bt = (torch.where(mask, x, 0.0) for x in (values_bt, old_values_bt.detach(), returns_bt))
     loss_bt = 0.5 * (values_bt - returns_bt) ** 2
     metrics: Metrics = {}
     if clip is not None:
-        delta_bt = values_bt - old_values_bt.detach()
-        clipped_bt = old_values_bt.detach() + delta_bt.clamp(-clip, clip)
+        delta_bt = values_bt - old_bt
+        clipped_bt = old_bt + delta_bt.clamp(-clip, clip)
         loss_bt = torch.maximum(loss_bt, 0.5 * (clipped_bt - returns_bt) ** 2)
         metrics["value_clip_frac"] = masked_mean((delta_bt.abs() > clip).to(values_bt.dtype), mask)
     loss_bt = torch.where(mask, loss_bt, 0.0)

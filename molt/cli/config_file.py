@@ -2,7 +2,7 @@
 
 Unknown keys, wrong types and invalid values are errors naming the dotted key, the file and (where
 the format lets us find it) the line. Values are checked against the dataclass field types; nothing
-is silently converted except int -> float.
+is silently converted except int -> float, a path -> str and numpy-style numbers -> int / float.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import numbers
+import os
 import re
 import tomllib
 import types
@@ -92,7 +94,8 @@ def _type_name(tp: Any) -> str:
 
 
 def coerce(value: Any, tp: Any, key: str) -> Any:
-    """`value` checked against type `tp` (int accepted for float; lists for tuples)."""
+    """`value` checked against type `tp` (any integer accepted for int, any real for float, a path for str; lists for
+    tuples)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         for option in args:  # none fits: the error at the end names the whole union
@@ -110,21 +113,32 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         return origin(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
     if tp is type(None) and value is None:
         return None
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    number = numbers.Integral if tp is int else numbers.Real if tp is float else None  # numpy scalars too, no bool
+    if number and isinstance(value, number) and not isinstance(value, bool):
+        return tp(value)
+    if tp is str and isinstance(value, os.PathLike):
+        value = os.fspath(value)
     if isinstance(tp, type) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    code = callable(value) and key in ("rollout.reward", "rollout.agent")  # a name to import, not the object
+    hint = "; pass '__main__:NAME' for a function or class defined in your script" if code else ""
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}{hint}")
 
 
 def build(cls: type, data: dict[str, Any], base: Any = None, prefix: str = "", skip: frozenset[str] = frozenset()):
     """Instance of dataclass `cls` from nested `data`, starting from `base` (or the defaults); the dotted keys in
     `skip` (set again by flags) are left out, so their file values are neither used nor checked."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(cls) if prefix or f.name != "config"]  # the root's: --config's value
     values = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if dotted == "config" and value == "":  # older runs' config.yaml hold it empty: it names nothing
+            continue
+        if dotted == "config":
+            raise ConfigError(
+                "config: a config cannot name another config; pass the file to molt.train(path) / --config"
+            )
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys: {names}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import sys
 import threading
@@ -25,12 +26,24 @@ from molt.errors import RunFatalError, UserError
 
 COMMANDS: dict[str, Callable[[Config], object]] = {}
 DEFAULTS: dict[str, dict] = {}
-UNUSED: dict[str, tuple[str, ...]] = {}
+UNUSED: dict[str, tuple[str, ...]] = {}  # command -> config groups (and keys) whose flags it refuses
+BACKEND = "runtime.backend"  # only `molt train` runs on Ray; the other commands run in their own process
+
+
+def _all_but(group: str, *used: str) -> tuple[str, ...]:
+    """The keys of config group `group` other than `used` (the RL-only settings a command does not read)."""
+    fields = dataclasses.fields(typing.get_type_hints(Config)[group])
+    return tuple(f"{group}.{f.name}" for f in fields if f.name not in used)
+
+
+SAMPLING = ("temperature", "top_p", "top_k")  # rollout settings `molt serve` reads (max_tokens is chat's)
+EPISODE = ("agent", "reward", "reward_weights", "top_p", "top_k", "max_tokens", "max_turns", "max_len")
+EPISODE += ("step_timeout_s", "agent_workers")  # rollout settings `molt eval` reads (temperature is eval's)
 
 
 def command(name: str, unused: tuple[str, ...] = (), **defaults: dict):
     """Register `fn(cfg)` as `molt <name>`; `defaults` ({"group": {"field": value}}) change its defaults; a flag
-    of an `unused` config group is refused (a config file shared with other commands may set them)."""
+    of an `unused` config group (or dotted key) is refused (a config file shared with other commands may set them)."""
 
     def wrap(fn):
         COMMANDS[name] = fn
@@ -49,7 +62,9 @@ def train(cfg: Config) -> object:
     return run_train(cfg)
 
 
-@command("sft", unused=("algo", "critic", "rollout", "eval", "ckpt", "chat"), train={"lr": 2e-3, "max_steps": 150})
+@command(
+    "sft", unused=("algo", "critic", "rollout", "eval", "ckpt", "chat", BACKEND), train={"lr": 2e-3, "max_steps": 150}
+)
 def sft(cfg: Config) -> object:
     """Supervised fine-tuning on chat data (loss on assistant tokens); writes an HF checkpoint."""
     from molt.cli.sft import run_sft
@@ -57,7 +72,7 @@ def sft(cfg: Config) -> object:
     return run_sft(cfg)
 
 
-@command("eval", unused=("algo", "critic", "ckpt"))
+@command("eval", unused=("algo", "critic", "ckpt", BACKEND, *_all_but("rollout", *EPISODE), *_all_but("train", "seed")))
 def eval_(cfg: Config) -> object:
     """Score a checkpoint, run directory or model folder on held-out rows: `molt eval TARGET` (pass@k, per-row)."""
     from molt.cli.eval import run_eval
@@ -65,7 +80,11 @@ def eval_(cfg: Config) -> object:
     return run_eval(cfg)
 
 
-@command("serve", unused=("data", "algo", "critic", "eval", "ckpt", "log"), chat={"port": 8000})
+@command(
+    "serve",
+    unused=("data", "algo", "critic", "eval", "ckpt", "log", BACKEND, *_all_but("rollout", *SAMPLING)),
+    chat={"port": 8000},
+)
 def serve(cfg: Config) -> object:
     """OpenAI/Anthropic-compatible chat server over a checkpoint: `molt serve CHECKPOINT` (= --model.path)."""
     from molt.cli.serve import run_serve
@@ -96,12 +115,14 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
     path = _config_path(args)
     defaults = build(Config, DEFAULTS.get(command_name, {}))
     base = load_config_file(Config, path, base=defaults, skip=_flag_keys(args)) if path else defaults
+    unused = UNUSED.get(command_name, ())
     for key in sorted(_flag_keys(args)):  # before the groups' own checks, which may name other flags
-        if (group := key.split(".")[0]) in UNUSED.get(command_name, ()):
-            raise ConfigError(f"{key}: `{prog}` does not use the {group} settings; drop the flag")
+        if (group := key.split(".")[0]) in unused or key in unused:
+            what = f"the {group} settings" if group in unused else "this setting"
+            raise ConfigError(f"{key}: `{prog}` does not use {what}; drop the flag")
     wants_help = "-h" in args or "--help" in args
     try:
-        schema = _without(UNUSED.get(command_name, ())) if wants_help else Config
+        schema = _without(tuple(u for u in unused if "." not in u)) if wants_help else Config
         return tyro.cli(schema, args=args, default=base, prog=prog, use_underscores=True)
     except UserError as e:
         fail(prog, e)
@@ -235,6 +256,14 @@ def fail(prog: str, error: UserError) -> NoReturn:
     raise SystemExit(2)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be, so that the run stops the same clean way."""
+
+
+def _terminate(signum: int, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `molt` executable (commands' return values are for programmatic use)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -245,17 +274,21 @@ def main(argv: list[str] | None = None) -> None:
     if name not in COMMANDS:
         print(f"molt: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         raise SystemExit(2)
+    main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers may be set
+    on_term = signal.signal(signal.SIGTERM, _terminate) if main_thread else None  # `timeout`, Slurm, k8s: as Ctrl-C
     try:
         cfg = parse_command(argv)
         COMMANDS[name](cfg)
     except UserError as e:
         fail(f"molt {name}", e)
-    except KeyboardInterrupt:
-        print(f"molt {name}: interrupted (the run directory keeps the checkpoints saved so far)", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        how, code = ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+        kept = " (the run directory keeps the checkpoints saved so far)" if name in ("train", "sft") else ""
+        print(f"molt {name}: {how}{kept}", file=sys.stderr)
         if any(t.name == "molt-build" and t.is_alive() for t in threading.enumerate()):
             sys.stderr.flush()  # a warm start or model load still runs torch on its thread: exiting the
-            os._exit(130)  # interpreter under it aborts the process, so leave at once (nothing else holds state)
-        raise SystemExit(130) from None
+            os._exit(code)  # interpreter under it aborts the process, so leave at once (nothing else holds state)
+        raise SystemExit(code) from None
     except RunFatalError as e:  # the run cannot go on (e.g. a cluster that cannot place or keep its actors)
         if os.environ.get("MOLT_TRACEBACK", "") not in ("", "0"):
             traceback.print_exception(e)
@@ -269,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         raise SystemExit(1) from None
+    finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
 
 
 if __name__ == "__main__":

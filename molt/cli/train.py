@@ -8,10 +8,13 @@ trains on a rollout dump and no engine is started (`molt/loop/replay.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import signal
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,13 +65,13 @@ def _policy(cfg: Config, train_rows: list[dict], warm: bool):
 class Progress:
     """A live bar on a terminal, plain log lines otherwise."""
 
-    def __init__(self, run: RunDir, total: int, every: int):
-        self.run, self.total, self.every, self.t0 = run, total, every, time.perf_counter()
+    def __init__(self, run: RunDir, total: int, every: int, start: int = 0):
+        self.run, self.total, self.every, self.start, self.t0 = run, total, every, start, time.perf_counter()
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc="molt train", dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=start, desc="molt train", dynamic_ncols=True)
 
     def __call__(self, m: dict[str, Any]) -> None:
         self.run.log(m)
@@ -79,7 +82,7 @@ class Progress:
             self.bar.set_postfix(info)
             self.bar.update(1)
         elif m["step"] % self.every == 0 or m["step"] == self.total:
-            eta = (time.perf_counter() - self.t0) / m["step"] * (self.total - m["step"])
+            eta = (time.perf_counter() - self.t0) / max(m["step"] - self.start, 1) * (self.total - m["step"])
             self.run.print(
                 f"step {m['step']}/{self.total} " + " ".join(f"{k} {v}" for k, v in info.items()) + f" eta {eta:.0f}s"
             )
@@ -121,7 +124,8 @@ async def _start(cfg: Config, run: RunDir, threads: int, inputs: RunInputs) -> t
 async def _train_async(cfg: Config, run: RunDir, threads: int, inputs: RunInputs) -> TrainResult:
     t0 = time.perf_counter()
     runtime, loop = await _start(cfg, run, threads, inputs)
-    progress = Progress(run, cfg.train.max_steps, cfg.log.every)
+    progress = Progress(run, cfg.train.max_steps, cfg.log.every, loop.state.step)  # a resume starts past 0
+    saved: dict[int, Path] = {}  # step -> its checkpoint
     try:
         before = await loop.evaluate() if cfg.eval.every and not cfg.ckpt.resume else {}
         if before:
@@ -132,10 +136,10 @@ async def _train_async(cfg: Config, run: RunDir, threads: int, inputs: RunInputs
             metrics |= inputs.reward.log.drain() if inputs.reward else {}
             progress(metrics)
             if cfg.ckpt.every and loop.state.step % cfg.ckpt.every == 0:
-                save_checkpoint(run.path, loop.trainer, loop.snapshot(), loop.tokenizer)
+                saved[loop.state.step] = save_checkpoint(run.path, loop.trainer, loop.snapshot(), loop.tokenizer)
 
         history = await loop.run(on_step)
-        ckpt = save_checkpoint(run.path, loop.trainer, loop.snapshot(), loop.tokenizer)
+        ckpt = saved.get(loop.state.step) or save_checkpoint(run.path, loop.trainer, loop.snapshot(), loop.tokenizer)
     finally:
         progress.close()
         await loop.close()
@@ -226,6 +230,35 @@ async def train_async(cfg: Config) -> TrainResult:
     return result
 
 
+def _on_worker_loop(cfg: Config) -> TrainResult:
+    """`train_async(cfg)` on a worker thread with its own event loop; a KeyboardInterrupt here (a notebook's
+    interrupt) cancels the run there, waits for its clean-up (engines closed, rollouts cancelled), then re-raises."""
+    running: Future[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = Future()
+
+    async def run() -> TrainResult:
+        running.set_result((asyncio.get_running_loop(), asyncio.current_task()))
+        return await train_async(cfg)
+
+    # Ctrl-C raises here while this call blocks the host's loop (asyncio.run's own handler would only cancel a task)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler) if main else None
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
+            done = pool.submit(asyncio.run, run())
+            try:
+                return done.result()
+            except KeyboardInterrupt:
+                loop, task = running.result()
+                with contextlib.suppress(RuntimeError):  # its loop is closed: the run just ended
+                    loop.call_soon_threadsafe(task.cancel)
+                with contextlib.suppress(Exception, asyncio.CancelledError):  # a second Ctrl-C stops the wait
+                    done.result()
+                raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
 def run_train(cfg: Config) -> TrainResult:
     """The `molt train` command, from synchronous code: on this thread, or on a worker thread with its own event
     loop when this thread already runs one (a notebook), since `asyncio.run` refuses to nest."""
@@ -234,6 +267,5 @@ def run_train(cfg: Config) -> TrainResult:
     except RuntimeError:
         pass  # no running loop: run below, outside this block, so a failure's traceback does not start with it
     else:
-        with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
-            return pool.submit(asyncio.run, train_async(cfg)).result()
+        return _on_worker_loop(cfg)
     return asyncio.run(train_async(cfg))

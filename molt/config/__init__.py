@@ -15,7 +15,7 @@ from pathlib import Path
 
 from molt.config.base import ConfigError as ConfigError  # re-exported, as is check_device
 from molt.config.base import check
-from molt.config.rl import AlgoConfig, CriticConfig, RolloutConfig
+from molt.config.rl import AlgoConfig, CriticConfig, RolloutConfig, check_rollout_algo
 from molt.config.run import ChatConfig, CkptConfig, EvalConfig, LogConfig, RuntimeConfig, warn_slow_dtype
 from molt.config.run import check_device as check_device
 from molt.config.training import DataConfig, ModelConfig, TrainConfig
@@ -45,7 +45,8 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
     config: str = ""
-    """TOML or YAML file with any of these fields (e.g. `[train]\\nlr = 3e-4`); flags override it."""
+    """TOML or YAML file with any of these fields (e.g. `[train]\\nlr = 3e-4`); flags override it. Set by the flag
+    only: a config file or dict cannot name another one."""
 
     def file_form(self) -> dict:
         """This config as a run's config.yaml holds it: plain values, paths absolute (it is read from other folders:
@@ -129,3 +130,5 @@ class Config:
         )
         gae = self.algo.estimator == "gae"  # the critic's settings apply only where there is one
         check(gae or self.critic == CriticConfig(), "critic", "critic.* settings need --algo.estimator gae")
+        self.rollout.filters = self.rollout.group_filters(self.algo.estimator)  # as applied (and as config.yaml says)
+        check_rollout_algo(self.rollout, self.algo)

@@ -3,12 +3,13 @@ registries, settings that cannot change training are refused) and the PPO critic
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
 
 from molt.config.base import ConfigError, changed, check
-from molt.config.training import check_model_folder
+from molt.config.training import check_finite, check_model_folder
 
 
 @dataclass
@@ -35,9 +36,10 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (also used by the trainer's log-probs)."""
     top_p: float = 1.0
-    """Nucleus sampling mass (1 = off)."""
+    """Nucleus sampling mass (1 = off). Below 1 (or with top_k), the engine records the log-probs of the truncated
+    distribution it sampled from, and the IS correction (`algo.is_level`, required) corrects the trainer for it."""
     top_k: int = 0
-    """Top-k sampling (0 = off)."""
+    """Top-k sampling (0 = off); see top_p."""
     max_tokens: int = 32
     """Max generated tokens per turn (clipped to the remaining context)."""
     max_turns: int = 4
@@ -49,7 +51,11 @@ class RolloutConfig:
     max_failure_frac: float = 0.2
     """Stop the run when more than this fraction of rollouts failed (after 20 rollouts)."""
     filters: tuple[str, ...] = ("nonfinite", "all-equal")
-    """Group filters (dropped groups are refilled from new prompts): nonfinite, all-equal, score-range."""
+    """Group filters (dropped groups are refilled from new prompts): nonfinite, all-equal, score-range. Left at this
+    default with an estimator without a group baseline (reinforce, gae, on_policy_distill): nonfinite only."""
+    score_range: tuple[float, float] = (0.0, 1.0)
+    """The `score-range` filter keeps a group whose mean reward (or score) is strictly inside (low, high) (DAPO's
+    0 < mean < 1: drops the groups all failed or all solved)."""
     filter_on: Literal["reward", "score"] = "reward"
     """What the group filters read: `reward` (the trained signal, e.g. partial credit) or the agent's `score`
     (e.g. a 0/1 success; a rollout without one uses its reward)."""
@@ -85,6 +91,24 @@ class RolloutConfig:
         unknown = [f for f in self.filters if f not in GROUP_FILTERS]
         check(not unknown, "rollout.filters", f"unknown {unknown}; choose from {GROUP_FILTERS.names()}")
         check(self.filter_on == "reward" or bool(self.filters), "rollout.filter_on", "has no effect without filters")
+        low, high = self.score_range
+        check(
+            math.isfinite(low) and math.isfinite(high) and low < high, "rollout.score_range", "needs finite low < high"
+        )
+        check(
+            "score-range" in self.filters or not changed(self, "score_range"),
+            "rollout.score_range",
+            "has no effect here: add score-range to --rollout.filters",
+        )
+
+    def group_filters(self, estimator: str) -> tuple[str, ...]:
+        """The group filters a run with `estimator` applies: `filters`, or left at their default with an estimator
+        that has no group baseline (an all-equal group still carries signal there), `nonfinite` only."""
+        from molt.algo import ESTIMATORS
+
+        if changed(self, "filters") or ESTIMATORS.info(estimator)["group_baseline"]:
+            return self.filters
+        return ("nonfinite",)
 
     @property
     def episodes_in_flight(self) -> int:
@@ -163,6 +187,7 @@ class AlgoConfig:
     def __post_init__(self) -> None:
         from molt import algo
 
+        check_finite(self, "algo", allow_inf=("is_high",))  # is_high inf: no upper bound
         check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "gamma and lam must be in [0, 1]")
         check(
             (self.gamma, self.lam) == (1.0, 1.0) or self.estimator in ("gae", "reinforce"),
@@ -191,7 +216,21 @@ class AlgoConfig:
         check(self.reward_clip >= 0, "algo.reward_clip", "must be >= 0 (0 = off)")
         check(min(self.overlong_buffer, self.overlong_max_len) >= 0, "algo.overlong_buffer", "must be >= 0")
         check(self.overlong_coef > 0, "algo.overlong_coef", "must be > 0")
+        check(self.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0 (0 = no entropy bonus)")
         check(0 <= self.is_low <= 1 <= self.is_high, "algo.is_low", "the IS band needs 0 <= is_low <= 1 <= is_high")
+        modes = algo.IS_LEVELS.info(self.is_level)["modes"] if self.is_level != "none" else (self.is_mode,)
+        check(
+            self.is_mode in modes,
+            "algo.is_mode",
+            f"--algo.is_level {self.is_level} takes only mode {' or '.join(modes)} (a geometric mean is a filter "
+            f"statistic, not a weight), not {self.is_mode!r}; add --algo.is_mode {modes[0]}",
+        )
+        check(
+            self.kl_estimator != "k1" or not (self.kl_coef or self.kl_target),
+            "algo.kl_estimator",
+            "k1 cannot be the KL loss: its expected gradient is 0 (E[grad log pi] = 0), so the term would do nothing "
+            "while train/kl moves; use k2 or k3 (their gradients are the KL's)",
+        )
         try:
             self.objective()
         except ValueError as e:
@@ -262,6 +301,7 @@ class CriticConfig:
     """Critic optimizer steps per batch, on the same returns (the policy still takes one)."""
 
     def __post_init__(self) -> None:
+        check_finite(self, "critic")
         check(self.lr >= 0 and self.clip >= 0, "critic.lr", "critic.lr and critic.clip must be >= 0")
         check(self.updates >= 1, "critic.updates", "must be >= 1")
         check(
@@ -271,3 +311,23 @@ class CriticConfig:
             "add --critic.updates 2 or more",
         )
         self.path = self.path and check_model_folder(self.path, "critic.path")
+
+
+def check_rollout_algo(rollout: RolloutConfig, algo: AlgoConfig) -> None:
+    """Checks across the rollout and algo groups: truncated sampling (top-p / top-k) needs the IS correction, and
+    an estimator that reads no reward (on_policy_distill) takes no reward filter."""
+    for key, truncates in (("top_p", rollout.top_p < 1), ("top_k", rollout.top_k > 0)):
+        check(
+            algo.is_level != "none" or not truncates,
+            f"rollout.{key}",
+            "samples from a truncated distribution the trainer's full-vocabulary log-probs do not see: enable the IS "
+            "correction (--algo.is_level token, seq or geo), which corrects for it, or sample without it",
+        )
+    from molt.algo import ESTIMATORS
+
+    if "rewards_b" not in ESTIMATORS.info(algo.estimator)["needs"]:
+        for name in (f for f in rollout.group_filters(algo.estimator) if f in ("all-equal", "score-range")):
+            raise ConfigError(
+                f"rollout.filters: {name} reads the reward, which --algo.estimator {algo.estimator} never uses: it "
+                "would drop groups that carry signal; use --rollout.filters nonfinite"
+            )

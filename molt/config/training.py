@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -54,6 +56,16 @@ class ModelConfig:
             self.path = check_model_folder(self.path, "model.path")  # a run directory: its latest checkpoint
         if self.tokenizer:
             check(os.path.isdir(self.tokenizer), "model.tokenizer", f"folder {self.tokenizer!r} does not exist")
+
+
+def check_finite(group: object, prefix: str, allow_inf: tuple[str, ...] = ()) -> None:
+    """A ConfigError naming `prefix.<field>` for a float field (or a float of a tuple field) of config dataclass
+    `group` that is NaN or infinite; `allow_inf`: fields where +inf is a deliberate "no bound"."""
+    for f in dataclasses.fields(group):
+        value = getattr(group, f.name)
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, float) and not math.isfinite(v) and not (f.name in allow_inf and v == math.inf):
+                raise ConfigError(f"{prefix}.{f.name}: must be a finite number, got {v}")
 
 
 def check_model_folder(path: str, key: str) -> str:
@@ -160,7 +172,8 @@ class TrainConfig:
     batch_size: int = 32
     """`molt sft` only: samples per optimizer step (RL's batch is rollout.prompts_per_step x n_samples_per_prompt)."""
     micro_batch_tokens: int = 4096
-    """Tokens per packed micro-batch (gradient accumulation splits a step into these)."""
+    """Tokens per packed micro-batch (gradient accumulation splits a step into these; exact, except the MoE
+    load-balancing loss, computed per micro-batch)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -174,7 +187,8 @@ class TrainConfig:
     freeze_router: bool = False
     """MoE models: keep the router (gate) weights fixed: not optimized, not sent to the engines."""
     share_prefix: bool = True
-    """Lay a group's common prompt out once in the packed forward (exact: same log-probs and gradients)."""
+    """Lay a group's common prompt out once in the packed forward (exact: same log-probs and gradients, except the MoE
+    load-balancing loss, which counts packed positions)."""
     precision: Literal["mixed", "pure"] = "mixed"
     """mixed: fp32 parameters, gradients and AdamW states, forward/backward in `model.dtype` (autocast, or FSDP2's
     mixed-precision policy when sharded; float16 adds loss scaling). pure: parameters stored in `model.dtype`."""
@@ -198,6 +212,7 @@ class TrainConfig:
     """Linears LoRA adapts: q, k, v, o (attention), gate, up, down (dense MLPs; MoE experts are not adapted)."""
 
     def __post_init__(self) -> None:
+        check_finite(self, "train")
         check(self.lr > 0, "train.lr", "must be > 0")
         check(self.lora_rank >= 0 and self.lora_alpha > 0, "train.lora_rank", "lora_rank >= 0, lora_alpha > 0")
         unknown = set(self.lora_targets) - {"q", "k", "v", "o", "gate", "up", "down"}

@@ -62,9 +62,9 @@ MAX_DROPPED_ROWS_LOGGED = 20  # data rows named in a warning when their rollouts
 FAILURE_LOG = "rollout_failures.log"  # in the run directory: full tracebacks of the first failure of each kind
 
 DROP_WHY = {  # what a group drop reason means, for the progress lines
-    "filter_all_equal": "every sample got the same {signal}: no learning signal",
+    "filter_all_equal": "every sample got the same {signal}: no signal for a group baseline",
     "filter_nonfinite": "a NaN/inf {signal}",
-    "filter_score_range": "mean {signal} outside the score range",
+    "filter_score_range": "mean {signal} not inside rollout.score_range",
     "agent_failure": "failed rollouts: all of the group, or any when the estimator needs complete groups",
     "prompt_over_context": "the prompt does not fit rollout.max_len",
     "image_over_context": "an image does not fit rollout.max_len",
@@ -88,8 +88,10 @@ class Accounting:
     def __init__(self, cfg: Config, state: LoopState, failure_log: Path | None):
         self.cfg, self.state, self.failure_log = cfg, state, failure_log
         self.complete_groups = bool(algo.ESTIMATORS.info(cfg.algo.estimator).get("complete_groups", False))
+        self.filters = cfg.rollout.group_filters(cfg.algo.estimator)
         self.filtered_in_a_row = 0  # groups dropped since one was kept
         self.group_drops: collections.Counter[str] = collections.Counter()  # since the last drop line
+        self.step_dropped_groups = 0  # since the last step's metrics
         self.failure_kinds: set[tuple[str, str]] = set()
         self.drop_details: dict[str, str] = {}  # reason -> the last such drop's message
         self.dropped_rows: set[str] = set()  # rows whose rollouts were dropped (each logged once)
@@ -146,7 +148,7 @@ class Accounting:
             "agent_failure": "rollouts keep failing (see the warnings above)",
             "filter_all_equal": f"every sample of a prompt got the same {signal}: warm-start the model (or use an "
             "easier task), check the reward function, or drop the filter with --rollout.filters nonfinite",
-        }.get(reason, f"rollout.filters {list(ro.filters)} drop every group; check the {signal}s or the filters")
+        }.get(reason, f"rollout.filters {list(self.filters)} drop every group; check the {signal}s or the filters")
         detail = f" (last: {self.drop_details[reason]})" if reason in self.drop_details else ""
         raise RunStoppedError(f"{self.filtered_in_a_row} groups in a row were dropped ({reason}{detail}): {advice}")
 

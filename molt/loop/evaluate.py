@@ -26,11 +26,13 @@ from molt.errors import RunFatalError, describe_error, error_kind, error_traceba
 
 
 def rollout_sampling(cfg: Config, tokenizer, temperature: float) -> SamplingParams:
-    """The rollout's SamplingParams at `temperature` (training's rollouts and every eval; 0 = greedy)."""
+    """The rollout's SamplingParams at `temperature` (training's rollouts and every eval; 0 = greedy). With top-p or
+    top-k the engine records the log-probs of the truncated distribution it sampled from (`processed`), so the IS
+    correction and `train/logprob_diff` see the truncation."""
     ro, stop = cfg.rollout, tuple(t for t in {tokenizer.eos_token_id} if t is not None)
-    return SamplingParams(
-        temperature=temperature, top_p=ro.top_p, top_k=ro.top_k, max_tokens=ro.max_tokens, stop_token_ids=stop, seed=0
-    )
+    mode = "processed" if ro.top_p < 1 or ro.top_k > 0 else "scaled"
+    return SamplingParams(temperature=temperature, top_p=ro.top_p, top_k=ro.top_k, max_tokens=ro.max_tokens,
+                          stop_token_ids=stop, seed=0, logprob_mode=mode)  # fmt: skip
 
 
 def episode_limits(cfg: Config) -> EpisodeLimits:

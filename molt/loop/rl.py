@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -165,7 +166,8 @@ class RLLoop(Accounting):
         signal = [t.score if on_score and t.score is not None else t.reward for t in group]
         group_ids, rollout_ids = torch.tensor([t.group_id for t in group]), torch.tensor([t.rollout_id for t in group])
         scores = torch.tensor(signal, dtype=torch.float32)
-        keep, metrics = algo.filter_groups(scores, group_ids, rollout_ids, filters=self.cfg.rollout.filters)
+        params = algo.FilterParams(self.cfg.rollout.score_range)
+        keep, metrics = algo.filter_groups(scores, group_ids, rollout_ids, filters=self.filters, params=params)
         if bool(keep.all()):
             self.filtered_in_a_row = 0
             return True
@@ -178,6 +180,7 @@ class RLLoop(Accounting):
         """Count a dropped group's samples; its slot in the schedule is refilled by a new prompt."""
         self.state.drops[reason] += num_samples
         self.group_drops[reason] += 1
+        self.step_dropped_groups += 1
         self.scheduled -= 1
 
     # ---- train + sync ----------------------------------------------------------------------------
@@ -214,11 +217,14 @@ class RLLoop(Accounting):
             self.state.step += 1
             self.scheduled -= self.groups_per_step
             await self.sync()
+            if not math.isfinite(metrics.get("train/grad_norm", 0.0)):
+                why = "step %d skipped: the gradient norm is %s, so the optimizer did not step (%d skipped so far)"
+                log.warning(why, self.state.step, metrics["train/grad_norm"], metrics["train/skipped_steps"])
             metrics |= self._loop_metrics(t0)
             if self._due(self.cfg.eval.every):
                 metrics |= await self.evaluate()
                 self.engine_stats = self._engine_snapshot()  # eval is not a step's work
-            metrics["rollout/dropped_groups"] = sum(self.group_drops.values())
+            metrics["rollout/dropped_groups"], self.step_dropped_groups = self.step_dropped_groups, 0  # this step's
             self.history.append(metrics)
             on_step(metrics)
             if self._due(self.cfg.log.every) and (line := self.drop_line()):  # since the last such line, and why

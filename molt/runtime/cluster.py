@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +43,10 @@ def connect(rt: RuntimeConfig) -> bool:
             raise ConfigError(message) from None
     num_cpus = rt.num_cpus or int((rt.engines + rt.trainer_ranks) * max(rt.cpus_per_actor, 1) + 1)
     local = {} if rt.address else {"num_cpus": num_cpus, "include_dashboard": False}
+    on_term = signal.getsignal(signal.SIGTERM)
     ray.init(address=rt.address or "local", runtime_env=env, log_to_driver=True, **local)
+    if threading.current_thread() is threading.main_thread():  # Ray's core installs its own crash-dump handler
+        signal.signal(signal.SIGTERM, on_term)  # the host program's (molt: a clean stop) or the default
     return True
 
 

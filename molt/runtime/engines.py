@@ -87,7 +87,8 @@ class EngineActor:
         threads = cfg.runtime.engine_threads or 1
         torch.set_num_threads(threads)
         self.engine = build_engine(cfg, model, tokenizer, version=version, threads=threads, owned=True)
-        self.expected = set(self.engine.model.state_dict())
+        frozen = set(model.router_names()) if cfg.train.freeze_router else set()  # never synced: they stay
+        self.expected = set(self.engine.model.state_dict()) - frozen
 
     async def ready(self) -> int:
         return self.engine.version

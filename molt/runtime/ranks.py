@@ -62,8 +62,9 @@ class TrainerRank:
             yield name, value if lora is None else lora.merge(name, value)
 
     def weights(self, chunk_bytes: int) -> ChunkedWeights | None:
-        """Gather full tensors (a collective); rank 0 puts them in the object store in chunks."""
-        items = self.full_weights()
+        """Gather full tensors (a collective); rank 0 puts them in the object store in chunks (not the frozen
+        routers of `train.freeze_router`: the engines hold them already)."""
+        items = ((name, value) for name, value in self.full_weights() if name not in self.trainer.frozen)
         if self.rank == 0:
             return chunk_weights(items, chunk_bytes)
         for _ in items:  # take part in every gather
@@ -100,9 +101,9 @@ class TrainerRank:
                 set_state_dict(module, opt, model_state_dict=sd[key], optim_state_dict=sd[opt_key], options=strict)
         trainer = self.trainer
         trainer.schedule.load_state_dict(state["schedule"])
-        trainer.load_extra_state({"kl_coef": state.get("kl_coef")})
         if trainer.critic is not None:
             trainer.critic.schedule.load_state_dict(state["critic_schedule"])
+        trainer.load_extra_state({"kl_coef": state.get("kl_coef")})  # last: it applies this config's settings
         trainer.version, trainer.num_skipped_steps = state["version"], state.get("num_skipped_steps", 0)
 
     def _parts(self) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer | None, str]]:

@@ -65,8 +65,8 @@ class Critic:
         if shard is not None:
             shard(self.model)
             self.precision = precision.unsharded()
-        train_cfg = dataclasses.replace(cfg.train, lr=cfg.critic.lr or cfg.train.lr)
-        self.opt, self.schedule = build_optimizer(self.model.parameters(), train_cfg)
+        self.train_cfg = dataclasses.replace(cfg.train, lr=cfg.critic.lr or cfg.train.lr)  # its optimizer's settings
+        self.opt, self.schedule = build_optimizer(self.model.parameters(), self.train_cfg)
 
     def train(self, mbs: list, lengths: list[int], rewards_b: torch.Tensor, denoms, gae: algo.AdvantageParams,
               num_mbs: int) -> tuple[list[list[float]], dict[str, float]]:  # fmt: skip

@@ -47,6 +47,13 @@ def parallelize(model: torch.nn.Module, compute_dtype: torch.dtype | None = None
     return model
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free `model`'s unsharded parameters if it is FSDP2-sharded: a forward without backward (under no_grad)
+    leaves the root's (embedding, final norm) unsharded, as plain tensors beside the other DTensors."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
 def _multi_rank() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 

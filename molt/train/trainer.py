@@ -2,7 +2,9 @@
 
 One `step(trajectories)` is one optimizer step over a batch of complete groups (policy version +1). The forward
 runs on packed rows; per-token values are laid out per sample as the padded [B, T] tensors `molt/algo` expects,
-and every micro-batch's loss uses the step's global denominators, so the gradient does not depend on the split.
+and every micro-batch's loss uses the step's global denominators, so the gradient does not depend on the split
+(except the MoE load-balancing loss, `--algo.moe_aux_coef`, computed per micro-batch over its packed positions as
+Megatron-style trainers do).
 
 Order of one step:
 1. micro-batches and step denominators;
@@ -12,7 +14,8 @@ Order of one step:
    clip), values and teacher KL;
 4. the policy's forward + loss + backward per micro-batch, one optimizer step.
 LoRA (`--train.lora_rank`): only the adapters train; `weights()` and checkpoints give the merged policy. The
-KL-loss coefficient `--algo.kl_coef` adapts toward `--algo.kl_target` when set (`train/kl_coef`). Data parallel
+KL-loss coefficient `--algo.kl_coef` adapts toward `--algo.kl_target` when set (`train/kl_coef`). A resume trains
+with the config it is given: its learning rates, schedule, AdamW settings and (fixed) KL coefficient. Data parallel
 (`fsdp=True`, in each `molt.runtime.ranks.TrainerRank`): every model is FSDP2-sharded, each rank runs step 2 on
 its own samples and the per-sample values and KL are gathered, so step 3 sees the whole batch.
 """
@@ -51,6 +54,19 @@ from molt.train.routing import (
     routing_stats,
 )
 from molt.train.teacher import load_teacher, teacher_logprobs
+
+
+def resume_optimizer(
+    opt: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LambdaLR, train: TrainConfig
+) -> None:
+    """Make a restored AdamW and schedule (`build_optimizer`'s) train with `train`: its lr, weight decay (the first
+    param group decays) and betas in every group, the schedule's base lr, and the current lr recomputed from this
+    config's schedule (warm-up, max_steps, min_lr_ratio) at the restored step."""
+    schedule.base_lrs = [train.lr] * len(opt.param_groups)
+    step = schedule.last_epoch
+    schedule._last_lr = [train.lr * fn(step) for fn in schedule.lr_lambdas]  # noqa: SLF001 - what get_last_lr reads
+    for i, (group, lr) in enumerate(zip(opt.param_groups, schedule._last_lr, strict=True)):  # noqa: SLF001
+        group.update(lr=lr, initial_lr=train.lr, betas=train.betas, weight_decay=train.weight_decay if i == 0 else 0.0)
 
 
 def _add(sums: dict[str, float], **values: torch.Tensor) -> None:
@@ -124,8 +140,9 @@ class Trainer:
         return state
 
     def load_extra_state(self, state: dict) -> None:
-        """Restore what `extra_state` saved (entries a checkpoint lacks keep their fresh values)."""
-        if state.get("kl_coef") is not None:  # the adaptive KL coefficient where the run left it
+        """Restore what `extra_state` saved (entries a checkpoint lacks keep their fresh values), then apply this
+        config's optimizer settings over the restored optimizer and schedule states (`resume_optimizer`)."""
+        if state.get("kl_coef") is not None and self.cfg.algo.kl_target:  # the adaptive coefficient where it was
             self.kl_control.coef = state["kl_coef"]
             self.objective = dataclasses.replace(self.objective, kl_loss_coef=state["kl_coef"])
         if self.critic is not None and state.get("critic") is not None:
@@ -133,6 +150,9 @@ class Trainer:
         if self.lora is not None and state.get("lora") is not None:
             self.lora.load_state_dict(state["lora"]["adapters"])
             self.lora.load_base_weights(state["lora"]["base"])
+        resume_optimizer(self.opt, self.schedule, self.cfg.train)
+        if self.critic is not None:
+            resume_optimizer(self.critic.opt, self.critic.schedule, self.critic.train_cfg)
 
     sharded = False  # checkpoints are this process's state dicts (`RayTrainer` writes sharded ones)
 
@@ -229,6 +249,7 @@ class Trainer:
             self._backward(mb, mine, advantages, denoms, sums)
         for _ in range(num_mbs - len(mbs)):
             self._backward(mbs[-1], mine, advantages, denoms, {}, scale=0.0)
+        parallel.reshard(self.model)  # a no-grad forward (MoE routing diagnostics) leaves the root unsharded
         parallel.sum_replicated_grads(list(self.trainable()))  # LoRA adapters beside a sharded base
         grad_norm, stepped = clip_and_step(self.opt, self.trainable(), self.cfg.train.grad_clip, self.scaler)
         self.num_skipped_steps += not stepped
@@ -350,7 +371,11 @@ class Trainer:
         n = max(sums.get("tokens", 0.0), 1.0)
         staleness = [self.version - v for t in trajs for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
         out = {f"train/{k[2:]}": v / n for k, v in sums.items() if k.startswith("w_")}
+        shaped = adv_metrics.pop("reward_mean", None)  # the estimator's, of the shaped reward
+        if shaped is not None and (self.shaping.clip or self.shaping.overlong_buffer):
+            out["train/shaped_reward_mean"] = float(shaped)
         out |= {f"train/{k}": float(v) for k, v in adv_metrics.items()} | routing_metrics(sums)
+        rewards = {t.rollout_id: t.reward for t in trajs}  # one per rollout, whatever its number of segments
         if sums.get("fresh", 0.0) > 0:  # numerics alone: tokens the current weights sampled (absent when none)
             out["train/logprob_diff_fresh"] = sums["fresh_diff"] / sums["fresh"]
         return out | {
@@ -358,7 +383,7 @@ class Trainer:
             "train/logprob_diff": sums.get("abs_diff", 0.0) / n,
             "train/fresh_tokens": sums.get("fresh", 0.0),
             "train/entropy": sums.get("entropy", 0.0) / n,
-            "train/reward_mean": sum(t.reward for t in trajs) / len(trajs),
+            "train/reward_mean": sum(rewards.values()) / len(rewards),
             "train/staleness_mean": sum(staleness) / max(len(staleness), 1),
             "train/staleness_max": max(staleness, default=0),
             "train/num_samples": len(trajs),

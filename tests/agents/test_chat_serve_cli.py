@@ -1,5 +1,7 @@
 """`molt serve CHECKPOINT` as a user runs it: a real process, a real port, the real OpenAI SDK."""
 
+import contextlib
+import signal
 import socket
 import subprocess
 import sys
@@ -7,6 +9,7 @@ import time
 
 import httpx
 import openai
+import pytest
 import torch
 
 from molt.models import Transformer, build_builtin_tokenizer, preset, save_pretrained
@@ -42,3 +45,36 @@ def test_molt_serve_checkpoint_answers_openai_sdk(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_a_signal_stops_molt_serve_gracefully_with_streams_in_flight(sig, code):
+    """Streams in flight end (after a short grace, as an error event), one line and no traceback, the port freed."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "molt.cli.main", "serve", "--model.preset", "tiny", "--chat.port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(300):  # bounded wait for start-up
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": "molt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000,
+                "temperature": 0, "stream": True}  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            url = f"{base}/v1/chat/completions"
+            lines = [stack.enter_context(httpx.stream("POST", url, json=body, timeout=60)).iter_lines() for _ in "abc"]
+            firsts = [next(line) for line in lines]  # each stream is under way
+            proc.send_signal(sig)
+            lasts = [[text for text in line if text][-1] for line in lines]  # each ends with an event, no client error
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert all(first.startswith("data: ") for first in firsts)
+    assert all(last == "data: [DONE]" or '"error"' in last for last in lasts)
+    assert proc.returncode == code and err.splitlines() == [f"molt serve: stopped ({sig.name})"]  # no traceback
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", port))  # the port is free again

@@ -184,7 +184,9 @@ def test_missing_inputs_and_ignored_kl_are_errors():
         compute_advantages("grpo", AdvantageInputs(mask_bt=torch.ones(1, 1), rewards_b=vec(1)))
     with pytest.raises(ValueError, match="'gae' needs values_bt"):
         compute_advantages("gae", AdvantageInputs(mask_bt=torch.ones(1, 1), rewards_b=vec(1)))
-    with pytest.raises(ValueError, match="ignores a per-token KL reward"):
+    with pytest.raises(
+        ValueError, match=r"ignores a per-token KL reward; add the KL as a loss term instead \(--algo.kl_coef\)"
+    ):
         with_kl = AdvantageInputs(**GROUPS, kl_bt=torch.zeros(5, 3))
         compute_advantages("grpo", with_kl, AdvantageParams(kl_coef=0.1))
     with pytest.raises(ValueError, match="unknown advantage estimator"):
@@ -198,3 +200,11 @@ def test_teacher_kl_is_subtracted_from_another_estimators_advantage_on_action_to
     mixed, metrics = add_teacher_kl(adv, kl, mask, coef=2.0)
     assert torch.equal(mixed, torch.tensor([[0.0, 0.0, 1.5], [0.0, -5.0, 0.0]]))
     assert metrics["distill_kl"].item() == pytest.approx((0.5 - 0.25 + 2.0) / 3)
+
+
+def test_registry_says_which_estimators_use_a_group_baseline_and_reward_mean_counts_rollouts_once():
+    baseline = {name for name in ESTIMATORS.names() if ESTIMATORS.info(name)["group_baseline"]}
+    assert baseline == {"grpo", "dr_grpo", "rloo", "reinforce_baseline"}
+    for name in ("reinforce", "dr_grpo"):  # rewards 1 (two segments), 2, 3, 5 -> 11 / 4, not 12 / 5
+        _, _, metrics = compute_advantages(name, AdvantageInputs(**GROUPS))
+        assert metrics["reward_mean"].item() == pytest.approx(11 / 4)

@@ -34,6 +34,14 @@ def test_duplicate_name_is_rejected():
         reg.register("a")(lambda: 2)
 
 
+def test_a_variant_without_its_familys_info_is_rejected_when_registered():
+    from molt.algo import ESTIMATORS
+
+    with pytest.raises(ValueError, match=r"advantage estimator 'mine': register it with whiten=\.\.\., needs="):
+        ESTIMATORS.register("mine")(lambda inputs, params: None)
+    assert "mine" not in ESTIMATORS
+
+
 def test_unknown_name_lists_the_choices():
     reg = Registry("widget")
     reg.register("b")(lambda: 1)

@@ -34,6 +34,13 @@ def test_score_range_counts_each_rollout_once():
     assert keep_by_sample.tolist() == [False] * 7  # without rollout ids group 5's mean is 0.75
 
 
+def test_score_range_bounds_are_exclusive():
+    """DAPO's 0 < mean < 1: groups all failed (mean 0) or all solved (mean 1) are dropped, a mixed one kept."""
+    scores = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    keep, _ = filter_groups(scores, torch.tensor([0, 0, 1, 1, 2, 2]), filters=["score-range"])
+    assert keep.tolist() == [False, False, False, False, True, True]
+
+
 def test_unknown_filter_is_an_error():
     with pytest.raises(ValueError, match="unknown group filter"):
         filter_groups(torch.zeros(2), torch.zeros(2, dtype=torch.long), filters=["bogus"])

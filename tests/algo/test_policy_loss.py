@@ -171,3 +171,14 @@ def test_value_loss_clipped_hand_numbers():
     unclipped, metrics = value_loss(values, old, returns, mask, clip=None)
     assert_exact(unclipped.detach(), [[0.5, 0.5]])
     assert "value_clip_frac" not in metrics
+
+
+def test_value_loss_ignores_nan_off_the_mask_in_its_gradient():
+    nan = math.nan
+    values = torch.tensor([[0.5, nan], [nan, nan]], requires_grad=True)
+    old, returns = torch.tensor([[0.6, nan], [nan, 1.0]]), torch.tensor([[1.0, nan], [0.0, nan]])
+    mask = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    for clip in (0.2, None):
+        loss, _ = value_loss(values, old, returns, mask, clip=clip)
+        (grad,) = torch.autograd.grad(loss.sum(), values)
+        assert loss.tolist() == [[0.125, 0.0], [0.0, 0.0]] and grad.tolist() == [[-0.5, 0.0], [0.0, 0.0]]

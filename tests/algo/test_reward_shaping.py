@@ -25,8 +25,9 @@ def test_segments_of_a_rollout_share_its_length_and_its_shaped_reward():
     rollout_ids = torch.tensor([7, 7, 9])
     assert rollout_totals(lengths, rollout_ids).tolist() == [8.0, 8.0, 5.0]
     params = RewardShapingParams(overlong_buffer=4, overlong_max_len=10)
-    shaped, _ = shape_rewards(rewards, lengths, params, rollout_ids)
+    shaped, metrics = shape_rewards(rewards, lengths, params, rollout_ids)
     assert shaped.tolist() == pytest.approx([0.5, 0.5, 1.0])
+    assert metrics["overlong_penalty_mean"].item() == pytest.approx(-0.25)  # per rollout: (-0.5 + 0) / 2
 
 
 def test_defaults_leave_rewards_alone_and_bad_params_are_errors():

@@ -46,6 +46,18 @@ def test_unknown_group_in_yaml(tmp_path):
         load_config_file(Config, path)
 
 
+def test_a_config_key_in_a_file_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('# a run\nconfig = "other.toml"\n[train]\nlr = 5e-4\n')
+    with pytest.raises(ConfigError, match=r"run\.toml:2: config: a config cannot name another config; pass the file"):
+        load_config_file(Config, path)
+    path.write_text('config = ""\n')  # as older runs' config.yaml hold it: names nothing
+    assert load_config_file(Config, path) == Config()
+    path.write_text("confi = 1\n")
+    with pytest.raises(ConfigError, match=r"confi: unknown key; valid keys: \[.*'chat'\]$"):  # `config` not offered
+        load_config_file(Config, path)
+
+
 def test_wrong_type_in_file(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[train]\nmax_steps = "ten"\n')
@@ -108,7 +120,7 @@ def test_impossible_rl_combination(tmp_path):
     with pytest.raises(ConfigError, match=r"run\.toml:2: algo\.estimator: unknown; choose one of"):
         load_config_file(Config, path)
     path.write_text('[algo]\nis_level = "geo"\nis_mode = "clip"\n')
-    with pytest.raises(ConfigError, match="does not support mode 'clip'"):
+    with pytest.raises(ConfigError, match=r"algo\.is_mode: --algo\.is_level geo takes only mode mask .* not 'clip'"):
         load_config_file(Config, path)
 
 
@@ -198,6 +210,11 @@ def test_sft_names_the_refused_flag_before_other_checks_and_run_stops_are_not_bu
             main([command, "model", flag, "x"])
         group = flag[2:].split(".")[0]
         assert f"{flag[2:]}: `molt {command}` does not use the {group} settings" in capsys.readouterr().err
+    for command, flag in [("eval", "--runtime.backend"), ("eval", "--rollout.dump"), ("eval", "--train.lr"),
+                          ("serve", "--rollout.max_turns")]:  # fmt: skip
+        with pytest.raises(SystemExit):  # RL-only settings of groups the command reads in part
+            main([command, "model", flag, "1"])
+        assert f"{flag[2:]}: `molt {command}` does not use this setting" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # nor does its --help list them
         main(["sft", "--help"])
     shown = capsys.readouterr().out

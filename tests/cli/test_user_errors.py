@@ -10,9 +10,11 @@ do not rebuild the CPU kernels (nothing is warm-started: `--model.warmstart_step
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -240,3 +242,15 @@ def test_a_bug_in_molt_prints_its_traceback_and_user_errors_do_with_the_env_var(
         main(["train"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 130 and "Traceback" not in err and err.startswith("molt train: interrupted")
+
+    def terminated(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)  # as `timeout`, Slurm or Kubernetes stop a run
+        time.sleep(5)
+
+    monkeypatch.setitem(cli.COMMANDS, "train", terminated)
+    on_term = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 143 and err.startswith("molt train: terminated (SIGTERM)"), err
+    assert signal.getsignal(signal.SIGTERM) is on_term  # main() leaves the handler as it found it

@@ -3,11 +3,15 @@
 
 import asyncio
 import importlib.util
+import signal
+import threading
 
+import numpy as np
 import pytest
 from conftest import one_line, run_molt  # noqa: I001 - tests/conftest.py
 
 import molt
+from molt.cli.train import Progress
 from molt.config import ConfigError
 from molt.log import read_metrics
 
@@ -30,6 +34,18 @@ def test_make_config_merges_dicts_files_and_overrides(tmp_path):
         molt.make_config({"train.max_stepz": 3})
 
 
+def test_make_config_refuses_what_is_not_a_config_and_takes_paths_and_numpy_numbers(tmp_path):
+    with pytest.raises(ConfigError, match="config: expected a Config, a dict or a TOML/YAML path, got int"):
+        molt.make_config(5)
+    with pytest.raises(ConfigError, match="config: a config cannot name another config"):
+        molt.make_config({"config": str(tmp_path / "missing.toml")})
+    with pytest.raises(ConfigError, match=r"rollout.reward: expected str, got function .*pass '__main__:NAME'"):
+        molt.make_config(rollout={"reward": test_make_config_merges_dicts_files_and_overrides})
+    cfg = molt.make_config({"train.max_steps": np.int64(3), "train.lr": np.float32(0.5), "log.run_dir": tmp_path})
+    assert (cfg.train.max_steps, cfg.train.lr, cfg.log.run_dir) == (3, 0.5, str(tmp_path))
+    assert type(cfg.train.max_steps) is int and type(cfg.train.lr) is float
+
+
 def test_train_from_inside_a_running_event_loop(tmp_path):
     """A notebook cell: `await molt.train_async(...)`, and the blocking `molt.train(...)` on a worker thread."""
 
@@ -45,6 +61,26 @@ def test_train_from_inside_a_running_event_loop(tmp_path):
         assert [m["step"] for m in result.history] == [1, 2]
         assert [m["step"] for m in read_metrics(tmp_path / name)] == [1, 2]
         assert (tmp_path / name / "checkpoints" / "step-2" / "model.safetensors").exists()
+
+
+def test_ctrl_c_stops_a_blocking_train_inside_a_running_event_loop(tmp_path, monkeypatch):
+    """A notebook's interrupt during `molt.train` cancels the run on its worker thread and waits for its clean-up."""
+    log_step = Progress.__call__
+
+    def interrupt_after_step_one(progress, metrics):
+        log_step(progress, metrics)
+        if metrics["step"] == 1:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    monkeypatch.setattr(Progress, "__call__", interrupt_after_step_one)
+
+    async def cell():
+        molt.train(TINY, train={"max_steps": 20}, log={"run_dir": str(tmp_path)})
+
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(cell())
+    assert len(read_metrics(tmp_path)) <= 3  # not the 20 steps of the whole run
+    assert not [t for t in threading.enumerate() if t.name.startswith("molt-run")]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed (optional)")

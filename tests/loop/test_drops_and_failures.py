@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from types import SimpleNamespace
 
 from molt.cli.main import parse_config
@@ -80,5 +81,42 @@ def test_filters_decide_on_the_partial_credit_reward_not_the_score(tmp_path):
     asyncio.run(loop._group(0))
     assert loop.buffer.empty() and loop.state.drops["filter_all_equal"] == 4
     line = loop.drop_line()
-    assert line == "1 group dropped: 1 filter_all_equal (every sample got the same score: no learning signal)"
+    assert (
+        line == "1 group dropped: 1 filter_all_equal (every sample got the same score: no signal for a group baseline)"
+    )
     assert loop.drop_line() == ""  # counted once, then reset for the next progress line
+    assert loop.step_dropped_groups == 1  # the step's `rollout/dropped_groups` keeps it whenever lines are printed
+
+
+def test_default_filters_keep_all_equal_groups_for_estimators_without_a_group_baseline(tmp_path):
+    """reinforce compares a rollout with nothing in its group: equal rewards still teach it. Asked for, all-equal
+    still filters; `score-range` keeps a group whose mean is strictly inside rollout.score_range."""
+    for flags, kept in [((), False), (("--algo.estimator", "reinforce"), True),
+                        (("--algo.estimator", "reinforce", "--rollout.filters", "all-equal"), False),
+                        (("--rollout.filters", "score-range"), False),  # mean 1: not inside (0, 1)
+                        (("--rollout.filters", "score-range", "--rollout.score_range", "0", "2"), True)]:  # fmt: skip
+        loop = StubLoop(_config(tmp_path, *flags), reward=lambda k: 1.0)
+        asyncio.run(loop._group(0))
+        assert loop.buffer.qsize() == kept, flags
+
+
+def test_truncated_sampling_records_the_log_probs_it_sampled_from(tmp_path):
+    assert StubLoop(_config(tmp_path)).sampling.logprob_mode == "scaled"
+    for flags in (("--rollout.top_p", "0.9"), ("--rollout.top_k", "5")):
+        assert StubLoop(_config(tmp_path, *flags)).sampling.logprob_mode == "processed"
+
+
+def test_a_step_skipped_for_a_non_finite_gradient_is_a_warning_naming_it(tmp_path, caplog):
+    loop = StubLoop(_config(tmp_path, "--train.max_steps", "1", "--eval.every", "0"))
+    loop.trainer = SimpleNamespace(step=lambda batch: {"train/grad_norm": math.nan, "train/skipped_steps": 1})
+    loop.trainer.version, loop.engine.stats, loop.run_t0, loop.sync_s = 1, {}, 0.0, 0.0
+
+    async def nothing(*args):
+        return None
+
+    loop._next_batch, loop.sync = nothing, nothing
+    loop._compute = lambda fn, *args: asyncio.to_thread(fn, *args)
+    with caplog.at_level(logging.WARNING, logger="molt.loop"):
+        asyncio.run(loop.train(lambda m: None))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == "step 1 skipped: the gradient norm is nan, so the optimizer did not step (1 skipped so far)"

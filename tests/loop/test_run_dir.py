@@ -29,7 +29,7 @@ def test_new_run_refuses_a_non_empty_run_dir(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path / "run")) == ["notes.txt"]  # nothing written
 
 
-def test_resume_finished_run_orphans_and_group_readable_checkpoints(tmp_path, capsys):
+def test_resume_finished_run_orphans_and_group_readable_checkpoints(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     old_mask = os.umask(0o022)
     try:
@@ -42,7 +42,14 @@ def test_resume_finished_run_orphans_and_group_readable_checkpoints(tmp_path, ca
         orphan = run / "checkpoints" / ".step-2.crashed"  # what a save killed mid-write leaves
         orphan.mkdir()
         (orphan / "model.safetensors").write_bytes(b"partial")
-        main(["train", "--resume", str(run), "--train.max_steps", "2"])
+        import molt.cli.train as train
+
+        saves, save = [], train.save_checkpoint
+        monkeypatch.setattr(
+            train, "save_checkpoint", lambda run_dir, *rest: saves.append(rest[1].step) or save(run_dir, *rest)
+        )
+        main(["train", "--resume", str(run), "--train.max_steps", "2", "--ckpt.every", "1"])
+        assert saves == [2]  # the last step's checkpoint is written once (on_step's), not again at the end
     finally:
         os.umask(old_mask)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-1", "step-2"]

@@ -4,7 +4,7 @@ sharded checkpoint resumes on a different number of ranks."""
 import copy
 
 import pytest
-from conftest import batch, small_model  # noqa: I001 - tests/conftest.py
+from conftest import batch, moe_rollouts, small_model  # noqa: I001 - tests/conftest.py
 
 from molt.cli.main import parse_config
 from molt.models import from_pretrained
@@ -79,3 +79,27 @@ def test_two_ranks_match_one_process_and_resume_on_one_rank(ray_cluster, tmp_pat
     finally:
         for r in ranks:
             ray.kill(r)
+
+
+@pytest.mark.slow
+def test_an_moe_policy_trains_on_two_ranks_as_in_one_process(ray_cluster):
+    from molt.runtime.ranks import RayTrainer
+
+    flags = ["--model.preset", "tiny-moe", "--train.freeze_router", "--runtime.trainer_ranks", "2"]
+    cfg = _cfg(*flags, "--rollout.prompts_per_step", "4")
+    model = small_model(kind="moe")
+    trajs = moe_rollouts(copy.deepcopy(model))  # recorded routing: a no-grad forward routes the other way too
+    local, ranks = Trainer(copy.deepcopy(model), cfg), _ranks(ray_cluster, cfg, model, 2)
+    try:  # that no-grad forward must leave no parameter unsharded for the optimizer step
+        remote = RayTrainer(cfg, ranks)
+        for _ in range(2):
+            expected, got = local.step(trajs), remote.step(trajs)
+            for key in ("train/loss", "train/grad_norm", "moe/logprob_diff_live", "moe/logprob_diff_replay"):
+                assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+        weights, expected_weights = remote.weights(), local.weights()  # frozen routers are not synced
+        assert set(weights) == set(expected_weights) and len(weights) < len(local.model.state_dict())
+        for name, value in expected_weights.items():
+            assert (weights[name] - value).abs().max() <= 1e-4, name
+    finally:
+        for r in ranks:
+            ray_cluster.kill(r)

@@ -6,6 +6,10 @@ import pytest
 from test_trainer import _cfg, _model, _trajs  # noqa: I001 - tests/train/test_trainer.py
 
 from molt.algo import adaptive_kl_coef
+from molt.loop.checkpoint import load_training_state, save_checkpoint
+from molt.loop.rl import LoopState
+from molt.models import from_pretrained, save_pretrained
+from molt.train.optim import lr_factor
 from molt.train.trainer import Trainer
 
 ADAPTIVE = ("--algo.kl_coef", "0.5", "--algo.kl_target", "1e-4", "--algo.kl_horizon", "24", "--train.lr", "1e-2")
@@ -45,3 +49,72 @@ def test_advantages_see_the_clipped_and_overlong_penalised_reward():
     expect, _ = Trainer(copy.deepcopy(model), _cfg()).advantages(by_hand)
     assert [a for row in advantages for a in row] == pytest.approx([a for row in expect for a in row], abs=1e-6)
     assert "train/reward_clip_frac" in shaped.step(trajs)
+
+
+def test_a_resume_trains_with_the_optimizer_and_kl_settings_it_is_given(tmp_path):
+    """Saved with one config, resumed with a new lr, max_steps, AdamW settings, critic lr and (fixed) KL coefficient:
+    the resumed step uses the new ones, its lr from the new schedule at the resumed step."""
+    model, trajs = _model(), _trajs(_model())
+    trainer = Trainer(model, _cfg("--algo.estimator", "gae", "--algo.kl_coef", "0.5", "--train.max_steps", "4"))
+    trainer.step(trajs), trainer.step(trajs)
+    folder = save_checkpoint(tmp_path, trainer, LoopState(step=2, drops={}), None)
+    new = ("--train.lr", "3e-3", "--train.max_steps", "8", "--train.weight_decay", "0.1", "--train.betas", "0.5",
+           "0.9", "--critic.lr", "1e-3", "--algo.kl_coef", "0.2")  # fmt: skip
+    resumed = Trainer(from_pretrained(folder), _cfg("--algo.estimator", "gae", *new))
+    load_training_state(folder, resumed)
+    metrics = resumed.step(trajs)
+    assert metrics["train/lr"] == pytest.approx(3e-3 * lr_factor(2, 0, 8, 0.1))
+    assert metrics["critic/lr"] == pytest.approx(1e-3 * lr_factor(2, 0, 8, 0.1))
+    assert metrics["train/kl_coef"] == 0.2
+    decay, no_decay = resumed.opt.param_groups
+    assert (decay["weight_decay"], no_decay["weight_decay"], decay["betas"]) == (0.1, 0.0, (0.5, 0.9))
+
+
+def test_reward_metrics_count_each_rollout_once_and_keep_the_shaped_mean():
+    model = _model()
+    trajs = _trajs(model, num_groups=1, n=2)
+    trajs[0].reward, trajs[1].reward = 1.0, 0.0
+    second = copy.deepcopy(trajs[0])  # rollout 0 again, as a second segment
+    metrics = Trainer(model, _cfg("--algo.reward_clip", "0.5")).step([*trajs, second])
+    assert metrics["train/reward_mean"] == 0.5  # (1 + 0) / 2 rollouts, not (1 + 0 + 1) / 3 segments
+    assert metrics["train/shaped_reward_mean"] == 0.25  # the estimator's: rewards clipped to 0.5, 0
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--algo.entropy_coef", "nan"),
+        ("--algo.kl_coef", "inf"),
+        ("--algo.overlong_buffer", "5", "--algo.overlong_coef", "inf"),
+        ("--algo.estimator", "gae", "--critic.lr", "inf"),
+        ("--algo.kl_coef", "0.1", "--algo.kl_target", "inf"),
+        ("--train.betas", "0.9", "nan"),
+    ],
+)
+def test_non_finite_settings_are_config_errors_naming_the_key(flags, capsys):
+    key = next(f for f in flags[::-1] if f.startswith("--"))[2:]
+    assert f"config error: {key}: must be a finite number" in _refused(capsys, *flags)
+
+
+def _refused(capsys, *flags: str) -> str:
+    """The one-line config error of `molt train` with `flags`."""
+    with pytest.raises(SystemExit):
+        _cfg(*flags)
+    return capsys.readouterr().err
+
+
+def test_settings_that_cannot_act_as_asked_are_refused_saying_what_to_do(tmp_path, capsys):
+    assert "algo.entropy_coef: must be >= 0" in _refused(capsys, "--algo.entropy_coef", "-0.1")
+    err = _refused(capsys, "--algo.kl_coef", "0.1", "--algo.kl_estimator", "k1")
+    assert "algo.kl_estimator: k1 cannot be the KL loss: its expected gradient is 0" in err and "use k2 or k3" in err
+    err = _refused(capsys, "--algo.is_level", "geo")
+    assert "algo.is_mode: --algo.is_level geo takes only mode mask" in err and "add --algo.is_mode mask" in err
+    assert _cfg("--algo.is_high", "inf").algo.is_high == float("inf")  # no upper bound: deliberate
+    for key, value in (("top_p", "0.9"), ("top_k", "5")):  # at start-up, before any model is built
+        err = _refused(capsys, f"--rollout.{key}", value, "--algo.is_level", "none")
+        assert f"rollout.{key}: samples from a truncated" in err and "enable the IS correction" in err
+    teacher = str(save_pretrained(_model(seed=1), tmp_path / "teacher"))
+    distill = ("--algo.estimator", "on_policy_distill", "--algo.teacher", teacher)
+    for filters in (("all-equal",), ("nonfinite", "score-range")):
+        err = _refused(capsys, *distill, "--rollout.filters", *filters)
+        assert "rollout.filters: " in err and "never uses: it would drop groups that carry signal" in err

@@ -5,17 +5,16 @@ trainer's weights rounded to bf16, as a bf16 rollout engine would, so some near-
 decisions flip between rollout and trainer.
 """
 
-import asyncio
 import copy
 import dataclasses
 
 import pytest
 import torch
+from conftest import moe_rollouts  # noqa: I001 - tests/conftest.py
 
 from molt.cli.main import parse_config
 from molt.config import Config, ConfigError
 from molt.data.trajectory import Trajectory
-from molt.engine import SamplingParams, TorchEngine
 from molt.models import Transformer, preset
 from molt.train.packing import Piece, collate_routing
 from molt.train.routing import forward_routing
@@ -36,27 +35,6 @@ def _bf16_like(model):
     return model
 
 
-def _rollouts(engine_model):
-    engine = TorchEngine(engine_model.eval(), num_slots=16, max_seq_len=64, eos_token_ids=(), seed=0)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 64, (8,), generator=gen).tolist() for _ in range(4)]
-
-    async def run():
-        groups = await asyncio.gather(*(engine.generate_group(p, SamplingParams(n=4, max_tokens=24)) for p in prompts))
-        await engine.close()
-        return groups
-
-    trajs = []
-    for g, (prompt, group) in enumerate(zip(prompts, asyncio.run(run()), strict=True)):
-        for c in group:
-            traj = Trajectory(group_id=g, rollout_id=len(trajs), reward=float(c.sample_index % 2))
-            traj.extend_prompt(prompt)
-            traj.extend_action(c.token_ids, c.logprobs, c.versions)
-            traj.add_routing(c.routing)
-            trajs.append(traj)
-    return trajs
-
-
 def _cfg(preset_name="tiny-moe", *flags):
     base = ["--data.max_len", "64", "--rollout.max_len", "64", "--train.warmup_steps", "0"]
     return parse_config([*base, "--model.preset", preset_name, "--train.lr", "1e-9", *flags])
@@ -68,7 +46,7 @@ def moe_runs():
     model = _model()
     out = {}
     for label, engine_model in (("equal", copy.deepcopy(model)), ("bf16", _bf16_like(model))):
-        trajs = _rollouts(engine_model)
+        trajs = moe_rollouts(engine_model)
         for replay in (False, True):
             flags = ["--algo.routing_replay"] if replay else []
             trainer = Trainer(copy.deepcopy(model), _cfg("tiny-moe", *flags))
@@ -90,7 +68,7 @@ def test_bf16_like_engine_flips_routing_and_replay_removes_its_cost(moe_runs):
     assert replayed["train/logprob_diff"] < 0.75 * live["train/logprob_diff"]
     # the dense level: a dense model of the same shape under the same bf16-like rounding
     dense = _model("dense")
-    dense_metrics = Trainer(copy.deepcopy(dense), _cfg("tiny")).step(_rollouts(_bf16_like(dense)))
+    dense_metrics = Trainer(copy.deepcopy(dense), _cfg("tiny")).step(moe_rollouts(_bf16_like(dense)))
     dense_diff = dense_metrics["train/logprob_diff"]
     assert replayed["train/logprob_diff"] <= 1.5 * dense_diff < live["train/logprob_diff"] * 1.5
     assert not [k for k in dense_metrics if k.startswith("moe/")]  # a dense step runs no MoE extra forward
@@ -147,7 +125,7 @@ def test_a_sharded_moe_step_matches_the_plain_one(moe_runs):
 
 def test_freeze_router_keeps_it_out_of_the_optimizer_and_the_sync():
     model = _model()
-    trajs = _rollouts(copy.deepcopy(model))
+    trajs = moe_rollouts(copy.deepcopy(model))
     trainer = Trainer(model, _cfg("tiny-moe", "--train.freeze_router", "--train.lr", "1e-2"))
     names = model.router_names()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -165,7 +143,7 @@ def test_freeze_router_keeps_it_out_of_the_optimizer_and_the_sync():
 
 def test_aux_loss_pushes_the_router_toward_balance():
     model = _model()
-    trajs = _rollouts(copy.deepcopy(model))
+    trajs = moe_rollouts(copy.deepcopy(model))
     metrics = Trainer(copy.deepcopy(model), _cfg("tiny-moe", "--algo.no_moe_diff_both")).step(trajs)
     assert "moe/logprob_diff_live" in metrics and "moe/logprob_diff_replay" not in metrics  # no extra forward
     assert metrics["moe/aux_loss"] >= 1.0 and metrics["moe/load_cv"] > 0 and metrics["moe/load_max_over_mean"] > 1
@@ -176,6 +154,23 @@ def test_aux_loss_pushes_the_router_toward_balance():
         trainer._backward(mb, trajs, trainer.advantages(trajs)[0], _denoms(trainer, trajs), {})
         grads[coef] = trainer.model.get_parameter("layers.0.mlp.gate.weight").grad.clone()
     assert not torch.allclose(grads["0"], grads["1"])
+
+
+def test_micro_batch_split_is_exact_except_the_load_balancing_loss():
+    """Split into micro-batches (or prompts laid out once), an MoE step's update is the same, except with
+    --algo.moe_aux_coef: the Switch loss is computed per micro-batch over its packed positions (documented)."""
+    model = _model()
+    trajs = moe_rollouts(copy.deepcopy(model))
+
+    def update(*flags):
+        trainer = Trainer(copy.deepcopy(model), _cfg("tiny-moe", "--train.grad_clip", "0", *flags))
+        trainer.opt = torch.optim.SGD(trainer.trainable(), lr=1.0)
+        trainer.step(trajs)
+        return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+
+    for aux in ((), ("--algo.moe_aux_coef", "1.0")):
+        whole, split = update(*aux), update(*aux, "--train.micro_batch_tokens", "64")
+        assert ((whole - split).abs().max() > 1e-4) == bool(aux)
 
 
 def _denoms(trainer, trajs):

@@ -20,8 +20,8 @@ import typing
 
 import pytest
 import torch
-from test_moe_train import _model as _moe_model  # noqa: I001 - tests/train/test_moe_train.py
-from test_moe_train import _rollouts as _moe_rollouts
+from conftest import moe_rollouts  # noqa: I001 - tests/conftest.py
+from test_moe_train import _model as _moe_model
 from test_trainer import _trajs
 
 from molt import algo
@@ -56,9 +56,11 @@ def _rejected(match: str, *change: str, context: tuple[str, ...] = ()) -> Case:
 # Exemptions: fields whose contract is to leave the loss and gradient of a step exactly as they are (each is
 # checked to do so). Their effect lies elsewhere, named in the comment.
 EXEMPT: dict[str, Case] = {
-    # memory / speed: gradient accumulation over micro-batches with step-global denominators is exact
+    # memory / speed: gradient accumulation over micro-batches with step-global denominators is exact (on a dense
+    # model: the MoE load-balancing loss, --algo.moe_aux_coef, is per micro-batch; tests/train/test_moe_train.py)
     "train.micro_batch_tokens": ((), ("--train.micro_batch_tokens", "64"), SAME),
-    # speed: a group's prompt laid out once in the packed forward gives the same log-probs and gradients
+    # speed: a group's prompt laid out once in the packed forward gives the same log-probs and gradients (dense, as
+    # above: the load-balancing loss counts the packed positions)
     "train.share_prefix": ((), ("--train.no_share_prefix",), SAME),
     # memory: recomputing activations in backward changes no number
     "train.activation_checkpointing": ((), ("--train.activation_checkpointing",), SAME),
@@ -114,7 +116,7 @@ CASES: dict[str, list[Case]] = {
     "algo.kl_coef": [_acts("--algo.kl_coef", "0.5")],
     "algo.kl_estimator": [
         _rejected("the KL loss is off", "--algo.kl_estimator", "k1"),
-        _acts("--algo.kl_estimator", "k1", context=KL),
+        _rejected("k1 cannot be the KL loss: its expected gradient is 0", "--algo.kl_estimator", "k1", context=KL),
         _acts("--algo.kl_estimator", "k2", context=KL),
     ],
     "algo.kl_target": [
@@ -205,7 +207,7 @@ def batches(tmp_path_factory):
     for traj in trajs:
         traj.reward = rng.choice([-2.0, 0.0, 0.25, 1.0, 3.0])
     moe = _moe_model()
-    moe_trajs = _moe_rollouts(_moe_model(seed=1))  # recorded routing of another router: replay differs from live
+    moe_trajs = moe_rollouts(_moe_model(seed=1))  # recorded routing of another router: replay differs from live
     teacher = Transformer(dense.cfg).init_weights(0.05, torch.Generator().manual_seed(2))
     folder = str(save_pretrained(teacher, tmp_path_factory.mktemp("noops") / "teacher"))
     return {"dense": (dense, trajs), "moe": (moe, moe_trajs), "teacher": folder, "effects": {}}

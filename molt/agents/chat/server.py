@@ -168,7 +168,7 @@ class ChatServer:
 
     async def start(self) -> ChatServer:
         """Serve on the running loop until `stop()`; returns once the socket is bound."""
-        options = {"log_level": "warning", "access_log": False, "lifespan": "off", "timeout_graceful_shutdown": 2}
+        options = {"log_level": "warning", "access_log": False, "lifespan": "off"}  # stop() sets the shutdown's grace
         config = uvicorn.Config(self.app, host=self.host, port=self.port, **options)
         try:  # bound here, so a taken port is a clear OSError (uvicorn would sys.exit inside the task)
             sock = _listening_socket(self.host, self.port)
@@ -185,11 +185,19 @@ class ChatServer:
             await asyncio.sleep(0.005)
         return self
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = 2.0, abort: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Stop accepting; requests in flight get `grace` seconds to finish. Then uvicorn cancels the rest, or
+        `abort()` (called once, e.g. closing the engine: generations end, streams with an error event) ends them."""
         if self._server is not None and self._task is not None:
+            self._server.config.timeout_graceful_shutdown = grace + 30 if abort else grace  # + 30: a backstop
             self._server.should_exit = True
+            if abort is not None:
+                await asyncio.wait([self._task], timeout=grace)
+                await abort()
             with contextlib.suppress(Exception):
                 await self._task
+        elif abort is not None:
+            await abort()
         self._server = self._task = None
 
     async def __call__(self, scope, receive, send) -> None:  # ASGI: the FastAPI app
@@ -395,7 +403,8 @@ class ChatServer:
         if isinstance(error, TooDeep | RecursionError):
             return 400, str(error) if isinstance(error, TooDeep) else "the request nests too deeply"
         if isinstance(error, GenerationError):
-            log.warning("chat session %s: %s", (session_id or "implicit")[:6], error)
+            if not (self._server and self._server.should_exit):  # stopping: `stop` aborts the generations left
+                log.warning("chat session %s: %s", session_id[:6] if session_id else "implicit", error)
             return 503, str(error)
         request_id = new_id("req_", 8)
         log.exception("chat server: internal error in request %s", request_id)
