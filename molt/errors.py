@@ -9,10 +9,16 @@ not a `ValueError`: tyro would catch that while building the config from flags a
 
 from __future__ import annotations
 
+import site
+import sysconfig
 import traceback
 from pathlib import Path
 
 MOLT_DIR = str(Path(__file__).resolve().parent)
+# the stdlib and installed packages (an SDK raising for the agent's call): not where the user's code failed
+LIBRARY_DIRS = tuple(
+    {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {site.getusersitepackages()}
+)
 
 
 class UserError(Exception):
@@ -45,7 +51,8 @@ class RemoteRolloutError(Exception):
 
 
 def describe_error(error: BaseException) -> str:
-    """`Type: message` (the type alone when the message is empty), plus where in user code it was raised."""
+    """`Type: message` (the type alone when the message is empty), plus where in user code it was raised: the
+    innermost frame outside Molt, the stdlib and installed packages (else outside Molt only)."""
     if isinstance(error, RemoteRolloutError):
         return str(error)
     text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
@@ -54,6 +61,7 @@ def describe_error(error: BaseException) -> str:
         for f in traceback.extract_tb(error.__traceback__)
         if not f.filename.startswith((MOLT_DIR, "<")) and "/asyncio/" not in f.filename
     ]
+    frames = [f for f in frames if not f.filename.startswith(LIBRARY_DIRS)] or frames
     return text + (f" [{frames[-1].filename}:{frames[-1].lineno}]" if frames else "")
 
 

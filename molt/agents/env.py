@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +45,8 @@ class Env:
 
     `reset(row)` returns the first observation as chat messages, or text (one user message) (default: the row's
     `messages` up to their trailing assistant turns, which are a demonstration for SFT, not part of the RL prompt).
-    `step(action)` gets the decoded text of the policy's turn and returns a `Result`; the episode
-    ends when it is `terminated` or `truncated` (or the framework's turn/context budget runs out).
+    `step(action)` gets the decoded text of the policy's turn and returns a `Result`; the episode ends when it is
+    `terminated` or `truncated` or has no observation (or the framework's turn/context budget runs out: truncated).
     """
 
     async def reset(self, row: dict[str, Any]) -> Messages:
@@ -56,18 +57,31 @@ class Env:
         raise NotImplementedError
 
 
-def _load_module(spec: str):
-    path = Path(spec.split(":")[0])
-    if path.suffix == ".py":
-        if not path.exists():
-            raise FileNotFoundError(f"--rollout.agent: agent file {str(path)!r} does not exist")
+def import_user_module(target: str):
+    """The module of `file.py`, its folder first on sys.path (as `python file.py` has it: it imports the modules
+    beside it), or of a dotted name, found in the current folder too (as `python -m` has it)."""
+    if target.endswith(".py"):
+        path = Path(target)
+        if (folder := str(path.resolve().parent)) not in sys.path:
+            sys.path.insert(0, folder)
         module_spec = importlib.util.spec_from_file_location(f"molt_agent_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_spec.name] = module
         module_spec.loader.exec_module(module)
         return module
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # last: an installed package of the same name still wins
+    return importlib.import_module(target)
+
+
+def _load_module(spec: str):
+    target = spec.split(":")[0]
+    if target.endswith(".py"):
+        if not Path(target).exists():
+            raise FileNotFoundError(f"--rollout.agent: agent file {target!r} does not exist")
+        return import_user_module(target)
     try:
-        return importlib.import_module(spec.split(":")[0])
+        return import_user_module(target)
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError(f"--rollout.agent: cannot import agent module {spec!r}: {e}") from None
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import importlib
 import inspect
 import math
 import traceback
@@ -24,13 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from molt.agents.env import _load_module
+from molt.agents.env import import_user_module
 from molt.agents.rewards import BUILTIN_REWARDS
 from molt.agents.runner import real_number
 from molt.threads import in_daemon_thread
 
 # set by evaluation while its episodes run, so training's per-step reward metrics leave them out
 EVALUATING: contextvars.ContextVar[bool] = contextvars.ContextVar("molt_evaluating", default=False)
+# set by an agent worker per rollout: its named rewards, sent back for the main process's log to add
+WORKER_REWARDS: contextvars.ContextVar[list | None] = contextvars.ContextVar("molt_worker_rewards", default=None)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def _user_function(spec: str, mtime: float) -> Callable[..., Any]:
     target, _, name = spec.partition(":")
     name = name or "reward"
     try:
-        module = _load_module(target) if target.endswith(".py") else importlib.import_module(target)
+        module = import_user_module(target)
     except ModuleNotFoundError as e:
         if not target.endswith(".py") and e.name and target.startswith(e.name):
             raise ValueError(f"rollout.reward: cannot import {target!r}: {e}") from None
@@ -110,6 +111,9 @@ class RewardLog:
 
     def add(self, named: dict[str, float]) -> None:
         if EVALUATING.get():
+            return
+        if (sent := WORKER_REWARDS.get()) is not None:  # in an agent worker: the main process's log adds them
+            sent.append(dict(named))
             return
         for key, value in named.items():
             self.sums[key] += value

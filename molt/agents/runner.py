@@ -21,6 +21,7 @@ from typing import Any
 from molt.agents.env import Env, Messages, Result
 from molt.agents.images import expand_images, message_images, pixels_arg, with_images
 from molt.agents.watchdog import within
+from molt.data.chat import ROLES
 from molt.data.trajectory import Trajectory
 from molt.errors import RolloutDrop
 from molt.models.tokenizer import apply_chat_template, render_chat
@@ -71,6 +72,13 @@ def as_messages(observation: Any, what: str) -> Messages:
     if isinstance(observation, str):
         return [{"role": "user", "content": observation}]
     if isinstance(observation, list | tuple) and all(isinstance(m, dict) for m in observation):
+        for i, message in enumerate(observation):  # checked as data rows are: the template would drop or trip on it
+            if message.get("role") not in ROLES:
+                raise TypeError(f"{what}[{i}].role={message.get('role')!r}; expected one of {sorted(ROLES)}")
+            content = message.get("content")
+            if not isinstance(content, str | list) and "tool_calls" not in message:
+                kind = type(content).__name__ if "content" in message else "missing"
+                raise TypeError(f"{what}[{i}].content {kind}; expected a string or a list of parts")
         return list(observation)
     kind = type(observation).__name__
     if isinstance(observation, list | tuple):
@@ -91,9 +99,12 @@ def real_number(value: Any, what: str) -> float:
 
 def check_result(result: Any, where: str) -> Result:
     """What agent method `where` (e.g. `MyEnv.step`) returned, checked: a `Result` whose reward is a finite real
-    number (bool, numpy and 0-d torch scalars count), as is its score unless None; returned with both as floats."""
+    number (bool, numpy and 0-d torch scalars count), as is its score unless None, and its info a dict; returned
+    with both numbers as floats."""
     if not isinstance(result, Result):
         raise TypeError(f"{where} returned {type(result).__name__}, expected molt.agents.Result")
+    if not isinstance(result.info, dict):
+        raise TypeError(f"{where} returned Result.info of type {type(result.info).__name__}; expected a dict")
     reward = real_number(result.reward, f"{where} returned Result.reward")
     score = None if result.score is None else real_number(result.score, f"{where} returned Result.score")
     return dataclasses.replace(result, reward=reward, score=score)
@@ -147,8 +158,8 @@ async def run_episode(
 ) -> Trajectory:
     """One multi-turn episode; `ids` (group_id, rollout_id) go into the Trajectory.
 
-    The reward is the sum of the steps' rewards. The episode ends on terminated/truncated, after
-    `max_turns` actions, or when the context budget `max_len` is used up (then `truncated`).
+    The reward is the sum of the steps' rewards. The episode ends on terminated/truncated, on a step that returns
+    no observation, or (then `truncated`) after `max_turns` actions or when the context budget `max_len` is used up.
     """
     name = type(env).__name__
     reset = await within(limits.step_timeout_s, env.reset(row), f"{name}.reset")
@@ -177,7 +188,7 @@ async def run_episode(
         traj.reward += result.reward
         traj.info.update(result.info)
         if result.terminated or result.truncated or result.observation is None or turn + 1 == limits.max_turns:
-            traj.truncated |= result.truncated or not result.terminated
+            traj.truncated |= result.truncated or (result.observation is not None and not result.terminated)  # cut
             break
         observation = as_messages(result.observation, f"{name}.step returned Result.observation")
         observation = with_images(observation, result.images)

@@ -12,8 +12,9 @@ captures its sessions exactly as in process and sends back the segments. A faili
 (`RemoteRolloutError` with the worker's traceback), a dropped one stays dropped (`WorkerDrop` keeps the reason),
 an error fatal to the run (`RunFatalError`, e.g. agent code blocking the worker's event loop past
 `rollout.step_timeout_s`) stops the run as it would in process, and a worker that dies fails the rollouts it had
-and is started again. Training's per-step `reward/<name>` metrics are fed from the returned segments, since the
-reward functions ran in the workers.
+and is started again. Training's per-step `reward/<name>` metrics are fed with the named rewards the workers'
+reward functions scored (sent back with the segments, as in process: an agent's own `info["reward/..."]` is not
+one), and an `info` value that does not pickle comes back as its repr (as the rollout dump writes it).
 
 Wire: a 4-byte length and a pickle, each way (both ends are Molt's own processes). main -> worker: `setup`
 (first), `run` (a rollout), `stop` (cancel it), `reply` / `delta` / `error` (an engine call's result, streamed
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molt.agents.chat.agent import ChatRunner, local_rollout
-from molt.agents.reward_fn import EVALUATING, RewardLog
+from molt.agents.reward_fn import EVALUATING, WORKER_REWARDS, RewardLog
 from molt.agents.runner import EpisodeLimits
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Completion, Engine, SamplingParams, TokenDelta
@@ -87,6 +88,17 @@ def _portable(error: BaseException) -> BaseException:
         return error
     except Exception:  # noqa: BLE001 - any unpicklable exception
         return RuntimeError(describe_error(error))
+
+
+def _picklable(segments: list[Trajectory]) -> list[Trajectory]:
+    """`segments` with each `info` value that does not pickle (a lambda, an SDK client) replaced by its repr."""
+    for segment in segments:
+        for key, value in segment.info.items():
+            try:
+                pickle.dumps(value)
+            except Exception:  # noqa: BLE001 - any value that does not pickle
+                segment.info[key] = repr(value)
+    return segments
 
 
 # ---- main process --------------------------------------------------------------------------------------------
@@ -152,15 +164,14 @@ class AgentWorkers:
         worker.jobs[job] = done
         _send(worker.writer, ("run", job, (row, sampling, limits, kw, EVALUATING.get())))
         try:
-            segments = await done
+            segments, rewards = await done
         except asyncio.CancelledError:
             _send(worker.writer, ("stop", job, None))
             raise
         finally:
             worker.jobs.pop(job, None)
-        if self.reward_log is not None and segments:
-            info = segments[-1].info  # segments share the rollout's info
-            self.reward_log.add({k[len("reward/") :]: v for k, v in info.items() if k.startswith("reward/")})
+        for named in rewards if self.reward_log is not None else ():
+            self.reward_log.add(named)
         return segments
 
     async def _serve(self, worker: _Worker, reader: asyncio.StreamReader, index: int) -> None:
@@ -329,8 +340,11 @@ async def _work(sock: socket.socket) -> None:
 
     async def rollout(job: int, row, sampling, limits, kw: dict, evaluating: bool) -> None:
         EVALUATING.set(evaluating)  # this task's own context
+        rewards: list[dict[str, float]] = []
+        WORKER_REWARDS.set(rewards)  # what its reward function scores, for the main process's reward log
         try:
-            _send(writer, ("done", job, await run_one(row, sampling, limits, **kw)))
+            segments = await run_one(row, sampling, limits, **kw)
+            _send(writer, ("done", job, (_picklable(segments), rewards)))
         except RolloutDrop as e:
             _send(writer, ("dropped", job, (e.drop_reason, str(e))))
         except RunFatalError as e:  # e.g. agent code blocked this loop (watchdog.LoopWatchdog): the run stops

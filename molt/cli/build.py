@@ -6,7 +6,6 @@ import torch
 
 from molt.config import ConfigError, ModelConfig
 from molt.models import PRESETS, Transformer, from_pretrained, preset
-from molt.models.moe import SparseMoE
 from molt.models.tokenizer import IMAGE_PLACEHOLDER, build_builtin_tokenizer, load_tokenizer
 from molt.train.precision import resolve_dtype
 
@@ -28,8 +27,8 @@ def build_tokenizer(cfg: ModelConfig):
 
 
 def check_same_tokenizer(tokenizer, folder: str, key: str) -> None:
-    """A ConfigError naming `key` unless model folder `folder` has a tokenizer with `tokenizer`'s vocabulary (a
-    teacher or critic reads the policy's token ids)."""
+    """A ConfigError naming `key` unless model folder `folder` has a tokenizer with `tokenizer`'s vocabulary and a
+    model with a row for each of its tokens (a teacher or critic reads the policy's token ids)."""
     try:
         other = load_tokenizer(folder)
     except (OSError, ValueError) as e:
@@ -37,6 +36,9 @@ def check_same_tokenizer(tokenizer, folder: str, key: str) -> None:
     if other.get_vocab() != tokenizer.get_vocab():
         sizes = f"{len(other)} vs {len(tokenizer)} tokens" if len(other) != len(tokenizer) else "other token ids"
         raise ConfigError(f"{key}: {folder}'s tokenizer is not the policy's ({sizes}); it must share the policy's")
+    vocab = ModelConfig(path=folder).architecture().vocab_size
+    if vocab < len(tokenizer):
+        raise ConfigError(f"{key}: {folder}'s model has {vocab} vocabulary rows for {len(tokenizer)} tokens")
 
 
 def build_model(
@@ -45,12 +47,8 @@ def build_model(
     """A model loaded from `cfg.path`, or a preset sized to the tokenizer with seeded random weights; parameters in
     `dtype` (default: the compute dtype `cfg.dtype` resolves to on `device`)."""
     dtype = dtype or resolve_dtype(cfg.dtype, device)
-    if cfg.path:
-        model = from_pretrained(cfg.path, dtype=dtype, device=device)
-        model.cfg.router_fp32 = cfg.router_fp32  # not an HF config key: the run's setting applies
-        for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
-            moe.fp32 = cfg.router_fp32
-        return model
+    if cfg.path:  # router precision is no HF config key: the run's setting applies
+        return from_pretrained(cfg.path, dtype=dtype, device=device, router_fp32=cfg.router_fp32)
     arch = preset(
         cfg.preset,
         vocab_size=len(tokenizer),

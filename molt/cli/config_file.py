@@ -160,6 +160,6 @@ def load_config_file(cls: type, path: str | Path, base: Any = None, skip: frozen
     try:
         return build(cls, data, base, skip=skip)
     except ConfigError as e:
-        key = str(e).split(":", 1)[0]
+        key = re.sub(r"(\[\d+\])+$", "", str(e).split(":", 1)[0])  # a tuple entry's line is its key's
         line = lines.get(key) or lines.get(key.rsplit(".", 1)[0])
         raise ConfigError(f"{path}{f':{line}' if line else ''}: {e}") from None

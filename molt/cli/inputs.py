@@ -9,10 +9,11 @@ these checks before anything is built. Each problem is one ConfigError line.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from molt.agents.chat.agent import load_agent_class
+from molt.agents.chat.agent import ChatAgent, load_agent_class
 from molt.agents.chat.tool_parser import PARSERS
 from molt.agents.env import prompt_messages
 from molt.agents.reward_env import agent_factory
@@ -44,12 +45,17 @@ def reward_function(cfg: Config) -> RewardFunction | None:
         raise ConfigError(str(e)) from None
 
 
-def check_user_code(cfg: Config) -> None:
-    """The agent class, reward function and tool-call parser the config names exist and load."""
+def check_user_code(cfg: Config, flags: Iterable[str] = ()) -> None:
+    """The agent class, reward function and tool-call parser the config names exist and load. A `chat.*` key among
+    `flags` (the keys flags of `molt train` / `molt eval` set) is refused unless the agent is a ChatAgent, as other
+    unused settings are: only flags (a config file shared with `molt serve` may set chat settings)."""
     known = cfg.chat.tool_parser == "auto" or cfg.chat.tool_parser in PARSERS
     check(known, "chat.tool_parser", f"unknown parser; use auto or one of {sorted(PARSERS)}")
-    if cfg.rollout.agent:
-        load_agent_class(cfg.rollout.agent)  # imports and checks the class once: errors now, not after a warm start
+    # imports and checks the class once: errors now, not after a warm start
+    agent = load_agent_class(cfg.rollout.agent) if cfg.rollout.agent else None
+    if not (agent and issubclass(agent, ChatAgent)) and (chat := sorted(k for k in flags if k.startswith("chat."))):
+        what = f"the agent {agent.__name__} is an Env" if agent else "no --rollout.agent ChatAgent runs"
+        raise ConfigError(f"{chat[0]}: has no effect here: {what}, so no chat server runs; drop the flag")
     reward = reward_function(cfg)
     if reward is not None:
         reward.close()

@@ -217,7 +217,7 @@ def parse_command(argv: list[str]) -> Config:
     args = _resume_args(_replay_args(rest))
     cfg = parse_config(args, prog=f"molt {name}", command_name=name)
     try:
-        check_user_code(cfg)
+        check_user_code(cfg, _flag_keys(args) if name in ("train", "eval") else ())  # serve always chats
     except ConfigError as e:
         raise _in_file(e, args) from None
     if cfg.chat.port and (name == "serve" or cfg.rollout.agent):
@@ -256,12 +256,16 @@ def fail(prog: str, error: UserError) -> NoReturn:
     raise SystemExit(2)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be, so that the run stops the same clean way."""
+_TERMINATED: list[int] = []  # SIGTERM arrived (the interrupt that follows is reported as it)
 
 
 def _terminate(signum: int, frame) -> None:
-    raise Terminated()
+    """SIGTERM stops the command as Ctrl-C does: through SIGINT's handler (asyncio's cancels the run, so its
+    clean-up runs), or a KeyboardInterrupt where SIGINT is ignored (a background job's)."""
+    _TERMINATED.append(signum)
+    if not callable(signal.getsignal(signal.SIGINT)):
+        raise KeyboardInterrupt
+    signal.raise_signal(signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -274,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     if name not in COMMANDS:
         print(f"molt: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         raise SystemExit(2)
+    _TERMINATED.clear()
     main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers may be set
     on_term = signal.signal(signal.SIGTERM, _terminate) if main_thread else None  # `timeout`, Slurm, k8s: as Ctrl-C
     try:
@@ -281,8 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         COMMANDS[name](cfg)
     except UserError as e:
         fail(f"molt {name}", e)
-    except KeyboardInterrupt as e:
-        how, code = ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+    except KeyboardInterrupt:
+        how, code = ("terminated (SIGTERM)", 143) if _TERMINATED else ("interrupted", 130)
         kept = " (the run directory keeps the checkpoints saved so far)" if name in ("train", "sft") else ""
         print(f"molt {name}: {how}{kept}", file=sys.stderr)
         if any(t.name == "molt-build" and t.is_alive() for t in threading.enumerate()):

@@ -26,6 +26,7 @@ from molt.cli.build import build_model, build_tokenizer, check_same_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.cli.warm_start import wants_warm_start, warm_start
 from molt.config import Config, ConfigError
+from molt.config.rl import check_rollout_algo
 from molt.config.run import latest_checkpoint
 from molt.engine.torch_engine import on_fresh_thread
 from molt.log import RunDir, check_new_run_dir, plot_metrics
@@ -171,10 +172,13 @@ def check_run_dir(cfg: Config) -> int | None:
     if saved.exists():
         was, now = _state_shape(yaml.safe_load(saved.read_text())), _state_shape(cfg.file_form())
         for what in (k for k in now if now[k] != was[k]):
+            differs = f"{what} is {now[what]} here but {was[what]} in {cfg.ckpt.resume}"
+            if isinstance(now[what], bool):  # a model (or frozen routers) the run trained without, or with
+                trained = "without" if now[what] else "with"
+                differs = f"{'adds' if now[what] else 'drops'} {what}, which {cfg.ckpt.resume} was trained {trained}"
             raise ConfigError(
-                f"ckpt.resume: {what} is {now[what]} here but {was[what]} in {cfg.ckpt.resume}, whose checkpoint "
-                f"holds the other training state; keep the run's setting, or start a new run from its policy with "
-                f"--model.path {cfg.ckpt.resume}"
+                f"ckpt.resume: {differs}; its checkpoint holds the other training state: keep the run's setting, or "
+                f"start a new run from its policy with --model.path {cfg.ckpt.resume}"
             )
     return step
 
@@ -186,9 +190,11 @@ def _state_shape(config: dict) -> dict[str, object]:
     return {
         "train.lora_rank": train["lora_rank"],
         "train.lora_targets": list(train["lora_targets"]) if train["lora_rank"] else None,
+        "train.lora_alpha": train["lora_alpha"] if train["lora_rank"] else None,  # scales the saved adapters
         "train.freeze_router": train["freeze_router"],  # frozen routers are not in the optimizer's groups
         "runtime.backend": config["runtime"]["backend"],  # ray writes sharded (DCP) checkpoints
         "a critic (algo.estimator gae)": algo["estimator"] == "gae",
+        "critic.path": config["critic"]["path"] or None,  # the checkpoint's critic continues, whatever it came from
         "a KL reference (algo.kl_coef > 0)": algo["kl_coef"] > 0,
     }
 
@@ -208,6 +214,7 @@ def _summary(run: RunDir, result: TrainResult) -> None:
 
 async def train_async(cfg: Config) -> TrainResult:
     """`molt train` as a coroutine, for callers that already run an event loop (`await molt.train_async(cfg)`)."""
+    check_rollout_algo(cfg.rollout, cfg.algo)  # training's: `molt eval` / `serve` may sample with top-p freely
     resumed = check_run_dir(cfg)
     for key, folder in (("algo.teacher", cfg.algo.teacher), ("critic.path", cfg.critic.path)):
         if folder:  # before the run directory: their token ids must be the policy's

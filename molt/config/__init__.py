@@ -15,7 +15,7 @@ from pathlib import Path
 
 from molt.config.base import ConfigError as ConfigError  # re-exported, as is check_device
 from molt.config.base import check
-from molt.config.rl import AlgoConfig, CriticConfig, RolloutConfig, check_rollout_algo
+from molt.config.rl import AlgoConfig, CriticConfig, RolloutConfig
 from molt.config.run import ChatConfig, CkptConfig, EvalConfig, LogConfig, RuntimeConfig, warn_slow_dtype
 from molt.config.run import check_device as check_device
 from molt.config.training import DataConfig, ModelConfig, TrainConfig
@@ -75,6 +75,10 @@ class Config:
                 ("train.freeze_router", self.train.freeze_router),
             ]:
                 check(not on, key, f"needs a mixture-of-experts model; model.preset {preset!r} is dense")
+        mlp_only = set(self.train.lora_targets) <= {"gate", "up", "down"}  # MoE experts are not nn.Linear: no adapters
+        all_moe = arch.num_moe_layers() == arch.num_layers
+        check(not (self.train.lora_rank and mlp_only and all_moe), "train.lora_targets",
+              "the model's MLPs are all MoE experts, which LoRA does not adapt; add q k v o")  # fmt: skip
         check(self.runtime.kv_cache != "paged" or not (arch.num_moe_layers() or arch.vision), "runtime.kv_cache",
               "paged serves dense text models; MoE and VLM policies keep the slot cache (slot, or auto)")  # fmt: skip
         check(self.runtime.backend != "ray" or arch.vision is None, "runtime.backend",
@@ -130,5 +134,3 @@ class Config:
         )
         gae = self.algo.estimator == "gae"  # the critic's settings apply only where there is one
         check(gae or self.critic == CriticConfig(), "critic", "critic.* settings need --algo.estimator gae")
-        self.rollout.filters = self.rollout.group_filters(self.algo.estimator)  # as applied (and as config.yaml says)
-        check_rollout_algo(self.rollout, self.algo)

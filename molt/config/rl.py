@@ -50,9 +50,10 @@ class RolloutConfig:
     """Timeout of one agent call (reset/step); a timeout fails that rollout only."""
     max_failure_frac: float = 0.2
     """Stop the run when more than this fraction of rollouts failed (after 20 rollouts)."""
-    filters: tuple[str, ...] = ("nonfinite", "all-equal")
-    """Group filters (dropped groups are refilled from new prompts): nonfinite, all-equal, score-range. Left at this
-    default with an estimator without a group baseline (reinforce, gae, on_policy_distill): nonfinite only."""
+    filters: tuple[str, ...] = ("auto",)
+    """Group filters (dropped groups are refilled from new prompts): nonfinite, all-equal, score-range; `auto`:
+    nonfinite all-equal where the estimator compares a rollout with its group, else (reinforce, gae,
+    on_policy_distill: an all-equal group still carries signal there) nonfinite only."""
     score_range: tuple[float, float] = (0.0, 1.0)
     """The `score-range` filter keeps a group whose mean reward (or score) is strictly inside (low, high) (DAPO's
     0 < mean < 1: drops the groups all failed or all solved)."""
@@ -76,7 +77,8 @@ class RolloutConfig:
         check(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be > 0")
         check(self.n_samples_per_prompt > 0, "rollout.n_samples_per_prompt", "must be > 0")
         check(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
-        check(self.temperature > 0, "rollout.temperature", "must be > 0 for RL (log-probs need sampling)")
+        check(self.temperature >= 1e-4, "rollout.temperature", "must be >= 1e-4 for RL (log-probs need sampling; the "
+              "engine's smallest, below which logits / T overflow fp32)")  # fmt: skip
         check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         check(self.max_tokens > 0 and self.max_turns > 0, "rollout.max_tokens", "max_tokens and max_turns must be > 0")
         check(0 <= self.max_failure_frac <= 1, "rollout.max_failure_frac", "must be in [0, 1]")
@@ -88,8 +90,8 @@ class RolloutConfig:
         check(not self.replay or os.path.isdir(self.replay), "rollout.replay", f"folder {self.replay!r} does not exist")
         from molt.algo.filtering import GROUP_FILTERS
 
-        unknown = [f for f in self.filters if f not in GROUP_FILTERS]
-        check(not unknown, "rollout.filters", f"unknown {unknown}; choose from {GROUP_FILTERS.names()}")
+        unknown = [f for f in self.filters if f not in GROUP_FILTERS and self.filters != ("auto",)]
+        check(not unknown, "rollout.filters", f"unknown {unknown}; choose auto or from {GROUP_FILTERS.names()}")
         check(self.filter_on == "reward" or bool(self.filters), "rollout.filter_on", "has no effect without filters")
         low, high = self.score_range
         check(
@@ -102,13 +104,12 @@ class RolloutConfig:
         )
 
     def group_filters(self, estimator: str) -> tuple[str, ...]:
-        """The group filters a run with `estimator` applies: `filters`, or left at their default with an estimator
-        that has no group baseline (an all-equal group still carries signal there), `nonfinite` only."""
+        """The group filters a run with `estimator` applies: `filters`, with `auto` resolved for it."""
         from molt.algo import ESTIMATORS
 
-        if changed(self, "filters") or ESTIMATORS.info(estimator)["group_baseline"]:
+        if self.filters != ("auto",):
             return self.filters
-        return ("nonfinite",)
+        return ("nonfinite", "all-equal") if ESTIMATORS.info(estimator)["group_baseline"] else ("nonfinite",)
 
     @property
     def episodes_in_flight(self) -> int:

@@ -34,7 +34,8 @@ class EvalConfig:
         check(self.every >= 0, "eval.every", "must be >= 0 (0 = never)")
         check(self.num_prompts > 0, "eval.num_prompts", "must be > 0")
         check(self.n_samples > 0, "eval.n_samples", "must be > 0")
-        check(self.temperature >= 0, "eval.temperature", "must be >= 0 (0 = greedy)")
+        check(self.temperature == 0 or self.temperature >= 1e-4, "eval.temperature",
+              "must be 0 (greedy) or >= 1e-4 (the engine's smallest: below it logits / T overflow fp32)")  # fmt: skip
 
 
 @dataclass

@@ -18,8 +18,8 @@ Invariants (`check()` asserts them):
 - **Out of blocks** is never an error mid-step: `can_allocate` gates admission, `extend` returns None and
   the scheduler preempts (the latest admitted sequence, as vLLM) by `free`ing it; its blocks stay cached,
   so its recompute may hit its own prefix.
-- **New weights** invalidate every digest (`clear_prefixes`); a block is registered once, when it fills,
-  so KV computed under old weights is never registered again.
+- **New weights** invalidate every digest (`clear_prefixes`), and the sequences holding blocks then (KV kept
+  across the swap) and their forks register no block again: KV of old weights is never registered again.
 
 Sizing: `bytes_per_block` and `num_blocks_for_budget` turn a byte budget into a block count.
 """
@@ -96,6 +96,7 @@ class BlockManager:
         self._tokens: dict[int, list[int]] = {}
         self._num_computed: dict[int, int] = {}
         self._digests: dict[int, list[bytes]] = {}  # chain digests of a sequence's full blocks, lazily extended
+        self._stale: set[int] = set()  # sequences holding KV of replaced weights (and their forks): never registered
         self._copies: list[BlockCopy] = []
 
     # ---- queries -------------------------------------------------------------------------------
@@ -216,7 +217,7 @@ class BlockManager:
             )
         num_full = self._num_computed[seq_id] // self.block_size
         self._num_computed[seq_id] = num_computed
-        if self.prefix_cache and num_computed // self.block_size > num_full:
+        if self.prefix_cache and num_computed // self.block_size > num_full and seq_id not in self._stale:
             self._register_full_blocks(seq_id, num_full, num_computed // self.block_size)
 
     def _register_full_blocks(self, seq_id: int, start: int, end: int) -> None:
@@ -257,6 +258,8 @@ class BlockManager:
             self._copies.append(BlockCopy(src_table[num_shared], table[num_shared], computed % self.block_size))
         digests = self._digests[src_seq][:num_shared]
         self._register_seq(dst_seq, table, tokens[:num_tokens], digests, computed)
+        if src_seq in self._stale:
+            self._stale.add(dst_seq)
 
     # ---- release -------------------------------------------------------------------------------
     def free(self, seq_id: int) -> None:
@@ -270,9 +273,13 @@ class BlockManager:
                     self._free.append(block)
         for state in (self._tokens, self._num_computed, self._digests):
             state.pop(seq_id)
+        self._stale.discard(seq_id)
 
     def clear_prefixes(self) -> None:
-        """Forget every registered digest (their KV was computed under weights that are gone)."""
+        """New weights: forget every registered digest, and never register the blocks of the sequences holding
+        blocks now, nor of their forks (their KV was computed under weights that are gone, even positions
+        computed later attend to it)."""
+        self._stale |= self._tables.keys()
         self._free.extend(self._cached)
         self._cached.clear()
         self._digest_of.clear()
@@ -281,7 +288,8 @@ class BlockManager:
     # ---- invariants ----------------------------------------------------------------------------
     def check(self) -> None:
         """Assert the invariants (used by tests): pools partition the blocks, refcounts match the tables,
-        shared blocks are full, registrations are consistent and match the tokens they cover."""
+        shared blocks are full, registrations are consistent and match the tokens they cover, stale sequences
+        hold no registered block."""
         refs = [0] * self.num_blocks
         for seq, table in self._tables.items():
             tokens = self._tokens[seq]
@@ -297,6 +305,8 @@ class BlockManager:
         assert free | cached | in_use == set(range(self.num_blocks)) and not (free | cached) & in_use
         assert cached <= set(self._digest_of) and not free & set(self._digest_of)
         assert {d: b for b, d in self._digest_of.items()} == self._block_of
+        stale_blocks = {b for s in self._stale for b in self._tables[s]}
+        assert self._stale <= self._tables.keys() and not stale_blocks & self._digest_of.keys()
         for seq, table in self._tables.items():
             self._check_sequence(seq, table)
 

@@ -113,7 +113,8 @@ class EngineCore:
             self.abort(request_id)
 
     def swap_weights(self, weights: Weights, version: int, recompute: bool) -> None:
-        """Load weights in place and set the version; `recompute` redoes the KV of running sequences."""
+        """Load weights in place and set the version; `recompute` redoes the KV of running sequences, else the
+        old KV they keep is never handed to new requests (`Scheduler.forget_computed_prompts`)."""
         load_weights(self.model, weights)
         self.version = version
         if recompute:

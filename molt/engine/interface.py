@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import itertools
+import math
 import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -42,6 +43,7 @@ SyncMode = Literal["drain", "interrupt"]
 LogprobMode = Literal["scaled", "processed"]
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 R = TypeVar("R")
+MIN_TEMPERATURE = 1e-4  # a smaller one scales logits past fp32's range (inf - inf = NaN): use 0 for greedy
 
 
 class ContextLengthError(ValueError):
@@ -84,7 +86,10 @@ class SamplingParams:
             msg
             for bad, msg in [
                 (self.n < 1, f"n must be >= 1, got {self.n}"),
-                (self.temperature < 0, f"temperature must be >= 0, got {self.temperature}"),
+                (
+                    not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf),
+                    f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {self.temperature}",
+                ),
                 (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
                 (self.top_k < -1, f"top_k must be >= 0 (0 or -1: off), got {self.top_k}"),
                 (self.max_tokens < 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
@@ -168,12 +173,16 @@ def check_prompt(
 
 
 def find_stop_string(tokenizer, stops: Sequence[str], tokens: Sequence[int], start: int = 0) -> str | None:
-    """The first of `stops` in the decoded tail of `tokens[start:]` (a window long enough for any), else None."""
-    if not stops:
+    """The first of `stops` that ends in the text of the newest token of `tokens[start:]`, decoded over a tail
+    window long enough for any, else None. Called after each token: an occurrence ending earlier was seen then
+    (or ignored there, before min_tokens)."""
+    if not stops or len(tokens) <= start:
         return None
     window = 2 * max(len(s) for s in stops) + 4
-    text = tokenizer.decode(tokens[max(start, len(tokens) - window) :])
-    return next((s for s in stops if s in text), None)
+    ids = tokens[max(start, len(tokens) - window) :]
+    text = tokenizer.decode(ids)
+    new = len(os.path.commonprefix([text, tokenizer.decode(ids[:-1])]))  # text[new:] came with the newest token
+    return next((s for s in stops if s in text[max(0, new - len(s) + 1) :]), None)
 
 
 def eos_ids(config_eos: int | Sequence[int] | None, tokenizer) -> list[int]:

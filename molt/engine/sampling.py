@@ -35,8 +35,8 @@ def sample_seed(request_seed: int, sample_index: int) -> int:
 
 
 def uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) with 24 bits, fixed by (seed, position)."""
-    return (splitmix64(seed ^ splitmix64(position)) >> 40) / float(1 << 24)
+    """A uniform number in [0, 1) with 53 bits (a float64's precision), fixed by (seed, position)."""
+    return (splitmix64(seed ^ splitmix64(position)) >> 11) / float(1 << 53)
 
 
 def uniforms(seeds: Sequence[int], positions: Sequence[int]) -> Sequence[float]:
@@ -45,10 +45,10 @@ def uniforms(seeds: Sequence[int], positions: Sequence[int]) -> Sequence[float]:
     if len(seeds) < 32:
         return [uniform(s, p) for s, p in zip(seeds, positions, strict=True)]
     x = _splitmix64_np(np.array(seeds, dtype=np.uint64) ^ _splitmix64_np(np.array(positions, dtype=np.uint64)))
-    return (x >> _U64[40]).astype(np.float64) / float(1 << 24)
+    return (x >> _U64[11]).astype(np.float64) / float(1 << 53)
 
 
-_U64 = {k: np.uint64(k) for k in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 27, 30, 31, 40)}
+_U64 = {k: np.uint64(k) for k in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 11, 27, 30, 31)}
 
 
 def _splitmix64_np(x: np.ndarray) -> np.ndarray:
@@ -71,8 +71,9 @@ class RowParams:
     banned: list[tuple[int, Sequence[int]]]  # (row, token ids) not allowed this step (min_tokens)
 
 
-def _filtered(scaled_rv: torch.Tensor, top_p_r: torch.Tensor, top_k_r: torch.Tensor):
-    """(sorted masked logits, sort order): top-k then top-p (smallest set with mass >= p) per row."""
+def _filtered(scaled_rv: torch.Tensor, top_p_r: torch.Tensor, top_k_r: torch.Tensor) -> torch.Tensor:
+    """The logits with those outside top-k then top-p (smallest set with mass >= p) at -inf, per row; in
+    vocabulary order, as unfiltered rows, so a row's token never depends on whether its batch filters."""
     vocab = scaled_rv.shape[-1]
     sorted_rv, order_rv = scaled_rv.sort(dim=-1, descending=True)
     rank_v = torch.arange(vocab, device=scaled_rv.device)
@@ -81,7 +82,7 @@ def _filtered(scaled_rv: torch.Tensor, top_p_r: torch.Tensor, top_k_r: torch.Ten
     mass_before_rv = probs_rv.cumsum(dim=-1) - probs_rv
     keep_rv &= (mass_before_rv < top_p_r[:, None]) | (top_p_r[:, None] >= 1.0)
     keep_rv[:, 0] = True
-    return sorted_rv.masked_fill(~keep_rv, float("-inf")), order_rv
+    return scaled_rv.masked_fill(~torch.empty_like(keep_rv).scatter_(1, order_rv, keep_rv), float("-inf"))
 
 
 def _inverse_cdf(logp_rv: torch.Tensor, u_r: torch.Tensor) -> torch.Tensor:
@@ -136,18 +137,14 @@ def _sample_on_device(logits_rv: torch.Tensor, params: RowParams):
         processed_lp_r = torch.zeros_like(temp_r)
     else:
         u_r = to_device(uniforms(params.seed, params.position), torch.float64, device)
-        if any(p < 1 or k > 0 for p, k in zip(params.top_p, params.top_k, strict=True)):
+        filtered = any(p < 1 or k > 0 for p, k in zip(params.top_p, params.top_k, strict=True))
+        if filtered:
             top_p_r = to_device(params.top_p, torch.float32, device)
-            top_k_r = to_device(params.top_k, torch.long, device)
-            sorted_rv, order_rv = _filtered(masked_rv, top_p_r, top_k_r)
-            logp_sorted_rv = torch.log_softmax(sorted_rv, dim=-1)
-            j_r = _inverse_cdf(logp_sorted_rv, u_r)
-            token_r = order_rv.gather(1, j_r[:, None]).squeeze(1)
-            processed_lp_r = logp_sorted_rv.gather(1, j_r[:, None]).squeeze(1)
-        else:
-            logp_rv = torch.log_softmax(masked_rv, dim=-1)
-            token_r = _inverse_cdf(logp_rv, u_r)
-            processed_lp_r = logp_rv.gather(1, token_r[:, None]).squeeze(1)
+            masked_rv = _filtered(masked_rv, top_p_r, to_device(params.top_k, torch.long, device))
+        processed_rv = torch.log_softmax(masked_rv, dim=-1)
+        token_r = _inverse_cdf(processed_rv, u_r)
+        processed_lp_r = processed_rv.gather(1, token_r[:, None]).squeeze(1)
+        logp_rv = None if filtered else processed_rv
         if any(t == 0 for t in params.temperature):
             greedy_r = to_device([t == 0 for t in params.temperature], torch.bool, device)
             token_r = torch.where(greedy_r, masked_rv.argmax(dim=-1), token_r)

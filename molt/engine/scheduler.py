@@ -56,6 +56,7 @@ class Sequence:
     num_cached: int = 0
     waits_for: Sequence | None = None  # a sequence whose first `wait_len` computed positions this one copies
     wait_len: int = 0
+    stale: bool = False  # holds KV computed under replaced weights ("keep" swap): never shared with new requests
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -95,6 +96,8 @@ class Scheduler:
     """FIFO admission under slot capacity and a per-step token budget."""
 
     def __init__(self, manager: SlotCacheManager, max_num_batched_tokens: int = 2048):
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.manager = manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Group] = deque()
@@ -174,7 +177,7 @@ class Scheduler:
                 else:
                     s.wait_len -= 1  # the leader is past it: compute its last token itself
             self.manager.share(seq.seq_id, s.seq_id, s.wait_len)
-            s.num_computed, s.num_cached, s.waits_for = s.wait_len, s.wait_len, None
+            s.num_computed, s.num_cached, s.waits_for, s.stale = s.wait_len, s.wait_len, None, seq.stale
         return samplers
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, cache: bool = True) -> None:
@@ -183,7 +186,7 @@ class Scheduler:
         self._disown(seq)
         if seq in self.running:
             self.running.remove(seq)
-            self.manager.free(seq.seq_id, seq.tokens if cache and not seq.group.images else None)
+            self.manager.free(seq.seq_id, seq.tokens if cache and not seq.group.images and not seq.stale else None)
 
     def _disown(self, seq: Sequence) -> None:
         """`seq` stops: it no longer holds its prompt for others; if it was aborted while others waited
@@ -194,15 +197,19 @@ class Scheduler:
         waiting = [s for s in self.running if s.waits_for is seq and s.finish_reason is None]
         if waiting:
             heir = waiting[0]
-            heir.waits_for, heir.num_computed = None, 0
+            heir.waits_for, heir.num_computed, heir.stale = None, 0, False
             for s in waiting[1:]:
                 s.waits_for = heir
             if not seq.group.images:
                 self.owners[key] = heir
 
     def forget_computed_prompts(self) -> None:
-        """New weights: KV computed under the old ones is not shared with new requests (as the prefix cache)."""
-        self.owners = {k: s for k, s in self.owners.items() if s.num_computed < len(s.group.prompt)}
+        """New weights: KV computed under the old ones is never shared with new requests. A running sequence that
+        keeps some (no recompute) is stale: it holds no prompt for others and leaves no cached prefix; so are the
+        samples that copy its prompt later."""
+        for seq in self.running:
+            seq.stale |= seq.num_computed > 0
+        self.owners = {k: s for k, s in self.owners.items() if not s.stale}  # a computed prompt is stale
 
     def remove_group(self, group: Group, reason: str) -> None:
         """Finish every unfinished sequence of `group` (abort / failure), waiting or running."""
@@ -219,7 +226,7 @@ class Scheduler:
         self.manager.clear_prefixes()
         leaders: dict[tuple[int, ...], Sequence] = {}
         for seq in self.running:
-            seq.num_computed = 0
+            seq.num_computed, seq.stale = 0, False
             if seq.waits_for is not None or seq.group.images:
                 continue
             leader = leaders.setdefault(tuple(seq.group.prompt), seq)

@@ -2,7 +2,8 @@
 
 `--rollout.dump` writes `<run_dir>/rollouts/step-<N>.jsonl` atomically before step N trains: one line per
 trajectory, in the trainer's order, with the `Trajectory` fields plus `step` and `version` (the trainer's).
-Images keep their start and hash; their pixels go once to `rollouts/images/<hash>.pt`. Floats keep `repr`
+Images keep their start and hash; their pixels go once to `rollouts/images/<hash>.pt`. `info` is written as JSON
+whatever it holds (arrays as lists, other keys as str, other values as their repr), never failing. Floats keep `repr`
 precision, so a read-back batch is bit-identical. `read_shard` checks every line (types, aligned lists, vocabulary,
 action hashes, pixels, versions, MoE routing: shape, expert ids) and fails with a `DumpError` naming file, line and
 field. Knows trajectories only.
@@ -42,18 +43,24 @@ def shard_name(step: int) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """JSON for what `info` may hold besides JSON types (tensors, numpy scalars, other objects as repr)."""
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    if hasattr(value, "item") and callable(value.item):
-        return value.item()
-    return repr(value)
+    """`value` (what `info` may hold) as JSON, so a bad info value never stops the run: containers walked with
+    non-JSON keys as str, tensors and numpy arrays and scalars as lists or numbers, anything else as its repr."""
+    if isinstance(value, dict):
+        return {k if isinstance(k, str | int | float | bool | None) else str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, str | int | float | bool | None):
+        return value
+    try:
+        return _plain(value.tolist())
+    except Exception:  # no (working) tolist
+        return repr(value)
 
 
 def trajectory_record(traj: Trajectory, step: int, version: int, images: Path) -> dict[str, Any]:
     """`traj` as one JSON-ready line of step `step`'s shard; its images' pixels are saved under `images`."""
     record = {"step": step, "version": version} | {f.name: getattr(traj, f.name) for f in fields(Trajectory)}
-    record["actions"] = [list(a) for a in traj.actions]
+    record["actions"], record["info"] = [list(a) for a in traj.actions], _plain(traj.info)
     if traj.routing is not None:
         record["routing"], record["routing_dtype"] = traj.routing.tolist(), str(traj.routing.dtype)
     if traj.images:
@@ -93,7 +100,8 @@ def read_shard(
     path: Path, *, step: int, vocab_size: int, trainer_version: int, max_staleness: int, moe: tuple | None = None
 ) -> list[Trajectory]:
     """Step `step`'s batch from its shard, every line checked (see the module docstring); DumpError if wrong.
-    `moe`: the policy's (MoE layers, top-k, experts), which recorded routing must fit (None: not checked)."""
+    `moe`: the policy's (MoE layers, top-k, experts), which recorded routing must fit (None: not checked; (): a
+    dense policy, which takes no recorded routing)."""
     if not path.exists():
         raise DumpError(f"{path}: missing: the dump has no shard for step {step}")
     batch = []
@@ -144,8 +152,10 @@ def _check_types(record: Any, where: str) -> None:
     for key in ("step", "version", "group_id", "rollout_id"):
         if not _is_int(record[key]):
             raise _fail(where, key, f"must be an int, got {record[key]!r}")
-    if not _is_number(record["reward"]):
-        raise _fail(where, "reward", f"must be a number, got {record['reward']!r}")
+    for key in ("reward", "score"):  # a live run's nonfinite filter never lets NaN / inf reach a dump
+        value = record.get(key)
+        if not (_is_number(value) and math.isfinite(value)) and (key == "reward" or value is not None):
+            raise _fail(where, key, f"must be a finite number, got {value!r}")
 
 
 def _trajectory(record: Any, where: str, images: Path, moe: tuple | None = None) -> Trajectory:
@@ -164,6 +174,8 @@ def _trajectory(record: Any, where: str, images: Path, moe: tuple | None = None)
             data["routing"] = torch.tensor(record["routing"], dtype=dtype)
         except (TypeError, ValueError) as e:
             raise _fail(where, "routing", f"not a [positions, layers, k] list of ints ({e})") from None
+        if moe == ():  # the reader's policy is dense (None: not checked)
+            raise _fail(where, "routing", "recorded, but the policy has no mixture-of-experts layers")
         _check_routing(data["routing"], where, len(record["tokens"]), moe)
     if record.get("images"):
         data["images"] = [_load_image(im, where, images) for im in record["images"]]

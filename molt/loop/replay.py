@@ -35,7 +35,9 @@ def replay_folder(cfg: Config, start_step: int) -> Path:
         raise ConfigError(f"rollout.replay: {cfg.rollout.replay} holds no rollout shards (step-*.jsonl)")
     missing = [s for s in range(start_step + 1, cfg.train.max_steps + 1) if s not in steps]
     if missing:
-        have = f"steps {min(steps)}..{max(steps)}" if len(steps) > 1 else f"step {min(steps)}"
+        contiguous = len(steps) == max(steps) - min(steps) + 1
+        have = f"steps {min(steps)}..{max(steps)}" if contiguous else "steps " + ", ".join(map(str, sorted(steps)))
+        have = have if len(steps) > 1 else f"step {min(steps)}"
         raise ConfigError(
             f"rollout.replay: {folder} has no shard for step {missing[0]} (it has {have}); train.max_steps is "
             f"{cfg.train.max_steps}: lower it (the learning-rate schedule follows it) or replay a longer dump"
@@ -63,7 +65,7 @@ class ReplayLoop(RLLoop):
         self.folder = replay_folder(cfg, self.state.step)
         self.vocab_size = model_cfg.vocab_size  # dumped ids and routing must fit the policy
         moe = (model_cfg.num_moe_layers(), model_cfg.num_experts_per_tok, model_cfg.num_experts)
-        self.moe = moe if model_cfg.num_experts else None
+        self.moe = moe if model_cfg.num_experts else ()  # () a dense policy: recorded routing is refused
         if cfg.eval.every:
             log.warning("replay of %s: no eval (eval.every=%d): nothing generates without an engine",
                         self.folder, cfg.eval.every)  # fmt: skip

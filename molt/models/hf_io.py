@@ -9,6 +9,7 @@ strict: a missing or unexpected weight is an error listing the names. Saving is 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -138,11 +140,12 @@ def load_config(folder: str | os.PathLike) -> TransformerConfig:
 
 
 def from_pretrained(
-    folder: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    folder: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **settings: Any
 ) -> Transformer:
-    """Build a Transformer from an HF model folder (Llama / Qwen2 / Qwen3 / Qwen3-MoE)."""
+    """Build a Transformer from an HF model folder (Llama / Qwen2 / Qwen3 / Qwen3-MoE); `settings` are Molt's own
+    config fields that no config.json holds (e.g. `router_fp32`)."""
     folder = Path(folder)
-    cfg = load_config(folder)
+    cfg = dataclasses.replace(load_config(folder), **settings)
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)  # `Transformer._apply` recomputes the rotary buffer

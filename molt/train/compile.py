@@ -18,10 +18,20 @@ from typing import Any
 
 import torch
 
+from molt.config import TrainConfig
 from molt.train.logprobs import head_chunk
-from molt.train.memory import wrap_dense_layers
+from molt.train.memory import checkpoint_layers, wrap_dense_layers
 
 COMPILE_MODES = ("auto", "on", "off")
+
+
+def prepare_layers(model: torch.nn.Module, train: TrainConfig, device: str) -> None:
+    """What the trainer does to each model it trains (the policy, a critic body): activation checkpointing of its
+    layers (`train.activation_checkpointing`), then compilation (`train.compile`, recomputing inside the graph)."""
+    if train.activation_checkpointing:
+        checkpoint_layers(model)
+    if resolve_compile(train.compile, device):
+        compile_model(model, train.compile_backend)
 
 
 def resolve_compile(mode: str, device: str) -> bool:

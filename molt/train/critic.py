@@ -22,6 +22,7 @@ from molt import algo
 from molt.config import Config
 from molt.models import Transformer, from_pretrained
 from molt.train import parallel
+from molt.train.compile import prepare_layers
 from molt.train.logprobs import laid_out_rows, packed_hidden
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch
@@ -56,7 +57,11 @@ class Critic:
     forward then runs without autocast (FSDP2 casts the parameters)."""
 
     def __init__(self, policy: Transformer, cfg: Config, precision: Precision, shard: Callable | None = None):
-        body = from_pretrained(cfg.critic.path) if cfg.critic.path else copy.deepcopy(policy)
+        if cfg.critic.path:  # wrapped as the policy is; a copy of the policy inherits its wrapping
+            body = from_pretrained(cfg.critic.path, router_fp32=cfg.model.router_fp32)
+            prepare_layers(body, cfg.train, cfg.runtime.device)
+        else:
+            body = copy.deepcopy(policy)
         self.model = ValueModel(body.requires_grad_(True)).to(cfg.runtime.device, precision.params).train()
         self.clip = cfg.critic.clip or None
         self.updates = cfg.critic.updates

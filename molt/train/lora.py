@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import re
 from collections.abc import Iterator
@@ -23,6 +24,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from molt.config import ConfigError
+
+log = logging.getLogger("molt.train")
 TARGETS = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
@@ -53,8 +57,14 @@ class LoRA(nn.Module):
         self.rank, self.alpha, self.scale, self.targets = rank, alpha, alpha / rank, tuple(targets)
         pattern = re.compile(rf"layers\.\d+\.({'|'.join(re.escape(TARGETS[t]) for t in targets)})")
         self.linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and pattern.fullmatch(n)}
-        if not self.linears:
-            raise ValueError(f"train.lora_targets {','.join(targets)}: no such nn.Linear in the model's layers")
+        unmatched = [t for t in targets if not any(n.endswith("." + TARGETS[t]) for n in self.linears)]
+        if unmatched:  # MoE experts are stacked tensors, not nn.Linear
+            what = f"train.lora_targets {','.join(unmatched)}: no such nn.Linear in the model's layers"
+            if not self.linears:
+                raise ConfigError(what)
+            log.warning(
+                "%s (MoE experts are not adapted); adapting %s", what, ",".join(sorted(set(targets) - set(unmatched)))
+            )
         model.requires_grad_(False)
         self.adapters = nn.ModuleDict({_key(n): Adapter(m, rank) for n, m in self.linears.items()})
         self.enabled = True
@@ -139,7 +149,7 @@ class LoRA(nn.Module):
             "r": self.rank,
             "lora_alpha": self.alpha,
             "lora_dropout": 0.0,
-            "target_modules": sorted(TARGETS[t].split(".")[-1] for t in self.targets),
+            "target_modules": sorted({name.rsplit(".", 1)[-1] for name in self.linears}),  # those adapted
             "bias": "none",
             "fan_in_fan_out": False,
             "use_rslora": False,

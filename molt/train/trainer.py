@@ -37,11 +37,10 @@ from molt.data.trajectory import Trajectory
 from molt.models import Transformer, save_pretrained
 from molt.train import parallel
 from molt.train.batch import MicroBatch, check_tokens, layout, padded, per_sample, trajectory_pixels
-from molt.train.compile import compile_model, resolve_compile
+from molt.train.compile import prepare_layers
 from molt.train.critic import Critic
 from molt.train.logprobs import token_logprobs, token_logprobs_entropy
 from molt.train.lora import LoRA
-from molt.train.memory import checkpoint_layers
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
 from molt.train.precision import Precision, clip_and_step
@@ -87,10 +86,7 @@ class Trainer:
             )
         self.precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
         self.model, self.cfg = model.to(self.precision.params), cfg
-        if cfg.train.activation_checkpointing:
-            checkpoint_layers(model)
-        if resolve_compile(cfg.train.compile, cfg.runtime.device):  # after checkpointing: recompute in the graph
-            compile_model(model, cfg.train.compile_backend)
+        prepare_layers(model, cfg.train, cfg.runtime.device)  # a critic copied from it inherits the wrapping
         self.scaler = self.precision.scaler()
         self.moe_shape = (model.cfg.num_moe_layers(), model.cfg.num_experts_per_tok)
         self.frozen = freeze_routers(model, cfg)

@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 from chat_support import SAMPLING, TOK, ScriptedEngine, in_process_and_in_a_worker
 from conftest import small_model  # noqa: I001 - tests/conftest.py
-from worker_agents import Scripted, broken_kit, kit
+from worker_agents import Scripted, broken_kit, kit, scored_kit
 
 from molt.agents.chat import ChatRunner
-from molt.agents.reward_fn import RewardLog
+from molt.agents.reward_env import ScoredChatAgent
+from molt.agents.reward_fn import RewardLog, load_reward
 from molt.agents.runner import EpisodeLimits
 from molt.agents.watchdog import LoopBlockedError
 from molt.agents.workers import AgentWorkers, WorkerDrop
@@ -67,7 +68,26 @@ def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exit
     assert isinstance(died, RemoteRolloutError) and "exited (code 3)" in str(died)
     assert len(pids[0]) == 1 and len(pids[1]) == 2 and pids[0] < pids[1]  # the dead worker was replaced
     assert all(s[0].reward == 1.0 for s in after)
-    assert log.drain() == {"reward/exact": 1.0}  # training's reward metrics, from the workers' rollouts
+    assert log.drain() == {}  # the agent's own info["reward/own"] is no reward metric, as in process
+
+
+def test_named_rewards_and_info_come_back_from_a_worker_as_in_process():
+    async def main():
+        local_reward, log, runner = load_reward("exact"), RewardLog(), ChatRunner(ScriptedEngine(["4140"]), TOK)
+        pool = await AgentWorkers(scored_kit, ScriptedEngine(["4140"]), 1, log).start()
+        try:
+            rows = [_row("answer"), _row("unpicklable")]
+            local = [await runner.run(ScoredChatAgent(Scripted(), local_reward), r, SAMPLING, LIMITS) for r in rows]
+            remote = [await pool.run(r, SAMPLING, LIMITS) for r in rows]
+        finally:
+            await pool.close()
+            await runner.close()
+        return local, remote, local_reward.log.drain(), log.drain()
+
+    local, remote, local_metrics, remote_metrics = asyncio.run(main())
+    assert local_metrics == remote_metrics == {"reward/exact": 1.0, "reward/agent": 1.0}  # not the agent's reward/own
+    assert [s[0].reward for s in remote] == [s[0].reward for s in local] == [1.0, 1.0]
+    assert callable(local[1][0].info["callback"]) and remote[1][0].info["callback"].startswith("<function")
 
 
 def test_agent_code_blocking_a_workers_event_loop_stops_the_run():

@@ -81,3 +81,36 @@ def test_random_bodies_never_500_nor_corrupt_the_session(fuzz_server, body, anth
     assert [i for s in segments for i in masked_ids(s)] == [i for ids in engine.emitted for i in ids]
     for s in segments:
         s.check()
+
+
+CALL = '<tool_call>{{"name": {}, "arguments": {}}}</tool_call>'
+BAD_CALLS = [  # tool-call text a policy can write that is not a valid call: the reply is plain text, never a 500
+    CALL.format('["f"]', "{}"),
+    CALL.format('{"a": 1}', "{}"),
+    CALL.format('"f"', '{"x": "\\ud800"}'),
+    CALL.format('"f"', '"{\\"x\\": \\"\\\\udfff\\"}"'),  # a lone surrogate inside JSON-string arguments
+    CALL.format('"f"', '{"x": NaN}'),
+    CALL.format('"f"', '{"x": -Infinity}'),
+    CALL.format('"f"', '{"x": 1e999}'),
+]
+
+
+@pytest.mark.parametrize("reply", BAD_CALLS)
+def test_a_malformed_tool_call_comes_back_as_text_on_every_wire(reply):
+    server = ServerThread(ScriptedEngine([reply]), api_key=KEY)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {}}}}}]
+    anthropic_tools = [{"name": "f", "input_schema": {"properties": {"x": {}}}}]
+    try:
+        url = server.session_url(server.open(max_len=512))
+        with httpx.Client(base_url=url, headers={"x-api-key": KEY}, timeout=30) as client:
+            messages = [{"role": "user", "content": "hi"}]
+            body = {"model": "molt", "messages": messages, "tools": tools}
+            message = client.post("/v1/chat/completions", json=body).raise_for_status().json()["choices"][0]["message"]
+            assert message["content"] == reply and not message.get("tool_calls")
+            streamed = client.post("/v1/chat/completions", json={**body, "stream": True}).raise_for_status().text
+            assert "tool_calls" not in streamed and "[DONE]" in streamed
+            body = {"model": "molt", "messages": messages, "max_tokens": 64, "tools": anthropic_tools}
+            blocks = client.post("/v1/messages", json=body).raise_for_status().json()["content"]
+            assert [b["type"] for b in blocks] == ["text"]
+    finally:
+        server.stop()

@@ -161,11 +161,14 @@ def test_tool_parsers():
     content, (call,) = molt("<tool_call>12*345</tool_call>", [CALC_TOOL])
     assert content == "" and call.name == "calculate" and call.arguments == {"expression": "12*345"}
     for malformed in [
-        '<tool_call>{"name": "other", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "other", "arguments": {}}</tool_call>',  # molt: never the sole tool's compact form
+        '<tool_call>{"name": "calculate", "arguments": {"expression": </tool_call>',
         "<tool_call>{oops",
         CALL + "</tool_call>",
     ]:
-        assert hermes(malformed, [CALC_TOOL]) == (malformed, [])
+        assert hermes(malformed, [CALC_TOOL]) == molt(malformed, [CALC_TOOL]) == (malformed, [])
+    for properties in [5, ["a"]]:  # a schema the compact form cannot use: plain text, not a TypeError
+        assert molt("<tool_call>x</tool_call>", [{"name": "f", "parameters": {"properties": properties}}])[1] == []
     assert hermes(CALL, []) == (CALL, [])  # no tools offered: never a call
     assert json.loads(call.arguments_json) == call.arguments
     assert get_parser("auto", TOK) is molt

@@ -84,6 +84,9 @@ def test_reward_function_kinds_and_weights(tmp_path):
     assert total == pytest.approx(1.6) and named == {"math": 1.0, "format": 1.0, "later": 0.5}
     with pytest.raises(RuntimeError, match="reward bug"):
         _score(f"{path}:broken")
+    (tmp_path / "helper_xyz.py").write_text("ACC = 1.0\n")  # a module beside the reward file: importable
+    (tmp_path / "beside.py").write_text("from helper_xyz import ACC\n\ndef reward(c, row):\n    return ACC\n")
+    assert _score(str(tmp_path / "beside.py")) == (1.0, {"reward": 1.0})
 
 
 def test_reward_loading_errors_are_one_line_naming_the_file(tmp_path):

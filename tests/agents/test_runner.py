@@ -1,9 +1,14 @@
 """Env episodes: exact token accumulation, masks, budgets and agent failures (scripted engine)."""
 
 import asyncio
+import inspect
+import json
 import math
+import os
+import sys
 import time
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -15,6 +20,7 @@ from molt.agents.env import Env, Result, load_agent
 from molt.agents.runner import EpisodeLimits, TemplateRewriteError, observation_ids, run_episode
 from molt.agents.watchdog import LoopBlockedError
 from molt.data.tasks import get_task
+from molt.errors import describe_error
 from molt.models.tokenizer import apply_chat_template, build_builtin_tokenizer
 
 
@@ -71,6 +77,17 @@ def test_max_turns_truncates():
     assert traj.num_turns == 2 and traj.truncated and traj.reward == 0.0
 
 
+def test_an_episode_is_truncated_only_when_cut():
+    row = get_task("arithmetic").rows(1, seed=6)[0]
+    for result, limits, truncated in [
+        (Result(reward=1.0), EpisodeLimits(), False),  # no observation: the Env ended it
+        (Result(reward=1.0, truncated=True), EpisodeLimits(), True),
+        (Result(reward=1.0, observation="more"), EpisodeLimits(max_turns=1), True),  # cut by max_turns
+        (Result(reward=1.0, observation="more", terminated=True), EpisodeLimits(max_turns=1), False),
+    ]:
+        assert _run(ScriptedEngine(["1"]), Returns(result), row, limits).truncated is truncated, result
+
+
 def test_context_budget_clips_max_tokens():
     row = get_task("arithmetic").rows(1, seed=7)[0]
     prompt_len = len(apply_chat_template(TOK, row["messages"], add_generation_prompt=True))
@@ -125,6 +142,15 @@ def test_result_numbers_and_observations_are_checked_where_they_enter_the_trajec
             "Returns.step returned Result.observation of type int; expected str or a list of messages",
         ),  # fmt: skip
         (Result(reward=1.0, observation=["hi"]), TypeError, "Result.observation of type list holding str"),
+        (
+            Result(reward=1.0, observation=[{"role": "tool", "content": 12345}]),
+            TypeError,
+            r"Returns.step returned Result.observation\[0\].content int; expected a string or a list of parts",
+        ),  # fmt: skip
+        (Result(reward=1.0, observation=[{"role": "user"}]), TypeError, r"observation\[0\].content missing"),
+        (Result(reward=1.0, observation=[{"content": "x"}]), TypeError, r"observation\[0\].role=None; expected one"),
+        (Result(reward=1.0, info=None), TypeError, "Returns.step returned Result.info of type NoneType; expected a"),
+        (Result(reward=1.0, info=[("a", 1)]), TypeError, "Result.info of type list"),
     ]
     for result, error, message in bad:
         with pytest.raises(error, match=message):
@@ -164,6 +190,14 @@ def test_agent_code_blocking_the_event_loop_stops_the_run_with_its_line():
         asyncio.run(main())
 
 
+def test_a_failure_raised_inside_a_library_names_the_agents_line():
+    line = inspect.currentframe().f_lineno + 1
+    for call in (lambda: json.loads("{"), lambda: httpx.URL(1)):  # the stdlib's frames, an installed package's
+        with pytest.raises(Exception) as error:
+            call()
+        assert describe_error(error.value).endswith(f"test_runner.py:{line}]")
+
+
 def test_agent_timeout():
     row = get_task("arithmetic").rows(1, seed=9)[0]
     with pytest.raises(asyncio.TimeoutError):
@@ -182,6 +216,24 @@ def test_load_agent_from_file_and_errors(tmp_path):
         load_agent(str(tmp_path / "missing.py"))
     with pytest.raises(ModuleNotFoundError, match="cannot import agent module"):
         load_agent("no_such_pkg.agents")
+
+
+def test_an_agent_file_imports_the_modules_beside_it_and_a_dotted_name_is_found_in_the_current_folder(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])  # restored afterwards
+    (tmp_path / "agents_xyz").mkdir()
+    (tmp_path / "agents_xyz" / "__init__.py").write_text("")
+    (tmp_path / "agents_xyz" / "tools_xyz.py").write_text("SCORE = 1.0\n")
+    (tmp_path / "agents_xyz" / "agent.py").write_text(
+        "from tools_xyz import SCORE\nfrom molt.agents import Env, Result\n\nclass Uses(Env):\n"
+        "    async def step(self, action):\n        return Result(reward=SCORE)\n"
+    )
+    assert load_agent(str(tmp_path / "agents_xyz" / "agent.py")).__name__ == "Uses"  # as `python agent.py` runs
+    sys.path.remove(str(tmp_path / "agents_xyz"))
+    (tmp_path / "agents_xyz" / "dotted.py").write_text("from molt.agents import Env\n\nclass Dotted(Env):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_agent("agents_xyz.dotted").__name__ == "Dotted"  # as `python -m` finds it
 
 
 def test_first_prompt_is_rendered_once_per_tokenizer_and_handed_out_as_a_copy():

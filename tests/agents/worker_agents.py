@@ -8,6 +8,8 @@ import os
 from openai import AsyncOpenAI, OpenAI
 
 from molt.agents.chat import ChatAgent, Result
+from molt.agents.reward_env import ScoredChatAgent
+from molt.agents.reward_fn import load_reward
 from molt.agents.workers import WorkerKit
 from molt.errors import RolloutDrop
 from molt.models.tokenizer import build_builtin_tokenizer
@@ -20,7 +22,8 @@ class ImageTooLarge(RolloutDrop):
 class Scripted(ChatAgent):
     """answer / stream: one OpenAI-SDK completion (streamed or not), reward 1 when it equals the label; hang_up: a
     stream closed after its first content chunk, then an answer; fail: raises; drop: a dropped rollout; die: the
-    worker process exits; block: the sync SDK client, which blocks the worker's event loop (and so its server)."""
+    worker process exits; block: the sync SDK client, which blocks the worker's event loop (and so its server);
+    unpicklable: an answer with a lambda in its info."""
 
     async def run(self, ctx) -> Result:
         do = ctx.row["do"]
@@ -47,11 +50,18 @@ class Scripted(ChatAgent):
             reply = await client.chat.completions.create(model=ctx.model, messages=ctx.messages)
             text = reply.choices[0].message.content
         await client.close()
-        return Result(reward=float(text == ctx.label), info={"text": text, "reward/exact": float(text == ctx.label)})
+        info = {"text": text, "reward/own": 0.5} | ({"callback": lambda: 1} if do == "unpicklable" else {})
+        return Result(reward=float(text == ctx.label), info=info)
 
 
 def kit() -> WorkerKit:
     return WorkerKit(build_builtin_tokenizer(), Scripted)
+
+
+def scored_kit() -> WorkerKit:
+    """Scripted, scored by the built-in `exact` reward function."""
+    reward = load_reward("exact")
+    return WorkerKit(build_builtin_tokenizer(), lambda: ScoredChatAgent(Scripted(), reward))
 
 
 def broken_kit() -> WorkerKit:

@@ -44,6 +44,9 @@ def test_unknown_group_in_yaml(tmp_path):
     path.write_text("train:\n  lr: 1.0e-3\ntrian:\n  lr: 1\n")
     with pytest.raises(ConfigError, match=r"run\.yaml:3: trian: unknown key; did you mean 'train'"):
         load_config_file(Config, path)
+    path.write_text('rollout:\n  filters: [score-range]\n  score_range: [0.5, "1"]\n')  # a tuple's entry: its line
+    with pytest.raises(ConfigError, match=r"run\.yaml:3: rollout\.score_range\[1\]: expected float, got str"):
+        load_config_file(Config, path)
 
 
 def test_a_config_key_in_a_file_is_refused_with_its_line(tmp_path):

@@ -188,6 +188,12 @@ def test_teacher_and_critic_folders_are_checked_at_start_up(tmp_path, molt):
     result = molt("train", *FAST, "--algo.teacher", "other", shared_cache=True)
     sizes = f"({len(tokenizer)} vs {len(tokenizer) - 1} tokens)"
     one_line(result, f"config error: algo.teacher: other's tokenizer is not the policy's {sizes}")
+    policy = build_builtin_tokenizer()  # the policy's tokenizer, on a model with too few vocabulary rows
+    save_pretrained(Transformer(preset("tiny", vocab_size=len(policy) - 8)), tmp_path / "small", tokenizer=policy)
+    result = molt("train", *FAST, "--algo.estimator", "gae", "--critic.path", "small", shared_cache=True)
+    one_line(
+        result, f"config error: critic.path: small's model has {len(policy) - 8} vocabulary rows for {len(policy)}"
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -254,3 +260,25 @@ def test_a_bug_in_molt_prints_its_traceback_and_user_errors_do_with_the_env_var(
     err = capsys.readouterr().err
     assert exit_info.value.code == 143 and err.startswith("molt train: terminated (SIGTERM)"), err
     assert signal.getsignal(signal.SIGTERM) is on_term  # main() leaves the handler as it found it
+
+
+def test_chat_flags_are_refused_where_no_chat_agent_runs(tmp_path, monkeypatch):
+    from molt.cli.inputs import check_user_code
+    from molt.cli.main import _flag_keys, parse_command
+    from molt.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the agent files' folder goes on it: restored afterwards
+    body = "\n\nclass {}:\n    async def {}(self, x):\n        pass\n"
+    (tmp_path / "my_env.py").write_text("from molt.agents import Env" + body.format("MyEnv(Env)", "step"))
+    (tmp_path / "my_chat.py").write_text("from molt.agents.chat import ChatAgent" + body.format("C(ChatAgent)", "run"))
+    for agent, what in [(["--rollout.agent", "my_env.py"], "the agent MyEnv is an Env"), ([], "no --rollout.agent")]:
+        args = [*agent, "--chat.no_render_tools"]
+        with pytest.raises(ConfigError, match=f"^chat.no_render_tools: has no effect here: {what}"):
+            check_user_code(parse_config(args), _flag_keys(args))
+    args = ["--rollout.agent", "my_chat.py", "--chat.no_render_tools"]
+    check_user_code(parse_config(args), _flag_keys(args))  # a ChatAgent's chat server uses them
+    (tmp_path / "shared.yaml").write_text("chat:\n  render_tools: false\n")  # a file's chat settings: not refused
+    check_user_code(parse_config(["--config", "shared.yaml"]), _flag_keys(["--config", "shared.yaml"]))
+    with pytest.raises(ConfigError, match="^chat.no_render_tools: has no effect here"):  # as `molt train` checks
+        parse_command(["train", "--rollout.agent", "my_env.py", "--chat.no_render_tools"])

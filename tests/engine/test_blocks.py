@@ -209,6 +209,18 @@ def test_clear_prefixes_and_disabled_prefix_cache():
     mgr.free(0)
     mgr.clear_prefixes()
     assert mgr.num_cached_blocks() == 0 and mgr.allocate(1, [1, 2, 3]) == 0
+    mgr.free(1)
+    mgr.allocate(2, [1, 2, 3, 4, 5])
+    kv.compute(2, 1)
+    mgr.clear_prefixes()  # new weights while 2 runs on its old KV: neither it nor its forks register blocks
+    kv.compute(2)
+    mgr.fork(2, 3)
+    mgr.extend(3, [1, 2, 3, 4, 5, 6])
+    kv.compute(3)
+    mgr.check()
+    mgr.free(2)
+    mgr.free(3)
+    assert mgr.num_cached_blocks() == 0 and mgr.allocate(4, [1, 2, 3, 4, 5, 6, 7]) == 0
     off = BlockManager(4, block_size=2, prefix_cache=False)
     off.allocate(0, [1, 2, 3])
     off.set_computed(0, 3)

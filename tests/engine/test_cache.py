@@ -128,6 +128,8 @@ def _group(request_id: str, prompt: list[int], n: int = 1) -> Group:
 
 
 def test_scheduler_budget_chunks_and_waits_for_slots():
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1, got 0"):
+        Scheduler(SlotCacheManager(3, 64), max_num_batched_tokens=0)
     sched = Scheduler(SlotCacheManager(3, 64, prefix_cache=False), max_num_batched_tokens=8)
     sched.add(_group("a", list(range(20))))
     sched.add(_group("b", [1, 2], n=2))
@@ -205,3 +207,25 @@ def test_a_request_waiting_on_a_prompt_being_recomputed_still_computes_its_last_
     assert chunk.seq is leader and sched.computed(chunk) == [leader]  # a's logits are for its own last token
     plan = sched.schedule()
     assert [(s.group.request_id, s.num_computed) for s in plan.decode] == [("b", 9)]
+
+
+def test_kv_kept_across_a_swap_is_never_shared_with_new_requests():
+    sched = Scheduler(SlotCacheManager(6, 64), max_num_batched_tokens=16)
+    short, long = [50, 51, 52], list(range(24))
+    sched.add(_group("a", short))
+    (a,) = sched.computed(sched.schedule().prefill[0])
+    a.tokens.append(7)
+    sched.add(_group("b", long, n=2))
+    sched.computed(sched.schedule().prefill[0])  # a decodes (below), b's prompt is computed up to 15
+    a.num_computed = 4
+    sched.manager.set_length(a.seq_id, 4)
+    sched.forget_computed_prompts()  # new weights, old KV kept ("keep")
+    sched.finish(a, "stop")  # its KV is not kept as a cached prefix
+    sched.add(_group("c", [*short, 7, 9]))
+    sched.add(_group("d", long))  # computes its prompt itself rather than wait for b's (old) prefill
+    plan = sched.schedule()
+    assert [(c.seq.group.request_id, c.start, c.end) for c in plan.prefill] == [("b", 15, 24), ("c", 0, 5), ("d", 0, 2)]
+    assert [s.stale for s in sched.computed(plan.prefill[0])] == [True, True]  # b's sample copied the old KV
+    for seq in plan.prefill[0].seq.group.seqs:
+        sched.finish(seq, "stop")
+    assert sched.manager.num_cached_prefixes() == 0

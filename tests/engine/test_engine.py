@@ -12,6 +12,7 @@ from conftest import random_hf  # noqa: I001 - tests/conftest.py
 from engine_refs import prompts, trainer_logprobs
 
 from molt.engine import ContextLengthError, SamplingParams, TorchEngine
+from molt.engine.interface import find_stop_string
 from molt.models import from_pretrained
 
 
@@ -173,6 +174,21 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(pair):
     assert other_seed.token_ids != first.token_ids
 
 
+class CharTokenizer:  # id i decodes to chr(65 + i % 26)
+    eos_token_id = None
+
+    def decode(self, ids):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def test_a_stop_string_counts_when_the_newest_token_completes_it():
+    """Checked after each token: an occurrence that ended earlier (ignored before min_tokens) stops nothing."""
+    tok = CharTokenizer()
+    assert find_stop_string(tok, ["B"], [0, 1, 2]) is None  # "ABC"
+    assert find_stop_string(tok, ["X", "BC"], [0, 1, 2]) == "BC"
+    assert find_stop_string(tok, ["B"], [0, 1, 2, 1]) == "B"
+
+
 def test_stop_tokens_min_tokens_and_stop_strings(pair):
     _, molt = pair
     engine = TorchEngine(molt, num_slots=4, max_seq_len=64, eos_token_ids=())
@@ -187,12 +203,6 @@ def test_stop_tokens_min_tokens_and_stop_strings(pair):
         engine.generate(p, SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[stop_at]))
     )
     assert len(late.token_ids) >= 6 and stop_at not in late.token_ids[:6]
-
-    class CharTokenizer:  # id i decodes to chr(65 + i % 26)
-        eos_token_id = None
-
-        def decode(self, ids):
-            return "".join(chr(65 + i % 26) for i in ids)
 
     text = CharTokenizer().decode(free.token_ids)
     engine = TorchEngine(molt, tokenizer=CharTokenizer(), num_slots=2, max_seq_len=64, eos_token_ids=())

@@ -266,3 +266,33 @@ def test_sizing_and_refusals(models, tmp_path):
         TorchEngine(molt, max_seq_len=64, kv_blocks=3)
     with pytest.raises(ValueError, match="dense text models"):
         TorchEngine(random_hf_in_molt("qwen3-moe", tmp_path), kv_blocks=64)
+
+
+@pytest.mark.parametrize("kv_blocks", [None, 64], ids=["slots", "paged"])
+def test_kv_kept_across_a_swap_never_reaches_a_new_request(models, kv_blocks):
+    """kv_on_update="keep": a sequence running at the swap leaves no cached prefix (slot cache) and registers no
+    block it fills later (paged); new requests over its tokens get exactly the new policy's log-probs."""
+    _, molt = models
+    new, gen = copy.deepcopy(molt), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in new.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    kw = dict(kv_blocks=kv_blocks, block_size=4, num_slots=4, max_seq_len=64, eos_token_ids=(), kv_on_update="keep")
+    engine = TorchEngine(copy.deepcopy(molt), **kw)
+    p = prompts([12], seed=5)[0]
+
+    async def run():
+        task = asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=30, seed=1)))
+        while engine.stats["decode_tokens"] < 3:
+            await asyncio.sleep(0.001)
+        await engine.update_weights(dict(new.state_dict()), version=1)
+        first = await task
+        follow = p + first.token_ids[:-1]
+        return first, follow, [await engine.generate(follow, SamplingParams(max_tokens=4, seed=2)) for _ in range(2)]
+
+    first, follow, outs = asyncio.run(run())
+    assert first.versions.index(1) > 0
+    for out in outs:
+        assert (torch.tensor(out.logprobs) - trainer_logprobs(new, follow, out, 1.0)).abs().max() <= 1e-5
+    assert outs[1].num_cached_tokens > 0  # KV computed under the new weights is reused
+    asyncio.run(engine.close())

@@ -93,6 +93,7 @@ def test_default_filters_keep_all_equal_groups_for_estimators_without_a_group_ba
     still filters; `score-range` keeps a group whose mean is strictly inside rollout.score_range."""
     for flags, kept in [((), False), (("--algo.estimator", "reinforce"), True),
                         (("--algo.estimator", "reinforce", "--rollout.filters", "all-equal"), False),
+                        (("--algo.estimator", "reinforce", "--rollout.filters", "nonfinite", "all-equal"), False),
                         (("--rollout.filters", "score-range"), False),  # mean 1: not inside (0, 1)
                         (("--rollout.filters", "score-range", "--rollout.score_range", "0", "2"), True)]:  # fmt: skip
         loop = StubLoop(_config(tmp_path, *flags), reward=lambda k: 1.0)

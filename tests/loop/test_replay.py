@@ -8,6 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_loop import FAST  # noqa: I001 - tests/loop/test_loop.py
@@ -112,7 +113,8 @@ def test_a_dump_shorter_than_max_steps_is_refused_before_any_model(dumped, tmp_p
 
 def test_shard_round_trip_keeps_routing_images_and_floats_exactly(tmp_path):
     pixels = torch.arange(48, dtype=torch.uint8).reshape(3, 4, 4)
-    traj = Trajectory(reward=0.1 + 0.2, score=1.0, group_id=3, rollout_id=7, info={"t": torch.tensor(2.5)})
+    info = {"t": torch.tensor(2.5), "a": np.arange(3), (1, 2): [np.float32(0.5)], "r": range(2)}  # never fails
+    traj = Trajectory(reward=0.1 + 0.2, score=1.0, group_id=3, rollout_id=7, info=info)
     traj.extend_prompt([1, 2, 3])
     traj.extend_action([4, 5], [-0.123456789012345678, -1e-30], [2, 2])
     traj.routing = torch.tensor([[[0, 1]], [[-1, -1]], [[3, 2]], [[2, 0]], [[-1, -1]]], dtype=torch.int16)
@@ -124,7 +126,7 @@ def test_shard_round_trip_keeps_routing_images_and_floats_exactly(tmp_path):
         assert getattr(back, f) == getattr(traj, f), f
     assert back.routing.dtype == torch.int16 and torch.equal(back.routing, traj.routing)
     assert torch.equal(back.images[0]["pixels"], pixels) and back.images[0]["hash"] == traj.images[0]["hash"]
-    assert back.info == {"t": 2.5}
+    assert back.info == {"t": 2.5, "a": [0, 1, 2], "(1, 2)": [0.5], "r": "range(0, 2)"}
     with pytest.raises(DumpError, match=re.escape(f"{path}:1: field 'versions'") + ".*older than"):
         read_shard(path, step=3, vocab_size=8, trainer_version=3, max_staleness=0)
     with pytest.raises(DumpError, match=re.escape(f"{path}:1: field 'step'")):
@@ -158,3 +160,16 @@ def test_dumped_routing_must_fit_the_model(tmp_path, routing, message):
     path.write_text(json.dumps(record) + "\n")
     with pytest.raises(DumpError, match=re.escape(f"{path}:1: field 'routing': ") + message):
         read_shard(path, step=1, vocab_size=8, trainer_version=0, max_staleness=0, moe=(1, 2, 4))
+
+
+def test_a_dump_line_with_a_non_finite_reward_or_routing_for_a_dense_policy_is_refused(tmp_path):
+    traj = Trajectory(reward=1.0, score=1.0)
+    traj.extend_prompt([1, 2, 3])
+    traj.extend_action([4, 5], [-0.5, -0.5], [0, 0])
+    traj.routing = torch.tensor([[[0, 1]]] * 5)
+    path = write_shard(tmp_path, 1, 0, [traj])
+    good = json.loads(path.read_text())
+    for change, field in [({"reward": float("nan")}, "reward"), ({"score": 1e400}, "score"), ({}, "routing")]:
+        path.write_text(json.dumps(good | change) + "\n")  # NaN / Infinity: what json writes for them
+        with pytest.raises(DumpError, match=re.escape(f"{path}:1: field '{field}': ")):
+            read_shard(path, step=1, vocab_size=8, trainer_version=0, max_staleness=0, moe=())

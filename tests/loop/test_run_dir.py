@@ -139,9 +139,15 @@ def test_resume_refuses_settings_its_checkpoint_state_cannot_hold(tmp_path, caps
     run = tmp_path / "run"
     main(["train", *TINY, "--train.max_steps", "1", "--log.run_dir", str(run)])
     for flags, what in (
-        (["--train.lora_rank", "4"], "train.lora_rank is 4 here but 0"),
-        (["--algo.estimator", "gae"], "a critic (algo.estimator gae) is True here but False"),
-        (["--algo.kl_coef", "0.1"], "a KL reference (algo.kl_coef > 0) is True here but False"),
+        (["--train.lora_rank", "4"], "train.lora_rank is 4 here but 0 in {run}"),
+        (["--algo.estimator", "gae"], "adds a critic (algo.estimator gae), which {run} was trained without"),
+        (["--algo.kl_coef", "0.1"], "adds a KL reference (algo.kl_coef > 0), which {run} was trained without"),
     ):
         err = one_line(run_molt(capsys, "train", "--resume", str(run), "--train.max_steps", "2", *flags))
-        assert f"ckpt.resume: {what} in {run}" in err and f"--model.path {run}" in err
+        assert "ckpt.resume: " + what.format(run=run) in err and f"--model.path {run}" in err
+    lora = tmp_path / "lora"  # its adapters were trained at this alpha: another one would rescale them
+    main(["train", *TINY, "--train.max_steps", "1", "--train.lora_rank", "4", "--log.run_dir", str(lora)])
+    err = one_line(
+        run_molt(capsys, "train", "--resume", str(lora), "--train.max_steps", "2", "--train.lora_alpha", "64")
+    )
+    assert f"ckpt.resume: train.lora_alpha is 64.0 here but 16.0 in {lora}" in err

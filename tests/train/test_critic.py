@@ -10,7 +10,7 @@ from molt.config import AlgoConfig, Config, ConfigError, CriticConfig, RuntimeCo
 from molt.data.trajectory import Trajectory
 from molt.loop.checkpoint import load_training_state, save_checkpoint
 from molt.loop.rl import LoopState
-from molt.models import from_pretrained
+from molt.models import from_pretrained, save_pretrained
 from molt.train.critic import ValueModel
 from molt.train.trainer import Trainer
 
@@ -85,6 +85,13 @@ def test_critic_is_checkpointed_and_resumes_exactly(tmp_path):
     assert after["critic/value_loss"] == again["critic/value_loss"]
     for (name, p), q in zip(trainer.critic.model.named_parameters(), resumed.critic.model.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_a_critic_from_its_own_folder_is_wrapped_as_the_policy_is(tmp_path):
+    folder = str(save_pretrained(_model(seed=3), tmp_path / "critic"))
+    for critic_path in ("", folder):
+        trainer = Trainer(_model(), _cfg(*GAE, "--critic.path", critic_path, "--train.activation_checkpointing"))
+        assert all(getattr(layer, "_molt_checkpointed", False) for layer in trainer.critic.model.body.layers)
 
 
 def test_critic_flags_need_gae_and_run_on_either_backend():

@@ -3,10 +3,12 @@
 import copy
 import importlib.util
 import json
+import logging
 
 import pytest
 import torch
-from test_trainer import _cfg, _model, _trajs  # noqa: I001 - tests/train/test_trainer.py
+from conftest import small_model  # noqa: I001 - tests/conftest.py
+from test_trainer import _cfg, _model, _trajs
 
 from molt.loop.checkpoint import load_training_state, save_checkpoint
 from molt.loop.rl import LoopState
@@ -112,8 +114,18 @@ def test_peft_loads_the_adapter_onto_the_transformers_model_with_equal_logits(tm
 
 
 def test_lora_config_checks():
-    from molt.config import Config, ConfigError, RuntimeConfig, TrainConfig
+    from molt.config import Config, ConfigError, ModelConfig, RuntimeConfig, TrainConfig
 
     with pytest.raises(ConfigError, match="lora_targets"):
         TrainConfig(lora_rank=4, lora_targets=("q", "lm_head"))
     Config(train=TrainConfig(lora_rank=4), runtime=RuntimeConfig(backend="ray"))  # sharded by the trainer ranks
+    with pytest.raises(ConfigError, match="train.lora_targets: the model's MLPs are all MoE experts"):
+        Config(model=ModelConfig(preset="tiny-moe"), train=TrainConfig(lora_rank=4, lora_targets=("gate", "up")))
+
+
+def test_an_moe_models_adapter_names_only_what_was_adapted(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="molt.train"):
+        lora = LoRA(small_model(kind="moe"), rank=4, alpha=8.0, targets=("q", "gate"))
+    assert "train.lora_targets gate: no such nn.Linear" in caplog.text and "adapting q" in caplog.text
+    lora.save_peft(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == ["q_proj"]

@@ -6,6 +6,8 @@ import pytest
 from test_trainer import _cfg, _model, _trajs  # noqa: I001 - tests/train/test_trainer.py
 
 from molt.algo import adaptive_kl_coef
+from molt.config import ConfigError
+from molt.config.rl import check_rollout_algo
 from molt.loop.checkpoint import load_training_state, save_checkpoint
 from molt.loop.rl import LoopState
 from molt.models import from_pretrained, save_pretrained
@@ -110,11 +112,14 @@ def test_settings_that_cannot_act_as_asked_are_refused_saying_what_to_do(tmp_pat
     err = _refused(capsys, "--algo.is_level", "geo")
     assert "algo.is_mode: --algo.is_level geo takes only mode mask" in err and "add --algo.is_mode mask" in err
     assert _cfg("--algo.is_high", "inf").algo.is_high == float("inf")  # no upper bound: deliberate
-    for key, value in (("top_p", "0.9"), ("top_k", "5")):  # at start-up, before any model is built
-        err = _refused(capsys, f"--rollout.{key}", value, "--algo.is_level", "none")
-        assert f"rollout.{key}: samples from a truncated" in err and "enable the IS correction" in err
+    for key, value in (("top_p", "0.9"), ("top_k", "5")):  # `molt train` checks it first (eval samples freely)
+        cfg = _cfg(f"--rollout.{key}", value, "--algo.is_level", "none")
+        with pytest.raises(ConfigError, match=f"rollout.{key}: samples from a truncated .* enable the IS correction"):
+            check_rollout_algo(cfg.rollout, cfg.algo)
     teacher = str(save_pretrained(_model(seed=1), tmp_path / "teacher"))
     distill = ("--algo.estimator", "on_policy_distill", "--algo.teacher", teacher)
-    for filters in (("all-equal",), ("nonfinite", "score-range")):
-        err = _refused(capsys, *distill, "--rollout.filters", *filters)
-        assert "rollout.filters: " in err and "never uses: it would drop groups that carry signal" in err
+    check_rollout_algo(_cfg(*distill).rollout, _cfg(*distill).algo)  # `auto` filters: nonfinite only there
+    for filters in (("all-equal",), ("nonfinite", "score-range"), ("nonfinite", "all-equal")):
+        cfg = _cfg(*distill, "--rollout.filters", *filters)
+        with pytest.raises(ConfigError, match="rollout.filters: .* never uses: it would drop groups that carry signal"):
+            check_rollout_algo(cfg.rollout, cfg.algo)

@@ -1,20 +1,23 @@
 """Tool-call parsers: the policy's raw action text -> (content, tool calls), one per chat-template family.
 
 A parser is a registered function `parse(text, tools) -> (content, calls)`. Calls are parsed only when
-the request offered `tools`, and only into functions it offered; anything malformed (bad JSON, an
-unknown function, an unclosed tag) comes back as plain text with no calls, never as an error. The
+the request offered `tools`, and only into functions it offered; anything malformed (bad JSON, JSON no
+wire can send back such as NaN or a lone surrogate, a name that is not an offered function, an unclosed
+tag) comes back as plain text with no calls, never as an error. The
 trajectory always keeps the raw generated ids: parsing only shapes the reply to the agent.
 
 * `hermes` (Qwen2.5/Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
 * `molt` (the built-in ChatML template): hermes, plus the compact form `<tool_call>TEXT</tool_call>`
-  when the request offers exactly one function with exactly one parameter: TEXT is that argument
-  (the built-in calculator task's demonstrations call `<tool_call>347*29</tool_call>`).
+  when the request offers exactly one function with exactly one parameter and TEXT does not start
+  with `{`: TEXT is that argument (the built-in calculator task's demonstrations call
+  `<tool_call>347*29</tool_call>`).
 * `none`: never parses calls.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,19 +59,31 @@ def function_specs(tools: Tools) -> dict[str, dict[str, Any]]:
     return specs
 
 
+def _finite(text: str) -> float:
+    """A JSON number or constant (NaN, Infinity) as a float; ValueError unless finite."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _strict_json(text: str) -> Any:
+    """`text` as a JSON value every wire can send back: ValueError for NaN/Infinity, a float that overflows or a
+    lone surrogate (the policy's text may hold any of them); RecursionError if absurdly nested."""
+    value = json.loads(text, parse_constant=_finite, parse_float=_finite)
+    json.dumps(value, ensure_ascii=False).encode()  # a lone surrogate: UnicodeEncodeError, a ValueError
+    return value
+
+
 def _json_call(body: str, specs: dict[str, dict[str, Any]]) -> ToolCall | None:
     try:
-        obj = json.loads(body)
+        obj = _strict_json(body)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in specs:
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        args = _strict_json(args) if isinstance(args, str) else args
     except (ValueError, RecursionError):  # the policy's text: malformed (or absurdly nested) is plain text
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in specs:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except (ValueError, RecursionError):
-            return None
     return ToolCall(new_id("call_"), obj["name"], args) if isinstance(args, dict) else None
 
 
@@ -91,11 +106,11 @@ def _split_calls(text: str, tools: Tools, compact: bool) -> tuple[str, list[Tool
 
 
 def _compact_call(body: str, specs: dict[str, dict[str, Any]]) -> ToolCall | None:
-    if len(specs) != 1 or not body:
+    if len(specs) != 1 or not body or body.startswith("{"):  # a JSON body that is no valid call stays malformed
         return None
     ((name, params),) = specs.items()
-    props = params.get("properties") or {}
-    if len(props) != 1:
+    props = params.get("properties")
+    if not isinstance(props, dict) or len(props) != 1:
         return None
     return ToolCall(new_id("call_"), name, {next(iter(props)): body})
 
