@@ -9,18 +9,17 @@ import asyncio
 import logging
 import signal
 import sys
-import sysconfig
 import threading
 import time
 import weakref
 from types import FrameType
 from typing import Any
 
-from molt.errors import MOLT_DIR, RunFatalError, UserError
+from molt.errors import LIBRARY_DIRS, MOLT_DIR, RunFatalError, UserError
 
 _WATCHDOGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its LoopWatchdog
 BLOCKED_SIGNAL = signal.SIGUSR1  # a watchdog's interrupt of the agent code blocking the loop (main thread only)
-NOT_AGENT_CODE = (MOLT_DIR, "<", *{sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+NOT_AGENT_CODE = (MOLT_DIR, "<", *LIBRARY_DIRS)
 log = logging.getLogger("molt.agents")
 
 
