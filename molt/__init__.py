@@ -24,7 +24,12 @@ __all__ = ["cache_root", "make_config", "train", "train_async"]
 
 def cache_root() -> Path:
     """Where Molt keeps what it builds once per machine (warm starts, compiled kernels): `$MOLT_CACHE`."""
-    return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
+    root = Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
+    if root.exists() and not root.is_dir():
+        from molt.config import ConfigError
+
+        raise ConfigError(f"MOLT_CACHE={root}: not a folder (Molt's cache is a folder; unset it for ~/.cache/molt)")
+    return root
 
 
 def _nested(*sources: dict[str, Any]) -> dict[str, Any]:
@@ -36,6 +41,10 @@ def _nested(*sources: dict[str, Any]) -> dict[str, Any]:
         node = out
         for group in groups:
             node = node.setdefault(group, {})
+            if not isinstance(node, dict):
+                from molt.config import ConfigError
+
+                raise ConfigError(f"{group}: a config group (a dict of its keys), got {type(node).__name__} {node!r}")
         if isinstance(value, dict) and isinstance(node.get(name), dict):
             node[name].update(_nested(value))
         else:

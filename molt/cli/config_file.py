@@ -69,9 +69,13 @@ def _yaml_lines(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
 def read_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
     """(mapping, dotted key -> line) of a .toml / .yaml / .yml file."""
     path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"--config: file {str(path)!r} does not exist")
-    text = path.read_text()
+    if not path.is_file():
+        what = "is a folder; give its .toml/.yaml file (a run's: config.yaml)" if path.is_dir() else "does not exist"
+        raise ConfigError(f"--config: {str(path)!r} {what}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
     try:
         if path.suffix == ".toml":
             return tomllib.loads(text), _toml_lines(text)

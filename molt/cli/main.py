@@ -36,6 +36,7 @@ def _all_but(group: str, *used: str) -> tuple[str, ...]:
     return tuple(f"{group}.{f.name}" for f in fields if f.name not in used)
 
 
+WARM_START = ("model.warmstart_steps", "model.warmstart_lr")  # `molt train`'s preset warm start only
 SAMPLING = ("temperature", "top_p", "top_k")  # rollout settings `molt serve` reads (max_tokens is chat's)
 EPISODE = ("agent", "reward", "reward_weights", "top_p", "top_k", "max_tokens", "max_turns", "max_len")
 EPISODE += ("step_timeout_s", "agent_workers")  # rollout settings `molt eval` reads (temperature is eval's)
@@ -63,7 +64,9 @@ def train(cfg: Config) -> object:
 
 
 @command(
-    "sft", unused=("algo", "critic", "rollout", "eval", "ckpt", "chat", BACKEND), train={"lr": 2e-3, "max_steps": 150}
+    "sft",
+    unused=("algo", "critic", "rollout", "eval", "ckpt", "chat", BACKEND, *WARM_START),
+    train={"lr": 2e-3, "max_steps": 150},
 )
 def sft(cfg: Config) -> object:
     """Supervised fine-tuning on chat data (loss on assistant tokens); writes an HF checkpoint."""
@@ -72,7 +75,10 @@ def sft(cfg: Config) -> object:
     return run_sft(cfg)
 
 
-@command("eval", unused=("algo", "critic", "ckpt", BACKEND, *_all_but("rollout", *EPISODE), *_all_but("train", "seed")))
+@command(
+    "eval",
+    unused=("algo", "critic", "ckpt", BACKEND, *WARM_START, *_all_but("rollout", *EPISODE), *_all_but("train", "seed")),
+)
 def eval_(cfg: Config) -> object:
     """Score a checkpoint, run directory or model folder on held-out rows: `molt eval TARGET` (pass@k, per-row)."""
     from molt.cli.eval import run_eval
@@ -82,7 +88,7 @@ def eval_(cfg: Config) -> object:
 
 @command(
     "serve",
-    unused=("data", "algo", "critic", "eval", "ckpt", "log", BACKEND, *_all_but("rollout", *SAMPLING)),
+    unused=("data", "algo", "critic", "eval", "ckpt", "log", BACKEND, *WARM_START, *_all_but("rollout", *SAMPLING)),
     chat={"port": 8000},
 )
 def serve(cfg: Config) -> object:
@@ -93,12 +99,17 @@ def serve(cfg: Config) -> object:
 
 
 def _config_path(args: list[str]) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == "--config" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
+    """The `--config` file `args` name, if any (one at most)."""
+    paths = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
+    paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    if len(paths) > 1:
+        raise ConfigError(f"--config: given {len(paths)} times ({', '.join(paths)}); merge the files or use flags")
+    return paths[0] if paths else None
+
+
+def _traceback_wanted() -> bool:
+    """`MOLT_TRACEBACK` set to a true value (1, true, yes, on)."""
+    return os.environ.get("MOLT_TRACEBACK", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _flag_keys(args: list[str]) -> frozenset[str]:
@@ -249,7 +260,7 @@ def check_port(host: str, port: int) -> None:
 
 def fail(prog: str, error: UserError) -> NoReturn:
     """Print a user error as one line (its traceback first with MOLT_TRACEBACK=1) and exit with code 2."""
-    if os.environ.get("MOLT_TRACEBACK", "") not in ("", "0"):
+    if _traceback_wanted():
         traceback.print_exception(error)
     message = " ".join(str(error).split("\n"))
     print(f"{prog}: {error.kind}: {message}", file=sys.stderr)
@@ -295,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(code)  # interpreter under it aborts the process, so leave at once (nothing else holds state)
         raise SystemExit(code) from None
     except RunFatalError as e:  # the run cannot go on (e.g. a cluster that cannot place or keep its actors)
-        if os.environ.get("MOLT_TRACEBACK", "") not in ("", "0"):
+        if _traceback_wanted():
             traceback.print_exception(e)
         print(f"molt {name}: run stopped: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -45,7 +45,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
     config: str = ""
-    """TOML or YAML file with any of these fields (e.g. `[train]\\nlr = 3e-4`); flags override it. Set by the flag
+    """TOML or YAML file with any of these fields (e.g. `[train]` then `lr = 3e-4`); flags override it. Set by the flag
     only: a config file or dict cannot name another one."""
 
     def file_form(self) -> dict:

@@ -79,7 +79,9 @@ class RolloutConfig:
         check(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
         check(self.temperature >= 1e-4, "rollout.temperature", "must be >= 1e-4 for RL (log-probs need sampling; the "
               "engine's smallest, below which logits / T overflow fp32)")  # fmt: skip
+        check_finite(self, "rollout", allow_inf=("step_timeout_s",))
         check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
         check(self.max_tokens > 0 and self.max_turns > 0, "rollout.max_tokens", "max_tokens and max_turns must be > 0")
         check(0 <= self.max_failure_frac <= 1, "rollout.max_failure_frac", "must be in [0, 1]")
         check(self.max_in_flight >= 0, "rollout.max_in_flight", "must be >= 0")
@@ -91,7 +93,8 @@ class RolloutConfig:
         from molt.algo.filtering import GROUP_FILTERS
 
         unknown = [f for f in self.filters if f not in GROUP_FILTERS and self.filters != ("auto",)]
-        check(not unknown, "rollout.filters", f"unknown {unknown}; choose auto or from {GROUP_FILTERS.names()}")
+        alone = "auto stands alone, or " if "auto" in unknown else ""
+        check(not unknown, "rollout.filters", f"unknown {unknown}; {alone}choose from {GROUP_FILTERS.names()}")
         check(self.filter_on == "reward" or bool(self.filters), "rollout.filter_on", "has no effect without filters")
         low, high = self.score_range
         check(

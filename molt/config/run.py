@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from molt.config.base import changed, check
+from molt.config.training import check_finite
 
 
 @dataclass
@@ -34,6 +35,7 @@ class EvalConfig:
         check(self.every >= 0, "eval.every", "must be >= 0 (0 = never)")
         check(self.num_prompts > 0, "eval.num_prompts", "must be > 0")
         check(self.n_samples > 0, "eval.n_samples", "must be > 0")
+        check_finite(self, "eval")
         check(self.temperature == 0 or self.temperature >= 1e-4, "eval.temperature",
               "must be 0 (greedy) or >= 1e-4 (the engine's smallest: below it logits / T overflow fp32)")  # fmt: skip
 

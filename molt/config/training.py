@@ -50,7 +50,9 @@ class ModelConfig:
         check(
             bool(self.path) or self.preset in PRESETS, "model.preset", f"unknown preset; use one of {sorted(PRESETS)}"
         )
+        check_finite(self, "model")
         check(self.init_std > 0, "model.init_std", "must be > 0")
+        check(self.warmstart_lr > 0, "model.warmstart_lr", "must be > 0")
         check(self.warmstart_steps >= 0, "model.warmstart_steps", "must be >= 0 (0 = no warm start)")
         if self.path:
             self.path = check_model_folder(self.path, "model.path")  # a run directory: its latest checkpoint
@@ -143,6 +145,9 @@ class DataConfig:
         check(self.max_len > 1, "data.max_len", "must be > 1")
         from molt.data.formats import detect_format
         from molt.data.rows import parse_columns
+        from molt.data.tasks import TASKS
+
+        check(self.task in TASKS, "data.task", f"unknown task; built-in tasks: {sorted(TASKS)}")
 
         for key in ("path", "eval_path"):
             value = getattr(self, key)
@@ -214,6 +219,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_finite(self, "train")
         check(self.lr > 0, "train.lr", "must be > 0")
+        check(-(2**63) <= self.seed < 2**63, "train.seed", "must fit in 64 bits (torch's seed)")
         check(self.lora_rank >= 0 and self.lora_alpha > 0, "train.lora_rank", "lora_rank >= 0, lora_alpha > 0")
         unknown = set(self.lora_targets) - {"q", "k", "v", "o", "gate", "up", "down"}
         check(bool(self.lora_targets) and not unknown, "train.lora_targets", "choose from q,k,v,o,gate,up,down")

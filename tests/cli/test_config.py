@@ -244,3 +244,32 @@ def test_a_reward_error_from_a_config_file_names_its_file_and_line(tmp_path, mon
         parse_command(["train", "--config", "rw.toml", "--data.path", "rows.jsonl"])
     with pytest.raises(ConfigError, match=r"^rollout.reward_weights: "):  # set by the flag: no file line
         parse_command(["train", "--config", "rw.toml", "--data.path", "rows.jsonl", "--rollout.reward_weights", "x=1"])
+
+
+def test_bad_values_and_config_files_are_one_line_naming_the_key(tmp_path, capsys, monkeypatch):
+    import molt
+
+    for flags, message in [
+        (["--data.task", "nope"], "data.task: unknown task; built-in tasks: ['arithmetic'"),
+        (["--rollout.top_k", "-5"], "rollout.top_k: must be >= 0"),
+        (["--rollout.temperature", "inf"], "rollout.temperature: must be a finite number"),
+        (["--eval.temperature", "inf"], "eval.temperature: must be a finite number"),
+        (["--model.init_std", "inf"], "model.init_std: must be a finite number"),
+        (["--model.warmstart_lr", "-1"], "model.warmstart_lr: must be > 0"),
+        (["--train.seed", str(2**70)], "train.seed: must fit in 64 bits"),
+        (["--config", str(tmp_path)], f"--config: '{tmp_path}' is a folder; give its .toml/.yaml file"),
+        (["--config", "a.toml", "--config=b.toml"], "--config: given 2 times (a.toml, b.toml)"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", *flags])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and "config error: " + message in err and "\n" not in err, (flags, err)
+    (tmp_path / "latin1.toml").write_bytes(b'[data]\nsystem_prompt = "caf\xe9"\n')
+    with pytest.raises(ConfigError, match="latin1.toml: not UTF-8 text"):
+        parse_config(["--config", str(tmp_path / "latin1.toml")])
+    with pytest.raises(ConfigError, match="train: a config group"):
+        molt.make_config({"train": 3, "train.lr": 1e-3})
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("MOLT_CACHE", str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match="MOLT_CACHE=.*: not a folder"):
+        molt.cache_root()
