@@ -24,7 +24,7 @@ __all__ = ["cache_root", "make_config", "train", "train_async"]
 
 def cache_root() -> Path:
     """Where Molt keeps what it builds once per machine (warm starts, compiled kernels): `$MOLT_CACHE`."""
-    root = Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
+    root = Path(os.environ.get("MOLT_CACHE") or Path.home() / ".cache" / "molt")  # set but empty: the default
     if root.exists() and not root.is_dir():
         from molt.config import ConfigError
 

@@ -37,6 +37,9 @@ def _all_but(group: str, *used: str) -> tuple[str, ...]:
 
 
 WARM_START = ("model.warmstart_steps", "model.warmstart_lr")  # `molt train`'s preset warm start only
+RL_TRAINER = ("check_tokens", "share_prefix", "logprob_chunk_tokens", "activation_checkpointing", "compile")
+RL_TRAINER += ("compile_backend",)  # `train` settings of the RL trainer that `molt sft` does not read
+ENGINE = ("engine_threads", "engine_compile", "engine", "kv_cache", "kv_memory_fraction", "kv_gb", "cuda_graphs")
 SAMPLING = ("temperature", "top_p", "top_k")  # rollout settings `molt serve` reads (max_tokens is chat's)
 EPISODE = ("agent", "reward", "reward_weights", "top_p", "top_k", "max_tokens", "max_turns", "max_len")
 EPISODE += ("step_timeout_s", "agent_workers")  # rollout settings `molt eval` reads (temperature is eval's)
@@ -65,7 +68,18 @@ def train(cfg: Config) -> object:
 
 @command(
     "sft",
-    unused=("algo", "critic", "rollout", "eval", "ckpt", "chat", BACKEND, *WARM_START),
+    unused=(
+        "algo",
+        "critic",
+        "rollout",
+        "eval",
+        "ckpt",
+        "chat",
+        BACKEND,
+        *WARM_START,
+        *(f"train.{k}" for k in RL_TRAINER),
+        *(f"runtime.{k}" for k in ENGINE),
+    ),  # fmt: skip
     train={"lr": 2e-3, "max_steps": 150},
 )
 def sft(cfg: Config) -> object:

@@ -1,22 +1,30 @@
 """The warm start of `molt train`: a preset SFT-trained on the task's demonstrations, trained once and cached.
 
-Cached under `cache_root()/warmstart/<key>`, the key naming the model and data settings, the seed and the rows
-(a data file's all, a task's first few: a changed file or task definition is not served stale). Full fine-tuning,
-also when the RL run trains LoRA adapters.
+Cached under `cache_root()/warmstart/<key>`, the key naming the model and data settings, the seed, the run's
+AdamW and precision settings (its SFT uses them) and the rows (a data file's all, a task's first few: a changed file
+or task definition is not served stale). Runs sharing the cache train a warm start once (a file lock: the others
+wait for it); one a crash or a full disk left unreadable is trained again. Full fine-tuning, also when the RL run
+trains LoRA adapters.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import shutil
+from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
+
 from molt import cache_root
-from molt.config import Config, TrainConfig
+from molt.config import Config, ConfigError, TrainConfig
 from molt.config.base import changed
 from molt.data.dataset import dataset_rows, has_demonstrations
+
+OPTIMIZER = ("weight_decay", "betas", "grad_clip", "min_lr_ratio", "precision")  # the run's, used by the SFT too
 
 
 def _key_fields(group: Any, *newer: str) -> dict[str, Any]:
@@ -28,25 +36,56 @@ def _key_fields(group: Any, *newer: str) -> dict[str, Any]:
 
 def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
     """Path of an SFT checkpoint of the preset on the task's demonstrations (trained once, then cached)."""
-    from molt.cli.sft import run_sft
-
     m = cfg.model
     rows = train_rows if train_rows is not None else dataset_rows(cfg.data)[0]
     data = _key_fields(cfg.data, "eval_path", "split", "columns", "system_prompt", "shuffle")
     sample = rows if cfg.data.path else rows[:8]  # a file's every row (it may change); a task's follow its seed
     fields = dict(model=_key_fields(m, "router_fp32"), data=data, seed=cfg.train.seed, sample=sample, version=1)
     fields |= {"freeze_router": True} if cfg.train.freeze_router else {}  # the warm start freezes it too
+    if moved := changed(cfg.train, *OPTIMIZER):  # the SFT's AdamW and precision are the run's
+        fields["train"] = {k: getattr(cfg.train, k) for k in sorted(moved)}
     key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     folder = cache_root() / "warmstart" / key
-    if not (folder / "checkpoint" / "config.json").exists():
-        shutil.rmtree(folder, ignore_errors=True)  # what an interrupted warm start left
-        steps, lora = m.warmstart_steps, ("lora_rank", "lora_alpha", "lora_targets")
-        lora_off = {k: TrainConfig.__dataclass_fields__[k].default for k in lora}
-        train = dataclasses.replace(cfg.train, max_steps=steps, lr=m.warmstart_lr, batch_size=32,
-                                    warmup_steps=min(10, steps), **lora_off)  # fmt: skip
-        log = dataclasses.replace(cfg.log, run_dir=str(folder), wandb_project="")  # a cache, not a run
-        run_sft(dataclasses.replace(cfg, train=train, log=log))
+    if not _cached(folder / "checkpoint"):  # (a read-only cache that holds it is served)
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            with open(folder.parent / f"{key}.lock", "w") as lock:  # runs sharing the cache train it once
+                fcntl.flock(lock, fcntl.LOCK_EX)  # the others wait, then find it cached
+                if not _cached(folder / "checkpoint"):
+                    _train(cfg, folder)
+        except (OSError, SafetensorError) as e:  # a full disk, a read-only cache
+            raise ConfigError(
+                f"warm start: cannot write the cache {folder} ({e}); free space or set MOLT_CACHE"
+            ) from None
     return str(folder / "checkpoint")
+
+
+def _train(cfg: Config, folder: Path) -> None:
+    """`molt sft` of the preset into `folder`: the run's settings, the warm start's steps and lr, no LoRA."""
+    from molt.cli.sft import run_sft
+
+    shutil.rmtree(folder, ignore_errors=True)  # what an interrupted (or corrupted) warm start left
+    steps, lora = cfg.model.warmstart_steps, ("lora_rank", "lora_alpha", "lora_targets")
+    lora_off = {k: TrainConfig.__dataclass_fields__[k].default for k in lora}
+    train = dataclasses.replace(cfg.train, max_steps=steps, lr=cfg.model.warmstart_lr, batch_size=32,
+                                warmup_steps=min(10, steps), **lora_off)  # fmt: skip
+    log = dataclasses.replace(cfg.log, run_dir=str(folder), wandb_project="")  # a cache, not a run
+    run_sft(dataclasses.replace(cfg, train=train, log=log))
+
+
+def _cached(checkpoint: Path) -> bool:
+    """Whether `checkpoint` holds a complete warm start: a config and weights that read (a file a crash or a full
+    disk truncated is trained again)."""
+    weights = checkpoint / "model.safetensors"
+    if not (checkpoint / "config.json").exists() or not weights.exists():
+        return False
+    try:
+        json.loads((checkpoint / "config.json").read_text())
+        with safe_open(str(weights), "pt") as f:
+            f.keys()
+    except Exception:  # noqa: BLE001 - any unreadable config or weights file: train it again
+        return False
+    return True
 
 
 def wants_warm_start(cfg: Config, train_rows: list[dict], say=print) -> bool:

@@ -148,7 +148,6 @@ class DataConfig:
         from molt.data.tasks import TASKS
 
         check(self.task in TASKS, "data.task", f"unknown task; built-in tasks: {sorted(TASKS)}")
-
         for key in ("path", "eval_path"):
             value = getattr(self, key)
             check(not value or os.path.exists(value), f"data.{key}", f"file {value!r} does not exist")
@@ -160,6 +159,9 @@ class DataConfig:
             parse_columns(self.columns)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        for key in ("system_prompt", "columns"):  # a built-in task's rows are generated as they are
+            check(bool(self.path or self.eval_path) or not getattr(self, key), f"data.{key}",
+                  "applies to the rows of data.path / data.eval_path (a task's are generated as they are)")  # fmt: skip
 
 
 @dataclass

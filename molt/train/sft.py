@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from jinja2 import TemplateError
 
 from molt.config import Config
 from molt.data.dataset import dataset_rows
@@ -45,7 +46,10 @@ def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str, model_
     ids, masks, pixels = [], [], []
     for i, row in enumerate(rows):
         where = row_location(row, f"{source} row {i}")
-        row_ids, row_mask = assistant_mask(tokenizer, row["messages"], tools=row.get("tools"))
+        try:  # a conversation the template cannot render (it opens with an assistant turn, bad `tools`): the row's
+            row_ids, row_mask = assistant_mask(tokenizer, row["messages"], tools=row.get("tools"))
+        except (TemplateError, TypeError, ValueError) as e:  # ChatTemplateError is a ValueError
+            raise DataError(f"{where}: the chat template cannot render this row: {e}") from None
         try:
             row_ids, row_mask, row_pixels = expand_row_images(row_ids, row_mask, row["messages"], model_cfg, where)
         except ImageError as e:

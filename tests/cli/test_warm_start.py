@@ -1,5 +1,5 @@
 """The warm start's cache: keyed by every row of a data file, full fine-tuning even for a LoRA run, and a folder
-that an interrupted warm start left is trained again."""
+that an interrupted warm start (or a full disk) left is trained again; the run's optimizer settings are in the key."""
 
 import json
 from pathlib import Path
@@ -24,3 +24,7 @@ def test_warm_start_key_covers_every_row_and_ignores_lora(tmp_path, monkeypatch)
     assert second != first  # the last row changed: not served stale
     (second / "config.json").unlink()  # as if interrupted before it finished
     assert Path(warm_start(parse_config(flags))) == second and (second / "config.json").exists()
+    (second / "model.safetensors").write_bytes(b"truncated by a full disk")  # a corrupt cache is trained again
+    assert Path(warm_start(parse_config(flags))) == second and (second / "model.safetensors").stat().st_size > 100
+    third = Path(warm_start(parse_config([*flags, "--train.weight_decay", "0.1"])))  # the SFT's AdamW is the run's
+    assert third != second and Path(warm_start(parse_config([*flags, "--train.lr", "1e-3"]))) == second

@@ -55,6 +55,14 @@ def test_malformed_dataset_line_names_file_and_line(tmp_path):
     path.write_text('{"messages": [{"role": "robot", "content": "hi"}]}\n')
     with pytest.raises(DataError, match=r"data\.jsonl:1: messages\[0\] needs a 'role'"):
         read_jsonl(path)
+    from molt.data.rows import LocatedRow
+    from molt.models import build_builtin_tokenizer
+    from molt.train.sft import tokenize_rows
+
+    row = LocatedRow(messages=[{"role": "assistant", "content": "x"}, {"role": "user", "content": "hi"}])
+    row.where = "data.jsonl:4"  # a row the template cannot render: a data error naming it, not an internal one
+    with pytest.raises(DataError, match=r"^data\.jsonl:4: the chat template cannot render this row: message 0"):
+        tokenize_rows(build_builtin_tokenizer(), [row], 64, "data.jsonl")
 
 
 def test_lora_sft_trains_only_adapters_and_saves_merged_and_peft(tmp_path):
