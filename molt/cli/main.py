@@ -43,6 +43,8 @@ ENGINE = ("engine_threads", "engine_compile", "engine", "kv_cache", "kv_memory_f
 SAMPLING = ("temperature", "top_p", "top_k")  # rollout settings `molt serve` reads (max_tokens is chat's)
 EPISODE = ("agent", "reward", "reward_weights", "top_p", "top_k", "max_tokens", "max_turns", "max_len")
 EPISODE += ("step_timeout_s", "agent_workers")  # rollout settings `molt eval` reads (temperature is eval's)
+SFT_UNUSED = ("algo", "critic", "rollout", "eval", "ckpt", "chat", BACKEND, *WARM_START)
+SFT_UNUSED += tuple(f"train.{k}" for k in RL_TRAINER) + tuple(f"runtime.{k}" for k in ENGINE)
 
 
 def command(name: str, unused: tuple[str, ...] = (), **defaults: dict):
@@ -66,22 +68,7 @@ def train(cfg: Config) -> object:
     return run_train(cfg)
 
 
-@command(
-    "sft",
-    unused=(
-        "algo",
-        "critic",
-        "rollout",
-        "eval",
-        "ckpt",
-        "chat",
-        BACKEND,
-        *WARM_START,
-        *(f"train.{k}" for k in RL_TRAINER),
-        *(f"runtime.{k}" for k in ENGINE),
-    ),  # fmt: skip
-    train={"lr": 2e-3, "max_steps": 150},
-)
+@command("sft", unused=SFT_UNUSED, train={"lr": 2e-3, "max_steps": 150})
 def sft(cfg: Config) -> object:
     """Supervised fine-tuning on chat data (loss on assistant tokens); writes an HF checkpoint."""
     from molt.cli.sft import run_sft
