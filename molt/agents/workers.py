@@ -344,7 +344,10 @@ async def _work(sock: socket.socket) -> None:
         WORKER_REWARDS.set(rewards)  # what its reward function scores, for the main process's reward log
         try:
             segments = await run_one(row, sampling, limits, **kw)
-            _send(writer, ("done", job, (_picklable(segments), rewards)))
+            try:
+                _send(writer, ("done", job, (segments, rewards)))
+            except (pickle.PicklingError, AttributeError, TypeError):  # an info value that does not pickle
+                _send(writer, ("done", job, (_picklable(segments), rewards)))
         except RolloutDrop as e:
             _send(writer, ("dropped", job, (e.drop_reason, str(e))))
         except RunFatalError as e:  # e.g. agent code blocked this loop (watchdog.LoopWatchdog): the run stops

@@ -29,13 +29,7 @@ def test_molt_serve_checkpoint_answers_openai_sdk(tmp_path):
     cmd = [sys.executable, "-m", "molt.cli.main", "serve", str(tmp_path / "ckpt"), "--chat.port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        base = f"http://127.0.0.1:{port}"
-        for _ in range(300):  # bounded wait for start-up
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        base = _healthy(port)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
         reply = client.chat.completions.create(
             model="molt", messages=[{"role": "user", "content": "1+2="}], max_tokens=5, temperature=0
@@ -47,6 +41,18 @@ def test_molt_serve_checkpoint_answers_openai_sdk(tmp_path):
         proc.wait(timeout=30)
 
 
+def _healthy(port: int) -> str:
+    """The base URL of the `molt serve` starting on `port`, once its /health answers (a bounded wait)."""
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    return base
+
+
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
 def test_a_signal_stops_molt_serve_gracefully_with_streams_in_flight(sig, code):
     """Streams in flight end (after a short grace, as an error event), one line and no traceback, the port freed."""
@@ -54,13 +60,7 @@ def test_a_signal_stops_molt_serve_gracefully_with_streams_in_flight(sig, code):
     cmd = [sys.executable, "-m", "molt.cli.main", "serve", "--model.preset", "tiny", "--chat.port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        base = f"http://127.0.0.1:{port}"
-        for _ in range(300):  # bounded wait for start-up
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        base = _healthy(port)
         body = {"model": "molt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000,
                 "temperature": 0, "stream": True}  # fmt: skip
         with contextlib.ExitStack() as stack:
