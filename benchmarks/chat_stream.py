@@ -81,7 +81,7 @@ def _plain_encode(tokenizer, text: str, max_tokens: int) -> list[int]:
     """The previous large-prompt tokenization: transformers' `encode` (every list converted, then counted)."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) >= max_tokens:
-        raise chat_session._OverContext(len(ids))
+        raise chat_session.OverContext(len(ids))
     return ids
 
 

@@ -56,11 +56,8 @@ def describe_error(error: BaseException) -> str:
     if isinstance(error, RemoteRolloutError):
         return str(error)
     text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    frames = [
-        f
-        for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith((MOLT_DIR, "<")) and "/asyncio/" not in f.filename
-    ]
+    frames = traceback.extract_tb(error.__traceback__)
+    frames = [f for f in frames if not f.filename.startswith((MOLT_DIR, "<")) and "/asyncio/" not in f.filename]
     frames = [f for f in frames if not f.filename.startswith(LIBRARY_DIRS)] or frames
     return text + (f" [{frames[-1].filename}:{frames[-1].lineno}]" if frames else "")
 

@@ -43,7 +43,7 @@ def default_run_dir(command: str) -> Path:
 
 def check_new_run_dir(path: str | os.PathLike) -> None:
     """A ConfigError naming log.run_dir when `path` already holds files (a new run must not mix into an old one)."""
-    from molt.config import ConfigError
+    from molt.config import ConfigError, check
 
     path = Path(path)
     if path.is_dir() and any(path.iterdir()):
@@ -53,8 +53,7 @@ def check_new_run_dir(path: str | os.PathLike) -> None:
         resume = f", or continue that run with --resume {path}" if (path / "checkpoints" / "latest").exists() else ""
         held = "a run" if started else "files"
         raise ConfigError(f"log.run_dir: {path} already holds {held}; pick a new --log.run_dir (or remove it){resume}")
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"log.run_dir: {path} is a file, not a folder")
+    check(path.is_dir() or not path.exists(), "log.run_dir", f"{path} is a file, not a folder")
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -69,24 +68,9 @@ def start_wandb(run_path: Path, log_cfg: Any, config: dict[str, Any]) -> Any:
     id_file = run_path / "wandb_run_id"
     run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
     atomic_write_text(id_file, run_id)
-    return wandb.init(
-        project=log_cfg.wandb_project,
-        entity=log_cfg.wandb_entity or None,
-        name=log_cfg.wandb_name or run_path.name,
-        mode=log_cfg.wandb_mode,
-        dir=str(run_path),
-        id=run_id,
-        resume="allow",
-        config=config,
-        reinit="create_new",
-    )
-
-
-def _drop_rows_after(run_path: Path, step: int) -> None:
-    """Rewrite the run's metrics.jsonl without its rows of steps after `step` (as `RunDir.log` writes them)."""
-    if (run_path / "metrics.jsonl").exists():
-        kept = [row for row in read_metrics(run_path) if row.get("step", 0) <= step]
-        atomic_write_text(run_path / "metrics.jsonl", "".join(json.dumps(row) + "\n" for row in kept))
+    return wandb.init(project=log_cfg.wandb_project, entity=log_cfg.wandb_entity or None, mode=log_cfg.wandb_mode,
+                      name=log_cfg.wandb_name or run_path.name, dir=str(run_path), id=run_id, resume="allow",
+                      config=config, reinit="create_new")  # fmt: skip
 
 
 class RunDir:
@@ -101,9 +85,11 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         resolved = config.file_form()
         atomic_write_text(self.path / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
-        if resumed is not None:
-            _drop_rows_after(self.path, resumed)
-        self.metrics_file = (self.path / "metrics.jsonl").open("a")
+        metrics = self.path / "metrics.jsonl"
+        if resumed is not None and metrics.exists():
+            kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= resumed]
+            atomic_write_text(metrics, "".join(json.dumps(row) + "\n" for row in kept))
+        self.metrics_file = metrics.open("a")
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -74,24 +74,20 @@ def import_user_module(target: str):
     return importlib.import_module(target)
 
 
-def _load_module(spec: str):
-    target = spec.split(":")[0]
-    if target.endswith(".py"):
-        if not Path(target).exists():
-            raise FileNotFoundError(f"--rollout.agent: agent file {target!r} does not exist")
-        return import_user_module(target)
-    try:
-        return import_user_module(target)
-    except ModuleNotFoundError as e:
-        raise ModuleNotFoundError(f"--rollout.agent: cannot import agent module {spec!r}: {e}") from None
-
-
 def load_agent(spec: str, bases: tuple[type, ...] = (Env,)) -> type:
     """Agent class from `file.py`, `file.py:Name`, `pkg.module` or `pkg.module:Name`.
 
     Without `:Name` the module must define exactly one subclass of `bases` (or a class named `Agent`).
     """
-    module = _load_module(spec)
+    target = spec.split(":")[0]
+    if target.endswith(".py") and not Path(target).exists():
+        raise FileNotFoundError(f"--rollout.agent: agent file {target!r} does not exist")
+    try:
+        module = import_user_module(target)
+    except ModuleNotFoundError as e:
+        if target.endswith(".py"):  # the file imports a missing module: its own error
+            raise
+        raise ModuleNotFoundError(f"--rollout.agent: cannot import agent module {spec!r}: {e}") from None
     if ":" in spec:
         name = spec.split(":", 1)[1]
         if not hasattr(module, name):

@@ -1,11 +1,10 @@
 """Images in agent conversations: found in chat messages, turned into placeholder tokens + pixel records.
 
 Chat messages carry images as content parts: `{"type": "image", "image": <PIL | path | bytes>}`,
-OpenAI `{"type": "image_url", "image_url": {"url": "data:..."}}` or Anthropic-decoded parts. The
-chat template writes one `<|image|>` per part; `expand_images` repeats it to the model's
-`tokens_per_image` and returns one record per image (absolute start position, uint8 pixels, content
-hash) for `Trajectory.images`. An image whose tokens would not fit in the episode's context
-budget raises `ImageBudgetError`: a rollout is dropped rather than having an image cut in half.
+OpenAI `{"type": "image_url", "image_url": {"url": "data:..."}}` or Anthropic-decoded parts. The chat template writes
+one `<|image|>` per part; `expand_images` repeats it to the model's `tokens_per_image` and returns one record per image
+(absolute start position, uint8 pixels, content hash) for `Trajectory.images`. An image whose tokens would not fit in
+the episode's context budget raises `ImageBudgetError`: a rollout is dropped rather than having an image cut in half.
 Knows the engine's vision spec (`engine.vision`, `engine.image_token_id`), not models or trainers.
 """
 

@@ -1,15 +1,14 @@
 """Agents around a reward function: single-turn `RewardEnv`, and wrappers that score an agent's final answer.
 
-`RewardEnv` turns any prompt dataset into single-turn RL without an Env class: the policy answers the
-row's prompt once and the reward function scores the decoded answer. The episode runs through the
-ordinary `run_episode`, so capture is the same token-exact path as any Env's, and an exception or a
-timeout in the reward function fails the rollout like an Env's would.
+`RewardEnv` turns any prompt dataset into single-turn RL without an Env class: the policy answers the row's prompt once
+and the reward function scores the decoded answer. The episode runs through the ordinary `run_episode`, so capture is
+the same token-exact path as any Env's, and an exception or a timeout in the reward function fails the rollout like an
+Env's would.
 
-With `--rollout.agent` as well, the reward function replaces the agent's own reward: `ScoredEnv`
-scores the action of the turn that ends the episode (terminated, truncated, no observation, or the
-last of `max_turns`; earlier steps get 0, the agent's own total is logged as `reward/agent`), and a
-`ScoredChatAgent` scores the text of the last completion of the rollout. An episode cut by the context
-budget before its final turn scores 0.
+With `--rollout.agent` as well, the reward function replaces the agent's own reward: `ScoredEnv` scores the action of
+the turn that ends the episode (terminated, truncated, no observation, or the last of `max_turns`; earlier steps get 0,
+the agent's own total is logged as `reward/agent`), and a `ScoredChatAgent` scores the text of the last completion of
+the rollout. An episode cut by the context budget before its final turn scores 0.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ class RewardLog:
 
 
 class RewardFunction:
-    """The configured reward: named parts, their weights, and the log of their values."""
+    """The reward of `--rollout.reward` / `--rollout.reward_weights`: named parts, weights, the log of their values."""
 
     def __init__(self, spec: str, weights: str = ""):
         self.spec = spec
@@ -139,6 +139,10 @@ class RewardFunction:
             raise ValueError(f"rollout.reward: {twice} named twice")
         self.parts = [load_part(s) for s in specs]
         self.weights = parse_weights(weights)
+        names = {p.name for p in self.parts}
+        unknown = sorted(set(self.weights) - names)
+        if unknown and all(p.inline for p in self.parts):  # a user function may return a dict: its keys come later
+            raise ValueError(f"rollout.reward_weights: {unknown} name no reward; rewards: {sorted(names)}")
         self.seen: set[str] = set()  # named rewards returned so far: a weight must name one of them
         self.log = RewardLog()
 
@@ -175,11 +179,4 @@ class RewardFunction:
         """Nothing to release: a call still running holds a daemon thread, which ends with the process."""
 
 
-def load_reward(spec: str, weights: str = "") -> RewardFunction:
-    """The reward of `--rollout.reward` / `--rollout.reward_weights`; a ValueError naming the problem."""
-    reward = RewardFunction(spec, weights)
-    names = {p.name for p in reward.parts}
-    unknown = sorted(set(reward.weights) - names)
-    if unknown and all(p.inline for p in reward.parts):  # a user function may return a dict: its keys come later
-        raise ValueError(f"rollout.reward_weights: {unknown} name no reward; rewards: {sorted(names)}")
-    return reward
+load_reward = RewardFunction

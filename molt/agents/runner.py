@@ -1,10 +1,9 @@
 """Runs one `Env` episode token-in/token-out and returns its Trajectory.
 
-The framework owns the LLM loop: the first observation is rendered with the chat template once;
-every later context is the exact accumulated ids (prompt, engine-generated ids, observation
-deltas). Observations are rendered as the template's *delta* after the previous turns, so earlier
-actions are never re-tokenized. Knows the engine interface (`generate`), not the trainer.
-`check_result` and `as_messages` admit what agent code returns (ChatAgent runs too).
+The framework owns the LLM loop: the first observation is rendered with the chat template once; every later context is
+the exact accumulated ids (prompt, engine-generated ids, observation deltas). Observations are rendered as the
+template's *delta* after the previous turns, so earlier actions are never re-tokenized. Knows the engine interface
+(`generate`), not the trainer. `check_result` and `as_messages` admit what agent code returns (ChatAgent runs too).
 """
 
 from __future__ import annotations
@@ -87,8 +86,7 @@ def as_messages(observation: Any, what: str) -> Messages:
 
 
 def real_number(value: Any, what: str) -> float:
-    """`value` as a float if it is a finite real number (bool, numpy scalar, 0-d tensor), else an error naming
-    `what`."""
+    """`value` as a float if a finite real number (bool, numpy scalar, 0-d tensor), else an error naming `what`."""
     number = value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
     if not isinstance(number, numbers.Real):
         raise TypeError(f"{what}={reprlib.repr(value)} ({type(value).__name__}); expected a number")
@@ -98,9 +96,8 @@ def real_number(value: Any, what: str) -> float:
 
 
 def check_result(result: Any, where: str) -> Result:
-    """What agent method `where` (e.g. `MyEnv.step`) returned, checked: a `Result` whose reward is a finite real
-    number (bool, numpy and 0-d torch scalars count), as is its score unless None, and its info a dict; returned
-    with both numbers as floats."""
+    """What agent method `where` (e.g. `MyEnv.step`) returned, checked: a `Result` whose reward (and score unless
+    None) is a finite real number (see `real_number`) and whose info is a dict; returned with both as floats."""
     if not isinstance(result, Result):
         raise TypeError(f"{where} returned {type(result).__name__}, expected molt.agents.Result")
     if not isinstance(result.info, dict):
@@ -147,14 +144,7 @@ def record_completion(traj: Trajectory, completion, keep_ids: bool) -> None:
 
 
 async def run_episode(
-    engine,
-    tokenizer,
-    env: Env,
-    row: dict[str, Any],
-    sampling,
-    limits: EpisodeLimits,
-    keep_ids: bool = False,
-    **ids: int,
+    engine, tokenizer, env: Env, row: dict, sampling, limits: EpisodeLimits, keep_ids: bool = False, **ids: int
 ) -> Trajectory:
     """One multi-turn episode; `ids` (group_id, rollout_id) go into the Trajectory.
 

@@ -52,8 +52,7 @@ WORKER_MAIN = "from molt.agents.workers import worker_main; worker_main()"  # `p
 
 @dataclass
 class WorkerKit:
-    """What a worker builds once from the run's config (`setup()`): tokenizer, agent factory, chat server options,
-    and what to release at exit."""
+    """What a worker's `setup()` builds once from the run's config: tokenizer, agent factory, chat options, cleanup."""
 
     tokenizer: Any
     make_env: Callable[[], Any]
@@ -190,8 +189,10 @@ class AgentWorkers:
                     continue  # cancelled meanwhile
                 elif kind == "done":
                     job.set_result(value)
+                elif kind == "fatal":
+                    job.set_exception(value)  # the worker's RunFatalError itself
                 else:
-                    job.set_exception(_rollout_error(kind, value))
+                    job.set_exception((WorkerDrop if kind == "dropped" else RemoteRolloutError)(*value))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -245,14 +246,6 @@ class AgentWorkers:
                 worker.process.kill()
             if worker.reading is not None:
                 worker.reading.cancel()
-
-
-def _rollout_error(kind: str, value: Any) -> BaseException:
-    if kind == "dropped":
-        return WorkerDrop(*value)
-    if kind == "fatal":
-        return value  # the worker's RunFatalError itself
-    return RemoteRolloutError(*value)
 
 
 # ---- worker process ------------------------------------------------------------------------------------------

@@ -20,13 +20,7 @@ import torch
 from torch import Tensor
 
 from molt.algo.groups import RolloutGroups, rollout_groups, rollout_mean
-from molt.algo.masked import (
-    last_action_index,
-    masked_mean,
-    masked_whiten,
-    next_action_index,
-    reverse_linear_scan,
-)
+from molt.algo.masked import last_action_index, masked_mean, masked_whiten, next_action_index, reverse_linear_scan
 from molt.registry import Registry
 
 Metrics = dict[str, Tensor]
@@ -57,7 +51,6 @@ Estimator = Callable[[AdvantageInputs, AdvantageParams], tuple[Tensor, Tensor, M
 ESTIMATORS: Registry[Estimator] = Registry(
     "advantage estimator", required=("whiten", "needs", "uses_kl", "group_baseline")
 )
-GROUPED = ("rewards_b", "group_ids_b")
 GroupAdvantage = Callable[[Tensor, RolloutGroups, AdvantageParams], Tensor]
 
 
@@ -67,8 +60,7 @@ def compute_advantages(
     """`(advantages_bt, returns_bt, metrics)` of the estimator registered as `name`."""
     params = params or AdvantageParams()
     estimator, info = ESTIMATORS.get(name), ESTIMATORS.info(name)
-    missing = [field for field in info["needs"] if getattr(inputs, field) is None]
-    if missing:
+    if missing := [field for field in info["needs"] if getattr(inputs, field) is None]:
         raise ValueError(f"estimator {name!r} needs {', '.join(missing)}")
     if inputs.kl_bt is not None and params.kl_coef != 0 and not info["uses_kl"]:
         raise ValueError(
@@ -81,8 +73,7 @@ def compute_advantages(
     if info["whiten"] if params.whiten is None else params.whiten:
         advantages_bt = masked_whiten(advantages_bt, inputs.mask_bt)
     metrics["advantage_mean"] = masked_mean(advantages_bt, inputs.mask_bt)
-    centered_bt = advantages_bt - metrics["advantage_mean"]
-    metrics["advantage_std"] = masked_mean(centered_bt**2, inputs.mask_bt).sqrt()
+    metrics["advantage_std"] = masked_mean((advantages_bt - metrics["advantage_mean"]) ** 2, inputs.mask_bt).sqrt()
     metrics["return_mean"] = masked_mean(returns_bt, inputs.mask_bt)
     return advantages_bt, returns_bt, {k: v.detach() for k, v in metrics.items()}
 
@@ -101,18 +92,14 @@ def _grouped_rewards(inputs: AdvantageInputs) -> tuple[RolloutGroups, Tensor, Me
     return groups, rewards_r, {"reward_mean": rewards_r.mean(), "group_reward_std": group_std}
 
 
-def _broadcast(values_r: Tensor, groups: RolloutGroups, mask_bt: Tensor) -> Tensor:
-    per_sample_b1 = values_r[groups.sample_to_rollout_b].unsqueeze(1)
-    return torch.where(mask_bt.bool(), per_sample_b1, 0.0)
-
-
 def _group_estimator(name: str, whiten: bool, advantage_r: GroupAdvantage) -> None:
     """Register an outcome estimator from `advantage_r(rewards_r, groups, params) -> [R]`."""
 
-    @ESTIMATORS.register(name, whiten=whiten, needs=GROUPED, uses_kl=False, group_baseline=True)
+    @ESTIMATORS.register(name, whiten=whiten, needs=("rewards_b", "group_ids_b"), uses_kl=False, group_baseline=True)
     def estimate(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
         groups, rewards_r, metrics = _grouped_rewards(inputs)
-        advantages_bt = _broadcast(advantage_r(rewards_r, groups, params), groups, inputs.mask_bt)
+        per_sample_b1 = advantage_r(rewards_r, groups, params)[groups.sample_to_rollout_b].unsqueeze(1)
+        advantages_bt = torch.where(inputs.mask_bt.bool(), per_sample_b1, 0.0)
         return advantages_bt, advantages_bt, metrics
 
     estimate.__name__ = estimate.__qualname__ = name
@@ -132,11 +119,6 @@ def dr_grpo_r(rewards_r: Tensor, groups: RolloutGroups, params: AdvantageParams)
     return rewards_r - mean_g[groups.rollout_to_group_r]
 
 
-def reinforce_baseline_r(rewards_r: Tensor, groups: RolloutGroups, params: AdvantageParams) -> Tensor:
-    """REINFORCE++-baseline: r - group mean, then whitened over the batch (by default)."""
-    return dr_grpo_r(rewards_r, groups, params)
-
-
 def rloo_r(rewards_r: Tensor, groups: RolloutGroups, params: AdvantageParams) -> Tensor:
     """RLOO: r - mean of the *other* rollouts of the group; a group of one keeps r (no baseline)."""
     sizes_r = groups.group_sizes_g[groups.rollout_to_group_r].to(rewards_r.dtype)
@@ -147,7 +129,8 @@ def rloo_r(rewards_r: Tensor, groups: RolloutGroups, params: AdvantageParams) ->
 _group_estimator("grpo", whiten=False, advantage_r=grpo_r)
 _group_estimator("dr_grpo", whiten=False, advantage_r=dr_grpo_r)
 _group_estimator("rloo", whiten=False, advantage_r=rloo_r)
-_group_estimator("reinforce_baseline", whiten=True, advantage_r=reinforce_baseline_r)
+# REINFORCE++-baseline: Dr. GRPO's r - group mean, then whitened over the batch (by default)
+_group_estimator("reinforce_baseline", whiten=True, advantage_r=dr_grpo_r)
 
 
 # --- token-level estimators: one row per sample (segments are not collapsed) ------------------
@@ -184,8 +167,7 @@ def gae(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tenso
     mask = inputs.mask_bt.bool()
     rewards_bt = _token_rewards(inputs, params)
     values_bt = torch.where(mask, inputs.values_bt.to(rewards_bt.dtype), 0.0)
-    padded_values_bt = torch.nn.functional.pad(values_bt, (0, 1))  # index T = terminal value 0
-    next_values_bt = padded_values_bt.gather(1, next_action_index(mask))
+    next_values_bt = torch.nn.functional.pad(values_bt, (0, 1)).gather(1, next_action_index(mask))  # T: terminal 0
     deltas_bt = torch.where(mask, rewards_bt + params.gamma * next_values_bt - values_bt, 0.0)
     step_bt = torch.ones_like(rewards_bt).masked_fill(mask, params.gamma * params.lam)
     advantages_bt = torch.where(mask, reverse_linear_scan(deltas_bt, step_bt), 0.0)

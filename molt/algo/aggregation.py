@@ -41,10 +41,7 @@ class StepDenominators:
         return replace(self, num_tokens=tokens, num_seqs=seqs, num_groups=groups)
 
 
-def step_denominators(
-    mask_bts: Sequence[Tensor],
-    group_ids_bs: Sequence[Tensor] | None = None,
-) -> StepDenominators:
+def step_denominators(mask_bts: Sequence[Tensor], group_ids_bs: Sequence[Tensor] | None = None) -> StepDenominators:
     """Denominators for one step from the loss masks (and group ids) of all its micro-batches."""
     tokens_b = torch.cat([mask_bt.bool().sum(dim=1) for mask_bt in mask_bts]).to(torch.float64)
     num_tokens, num_seqs = tokens_b.sum(), (tokens_b > 0).sum().to(torch.float64)
@@ -58,8 +55,7 @@ def step_denominators(
     return StepDenominators(num_tokens, num_seqs, num_groups, group_ids_g, group_tokens_g)
 
 
-Aggregation = Callable[..., Tensor]
-AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
+AGGREGATIONS: Registry[Callable[..., Tensor]] = Registry("loss aggregation")
 
 
 def aggregate(

@@ -51,8 +51,7 @@ class ISCorrectionParams:
                 f"(allowed: {', '.join(allowed)}); the geometric mean is a filter statistic, not a weight"
             )
         if not 0 <= self.low <= 1 <= self.high:
-            band = f"[{self.low}, {self.high}]"
-            raise ValueError(f"IS correction band must satisfy 0 <= low <= 1 <= high, got {band}")
+            raise ValueError(f"IS correction band must satisfy 0 <= low <= 1 <= high, got [{self.low}, {self.high}]")
 
 
 @IS_LEVELS.register("token", modes=("mask", "clip", "trunc"))
@@ -81,8 +80,7 @@ def mask_mode(ratio_bt: Tensor, stat_bt: Tensor, low: float, high: float) -> tup
 @IS_MODES.register("clip")
 def clip_mode(ratio_bt: Tensor, stat_bt: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
     """(weight, clipped): the statistic clamped into the band."""
-    outside_bt = (stat_bt < low) | (stat_bt > high)
-    return stat_bt.clamp(low, high).expand_as(ratio_bt), outside_bt.expand_as(ratio_bt)
+    return stat_bt.clamp(low, high).expand_as(ratio_bt), ((stat_bt < low) | (stat_bt > high)).expand_as(ratio_bt)
 
 
 @IS_MODES.register("trunc")

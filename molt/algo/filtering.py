@@ -109,9 +109,8 @@ def rollout_totals(values_b: Tensor, rollout_ids_b: Tensor | None = None) -> Ten
     """Per sample, the sum of `values_b` over the samples of its rollout (its segments); no ids = its own."""
     if rollout_ids_b is None:
         return values_b
-    _, rollout_b = torch.unique(rollout_ids_b, return_inverse=True)
-    totals_r = values_b.new_zeros(int(rollout_b.max()) + 1 if len(rollout_b) else 0)
-    return totals_r.index_add_(0, rollout_b, values_b)[rollout_b]
+    ids_r, rollout_b = torch.unique(rollout_ids_b, return_inverse=True)
+    return values_b.new_zeros(len(ids_r)).index_add_(0, rollout_b, values_b)[rollout_b]
 
 
 def shape_rewards(

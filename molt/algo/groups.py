@@ -64,9 +64,8 @@ def rollout_groups(group_ids_b: Tensor, rollout_ids_b: Tensor | None = None) -> 
         rollout_ids_b = torch.arange(num_b, device=device)
     _, sample_to_rollout_b = torch.unique(rollout_ids_b, return_inverse=True)
     num_r = int(sample_to_rollout_b.max()) + 1 if num_b else 0
-    arange_b = torch.arange(num_b, device=device)
     first_sample_r = torch.full((num_r,), num_b, dtype=torch.long, device=device)
-    first_sample_r.scatter_reduce_(0, sample_to_rollout_b, arange_b, "amin")
+    first_sample_r.scatter_reduce_(0, sample_to_rollout_b, torch.arange(num_b, device=device), "amin")
     group_r = group_ids_b[first_sample_r]
     if bool((group_r[sample_to_rollout_b] != group_ids_b).any()):
         raise ValueError("samples of one rollout (same rollout id) have different group ids")
@@ -79,8 +78,7 @@ def rollout_mean(values_b: Tensor, rollout_ids_b: Tensor | None = None) -> Tenso
     """Mean over rollouts of a per-sample value its segments share (each rollout counts once); no ids = per sample."""
     if rollout_ids_b is None:
         return values_b.mean()
-    _, rollout_b = torch.unique(rollout_ids_b, return_inverse=True)
-    num_r = int(rollout_b.max()) + 1 if len(rollout_b) else 0
-    sums_r = values_b.new_zeros(num_r).index_add_(0, rollout_b, values_b)
-    counts_r = values_b.new_zeros(num_r).index_add_(0, rollout_b, torch.ones_like(values_b))
+    ids_r, rollout_b = torch.unique(rollout_ids_b, return_inverse=True)
+    sums_r = values_b.new_zeros(len(ids_r)).index_add_(0, rollout_b, values_b)
+    counts_r = values_b.new_zeros(len(ids_r)).index_add_(0, rollout_b, torch.ones_like(values_b))
     return (sums_r / counts_r).mean()

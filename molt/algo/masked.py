@@ -47,8 +47,7 @@ def sanitized_log_ratio(logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tensor) 
 
 def clamped_log_ratio(logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tensor) -> Tensor:
     """`logp - base` with NaN -> 0, +-inf -> +-30, clamped to +-30, and 0 off-mask (reference rule)."""
-    limit = LOG_RATIO_LIMIT
-    diff_bt = torch.nan_to_num(logp_bt - base_logp_bt, nan=0.0, posinf=limit, neginf=-limit)
+    diff_bt = torch.nan_to_num(logp_bt - base_logp_bt, nan=0.0, posinf=LOG_RATIO_LIMIT, neginf=-LOG_RATIO_LIMIT)
     return torch.where(mask_bt.bool(), diff_bt, 0.0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
 
 
@@ -83,9 +82,7 @@ def last_action_index(mask_bt: Tensor) -> tuple[Tensor, Tensor]:
 
 def next_action_index(mask_bt: Tensor) -> Tensor:
     """For each position, the index of the next action token strictly after it (T if none)."""
-    num_b, num_t = mask_bt.shape
-    positions = torch.arange(num_t, device=mask_bt.device).expand(num_b, num_t)
-    action_pos_bt = torch.where(mask_bt.bool(), positions, torch.full_like(positions, num_t))
-    sentinel_b1 = torch.full((num_b, 1), num_t, dtype=positions.dtype, device=mask_bt.device)
-    after_bt = torch.cat([action_pos_bt[:, 1:], sentinel_b1], dim=1)
+    num_t = mask_bt.shape[1]
+    action_pos_bt = torch.where(mask_bt.bool(), torch.arange(num_t, device=mask_bt.device), num_t)
+    after_bt = torch.nn.functional.pad(action_pos_bt[:, 1:], (0, 1), value=num_t)  # T past the end
     return torch.flip(torch.cummin(torch.flip(after_bt, dims=[1]), dim=1).values, dims=[1])

@@ -55,11 +55,7 @@ class ObjectiveParams:
         KL_ESTIMATORS.get(self.kl_estimator)
 
 
-def policy_objective(
-    batch: PolicyBatch,
-    denoms: StepDenominators,
-    params: ObjectiveParams,
-) -> tuple[Tensor, Metrics]:
+def policy_objective(batch: PolicyBatch, denoms: StepDenominators, params: ObjectiveParams) -> tuple[Tensor, Metrics]:
     """`(loss, metrics)` for one micro-batch; call `.backward()` on each and step once per window."""
     mask_bt = batch.mask_bt
     old_logp_bt = batch.logp_bt.detach() if batch.old_logp_bt is None else batch.old_logp_bt
@@ -72,8 +68,7 @@ def policy_objective(
         loss_bt = loss_bt * weight_bt
         metrics |= is_metrics
     metrics["policy_loss"] = masked_mean(loss_bt.detach(), mask_bt)
-    group_ids_b, norm_len = batch.group_ids_b, params.norm_len
-    loss = aggregate(params.loss_agg, loss_bt, mask_bt, denoms, group_ids_b=group_ids_b, norm_len=norm_len)
+    loss = aggregate(params.loss_agg, loss_bt, mask_bt, denoms, group_ids_b=batch.group_ids_b, norm_len=params.norm_len)
     if batch.ref_logp_bt is not None:
         kl_bt = kl_estimate(params.kl_estimator, batch.logp_bt, batch.ref_logp_bt, mask_bt)
         metrics["kl"] = masked_mean(kl_bt.detach(), mask_bt)

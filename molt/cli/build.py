@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from molt.config import ConfigError, ModelConfig
+from molt.config import ConfigError, ModelConfig, check
 from molt.models import PRESETS, Transformer, from_pretrained, preset
 from molt.models.tokenizer import IMAGE_PLACEHOLDER, build_builtin_tokenizer, load_tokenizer
 from molt.train.precision import resolve_dtype
@@ -37,26 +37,18 @@ def check_same_tokenizer(tokenizer, folder: str, key: str) -> None:
         sizes = f"{len(other)} vs {len(tokenizer)} tokens" if len(other) != len(tokenizer) else "other token ids"
         raise ConfigError(f"{key}: {folder}'s tokenizer is not the policy's ({sizes}); it must share the policy's")
     vocab = ModelConfig(path=folder).architecture().vocab_size
-    if vocab < len(tokenizer):
-        raise ConfigError(f"{key}: {folder}'s model has {vocab} vocabulary rows for {len(tokenizer)} tokens")
+    check(vocab >= len(tokenizer), key, f"{folder}'s model has {vocab} vocabulary rows for {len(tokenizer)} tokens")
 
 
 def build_model(
     cfg: ModelConfig, tokenizer, seed: int, device: str = "cpu", dtype: torch.dtype | None = None
 ) -> Transformer:
-    """A model loaded from `cfg.path`, or a preset sized to the tokenizer with seeded random weights; parameters in
-    `dtype` (default: the compute dtype `cfg.dtype` resolves to on `device`)."""
+    """`cfg.path`'s model, or the preset sized to the tokenizer (seeded random weights); in `dtype` (or cfg.dtype's)."""
     dtype = dtype or resolve_dtype(cfg.dtype, device)
     if cfg.path:  # router precision is no HF config key: the run's setting applies
         return from_pretrained(cfg.path, dtype=dtype, device=device, router_fp32=cfg.router_fp32)
-    arch = preset(
-        cfg.preset,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        router_fp32=cfg.router_fp32,
-    )
+    ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("bos", "eos", "pad")}
+    arch = preset(cfg.preset, vocab_size=len(tokenizer), router_fp32=cfg.router_fp32, **ids)
     if arch.vision is not None:
         arch.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
     model = Transformer(arch).init_weights(cfg.init_std, torch.Generator().manual_seed(seed))

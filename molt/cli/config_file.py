@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from molt.config import ConfigError
+from molt.config import ConfigError, check
 
 
 def _toml_lines(text: str) -> dict[str, int]:
@@ -81,8 +81,7 @@ def read_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
             return tomllib.loads(text), _toml_lines(text)
         if path.suffix in (".yaml", ".yml"):
             data = yaml.load(text, Loader=_Yaml12Loader) or {}  # noqa: S506 - a safe loader subclass
-            if not isinstance(data, dict):
-                raise ConfigError(f"{path}: top level must be a mapping of config groups")
+            check(isinstance(data, dict), str(path), "top level must be a mapping of config groups")
             return data, _yaml_lines(yaml.compose(text, Loader=_Yaml12Loader))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -98,21 +97,18 @@ def _type_name(tp: Any) -> str:
 
 
 def coerce(value: Any, tp: Any, key: str) -> Any:
-    """`value` checked against type `tp` (any integer accepted for int, any real for float, a path for str; lists for
-    tuples)."""
+    """`value` checked against type `tp` (any integer for int, any real for float, a path for str; lists for tuples)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         for option in args:  # none fits: the error at the end names the whole union
             with contextlib.suppress(ConfigError):
                 return coerce(value, option, key)
     elif origin is typing.Literal:
-        if value not in args:
-            raise ConfigError(f"{key}: must be one of {list(args)}, got {value!r}")
+        check(value in args, key, f"must be one of {list(args)}, got {value!r}")
         return value
     if origin in (list, tuple) and isinstance(value, list | tuple):
         if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
+            check(len(value) == len(args), key, f"expected {len(args)} values, got {len(value)}")
             return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
         return origin(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
     if tp is type(None) and value is None:
@@ -137,20 +133,17 @@ def build(cls: type, data: dict[str, Any], base: Any = None, prefix: str = "", s
     values = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
-        if dotted == "config" and value == "":  # older runs' config.yaml hold it empty: it names nothing
+        if dotted == "config":  # older runs' config.yaml hold it empty: it names nothing
+            check(value == "", "config",
+                  "a config cannot name another config; pass the file to molt.train(path) / --config")  # fmt: skip
             continue
-        if dotted == "config":
-            raise ConfigError(
-                "config: a config cannot name another config; pass the file to molt.train(path) / --config"
-            )
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys: {names}"
             raise ConfigError(f"{dotted}: unknown key{hint}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{dotted}: expected a table of {tp.__name__} fields, got {value!r}")
+            check(isinstance(value, dict), dotted, f"expected a table of {tp.__name__} fields, got {value!r}")
             values[key] = build(tp, value, getattr(base, key, None), f"{dotted}.", skip)
         elif dotted not in skip:
             values[key] = coerce(value, tp, dotted)
@@ -158,8 +151,7 @@ def build(cls: type, data: dict[str, Any], base: Any = None, prefix: str = "", s
 
 
 def load_config_file(cls: type, path: str | Path, base: Any = None, skip: frozenset[str] = frozenset()) -> Any:
-    """Config tree `cls` (starting from `base`) with the values of file `path` but the keys in `skip`; errors name
-    file, line, key."""
+    """`build` of file `path`'s values but the keys in `skip`; its errors name file, line and key."""
     data, lines = read_file(path)
     try:
         return build(cls, data, base, skip=skip)

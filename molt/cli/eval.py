@@ -20,7 +20,7 @@ import torch
 from molt.agents.chat.agent import local_rollout
 from molt.cli.build import build_model, build_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
-from molt.config import Config, ConfigError
+from molt.config import Config, check
 from molt.engine.torch_engine import on_fresh_thread
 from molt.errors import UserError
 from molt.log import RunDir, atomic_write_text
@@ -64,19 +64,15 @@ async def _eval_async(
 
 def run_eval(cfg: Config) -> EvalResult:
     """The `molt eval` command."""
-    if not cfg.model.path:
-        raise ConfigError("model.path: molt eval needs a checkpoint: `molt eval CHECKPOINT|RUN_DIR|MODEL_FOLDER`")
     checkpoint = cfg.model.path  # a run directory's latest checkpoint, resolved by ModelConfig
+    check(bool(checkpoint), "model.path", "molt eval needs a checkpoint: `molt eval CHECKPOINT|RUN_DIR|MODEL_FOLDER`")
     inputs = load_inputs(cfg)  # data, reward and agent: errors before any model is built
     rows = inputs.eval_rows[: cfg.eval.num_prompts]
-    if not rows and cfg.data.path and not cfg.data.eval_path:
-        raise ConfigError(
-            f"data: no held-out rows to evaluate: a data file keeps data.num_eval={cfg.data.num_eval} rows, at most "
-            f"10% of its rows, for eval: none of the {len(inputs.train_rows)} rows of {cfg.data.path}; pass "
-            "--data.eval_path (or --data.num_eval > 0 with at least 10 rows)"
-        )
-    if not rows:
-        raise ConfigError("data: no held-out rows to evaluate (set --data.eval_path, or --data.num_eval > 0)")
+    check(bool(rows or cfg.data.eval_path or not cfg.data.path), "data", "no held-out rows to evaluate: a data file "
+          f"keeps data.num_eval={cfg.data.num_eval} rows, at most 10% of its rows, for eval: none of the "
+          f"{len(inputs.train_rows)} rows of {cfg.data.path}; pass --data.eval_path (or --data.num_eval > 0 with at "
+          "least 10 rows)")  # fmt: skip
+    check(bool(rows), "data", "no held-out rows to evaluate (set --data.eval_path, or --data.num_eval > 0)")
     torch.manual_seed(cfg.train.seed)
     threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
     torch.set_num_threads(1)  # as in training: this thread runs asyncio; the engine's thread computes

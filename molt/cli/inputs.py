@@ -66,11 +66,9 @@ def load_inputs(cfg: Config) -> RunInputs:
     reads data without a reward, so the check that a dataset has one is here rather than in `check_user_code`.)"""
     check_user_code(cfg)
     ro, task_chosen = cfg.rollout, cfg.data.task != DataConfig.task  # a task's Env grades rows shaped as the task's
-    if cfg.data.path and not ro.reward and not ro.agent and not task_chosen:
-        raise ConfigError(
-            "data.path: a dataset needs --rollout.reward (e.g. math) or --rollout.agent (or --data.task naming the "
-            "built-in task whose Env grades its rows)"
-        )
+    check(not cfg.data.path or bool(ro.reward or ro.agent) or task_chosen, "data.path", "a dataset needs "
+          "--rollout.reward (e.g. math) or --rollout.agent (or --data.task naming the built-in task whose Env grades "
+          "its rows)")  # fmt: skip
     train_rows, eval_rows = dataset_rows(cfg.data)
     if cfg.data.path or cfg.data.eval_path:  # a built-in task's own rows are checked by Config (one drawn row)
         vision = cfg.model.architecture().vision is not None
@@ -95,8 +93,7 @@ def check_row_images(rows: list[dict], vision: bool, source: str) -> None:
 
 
 def worker_kit(cfg: Config, tokenizer) -> WorkerKit:
-    """What an agent worker process builds: this run's agent factory and reward function, the main process's
-    tokenizer and the chat server's settings."""
+    """What an agent worker process builds: the run's agent factory and reward function, tokenizer, chat settings."""
     reward, ro = reward_function(cfg), cfg.rollout
     make_env = agent_factory(ro.agent, reward, cfg.data.task, ro.max_turns)
     return WorkerKit(tokenizer, make_env, chat_options(cfg), close=reward.close if reward else lambda: None)

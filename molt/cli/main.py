@@ -21,7 +21,7 @@ from typing import NoReturn
 
 import tyro
 
-from molt.config import Config, ConfigError
+from molt.config import Config, ConfigError, check
 from molt.errors import RunFatalError, UserError
 
 COMMANDS: dict[str, Callable[[Config], object]] = {}
@@ -103,8 +103,7 @@ def _config_path(args: list[str]) -> str | None:
     """The `--config` file `args` name, if any (one at most)."""
     paths = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
     paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-    if len(paths) > 1:
-        raise ConfigError(f"--config: given {len(paths)} times ({', '.join(paths)}); merge the files or use flags")
+    check(len(paths) < 2, "--config", f"given {len(paths)} times ({', '.join(paths)}); merge the files or use flags")
     return paths[0] if paths else None
 
 
@@ -168,10 +167,9 @@ def _resume_args(args: list[str]) -> list[str]:
     args, run_dir = _alias(args, "--resume", "--ckpt.resume", missing)
     if run_dir is None:
         return args
-    if not Path(run_dir).is_dir():
-        raise ConfigError(f"ckpt.resume: run directory {run_dir!r} does not exist")
-    if not (Path(run_dir) / "config.yaml").exists():
-        raise ConfigError(f"ckpt.resume: {run_dir} has no config.yaml, so it is not a Molt run directory")
+    check(Path(run_dir).is_dir(), "ckpt.resume", f"run directory {run_dir!r} does not exist")
+    check((Path(run_dir) / "config.yaml").exists(), "ckpt.resume",
+          f"{run_dir} has no config.yaml, so it is not a Molt run directory")  # fmt: skip
     return ["--config", f"{run_dir}/config.yaml", "--log.run_dir", str(Path(run_dir).resolve()), *args]
 
 

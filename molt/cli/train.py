@@ -25,7 +25,7 @@ import yaml
 from molt.cli.build import build_model, build_tokenizer, check_same_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.cli.warm_start import wants_warm_start, warm_start
-from molt.config import Config, ConfigError
+from molt.config import Config, ConfigError, check
 from molt.config.rl import check_rollout_algo
 from molt.config.run import latest_checkpoint
 from molt.engine.torch_engine import on_fresh_thread
@@ -161,11 +161,9 @@ def check_run_dir(cfg: Config) -> int | None:
             check_new_run_dir(cfg.log.run_dir)
         return None
     step = checkpoint_step(latest_checkpoint(cfg.ckpt.resume))  # ckpt.resume checked it exists
-    if step >= cfg.train.max_steps:
-        raise ConfigError(
-            f"ckpt.resume: {cfg.ckpt.resume} is finished (its latest checkpoint is step {step}, train.max_steps is "
-            f"{cfg.train.max_steps}); raise --train.max_steps to train it further"
-        )
+    check(step < cfg.train.max_steps, "ckpt.resume", f"{cfg.ckpt.resume} is finished (its latest checkpoint is "
+          f"step {step}, train.max_steps is {cfg.train.max_steps}); raise --train.max_steps to train it "
+          "further")  # fmt: skip
     if cfg.log.run_dir and Path(cfg.log.run_dir).resolve() != Path(cfg.ckpt.resume).resolve():
         check_new_run_dir(cfg.log.run_dir)
     saved = Path(cfg.ckpt.resume) / "config.yaml"
@@ -184,8 +182,7 @@ def check_run_dir(cfg: Config) -> int | None:
 
 
 def _state_shape(config: dict) -> dict[str, object]:
-    """What a checkpoint's trainer state depends on, from a config's file form: adapters, frozen routers, critic,
-    reference."""
+    """What a checkpoint's trainer state depends on (from a file form): adapters, frozen routers, critic, reference."""
     train, algo = config["train"], config["algo"]
     return {
         "train.lora_rank": train["lora_rank"],

@@ -74,16 +74,12 @@ def _train(cfg: Config, folder: Path) -> None:
 
 
 def _cached(checkpoint: Path) -> bool:
-    """Whether `checkpoint` holds a complete warm start: a config and weights that read (a file a crash or a full
-    disk truncated is trained again)."""
-    weights = checkpoint / "model.safetensors"
-    if not (checkpoint / "config.json").exists() or not weights.exists():
-        return False
+    """Whether `checkpoint` holds a warm start whose config and weights read (a crash or a full disk truncates them)."""
     try:
         json.loads((checkpoint / "config.json").read_text())
-        with safe_open(str(weights), "pt") as f:
+        with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
             f.keys()
-    except Exception:  # noqa: BLE001 - any unreadable config or weights file: train it again
+    except Exception:  # noqa: BLE001 - a missing or unreadable config or weights file: train it again
         return False
     return True
 

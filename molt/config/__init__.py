@@ -91,46 +91,26 @@ class Config:
     def __post_init__(self) -> None:
         warn_slow_dtype(self.model.dtype, self.runtime.device)
         self._check_policy_kind()
-        check(
-            not (self.rollout.agent_workers and self.chat.port),
-            "chat.port",
-            "must be 0 with rollout.agent_workers: each worker runs its own chat server on a free port",
-        )
-        check(
-            self.rollout.prompts_per_step >= self.runtime.trainer_ranks,
-            "runtime.trainer_ranks",
-            f"({self.runtime.trainer_ranks}) must be <= rollout.prompts_per_step: each rank trains whole groups",
-        )
-        check(
-            self.train.micro_batch_tokens >= self.rollout.max_len,
-            "train.micro_batch_tokens",
-            f"({self.train.micro_batch_tokens}) must be >= rollout.max_len ({self.rollout.max_len})",
-        )
-        check(
-            self.train.micro_batch_tokens >= self.data.max_len,
-            "train.micro_batch_tokens",
-            f"({self.train.micro_batch_tokens}) must be >= data.max_len ({self.data.max_len}) so every sample fits",
-        )
+        ro, tr = self.rollout, self.train
+        check(not (ro.agent_workers and self.chat.port), "chat.port",
+              "must be 0 with rollout.agent_workers: each worker runs its own chat server on a free port")  # fmt: skip
+        ranks = self.runtime.trainer_ranks
+        check(ro.prompts_per_step >= ranks, "runtime.trainer_ranks",
+              f"({ranks}) must be <= rollout.prompts_per_step: each rank trains whole groups")  # fmt: skip
+        check(tr.micro_batch_tokens >= ro.max_len, "train.micro_batch_tokens",
+              f"({tr.micro_batch_tokens}) must be >= rollout.max_len ({ro.max_len})")  # fmt: skip
+        check(tr.micro_batch_tokens >= self.data.max_len, "train.micro_batch_tokens", f"({tr.micro_batch_tokens}) "
+              f"must be >= data.max_len ({self.data.max_len}) so every sample fits")  # fmt: skip
         cuda = self.runtime.device.startswith("cuda")
         fp32 = self.model.dtype == "float32" or (self.model.dtype == "auto" and not cuda)
-        check(
-            self.train.precision == "mixed" or not fp32,
-            "train.precision",
-            "pure has no effect here: the compute dtype (model.dtype; auto = float32 off CUDA) is float32, so the "
-            "parameters are fp32 either way; set --model.dtype bfloat16 for bf16 parameters",
-        )
-        compiles = self.train.compile == "on" or (self.train.compile == "auto" and cuda)
-        check(
-            compiles or self.train.compile_backend == "inductor",
-            "train.compile_backend",
-            "has no effect here: train.compile is off (auto compiles on CUDA only); add --train.compile on",
-        )
-        overlong_max_len = self.algo.overlong_max_len or self.rollout.max_tokens
-        check(
-            self.algo.overlong_buffer <= overlong_max_len,
-            "algo.overlong_buffer",
-            f"({self.algo.overlong_buffer}) must be <= algo.overlong_max_len "
-            f"({overlong_max_len}; 0 = rollout.max_tokens)",
-        )
+        check(tr.precision == "mixed" or not fp32, "train.precision", "pure has no effect here: the compute dtype "
+              "(model.dtype; auto = float32 off CUDA) is float32, so the parameters are fp32 either way; set "
+              "--model.dtype bfloat16 for bf16 parameters")  # fmt: skip
+        compiles = tr.compile == "on" or (tr.compile == "auto" and cuda)
+        check(compiles or tr.compile_backend == "inductor", "train.compile_backend", "has no effect here: "
+              "train.compile is off (auto compiles on CUDA only); add --train.compile on")  # fmt: skip
+        overlong_max_len = self.algo.overlong_max_len or ro.max_tokens
+        check(self.algo.overlong_buffer <= overlong_max_len, "algo.overlong_buffer", f"({self.algo.overlong_buffer}) "
+              f"must be <= algo.overlong_max_len ({overlong_max_len}; 0 = rollout.max_tokens)")  # fmt: skip
         gae = self.algo.estimator == "gae"  # the critic's settings apply only where there is one
         check(gae or self.critic == CriticConfig(), "critic", "critic.* settings need --algo.estimator gae")

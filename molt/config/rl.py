@@ -3,7 +3,6 @@ registries, settings that cannot change training are refused) and the PPO critic
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -96,15 +95,10 @@ class RolloutConfig:
         alone = "auto stands alone, or " if "auto" in unknown else ""
         check(not unknown, "rollout.filters", f"unknown {unknown}; {alone}choose from {GROUP_FILTERS.names()}")
         check(self.filter_on == "reward" or bool(self.filters), "rollout.filter_on", "has no effect without filters")
-        low, high = self.score_range
-        check(
-            math.isfinite(low) and math.isfinite(high) and low < high, "rollout.score_range", "needs finite low < high"
-        )
-        check(
-            "score-range" in self.filters or not changed(self, "score_range"),
-            "rollout.score_range",
-            "has no effect here: add score-range to --rollout.filters",
-        )
+        low, high = self.score_range  # check_finite refused NaN and infinity above
+        check(low < high, "rollout.score_range", "needs finite low < high")
+        check("score-range" in self.filters or not changed(self, "score_range"), "rollout.score_range",
+              "has no effect here: add score-range to --rollout.filters")  # fmt: skip
 
     def group_filters(self, estimator: str) -> tuple[str, ...]:
         """The group filters a run with `estimator` applies: `filters`, with `auto` resolved for it."""
@@ -193,25 +187,15 @@ class AlgoConfig:
 
         check_finite(self, "algo", allow_inf=("is_high",))  # is_high inf: no upper bound
         check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "gamma and lam must be in [0, 1]")
-        check(
-            (self.gamma, self.lam) == (1.0, 1.0) or self.estimator in ("gae", "reinforce"),
-            "algo.gamma",
-            f"gamma/lam apply to the gae and reinforce estimators, not {self.estimator!r}",
-        )
-        check(
-            self.estimator != "on_policy_distill" or bool(self.teacher),
-            "algo.teacher",
-            "--algo.estimator on_policy_distill needs --algo.teacher PATH (the teacher's HF model folder)",
-        )
+        check((self.gamma, self.lam) == (1.0, 1.0) or self.estimator in ("gae", "reinforce"), "algo.gamma",
+              f"gamma/lam apply to the gae and reinforce estimators, not {self.estimator!r}")  # fmt: skip
+        check(self.estimator != "on_policy_distill" or bool(self.teacher), "algo.teacher", "--algo.estimator "
+              "on_policy_distill needs --algo.teacher PATH (the teacher's HF model folder)")  # fmt: skip
         self.teacher = self.teacher and check_model_folder(self.teacher, "algo.teacher")
         check(not self.teacher or self.teacher_coef > 0, "algo.teacher_coef", "must be > 0 with algo.teacher")
 
-        for key, registry in (
-            ("estimator", algo.ESTIMATORS),
-            ("policy_loss", algo.POLICY_LOSSES),
-            ("loss_agg", algo.AGGREGATIONS),
-            ("kl_estimator", algo.KL_ESTIMATORS),
-        ):
+        for key, registry in (("estimator", algo.ESTIMATORS), ("policy_loss", algo.POLICY_LOSSES),
+                              ("loss_agg", algo.AGGREGATIONS), ("kl_estimator", algo.KL_ESTIMATORS)):  # fmt: skip
             check(getattr(self, key) in registry, f"algo.{key}", f"unknown; choose one of {registry.names()}")
         check(self.is_level == "none" or self.is_level in algo.IS_LEVELS, "algo.is_level", "token, seq, geo or none")
         check(self.moe_aux_coef >= 0, "algo.moe_aux_coef", "must be >= 0")
@@ -223,18 +207,12 @@ class AlgoConfig:
         check(self.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0 (0 = no entropy bonus)")
         check(0 <= self.is_low <= 1 <= self.is_high, "algo.is_low", "the IS band needs 0 <= is_low <= 1 <= is_high")
         modes = algo.IS_LEVELS.info(self.is_level)["modes"] if self.is_level != "none" else (self.is_mode,)
-        check(
-            self.is_mode in modes,
-            "algo.is_mode",
-            f"--algo.is_level {self.is_level} takes only mode {' or '.join(modes)} (a geometric mean is a filter "
-            f"statistic, not a weight), not {self.is_mode!r}; add --algo.is_mode {modes[0]}",
-        )
-        check(
-            self.kl_estimator != "k1" or not (self.kl_coef or self.kl_target),
-            "algo.kl_estimator",
-            "k1 cannot be the KL loss: its expected gradient is 0 (E[grad log pi] = 0), so the term would do nothing "
-            "while train/kl moves; use k2 or k3 (their gradients are the KL's)",
-        )
+        check(self.is_mode in modes, "algo.is_mode", f"--algo.is_level {self.is_level} takes only mode "
+              f"{' or '.join(modes)} (a geometric mean is a filter statistic, not a weight), not {self.is_mode!r}; "
+              f"add --algo.is_mode {modes[0]}")  # fmt: skip
+        check(self.kl_estimator != "k1" or not (self.kl_coef or self.kl_target), "algo.kl_estimator", "k1 cannot be "
+              "the KL loss: its expected gradient is 0 (E[grad log pi] = 0), so the term would do nothing while "
+              "train/kl moves; use k2 or k3 (their gradients are the KL's)")  # fmt: skip
         try:
             self.objective()
         except ValueError as e:
@@ -308,12 +286,8 @@ class CriticConfig:
         check_finite(self, "critic")
         check(self.lr >= 0 and self.clip >= 0, "critic.lr", "critic.lr and critic.clip must be >= 0")
         check(self.updates >= 1, "critic.updates", "must be >= 1")
-        check(
-            self.updates > 1 or not changed(self, "clip"),
-            "critic.clip",
-            "has no effect here: with one critic update per batch V = V_old, so the clip never binds; "
-            "add --critic.updates 2 or more",
-        )
+        check(self.updates > 1 or not changed(self, "clip"), "critic.clip", "has no effect here: with one critic "
+              "update per batch V = V_old, so the clip never binds; add --critic.updates 2 or more")  # fmt: skip
         self.path = self.path and check_model_folder(self.path, "critic.path")
 
 
@@ -321,12 +295,9 @@ def check_rollout_algo(rollout: RolloutConfig, algo: AlgoConfig) -> None:
     """Checks across the rollout and algo groups: truncated sampling (top-p / top-k) needs the IS correction, and
     an estimator that reads no reward (on_policy_distill) takes no reward filter."""
     for key, truncates in (("top_p", rollout.top_p < 1), ("top_k", rollout.top_k > 0)):
-        check(
-            algo.is_level != "none" or not truncates,
-            f"rollout.{key}",
-            "samples from a truncated distribution the trainer's full-vocabulary log-probs do not see: enable the IS "
-            "correction (--algo.is_level token, seq or geo), which corrects for it, or sample without it",
-        )
+        check(algo.is_level != "none" or not truncates, f"rollout.{key}", "samples from a truncated distribution "
+              "the trainer's full-vocabulary log-probs do not see: enable the IS correction (--algo.is_level token, "
+              "seq or geo), which corrects for it, or sample without it")  # fmt: skip
     from molt.algo import ESTIMATORS
 
     if "rewards_b" not in ESTIMATORS.info(algo.estimator)["needs"]:

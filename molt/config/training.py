@@ -47,15 +47,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         from molt.models.config import PRESETS
 
-        check(
-            bool(self.path) or self.preset in PRESETS, "model.preset", f"unknown preset; use one of {sorted(PRESETS)}"
-        )
+        check(self.preset in PRESETS or bool(self.path), "model.preset",
+              f"unknown preset; use one of {sorted(PRESETS)}")  # fmt: skip
         check_finite(self, "model")
         check(self.init_std > 0, "model.init_std", "must be > 0")
         check(self.warmstart_lr > 0, "model.warmstart_lr", "must be > 0")
         check(self.warmstart_steps >= 0, "model.warmstart_steps", "must be >= 0 (0 = no warm start)")
-        if self.path:
-            self.path = check_model_folder(self.path, "model.path")  # a run directory: its latest checkpoint
+        self.path = self.path and check_model_folder(self.path, "model.path")  # a run directory: its latest checkpoint
         if self.tokenizer:
             check(os.path.isdir(self.tokenizer), "model.tokenizer", f"folder {self.tokenizer!r} does not exist")
 
@@ -72,8 +70,7 @@ def check_finite(group: object, prefix: str, allow_inf: tuple[str, ...] = ()) ->
 
 def check_model_folder(path: str, key: str) -> str:
     """The model folder `path` names: itself, a `molt train` run directory's latest checkpoint or a `molt sft` run
-    directory's checkpoint; a ConfigError naming `key` when it is neither a Hugging Face model folder nor a run
-    directory with a checkpoint."""
+    directory's checkpoint; else a ConfigError naming `key`."""
     from pathlib import Path
 
     folder = Path(path)
@@ -84,11 +81,8 @@ def check_model_folder(path: str, key: str) -> str:
     if (folder / "checkpoint" / "config.json").exists():  # molt sft's
         return _loadable(str(folder / "checkpoint"), key)
     pointer = folder / "checkpoints" / "latest"
-    check(
-        pointer.parent.is_dir(),
-        key,
-        f"{path!r} is not a model folder (no config.json) nor a run directory with checkpoints",
-    )
+    check(pointer.parent.is_dir(), key, f"{path!r} is not a model folder (no config.json) nor a run directory with "
+          "checkpoints")  # fmt: skip
     check(pointer.exists(), key, f"run directory {path!r} has no completed checkpoint (no checkpoints/latest)")
     latest = pointer.parent / pointer.read_text().strip()
     check((latest / "config.json").exists(), key, f"{latest} (the run's latest checkpoint) has no config.json")

@@ -1,9 +1,8 @@
 """A `DataConfig` -> (train rows, held-out rows): a dataset file or folder, or a built-in task.
 
-Files and folders (`formats.py`) are mapped and checked row by row (`rows.py`) when the run starts,
-before any model is built. Held-out rows come from `data.eval_path`, a `DatasetDict`'s test or
-validation split other than `data.split`, or a seeded shuffled split of `data.path` (`data.num_eval`
-rows, at most 10%).
+Files and folders (`formats.py`) are mapped and checked row by row (`rows.py`) when the run starts, before any model is
+built. Held-out rows come from `data.eval_path`, a `DatasetDict`'s test or validation split other than `data.split`, or
+a seeded shuffled split of `data.path` (`data.num_eval` rows, at most 10%).
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ def file_rows(path: str, data, split: str = "") -> list[Row]:
 
 
 def _eval_split(path: str, train_split: str = "") -> str:
-    """The held-out split of a DatasetDict folder other than `train_split` ("" if it has none, or `path` is not
-    one)."""
+    """The held-out split of a DatasetDict folder other than `train_split` ("" if it has none, or `path` is not one)."""
     return next((s for s in EVAL_SPLITS if s in dataset_splits(path) and s != train_split), "")
 
 

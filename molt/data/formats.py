@@ -52,9 +52,7 @@ def read_located(path: str | Path, split: str = "train") -> Located:
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
     kind = detect_format(path)
-    if kind == "datasets":
-        return read_datasets_folder(path, split)
-    return READERS[kind](path)
+    return read_datasets_folder(path, split) if kind == "datasets" else READERS[kind](path)
 
 
 def _read_text(path: Path) -> str:

@@ -1,33 +1,19 @@
 """Built-in tasks: generated prompt rows, demonstrations for SFT, and graders.
 
-A task is a registered class with `rows(n, seed)` (dataset rows: `messages`, `label`), an SFT
-`demonstration(row, rng)` (the row's messages plus assistant turns), and `grade(row, text)` in
-[0, 1]. Tasks are generated from a seed, so nothing is downloaded and every machine sees the same
-data. Knows nothing about models or training.
+A task is a registered class with `rows(n, seed)` (dataset rows: `messages`, `label`), an SFT `demonstration(row, rng)`
+(the row's messages plus assistant turns), and `grade(row, text)` in [0, 1]. Tasks are generated from a seed, so nothing
+is downloaded and every machine sees the same data. Knows nothing about models or training.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from typing import Any, Protocol
+from typing import Any
 
 from molt.registry import Registry
 
 Row = dict[str, Any]
-
-
-class Task(Protocol):
-    name: str
-    env: str  # name of the built-in Env that runs it (molt/agents/builtin.py)
-
-    def rows(self, n: int, seed: int) -> list[Row]: ...
-
-    def demonstration(self, row: Row, rng: random.Random) -> list[dict[str, Any]]: ...
-
-    def grade(self, row: Row, text: str) -> float: ...
-
-
 TASKS: Registry[type] = Registry("task")
 
 
@@ -45,6 +31,9 @@ class SeededTask:
     """What the built-in tasks share: `rows` draws each row (`row(rng)`) from one seeded generator; `grade` is
     an exact match of the stripped completion with the row's `label`."""
 
+    name: str
+    env: str  # name of the built-in Env that runs it (molt/agents/builtin.py)
+
     def rows(self, n: int, seed: int) -> list[Row]:
         rng = random.Random(seed)
         return [self.row(rng) for _ in range(n)]
@@ -52,8 +41,12 @@ class SeededTask:
     def grade(self, row: Row, text: str) -> float:
         return float(text.strip() == row["label"])
 
+    def demonstration(self, row: Row, rng: random.Random) -> list[dict[str, Any]]:
+        """The row's messages answered with its `label`."""
+        return row["messages"] + [{"role": "assistant", "content": row["label"]}]
 
-def get_task(name: str) -> Task:
+
+def get_task(name: str) -> SeededTask:
     """Instantiate built-in task `name`; unknown names are an error listing the choices."""
     if name not in TASKS:
         raise ValueError(f"data.task: unknown task {name!r}; built-in tasks: {sorted(TASKS)}")
@@ -69,9 +62,6 @@ class Arithmetic(SeededTask):
     def row(self, rng: random.Random) -> Row:
         a, b = rng.randint(10, 99), rng.randint(0, 9)
         return {"messages": [{"role": "user", "content": f"{a}+{b}="}], "label": str(a + b)}
-
-    def demonstration(self, row: Row, rng: random.Random) -> list[dict[str, Any]]:
-        return row["messages"] + [{"role": "assistant", "content": row["label"]}]
 
 
 TOOL_CALL = "<tool_call>{}</tool_call>"
@@ -171,36 +161,24 @@ Problem = tuple[str, list[str], int]  # (question, worked steps, integer answer)
 
 def _add(rng: random.Random, name: str, friend: str, item: str) -> Problem:
     a, b = rng.randint(2, 20), rng.randint(2, 10)
-    text = rng.choice(
-        [
-            f"{name} has {a} {item}. At {rng.choice(PLACES)}, {name} gets {b} more. How many {item} does {name} have?",
-            f"{name} collected {a} {item} and {friend} collected {b}. How many {item} did they collect together?",
-        ]
-    )
-    return text, [f"{a} + {b} = {a + b}"], a + b
+    more = f"{name} has {a} {item}. At {rng.choice(PLACES)}, {name} gets {b} more. How many {item} does {name} have?"
+    together = f"{name} collected {a} {item} and {friend} collected {b}. How many {item} did they collect together?"
+    return rng.choice([more, together]), [f"{a} + {b} = {a + b}"], a + b
 
 
 def _take_away(rng: random.Random, name: str, friend: str, item: str) -> Problem:
     a = rng.randint(5, 20)
     b = rng.randint(1, a - 1)
-    text = rng.choice(
-        [
-            f"{name} had {a} {item} and gave {b} of them to {friend}. How many {item} does {name} have left?",
-            f"There were {a} {item} in a box. {name} took out {b}. How many {item} are still in the box?",
-        ]
-    )
-    return text, [f"{a} - {b} = {a - b}"], a - b
+    gave = f"{name} had {a} {item} and gave {b} of them to {friend}. How many {item} does {name} have left?"
+    took = f"There were {a} {item} in a box. {name} took out {b}. How many {item} are still in the box?"
+    return rng.choice([gave, took]), [f"{a} - {b} = {a - b}"], a - b
 
 
 def _groups(rng: random.Random, name: str, friend: str, item: str) -> Problem:
     a, b = rng.randint(2, 6), rng.randint(2, 6)
-    text = rng.choice(
-        [
-            f"{name} buys {a} bags of {item}. Each bag holds {b} {item}. How many {item} does {name} buy in all?",
-            f"{name} puts {item} into {a} rows with {b} in each row. How many {item} are there?",
-        ]
-    )
-    return text, [f"{a} * {b} = {a * b}"], a * b
+    bags = f"{name} buys {a} bags of {item}. Each bag holds {b} {item}. How many {item} does {name} buy in all?"
+    rows = f"{name} puts {item} into {a} rows with {b} in each row. How many {item} are there?"
+    return rng.choice([bags, rows]), [f"{a} * {b} = {a * b}"], a * b
 
 
 def _share(rng: random.Random, name: str, friend: str, item: str) -> Problem:

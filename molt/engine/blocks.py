@@ -149,8 +149,7 @@ class BlockManager:
 
         Registered blocks matching the prompt's prefix are shared by reference (at most the blocks
         before the one holding the last prompt token); the rest are taken from the free list, then
-        from the cached blocks, least recently freed first. Raises `OutOfBlocks`, changing nothing.
-        """
+        from the cached blocks, least recently freed first. Raises `OutOfBlocks`, changing nothing."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
         if not prompt_ids:
@@ -174,9 +173,7 @@ class BlockManager:
     def _match_prefix(self, tokens: list[int]) -> tuple[list[bytes], list[int]]:
         """Chain digests of the shareable full blocks and the registered blocks they hit (leading run)."""
         digests, hits, parent = [], [], _ROOT
-        if not self.prefix_cache:
-            return digests, hits
-        for i in range((len(tokens) - 1) // self.block_size):
+        for i in range((len(tokens) - 1) // self.block_size if self.prefix_cache else 0):
             parent = block_digest(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
             digests.append(parent)
             block = self._block_of.get(parent)
@@ -236,8 +233,7 @@ class BlockManager:
         """Start `dst_seq` as a copy of the first `num_tokens` (default all) tokens of `src_seq`.
 
         Full, computed blocks are shared by reference; the rest get new blocks of `dst_seq`, the first of
-        them with a pending `BlockCopy` of its computed positions. Raises `OutOfBlocks`, changing nothing.
-        """
+        them with a pending `BlockCopy` of its computed positions. Raises `OutOfBlocks`, changing nothing."""
         if dst_seq in self._tables:
             raise ValueError(f"sequence {dst_seq} already has blocks")
         tokens = self._tokens[src_seq]
@@ -256,8 +252,7 @@ class BlockManager:
         table += [self._take_block() for _ in range(num_new)]
         if computed % self.block_size:
             self._copies.append(BlockCopy(src_table[num_shared], table[num_shared], computed % self.block_size))
-        digests = self._digests[src_seq][:num_shared]
-        self._register_seq(dst_seq, table, tokens[:num_tokens], digests, computed)
+        self._register_seq(dst_seq, table, tokens[:num_tokens], self._digests[src_seq][:num_shared], computed)
         if src_seq in self._stale:
             self._stale.add(dst_seq)
 

@@ -39,11 +39,7 @@ class _CachedPrefix:
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 class SlotCacheManager:
@@ -53,14 +49,12 @@ class SlotCacheManager:
         if num_slots < 1 or max_seq_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_seq_len >= 2, got {num_slots}, {max_seq_len}")
         self.num_slots, self.max_seq_len, self.compact = num_slots, max_seq_len, compact
-        self.prefix_cache = prefix_cache
-        self.num_active = 0
+        self.prefix_cache, self.num_active, self._clock = prefix_cache, 0, 0
         self._slot_of: dict[int, int] = {}
         self._owner: list[int | None] = [None] * num_slots
         self._length: list[int] = [0] * num_slots
         self._cached: dict[int, _CachedPrefix] = {}
         self._moves: list[Move] = []
-        self._clock = 0
 
     # ---- queries -------------------------------------------------------------------------------
     def slot_of(self, seq_id: int, default: int | None = None) -> int:
@@ -87,8 +81,7 @@ class SlotCacheManager:
         """(slot, number of prompt positions already in it) for a new sequence, or None when full.
 
         At most len(prompt) - 1 positions are reused, so the last prompt token is always computed
-        (its logits give the first sample).
-        """
+        (its logits give the first sample)."""
         if seq_id in self._slot_of:
             raise ValueError(f"sequence {seq_id} already holds slot {self._slot_of[seq_id]}")
         if self.num_active == self.num_slots:
@@ -107,12 +100,10 @@ class SlotCacheManager:
                 self._move(hit, target)
         else:
             self._make_room(target)
-            reuse = 0
         return self._assign(seq_id, target, reuse)
 
     def _assign(self, seq_id: int, slot: int, reuse: int) -> tuple[int, int]:
-        self._owner[slot], self._slot_of[seq_id] = seq_id, slot
-        self._length[slot] = reuse
+        self._owner[slot], self._slot_of[seq_id], self._length[slot] = seq_id, slot, reuse
         self.num_active += 1
         return slot, reuse
 
@@ -164,10 +155,10 @@ class SlotCacheManager:
         """Release the sequence's slot; with `tokens` (its ids), keep the computed KV as a cached prefix."""
         slot = self._slot_of[seq_id]
         last = self.num_active - 1 if self.compact else slot
-        keep = self.prefix_cache and tokens is not None and self._length[slot] > 0
-        if keep:
+        if self.prefix_cache and tokens is not None and self._length[slot] > 0:
             cached = tuple(tokens[: self._length[slot]])
-            self._drop_subsumed(cached)
+            for subsumed in [s for s, e in self._cached.items() if cached[: len(e.tokens)] == e.tokens]:
+                self._cached.pop(subsumed)
             if slot != last:
                 self._swap(slot, last)
             self._clock += 1
@@ -180,18 +171,13 @@ class SlotCacheManager:
         self._owner[last] = None
         self.num_active -= 1
 
-    def _drop_subsumed(self, tokens: tuple[int, ...]) -> None:
-        for slot in [s for s, e in self._cached.items() if tokens[: len(e.tokens)] == e.tokens]:
-            self._cached.pop(slot)
-
     def clear_prefixes(self) -> None:
         """Forget every cached prefix (their KV was computed under weights that are gone)."""
         self._cached.clear()
 
     def reset_lengths(self) -> None:
         """Mark every active slot empty (the engine recomputes their KV under new weights)."""
-        for slot in range(self.num_active):
-            self._length[slot] = 0
+        self._length[: self.num_active] = [0] * self.num_active
 
     # ---- relocation ----------------------------------------------------------------------------
     def _move(self, src: int, dst: int) -> None:
@@ -213,10 +199,7 @@ class SlotCacheManager:
             if self._owner[slot] is not None:
                 self._slot_of[self._owner[slot]] = slot
         ca, cb = self._cached.pop(a, None), self._cached.pop(b, None)
-        if ca is not None:
-            self._cached[b] = ca
-        if cb is not None:
-            self._cached[a] = cb
+        self._cached |= {slot: entry for slot, entry in ((b, ca), (a, cb)) if entry is not None}
 
     def check(self) -> None:
         """Assert the invariants (used by tests): mappings consistent, active slots contiguous with `compact`."""

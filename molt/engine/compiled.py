@@ -40,15 +40,13 @@ class SlotRunner(Protocol):
 class DecodeOverCache:
     """Cache backend of the compiled decode step: row b attends over cache row `slots_b[b]`'s positions before its
     own (Molt's kernel; torch ops read rows 0..B-1 as one view, so the slots must be those), then its own new key,
-    which `new_k`/`new_v` collect per layer for the caller to store. `MixedStep`'s softmax, summed in another order.
-    """
+    which `new_k`/`new_v` collect per layer for the caller to store. `MixedStep`'s softmax, summed in another order."""
 
     def __init__(
         self, k: torch.Tensor, v: torch.Tensor, slots_b: torch.Tensor, key_pos_s: torch.Tensor, own_attention: bool
     ):
         self.k, self.v, self.slots_b, self.key_pos_s, self.own_attention = k, v, slots_b, key_pos_s, own_attention
-        self.new_k: list[torch.Tensor] = []
-        self.new_v: list[torch.Tensor] = []
+        self.new_k, self.new_v = [], []  # per layer
 
     def prepare(self, position_ids_bt: torch.Tensor):
         pos_b = position_ids_bt[0]

@@ -67,23 +67,14 @@ class EngineCore:
         else:
             self.runner = ModelRunner(model, num_slots, max_seq_len, record_routing, compile)
             # Molt's attention kernel takes each row's slot: no compaction moves (torch ops want rows 0..B-1)
-            compact = not self.runner.own_attention
-            self.manager = SlotCacheManager(num_slots, max_seq_len, prefix_cache, compact=compact)
+            self.manager = SlotCacheManager(num_slots, max_seq_len, prefix_cache, compact=not self.runner.own_attention)
             self.scheduler = Scheduler(self.manager, max_num_batched_tokens)
         self.groups: dict[str, Group] = {}
         self.listeners: dict[str, Callable[[list[TokenDelta]], None]] = {}  # streamed requests
         self.tops: dict[str, list[list[TopLogprobs]]] = {}  # per sample, of requests asking for top_logprobs
         self.num_pending = 0
-        self.stats = dict(
-            steps=0,
-            decode_steps=0,
-            decode_only_steps=0,
-            prefill_tokens=0,
-            decode_tokens=0,
-            step_errors=0,
-            busy_s=0.0,
-            decode_s=0.0,
-        )
+        counters = ("steps", "decode_steps", "decode_only_steps", "prefill_tokens", "decode_tokens", "step_errors")
+        self.stats = dict.fromkeys(counters, 0) | dict(busy_s=0.0, decode_s=0.0)
 
     # ---- requests and commands -----------------------------------------------------------------
     def add(self, group: Group, on_tokens: Callable[[list[TokenDelta]], None] | None = None) -> None:
@@ -107,10 +98,6 @@ class EngineCore:
         self.scheduler.remove_group(group, "abort")
         self._complete(group)
         return True
-
-    def abort_all(self) -> None:
-        for request_id in list(self.groups):
-            self.abort(request_id)
 
     def swap_weights(self, weights: Weights, version: int, recompute: bool) -> None:
         """Load weights in place and set the version; `recompute` redoes the KV of running sequences, else the
@@ -146,21 +133,19 @@ class EngineCore:
         """Schedule, compute and sample one step; True if it only decoded (no prompt chunk)."""
         plan = self.scheduler.schedule(admit)
         self.runner.apply_moves(self.manager.take_moves())
-        slot_of, set_length = self.manager.slot_of, self.manager.set_length
-        decode = []
+        slot_of = self.manager.slot_of
         for seq in plan.decode:
-            tokens, seq_id = seq.tokens, seq.seq_id
-            seq.num_computed = n = len(tokens)
-            set_length(seq_id, n)
-            decode.append((slot_of(seq_id), tokens[-1], n - 1))
+            seq.num_computed = len(seq.tokens)
+            self.manager.set_length(seq.seq_id, seq.num_computed)
+        decode = [(slot_of(s.seq_id), s.tokens[-1], s.num_computed - 1) for s in plan.decode]
         chunks = [(slot_of(c.seq.seq_id), c.seq.tokens[c.start : c.end], c.start) for c in plan.prefill]
         sampled_chunks = [i for i, c in enumerate(plan.prefill) if c.samples]
         self.stats["decode_tokens"] += len(decode)
         self.stats["decode_steps"] += bool(decode)
         self.stats["steps"] += 1
-        decode_only = bool(decode) and not chunks
         if not decode and not chunks:
-            return decode_only
+            return False
+        decode_only = not chunks
         images = None
         if self.model.vision is not None:
             images = chunk_image_embeds(
@@ -184,11 +169,8 @@ class EngineCore:
                 token_ids, logprobs = self._sample_with_tops(logits_rv, rows)
             else:
                 token_ids, logprobs = sample(logits_rv, self._row_params(rows))
-        done = [
-            (seq, end)
-            for seq, t, lp in zip(rows, token_ids, logprobs, strict=True)
-            if (end := self._append(seq, t, lp))
-        ]
+        ends = [self._append(seq, t, lp) for seq, t, lp in zip(rows, token_ids, logprobs, strict=True)]
+        done = [(seq, end) for seq, end in zip(rows, ends, strict=True) if end]
         if self.listeners:
             self._notify_tokens(rows, token_ids, logprobs)
         # highest slot first: each freed slot is then the last active one, so the cache manager moves nothing
@@ -198,7 +180,7 @@ class EngineCore:
 
     def _sample_with_tops(self, logits_rv: torch.Tensor, rows: list[Seq]) -> tuple[list[int], list[float]]:
         """`sample`, recording each asking row's top_logprobs (one device -> host copy, as always)."""
-        ks = [s.sampling.top_logprobs if s.group.request_id in self.tops else 0 for s in rows]
+        ks = [s.group.sampling.top_logprobs if s.group.request_id in self.tops else 0 for s in rows]
         token_ids, logprobs, tops = sample_top(logits_rv, self._row_params(rows), max(ks))
         for seq, k, top in zip(rows, ks, tops, strict=True):
             if k:
@@ -222,7 +204,7 @@ class EngineCore:
         banned = [  # stop ids before min_tokens
             (r, tuple(s.group.stop_ids))
             for r, (s, sp) in enumerate(zip(rows, sps, strict=True))
-            if sp.min_tokens and s.num_generated < sp.min_tokens and s.group.stop_ids
+            if sp.min_tokens and len(s.tokens) - s.num_prompt < sp.min_tokens and s.group.stop_ids
         ]
         image_id = self.model.cfg.image_token_id
         if image_id is not None:  # a VLM never samples its image placeholder (a generated one would have no image)
@@ -247,17 +229,14 @@ class EngineCore:
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
         num_generated = len(tokens) - seq.num_prompt
-        stoppable = num_generated >= sp.min_tokens and (token in seq.group.stop_ids or sp.stop)
-        if stoppable and (reason := self._stop_reason(seq, token)) is not None:
-            return "stop", reason
+        if num_generated >= sp.min_tokens:
+            hit = token in seq.group.stop_ids
+            reason = token if hit else find_stop_string(self.tokenizer, sp.stop, tokens, seq.num_prompt)
+            if reason is not None:
+                return "stop", reason
         if num_generated >= sp.max_tokens or len(tokens) >= self.max_seq_len:
             return "length", None
         return None
-
-    def _stop_reason(self, seq: Seq, token: int) -> int | str | None:
-        if token in seq.group.stop_ids:
-            return token
-        return find_stop_string(self.tokenizer, seq.sampling.stop, seq.tokens, seq.num_prompt)
 
     def _finish(self, seq: Seq, reason: str, stop_reason: int | str | None = None) -> None:
         if self.runner.routes is not None:  # read before the slot is freed (MoE routing capture)

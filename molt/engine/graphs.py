@@ -56,14 +56,12 @@ class GraphStep:
 
     def prepare(self, position_ids_bt: torch.Tensor):
         r = self.runner
-        heads_k = torch.arange(r.kv_heads, device=self.write_n.device) * r.block_size
-        write_nk = (self.write_n[:, None] + heads_k).view(-1)
         scale = r.head_dim**-0.5
 
         def attention(k_cache, v_cache, q_nhd) -> torch.Tensor:
             return paged_decode(q_nhd, k_cache, v_cache, self.table_nm, self.lens_n, scale)
 
-        return writing_attend(r.k, r.v, write_nk, attention)
+        return writing_attend(r.k, r.v, self.write_n, r.block_size, attention)
 
 
 class GraphDecode:
@@ -103,10 +101,8 @@ class GraphDecode:
     def _run(self, bucket: int) -> torch.Tensor:
         """The packed input rows into the typed static buffers (device-side, part of the graph), then `_forward`."""
         rows = self.inputs[:bucket]
-        self.ids[:bucket].copy_(rows[:, 0])
-        self.pos[:bucket].copy_(rows[:, 1])
-        self.lens[:bucket].copy_(rows[:, 2])
-        self.write[:bucket].copy_(rows[:, 3])
+        for column, buffer in enumerate((self.ids, self.pos, self.lens, self.write)):
+            buffer[:bucket].copy_(rows[:, column])
         self.table[:bucket].copy_(rows[:, 4:])
         return self._forward(bucket)
 

@@ -36,8 +36,7 @@ def check_request_images(cfg: TransformerConfig, prompt: list[int], images: Sequ
 def chunk_image_embeds(model: Transformer, chunks: list[tuple[list[int], int, int, list | None]]):
     """Embedding rows [n, H] for the placeholder tokens of (tokens, start, end, images) chunks, in order.
 
-    One vision forward over every image the step's chunks overlap (small batches are overhead-bound).
-    """
+    One vision forward over every image the step's chunks overlap (small batches are overhead-bound)."""
     image_id, per = model.cfg.image_token_id, model.cfg.vision.tokens_per_image
     needed, slices = [], []  # images to encode; per chunk, its rows in their flattened embeddings
     for tokens, start, end, images in chunks:

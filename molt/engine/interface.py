@@ -63,8 +63,7 @@ class SamplingParams:
       top-k / top-p (and stop tokens banned by min_tokens) removed, renormalised. Greedy gives 0.
 
     `top_logprobs` > 0 also reports, per generated token, that many most likely tokens with their log-probs
-    under the "scaled" distribution (`Completion.top_logprobs`); 0 (default) computes none.
-    """
+    under the "scaled" distribution (`Completion.top_logprobs`); 0 (default) computes none."""
 
     n: int = 1
     temperature: float = 1.0
@@ -102,10 +101,6 @@ class SamplingParams:
         ]
         if problems:
             raise ValueError("SamplingParams: " + "; ".join(problems))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 @dataclass
@@ -241,8 +236,7 @@ class Engine(abc.ABC):
     ) -> list[Completion]:
         """`sampling.n` completions of one prompt, sharing its prefill; in sample order.
 
-        `images` (VLMs): uint8 pixel tensors [3, S, S], one per image placeholder run in the prompt, in order.
-        """
+        `images` (VLMs): uint8 pixel tensors [3, S, S], one per image placeholder run in the prompt, in order."""
 
     async def generate_streamed(
         self,
@@ -275,8 +269,7 @@ class Engine(abc.ABC):
         """Load new weights (Molt or HF names) in place and set `version`.
 
         `drain`: finish the requests already running (new ones wait), then swap. `interrupt`: stop at
-        a token boundary, swap, continue the same requests; later tokens carry `version`.
-        """
+        a token boundary, swap, continue the same requests; later tokens carry `version`."""
 
     @abc.abstractmethod
     async def pause(self) -> None:

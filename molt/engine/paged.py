@@ -37,7 +37,7 @@ from molt.engine.blocks import (
 )
 from molt.engine.cpu.packed import LinearPacks
 from molt.engine.graphs import GraphDecode
-from molt.engine.runner import gqa_attention, joined_attention, sampled_logits, writing_attend
+from molt.engine.runner import joined_attention, padded_attention, sampled_logits, writing_attend
 from molt.engine.scheduler import Group, Plan, Scheduler, Sequence
 from molt.engine.transfer import to_device
 from molt.models.transformer import Transformer
@@ -56,8 +56,7 @@ def num_kv_blocks(
     asked, the engine keeps its slot cache)."""
     if kv_blocks is not None:
         return kv_blocks
-    param = next(model.parameters())
-    cfg = model.cfg
+    param, cfg = next(model.parameters()), model.cfg
     block_bytes = bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, param.element_size(), block_size)
     if kv_bytes is not None:
         return num_blocks_for_budget(kv_bytes, block_bytes)
@@ -194,8 +193,7 @@ class PagedScheduler(Scheduler):
 
     def _fits(self, group: Group) -> bool:
         reserve = len(group.seqs) if self.running else 0  # room for each sample's next block
-        blocks = self.manager.blocks
-        return self.manager.num_free() >= len(group.seqs) and blocks.can_allocate(len(group.prompt), reserve)
+        return super()._fits(group) and self.manager.blocks.can_allocate(len(group.prompt), reserve)
 
     def _admit(self, group: Group) -> Sequence | None:
         leader = super()._admit(group)
@@ -264,26 +262,21 @@ class PagedStep:
         self.runner, self.rows, self.num_decode = runner, rows, num_decode
 
     def prepare(self, position_ids_bt: torch.Tensor):
-        r, device = self.runner, position_ids_bt.device
+        r, device, bs = self.runner, position_ids_bt.device, self.runner.block_size
         tables = {slot: r.manager.table_at(slot) for slot, _, _ in self.rows}
-        bs = r.block_size
         # each new key/value is one row of the flat cache [blocks * kv_heads * block_size, head_dim] (first_n: head 0's)
         first_n = [
-            (tables[slot][pos // bs] * r.kv_heads * bs + pos % bs)
-            for slot, s, n in self.rows
-            for pos in range(s, s + n)
+            tables[slot][p // bs] * r.kv_heads * bs + p % bs for slot, s, n in self.rows for p in range(s, s + n)
         ]
-        heads_k = torch.arange(r.kv_heads, device=device) * bs
-        write_nk = (to_device(first_n, torch.long, device)[:, None] + heads_k).view(-1)
         groups = [g for g in (self.rows[: self.num_decode], self.rows[self.num_decode :]) if g]
         attentions = [self._group_attention(g, tables, device) for g in groups]
         bounds = list(itertools.accumulate((sum(n for _, _, n in g) for g in groups), initial=0))
         spans = list(zip(attentions, bounds, bounds[1:], strict=False))
-        return writing_attend(r.k, r.v, write_nk, joined_attention(spans))
+        return writing_attend(r.k, r.v, to_device(first_n, torch.long, device), bs, joined_attention(spans))
 
     def _group_attention(self, rows: list[tuple[int, int, int]], tables: dict[int, list[int]], device):
         """Rows padded to [R, width] queries; each attends causally over its blocks, gathered into [R, kv, S, d]."""
-        bs, width = self.runner.block_size, max(n for _, _, n in rows)
+        bs, kv_heads, width = self.runner.block_size, self.runner.kv_heads, max(n for _, _, n in rows)
         num_blocks = max(-(-(start + n) // bs) for _, start, n in rows)
         table_rb = to_device(
             [(tables[slot] + [0] * num_blocks)[:num_blocks] for slot, _, _ in rows], torch.long, device
@@ -296,21 +289,15 @@ class PagedStep:
         visible_r1ts = (key_pos_s[None, None, :] <= pos_rt[:, :, None])[:, None]
         # rows of the flat cache [blocks * kv_heads * block_size, head_dim] holding each row's keys, in order:
         # one gather straight into SDPA's [R, kv_heads, S, head_dim] layout
-        kv_heads = self.runner.kv_heads
         block_rs = table_rb.repeat_interleave(bs, dim=1)
         heads_k = torch.arange(kv_heads, device=device)
-        gather_rks = (block_rs[:, None, :] * kv_heads + heads_k[None, :, None]) * bs + (key_pos_s % bs)
-        gather_n = gather_rks.view(-1)
+        gather_n = ((block_rs[:, None, :] * kv_heads + heads_k[None, :, None]) * bs + (key_pos_s % bs)).view(-1)
 
         def attend(k_cache, v_cache, q_nhd) -> torch.Tensor:
-            num_rows, head_dim = len(rows), k_cache.shape[-1]
-            keys = k_cache.view(-1, head_dim).index_select(0, gather_n).view(num_rows, kv_heads, -1, head_dim)
-            values = v_cache.view(-1, head_dim).index_select(0, gather_n).view(num_rows, kv_heads, -1, head_dim)
-            q_pad = q_nhd.new_zeros(num_rows * width, *q_nhd.shape[1:])
-            q_pad[flat_n] = q_nhd
-            q_rhtd = q_pad.view(num_rows, width, *q_nhd.shape[1:]).transpose(1, 2)
-            out_rhtd = gqa_attention(q_rhtd, keys, values, visible_r1ts)
-            return out_rhtd.transpose(1, 2).reshape(num_rows * width, *q_nhd.shape[1:])[flat_n]
+            head_dim = k_cache.shape[-1]
+            keys = k_cache.view(-1, head_dim).index_select(0, gather_n).view(len(rows), kv_heads, -1, head_dim)
+            values = v_cache.view(-1, head_dim).index_select(0, gather_n).view(len(rows), kv_heads, -1, head_dim)
+            return padded_attention(q_nhd, keys, values, flat_n, width, visible_r1ts)
 
         return attend
 
@@ -336,9 +323,7 @@ class PagedRunner:
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.packs = LinearPacks(model)  # Molt's GEMM kernel for the linear layers on CPU in fp32, as ModelRunner
-        self.graphs = None
-        if graphs:
-            self.graphs = GraphDecode(self, manager.num_slots, scratch, capture=on_cuda)
+        self.graphs = GraphDecode(self, manager.num_slots, scratch, capture=on_cuda) if graphs else None
 
     def cache_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()

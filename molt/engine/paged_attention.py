@@ -100,14 +100,11 @@ BACKEND = {"triton": True}  # set to False (and logged) if the kernel ever fails
 def paged_decode(q_nhd, k_cache, v_cache, table_nm, lens_n, scale: float) -> torch.Tensor:
     """Decode attention over the paged cache: the Triton kernel on CUDA (head_dim a power of two >= 16), torch
     ops elsewhere or if the kernel cannot be built (first use is the graphs' warm-up, outside any capture)."""
-    if q_nhd.is_cuda and _pow2(q_nhd.shape[-1]) and BACKEND["triton"]:
+    head_dim = q_nhd.shape[-1]
+    if q_nhd.is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and BACKEND["triton"]:
         try:
             return triton_paged_decode(q_nhd, k_cache, v_cache, table_nm, lens_n, scale)
         except Exception:  # noqa: BLE001 - e.g. no Triton in this build
             log.exception("the Triton paged-attention kernel failed; decode attention runs in torch ops")
             BACKEND["triton"] = False
     return torch_paged_decode(q_nhd, k_cache, v_cache, table_nm, lens_n, scale)
-
-
-def _pow2(x: int) -> bool:
-    return x >= 16 and x & (x - 1) == 0

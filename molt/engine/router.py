@@ -64,13 +64,10 @@ class Router(Engine):
         index = self.place(session_id)
         self._in_flight[index] += sampling.n
         self._requests[request_id] = index
+        kw = {"images": images} if images else {}  # engines without image support need not take the argument
         try:
             return await self.engines[index].generate_group(
-                prompt_token_ids,
-                sampling,
-                request_id=request_id,
-                session_id=session_id,
-                **({"images": images} if images else {}),
+                prompt_token_ids, sampling, request_id=request_id, session_id=session_id, **kw
             )
         finally:
             self._in_flight[index] -= sampling.n

@@ -44,24 +44,28 @@ log = logging.getLogger(__name__)
 KV_TILE = 16
 
 
-def gqa_attention(q_bhtd: torch.Tensor, k_bksd: torch.Tensor, v_bksd: torch.Tensor, visible_b1ts: torch.Tensor):
-    """Softmax attention with grouped kv heads (q head h uses kv head h // group) where `visible_b1ts` (bool).
+def padded_attention(q_nhd: torch.Tensor, k_rksd: torch.Tensor, v_rksd: torch.Tensor, flat_n, width: int, visible_r1ts):
+    """Packed queries `q_nhd` as R rows of `width` (query n at `flat_n[n]`), each over its keys where `visible_r1ts`
+    (bool), with grouped kv heads (q head h uses kv head h // group); back to [N, H, D].
 
     Keys are not repeated per group: the group's queries are stacked along the query axis instead. SDPA in the
-    inputs' dtype (fp32 accumulation in its kernels, as in the trainer's packed forward).
-    """
-    b, h, t, d = q_bhtd.shape
-    group = h // k_bksd.shape[1]
-    q_bkqd = q_bhtd.reshape(b, -1, group * t, d)
-    mask_b1qs = visible_b1ts.repeat(1, 1, group, 1) if group > 1 else visible_b1ts
-    return F.scaled_dot_product_attention(q_bkqd, k_bksd, v_bksd, attn_mask=mask_b1qs).view(b, h, t, d)
+    inputs' dtype (fp32 accumulation in its kernels, as in the trainer's packed forward)."""
+    rows, (h, d) = k_rksd.shape[0], q_nhd.shape[1:]
+    group = h // k_rksd.shape[1]
+    q_pad = q_nhd.new_zeros(rows * width, h, d)
+    q_pad[flat_n] = q_nhd
+    q_rkqd = q_pad.view(rows, width, h, d).transpose(1, 2).reshape(rows, -1, group * width, d)
+    mask_r1qs = visible_r1ts.repeat(1, 1, group, 1) if group > 1 else visible_r1ts
+    out_rhtd = F.scaled_dot_product_attention(q_rkqd, k_rksd, v_rksd, attn_mask=mask_r1qs).view(rows, h, width, d)
+    return out_rhtd.transpose(1, 2).reshape(rows * width, h, d)[flat_n]
 
 
-def writing_attend(k: torch.Tensor, v: torch.Tensor, write_nk: torch.Tensor, attention):
-    """The model's `attend(layer_idx, q, k, v)` over caches `k`/`v` [layers, ...]: stores the new keys and values at
-    rows `write_nk` of the layer's cache flattened to [-1, head_dim], then returns `attention(k_cache, v_cache, q_nhd)`.
-    """
+def writing_attend(k: torch.Tensor, v: torch.Tensor, write_n: torch.Tensor, head_stride: int, attention):
+    """The model's `attend(layer_idx, q, k, v)` over caches `k`/`v` [layers, ...]: stores token n's new key and value
+    of kv head h at row `write_n[n] + h * head_stride` of the layer's cache flattened to [-1, head_dim], then returns
+    `attention(k_cache, v_cache, q_nhd)`."""
     head_dim = k.shape[-1]
+    write_nk = (write_n[:, None] + torch.arange(k.shape[2], device=write_n.device) * head_stride).view(-1)
 
     def attend(layer_idx: int, q_1hnd, k_1knd, v_1knd) -> torch.Tensor:
         k_cache, v_cache = k[layer_idx], v[layer_idx]
@@ -97,41 +101,28 @@ class MixedStep:
 
     `decode_slots` / `chunk_slots` are the cache rows, `chunk_lens` the chunk lengths (positions
     come from the position ids the model is called with), `kv_lens` the number of cache positions
-    the decode rows and the chunks attend over (the longest sequence of each, not the capacity).
-    """
+    the decode rows and the chunks attend over (the longest sequence of each, not the capacity)."""
 
     def __init__(self, runner: ModelRunner, decode_slots, chunk_slots, chunk_lens, kv_lens: tuple[int, int]):
         self.runner, self.decode_slots, self.kv_lens = runner, decode_slots, kv_lens
         self.chunk_slots, self.chunk_lens = chunk_slots, chunk_lens
 
     def prepare(self, position_ids_bt: torch.Tensor):
-        r = self.runner
-        pos_n = position_ids_bt[0]
-        num_decode = len(self.decode_slots)
-        slots_n = to_device(
-            self.decode_slots + [s for s, n in zip(self.chunk_slots, self.chunk_lens, strict=True) for _ in range(n)],
-            torch.long,
-            pos_n.device,
-        )
+        r, pos_n, num_decode = self.runner, position_ids_bt[0], len(self.decode_slots)
+        chunk_rows = [s for s, n in zip(self.chunk_slots, self.chunk_lens, strict=True) for _ in range(n)]
+        slots_n = to_device(self.decode_slots + chunk_rows, torch.long, pos_n.device)
         # every new key/value is one row of the flattened cache [slots * kv_heads * max_seq_len, head_dim]
-        heads_k = torch.arange(r.kv_heads, device=pos_n.device)
-        write_nk = ((slots_n[:, None] * r.kv_heads + heads_k) * r.max_seq_len + pos_n[:, None]).view(-1)
+        write_n = slots_n * (r.kv_heads * r.max_seq_len) + pos_n
         if r.own_attention:  # Molt's kernel: every token, decode or prefill, over its slot's first pos + 1 keys
             lens_n = pos_n + 1
             attention = lambda k, v, q_nhd: kernels.decode_attention(q_nhd, k, v, slots_n, lens_n)  # noqa: E731
-        else:
-            attention = self._torch_attention(pos_n, slots_n, num_decode)
-        return writing_attend(r.k, r.v, write_nk, attention)
-
-    def _torch_attention(self, pos_n: torch.Tensor, slots_n: torch.Tensor, num_decode: int):
-        """Attention in torch ops (GPU, other dtypes): the decode rows' and the prefill chunks' apart, joined."""
-        spans = []
-        if num_decode:
-            spans.append((self._decode_attention(pos_n[:num_decode]), 0, num_decode))
-        if self.chunk_slots:
-            prefill = self._prefill_attention(pos_n[num_decode:], slots_n[num_decode:])
-            spans.append((prefill, num_decode, len(pos_n)))
-        return joined_attention(spans)
+        else:  # torch ops (GPU, other dtypes): the decode rows' and the prefill chunks' apart, joined
+            spans = [(self._decode_attention(pos_n[:num_decode]), 0, num_decode)] if num_decode else []
+            if self.chunk_slots:
+                prefill = self._prefill_attention(pos_n[num_decode:], slots_n[num_decode:])
+                spans.append((prefill, num_decode, len(pos_n)))
+            attention = joined_attention(spans)
+        return writing_attend(r.k, r.v, write_n, r.max_seq_len, attention)
 
     def _decode_attention(self, pos_b: torch.Tensor):
         """One query per decode row over its slot's cache (SDPA batched over rows and kv heads, the head group's
@@ -157,23 +148,16 @@ class MixedStep:
         """Chunks scattered into a padded [R, T] layout, causal over their slot's cache, gathered back."""
         device, kv_len = pos_n.device, self.kv_lens[1]
         lens, width = self.chunk_lens, max(self.chunk_lens)
-        flat = [row * width + i for row, n in enumerate(lens) for i in range(n)]
-        flat_n = to_device(flat, torch.long, device)
+        flat_n = to_device([row * width + i for row, n in enumerate(lens) for i in range(n)], torch.long, device)
         slots_r = to_device(self.chunk_slots, torch.long, device)
-        pos_rt = torch.full((len(lens) * width,), -1, dtype=torch.long, device=device)
+        pos_rt = torch.zeros(len(lens) * width, dtype=torch.long, device=device)  # padding: position 0
         pos_rt[flat_n] = pos_n
-        pos_rt = pos_rt.view(len(lens), width)
-        key_pos_s = torch.arange(kv_len, device=device)
-        visible_r1ts = (key_pos_s[None, None, :] <= pos_rt.clamp(min=0)[:, :, None])[:, None]
+        visible_r1ts = (torch.arange(kv_len, device=device) <= pos_rt.view(len(lens), width)[:, :, None])[:, None]
 
         def attend(k_cache, v_cache, q_nhd) -> torch.Tensor:
             keys = k_cache[:, :, :kv_len].index_select(0, slots_r)
             values = v_cache[:, :, :kv_len].index_select(0, slots_r)
-            q_pad = q_nhd.new_zeros(len(lens) * width, *q_nhd.shape[1:])
-            q_pad[flat_n] = q_nhd
-            q_rhtd = q_pad.view(len(lens), width, *q_nhd.shape[1:]).transpose(1, 2)
-            out_rhtd = gqa_attention(q_rhtd, keys, values, visible_r1ts)
-            return out_rhtd.transpose(1, 2).reshape(len(lens) * width, *q_nhd.shape[1:])[flat_n]
+            return padded_attention(q_nhd, keys, values, flat_n, width, visible_r1ts)
 
         return attend
 
@@ -223,8 +207,7 @@ class ModelRunner:
 
         `chunks` are (slot, token ids, start position); `sampled_chunks` (increasing) indexes those
         whose last token's logits are wanted. Decode slots must be in increasing order. `image_embeds_nh`:
-        one row per image placeholder token of the chunks, in order (VLMs).
-        """
+        one row per image placeholder token of the chunks, in order (VLMs)."""
         ids = [token for _, token, _ in decode]
         positions = [pos for _, _, pos in decode]
         if self.compiled is not None and not chunks and self.compiled.accepts(decode, positions):

@@ -21,8 +21,9 @@ from molt.engine.transfer import to_device
 MASK64 = (1 << 64) - 1
 
 
-def splitmix64(x: int) -> int:
-    """A 64-bit integer mix (SplitMix64 finaliser): well-spread bits from consecutive inputs."""
+def splitmix64(x: int | np.ndarray) -> int | np.ndarray:
+    """A 64-bit integer mix (SplitMix64 finaliser) of an int or a numpy uint64 array (its arithmetic wraps as
+    `MASK64` does): well-spread bits from consecutive inputs."""
     x = (x + 0x9E3779B97F4A7C15) & MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
@@ -40,22 +41,11 @@ def uniform(seed: int, position: int) -> float:
 
 
 def uniforms(seeds: Sequence[int], positions: Sequence[int]) -> Sequence[float]:
-    """`uniform` of each (seed, position) pair; from a few dozen pairs on, at once in numpy (its uint64
-    arithmetic wraps as `MASK64` does)."""
+    """`uniform` of each (seed, position) pair; from a few dozen pairs on, at once in numpy."""
     if len(seeds) < 32:
         return [uniform(s, p) for s, p in zip(seeds, positions, strict=True)]
-    x = _splitmix64_np(np.array(seeds, dtype=np.uint64) ^ _splitmix64_np(np.array(positions, dtype=np.uint64)))
-    return (x >> _U64[11]).astype(np.float64) / float(1 << 53)
-
-
-_U64 = {k: np.uint64(k) for k in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 11, 27, 30, 31)}
-
-
-def _splitmix64_np(x: np.ndarray) -> np.ndarray:
-    x = x + _U64[0x9E3779B97F4A7C15]
-    x = (x ^ (x >> _U64[30])) * _U64[0xBF58476D1CE4E5B9]
-    x = (x ^ (x >> _U64[27])) * _U64[0x94D049BB133111EB]
-    return x ^ (x >> _U64[31])
+    x = splitmix64(np.array(seeds, dtype=np.uint64) ^ splitmix64(np.array(positions, dtype=np.uint64)))
+    return (x >> 11).astype(np.float64) / float(1 << 53)
 
 
 @dataclass

@@ -64,14 +64,6 @@ class Sequence:
     first_token_at: float | None = None
     routing: Any = None  # MoE: [len(tokens), layers, k] expert ids, read from the runner when it finishes
 
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.num_prompt
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return self.group.sampling
-
 
 @dataclass
 class Chunk:
@@ -98,8 +90,7 @@ class Scheduler:
     def __init__(self, manager: SlotCacheManager, max_num_batched_tokens: int = 2048):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        self.manager = manager
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.manager, self.max_num_batched_tokens = manager, max_num_batched_tokens
         self.waiting: deque[Group] = deque()
         self.running: list[Sequence] = []  # sequences holding a slot
         self.owners: dict[tuple[int, ...], Sequence] = {}  # prompt -> a running sequence that computes/holds it

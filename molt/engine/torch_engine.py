@@ -57,8 +57,7 @@ class TorchEngine(Engine):
     thread's setting). `record_routing` (MoE): `Completion.routing` (docs/moe.md). `compile`: decode steps through
     `torch.compile` (`compiled.py`), compiled when the engine thread starts. `kv_blocks`, `kv_bytes` or
     `kv_memory_fraction` (of free CUDA memory): a paged KV cache of blocks of `block_size` positions instead of the
-    slot cache (`paged.py`; dense text models). `graphs` (paged; None: on CUDA): decode replays CUDA graphs.
-    """
+    slot cache (`paged.py`; dense text models). `graphs` (paged; None: on CUDA): decode replays CUDA graphs."""
 
     def __init__(
         self,
@@ -126,23 +125,25 @@ class TorchEngine(Engine):
         session_id: str | None = None,
         images: Sequence[torch.Tensor] | None = None,
     ) -> list[Completion]:
-        return await self._generate(prompt_token_ids, sampling, request_id, images, None)
+        return await self.generate_streamed(prompt_token_ids, sampling, None, request_id=request_id, images=images)
 
     async def generate_streamed(
         self,
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams | None,
-        on_tokens: Callable[[TokenDelta], None],
+        on_tokens: Callable[[TokenDelta], None] | None,
         *,
         request_id: str | None = None,
         session_id: str | None = None,
         images: Sequence[torch.Tensor] | None = None,
     ) -> list[Completion]:
-        return await self._generate(prompt_token_ids, sampling, request_id, images, on_tokens)
-
-    async def _generate(self, prompt_token_ids, sampling, request_id, images, on_tokens) -> list[Completion]:
         sampling = sampling or SamplingParams()
-        prompt = self._validate(prompt_token_ids, sampling)
+        prompt = check_prompt(prompt_token_ids, sampling, self.max_seq_len, "max_seq_len", self.tokenizer)
+        vocab = self.model.cfg.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if sampling.n > self.manager.num_slots:
+            raise ValueError(f"n={sampling.n} exceeds the engine's num_slots={self.manager.num_slots}")
         pixels = check_request_images(self.model.cfg, prompt, images)
         request_id = request_id or new_request_id()
         loop = asyncio.get_running_loop()
@@ -158,9 +159,7 @@ class TorchEngine(Engine):
 
         base_seed = self._rng.getrandbits(63) if sampling.seed is None else sampling.seed
         seeds = [sample_seed(base_seed, i) for i in range(sampling.n)]
-        stop_ids = frozenset(sampling.stop_token_ids) | (
-            frozenset() if sampling.ignore_eos else self.core.eos_token_ids
-        )
+        stop_ids = frozenset(sampling.stop_token_ids).union(() if sampling.ignore_eos else self.core.eos_token_ids)
         group = Group(request_id, prompt, sampling, seeds, on_done, stop_ids, time.perf_counter(), images=pixels)
         self._post(lambda: self.core.add(group, on_step if on_tokens is not None else None))
         try:
@@ -168,15 +167,6 @@ class TorchEngine(Engine):
         except asyncio.CancelledError:
             self._post(lambda: self.core.abort(request_id))
             raise
-
-    def _validate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
-        prompt = check_prompt(prompt_token_ids, sampling, self.max_seq_len, "max_seq_len", self.tokenizer)
-        vocab = self.model.cfg.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if sampling.n > self.manager.num_slots:
-            raise ValueError(f"n={sampling.n} exceeds the engine's num_slots={self.manager.num_slots}")
-        return prompt
 
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda: self.core.abort(request_id))
@@ -191,8 +181,7 @@ class TorchEngine(Engine):
         if mode not in ("drain", "interrupt"):
             raise ValueError(f"mode must be 'drain' or 'interrupt', got {mode!r}")
         if mode == "interrupt":
-            recompute = self.kv_on_update == "recompute"
-            await self._call(lambda: self.core.swap_weights(weights, version, recompute))
+            await self._call(lambda: self.core.swap_weights(weights, version, self.kv_on_update == "recompute"))
             return
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._post(lambda: self._drains.append((weights, version, done)))
@@ -274,7 +263,8 @@ class TorchEngine(Engine):
         self._drains = []
 
     def _shutdown(self) -> None:
-        self.core.abort_all()
+        for request_id in list(self.core.groups):
+            self.core.abort(request_id)
         self._closed = True
 
 

@@ -143,10 +143,8 @@ class VLLMEngine(Engine):
     async def _sample(self, prompt: list[int], sp: SamplingParams, request_id: str, index: int) -> Completion:
         """One sample; resubmitted as a continuation whenever an `interrupt` weight swap aborts it."""
         sample_id = f"{request_id}-{index}"
-        stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
+        stop_ids = frozenset(sp.stop_token_ids).union(() if sp.ignore_eos else self.eos_token_ids)
+        tokens, logprobs, versions = [], [], []
         finish, stop_reason, part = None, None, 0
         while finish is None:
             await self._open.wait()

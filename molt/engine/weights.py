@@ -20,13 +20,11 @@ from molt.models.transformer import Transformer
 def load_weights(model: Transformer, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
     """Copy `weights` into `model`'s parameters in place; returns the number of tensors copied.
 
-    Unknown names or shape mismatches are an error listing them, raised before anything is copied.
-    """
-    items = list(weights.items() if isinstance(weights, Mapping) else weights)
+    Unknown names or shape mismatches are an error listing them, raised before anything is copied."""
     params = model.state_dict(keep_vars=True)
     params |= hf_views(params, model.cfg)  # HF names too: per-expert tensors land in a slice of the stacked ones
     plan, unknown, mismatched = [], [], []
-    for name, tensor in items:
+    for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
         if IGNORED_HF_KEYS.search(name):
             continue
         dest = params.get(name)

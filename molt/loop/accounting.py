@@ -72,6 +72,16 @@ DROP_WHY = {  # what a group drop reason means, for the progress lines
 }
 
 
+def log_failure(failure_log: Path, line: str, error: BaseException, kinds: set) -> bool:
+    """Append `line` to `failure_log`, with the traceback if `error` is the first of its kind (added to `kinds`)."""
+    first = (kind := error_kind(error)) not in kinds
+    kinds.add(kind)
+    failure_log.parent.mkdir(parents=True, exist_ok=True)
+    with failure_log.open("a") as f:
+        f.write(line + "\n" + (error_traceback(error) + "\n" if first else ""))
+    return first
+
+
 class RunStoppedError(UserError, RuntimeError):
     """The run cannot make progress because of the agent, data or settings (not a bug in Molt)."""
 
@@ -104,7 +114,8 @@ class Accounting:
         fate = "its group is dropped: the estimator needs complete groups" if self.complete_groups else (
             "its group trains without it unless all of its rollouts fail")  # fmt: skip
         line = f"rollout {rollout_id} (group {group_index}) failed: {what}"
-        log.warning("%s; %s%s", line, fate, self._log_failure(error, line))
+        first = self.failure_log is not None and log_failure(self.failure_log, line, error, self.failure_kinds)
+        log.warning("%s; %s%s", line, fate, f" (traceback in {self.failure_log})" if first else "")
         ro = self.cfg.rollout
         if self.state.rollouts >= 20 and self.state.failures / self.state.rollouts > ro.max_failure_frac:
             where = f"; tracebacks: {self.failure_log}" if self.failure_log else ""
@@ -122,18 +133,6 @@ class Accounting:
             self.dropped_rows.add(where)
             log.warning("%s: %s; its group is dropped (%s)", where, error, error.drop_reason)
         return Dropped(error.drop_reason)
-
-    def _log_failure(self, error: Exception, line: str) -> str:
-        """Append `line` to the failure log, with the traceback the first time this kind of error is seen."""
-        if self.failure_log is None:
-            return ""
-        kind = error_kind(error)
-        first = kind not in self.failure_kinds
-        self.failure_kinds.add(kind)
-        self.failure_log.parent.mkdir(parents=True, exist_ok=True)
-        with self.failure_log.open("a") as f:
-            f.write(line + "\n" + (error_traceback(error) + "\n" if first else ""))
-        return f" (traceback in {self.failure_log})" if first else ""
 
     def _check_progress(self, reason: str) -> None:
         """Stop with a clear error once 50 steps' worth of groups in a row were dropped (the run cannot train)."""
@@ -157,9 +156,6 @@ class Accounting:
         if not self.group_drops:
             return ""
         signal = self.cfg.rollout.filter_on
-        parts = [
-            f"{n} {reason} ({DROP_WHY.get(reason, reason).format(signal=signal)})"
-            for reason, n in self.group_drops.most_common()
-        ]
+        parts = [f"{n} {r} ({DROP_WHY.get(r, r).format(signal=signal)})" for r, n in self.group_drops.most_common()]
         total, self.group_drops = sum(self.group_drops.values()), collections.Counter()
         return f"{total} group{'s' * (total != 1)} dropped: " + ", ".join(parts)

@@ -1,12 +1,11 @@
 """Rollout dumps: every trained batch as one jsonl shard per step, and reading a shard back with its checks.
 
-`--rollout.dump` writes `<run_dir>/rollouts/step-<N>.jsonl` atomically before step N trains: one line per
-trajectory, in the trainer's order, with the `Trajectory` fields plus `step` and `version` (the trainer's).
-Images keep their start and hash; their pixels go once to `rollouts/images/<hash>.pt`. `info` is written as JSON
-whatever it holds (arrays as lists, other keys as str, other values as their repr), never failing. Floats keep `repr`
-precision, so a read-back batch is bit-identical. `read_shard` checks every line (types, aligned lists, vocabulary,
-action hashes, pixels, versions, MoE routing: shape, expert ids) and fails with a `DumpError` naming file, line and
-field. Knows trajectories only.
+`--rollout.dump` writes `<run_dir>/rollouts/step-<N>.jsonl` atomically before step N trains: one line per trajectory, in
+the trainer's order, with the `Trajectory` fields plus `step` and `version` (the trainer's). Images keep their start and
+hash; their pixels go once to `rollouts/images/<hash>.pt`. `info` is written as JSON whatever it holds (arrays as lists,
+other keys as str, other values as their repr), never failing. Floats keep `repr` precision, so a read-back batch is
+bit-identical. `read_shard` checks every line (types, aligned lists, vocabulary, action hashes, pixels, versions, MoE
+routing: shape, expert ids) and fails with a `DumpError` naming file, line and field. Knows trajectories only.
 """
 
 from __future__ import annotations
@@ -137,11 +136,9 @@ def _check_types(record: Any, where: str) -> None:
     """Every required field present, no unknown one, and each per-token list of the right element type."""
     if not isinstance(record, dict):
         raise DumpError(f"{where}: a line must be a JSON object, got {type(record).__name__}")
-    for key in REQUIRED:
-        if key not in record:
-            raise _fail(where, key, "missing")
-    unknown = sorted(set(record) - set(REQUIRED) - OPTIONAL)
-    if unknown:
+    if missing := [key for key in REQUIRED if key not in record]:
+        raise _fail(where, missing[0], "missing")
+    if unknown := sorted(set(record) - set(REQUIRED) - OPTIONAL):
         raise _fail(where, unknown[0], "unknown (not a Trajectory field)")
     for key, ok, kind in [("tokens", _is_int, "int"), ("loss_mask", lambda m: m in (0, 1), "0 or 1"),
                           ("versions", _is_int, "int"), ("rollout_logprobs", _is_number, "number")]:  # fmt: skip

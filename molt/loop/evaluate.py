@@ -22,7 +22,8 @@ from molt.agents.runner import EpisodeLimits
 from molt.config import Config
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Engine, SamplingParams
-from molt.errors import RunFatalError, describe_error, error_kind, error_traceback
+from molt.errors import RunFatalError, describe_error
+from molt.loop.accounting import log_failure
 
 
 def rollout_sampling(cfg: Config, tokenizer, temperature: float) -> SamplingParams:
@@ -37,8 +38,7 @@ def rollout_sampling(cfg: Config, tokenizer, temperature: float) -> SamplingPara
 
 def episode_limits(cfg: Config) -> EpisodeLimits:
     """Per-episode budgets of the rollout settings."""
-    ro = cfg.rollout
-    return EpisodeLimits(ro.max_turns, ro.max_len, ro.step_timeout_s)
+    return EpisodeLimits(cfg.rollout.max_turns, cfg.rollout.max_len, cfg.rollout.step_timeout_s)
 
 
 def chat_options(cfg: Config) -> dict[str, Any]:
@@ -83,19 +83,6 @@ def _sample_record(tokenizer, traj, error: BaseException | None) -> dict[str, An
     return record | ({"rewards": named} if named else {})
 
 
-def _log_failures(failure_log: Path, n: int, errors: list[BaseException | None]) -> None:
-    """One line per failed sample in `failure_log`, with the traceback of the first failure of each kind."""
-    kinds = set()
-    failure_log.parent.mkdir(parents=True, exist_ok=True)
-    with failure_log.open("a") as f:
-        for j, error in enumerate(errors):
-            if error is not None:
-                f.write(f"eval sample {j % n} of row {j // n} failed: {describe_error(error)}\n")
-                if (kind := error_kind(error)) not in kinds:
-                    kinds.add(kind)
-                    f.write(error_traceback(error) + "\n")
-
-
 async def evaluate(
     tokenizer,
     rollout: Callable[..., Awaitable[list[Trajectory]]],
@@ -131,9 +118,11 @@ async def evaluate(
         outcomes = await asyncio.gather(*(one(i, row, k) for i, row in enumerate(rows) for k in range(n)))
     finally:
         EVALUATING.reset(token)
-    trajs = [t for t, _ in outcomes]
-    if failure_log is not None and any(t is None for t in trajs):
-        _log_failures(failure_log, n, [e for _, e in outcomes])
+    trajs, kinds = [t for t, _ in outcomes], set()
+    for j, (_, error) in enumerate(outcomes):  # one line per failed sample, the first of each kind with its traceback
+        if failure_log is not None and error is not None:
+            line = f"eval sample {j % n} of row {j // n} failed: {describe_error(error)}"
+            log_failure(failure_log, line, error, kinds)
     rewards = [t.reward if t is not None else 0.0 for t in trajs]
     correct = [[(t is not None and t.score >= 1.0) for t in trajs[i * n : (i + 1) * n]] for i in range(len(rows))]
     metrics = {"eval/reward_mean": sum(rewards) / len(rewards), "eval/failures": sum(t is None for t in trajs)}

@@ -60,8 +60,7 @@ class RLLoop(Accounting):
         self.train_rows, self.eval_rows = train_rows, eval_rows
         ro = cfg.rollout
         self.group_size, self.groups_per_step = ro.n_samples_per_prompt, ro.prompts_per_step
-        self.limits = episode_limits(cfg)
-        self.sampling = rollout_sampling(cfg, tokenizer, ro.temperature)
+        self.limits, self.sampling = episode_limits(cfg), rollout_sampling(cfg, tokenizer, ro.temperature)
         self.buffer: asyncio.Queue[list[Trajectory]] = asyncio.Queue()
         self.in_flight = asyncio.Semaphore(ro.episodes_in_flight)
         self.version_changed = asyncio.Condition()
@@ -139,16 +138,11 @@ class RLLoop(Accounting):
     async def _episode(self, row: dict, group_index: int, k: int) -> RolloutOutcome:
         rollout_id = group_index * self.group_size + k
         sampling = dataclasses.replace(self.sampling, seed=self.cfg.train.seed * 1_000_003 + rollout_id)
+        keep_ids = self.cfg.train.check_tokens == "exhaustive"
         async with self.in_flight:
             try:
-                segments = await self._rollout(
-                    row,
-                    sampling,
-                    self.limits,
-                    keep_ids=self.cfg.train.check_tokens == "exhaustive",
-                    rollout_id=rollout_id,
-                    group_id=group_index,
-                )
+                ids = {"rollout_id": rollout_id, "group_id": group_index}
+                segments = await self._rollout(row, sampling, self.limits, keep_ids=keep_ids, **ids)
             except RolloutDrop as e:  # e.g. an image that does not fit the context: dropped, not failed
                 return self._count_drop(e, row)
             except RunFatalError:  # e.g. an engine replica that is gone for good
@@ -238,12 +232,11 @@ class RLLoop(Accounting):
         return every > 0 and (self.state.step % every == 0 or self.state.step == self.cfg.train.max_steps)
 
     def _loop_metrics(self, t0: float) -> dict[str, Any]:
-        elapsed = time.perf_counter() - self.rollout_t0
         counts = {f"drop/{k}": v for k, v in self.state.drops.items()} | self._engine_metrics()
         return counts | {
             "step": self.state.step,
             "version": self.trainer.version,
-            "rollout/tokens_per_s": self.rollout_tokens / max(elapsed, 1e-9),
+            "rollout/tokens_per_s": self.rollout_tokens / max(time.perf_counter() - self.rollout_t0, 1e-9),
             "rollout/rollouts": self.state.rollouts,
             "rollout/failures": self.state.failures,
             "rollout/buffer_groups": self.buffer.qsize(),
@@ -300,10 +293,8 @@ class RLLoop(Accounting):
         try:
             done, _ = await asyncio.wait({producer, trainer}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when the run itself is cancelled (Ctrl-C): no rollout outlives the loop's engine
-            producer.cancel()
-            trainer.cancel()
-            for task in self.group_tasks:
-                task.cancel()  # in-flight groups of steps that will not run; restarted on resume
+            for task in (producer, trainer, *self.group_tasks):  # in-flight groups will not run; restarted on resume
+                task.cancel()
             await asyncio.gather(producer, trainer, *self.group_tasks, return_exceptions=True)
         for task in done:
             task.result()  # re-raise a failure of either coroutine

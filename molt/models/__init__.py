@@ -7,23 +7,7 @@ from molt.models.moe import NO_ROUTE, Routing
 from molt.models.tokenizer import apply_chat_template, assistant_mask, build_builtin_tokenizer, load_tokenizer
 from molt.models.transformer import Transformer
 
-__all__ = [
-    "NO_ROUTE",
-    "PRESETS",
-    "KVCache",
-    "PackedCausal",
-    "Routing",
-    "Transformer",
-    "TransformerConfig",
-    "apply_chat_template",
-    "assistant_mask",
-    "build_builtin_tokenizer",
-    "config_from_hf",
-    "config_to_hf",
-    "doc_ids_from_lengths",
-    "from_pretrained",
-    "load_config",
-    "load_tokenizer",
-    "preset",
-    "save_pretrained",
-]
+__all__ = ["NO_ROUTE", "PRESETS", "KVCache", "PackedCausal", "Routing", "Transformer", "TransformerConfig",
+           "apply_chat_template", "assistant_mask", "build_builtin_tokenizer", "config_from_hf", "config_to_hf",
+           "doc_ids_from_lengths", "from_pretrained", "load_config", "load_tokenizer", "preset",
+           "save_pretrained"]  # fmt: skip

@@ -22,38 +22,31 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from molt.models.config import TransformerConfig
 
 
 class Attend(Protocol):
-    def __call__(
-        self, layer_idx: int, q_bhtd: torch.Tensor, k_bhtd: torch.Tensor, v_bhtd: torch.Tensor
-    ) -> torch.Tensor: ...
+    def __call__(self, layer_idx: int, q_bhtd: Tensor, k_bhtd: Tensor, v_bhtd: Tensor) -> Tensor: ...
 
 
 class Cache(Protocol):
-    def prepare(self, position_ids_bt: torch.Tensor) -> Attend: ...
+    def prepare(self, position_ids_bt: Tensor) -> Attend: ...
 
 
-def sdpa(
-    q_bhtd: torch.Tensor,
-    k_bhsd: torch.Tensor,
-    v_bhsd: torch.Tensor,
-    mask_btts: torch.Tensor | None,
-    causal: bool,
-) -> torch.Tensor:
+def sdpa(q_bhtd: Tensor, k_bhsd: Tensor, v_bhsd: Tensor, mask_btts: Tensor | None, causal: bool) -> Tensor:
     """Scaled dot-product attention with grouped-query heads (each kv head serves q_heads/kv_heads)."""
     gqa = q_bhtd.shape[1] != k_bhsd.shape[1]
     return F.scaled_dot_product_attention(q_bhtd, k_bhsd, v_bhsd, attn_mask=mask_btts, is_causal=causal, enable_gqa=gqa)
 
 
-def additive_mask(visible: torch.Tensor) -> torch.Tensor:
+def additive_mask(visible: Tensor) -> Tensor:
     """0 where `visible`, -inf elsewhere (fp32), to add to attention scores."""
     return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def per_kv_head(mask_bs: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def per_kv_head(mask_bs: Tensor, kv_heads: int) -> Tensor:
     """One-query rows' [B, S] mask repeated per kv head, as `bmm`s over (row, kv head) take it: [B * kv_heads, 1, S]."""
     rows, kv_len = mask_bs.shape
     return mask_bs[:, None].expand(rows, kv_heads, kv_len).reshape(rows * kv_heads, 1, kv_len)
@@ -65,7 +58,7 @@ class PackedCausal:
     `parent_ids_bt`: per token, a doc id whose (earlier) tokens it also sees, e.g. a prompt shared by a
     group's samples; a token's own doc id means none."""
 
-    def __init__(self, doc_ids_bt: torch.Tensor | None = None, parent_ids_bt: torch.Tensor | None = None):
+    def __init__(self, doc_ids_bt: Tensor | None = None, parent_ids_bt: Tensor | None = None):
         self.mask_b1tt, self.width = None, None
         if doc_ids_bt is not None and not bool((doc_ids_bt == 0).all()):  # one sample per row: plain causal
             t = doc_ids_bt.shape[1]
@@ -75,22 +68,19 @@ class PackedCausal:
                 visible_btt |= parent_ids_bt[:, :, None] == doc_ids_bt[:, None, :]
             self.mask_b1tt = (visible_btt & causal_tt)[:, None]
 
-    def __call__(
-        self, layer_idx: int, q_bhtd: torch.Tensor, k_bhtd: torch.Tensor, v_bhtd: torch.Tensor
-    ) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q_bhtd: Tensor, k_bhtd: Tensor, v_bhtd: Tensor) -> Tensor:
         if self.width is not None:  # selected queries of a plain causal forward: keys past the last query unused
             k_bhtd, v_bhtd = k_bhtd[:, :, : self.width], v_bhtd[:, :, : self.width]
         return sdpa(q_bhtd, k_bhtd, v_bhtd, self.mask_b1tt, causal=self.mask_b1tt is None)
 
-    def select_queries(self, cols_bq: torch.Tensor) -> PackedCausal:
+    def select_queries(self, cols_bq: Tensor) -> PackedCausal:
         """The same attention for queries at columns `cols_bq` [B, Q] only (keys: every column)."""
         out = PackedCausal()
         if self.mask_b1tt is not None:
             out.mask_b1tt = take_columns(self.mask_b1tt[:, 0], cols_bq)[:, None]
         else:  # plain causal (one sample per row): a query at column c sees columns <= c
-            width = int(cols_bq.max()) + 1
+            out.width = width = int(cols_bq.max()) + 1
             out.mask_b1tt = (torch.arange(width, device=cols_bq.device) <= cols_bq[:, :, None])[:, None]
-            out.width = width
         return out
 
 
@@ -98,7 +88,7 @@ PACKED_BACKENDS = ("auto", "sdpa", "flex")
 
 
 def packed_attention(
-    doc_ids_bt: torch.Tensor | None, parent_ids_bt: torch.Tensor | None, backend: str = "auto"
+    doc_ids_bt: Tensor | None, parent_ids_bt: Tensor | None, backend: str = "auto"
 ) -> PackedCausal | FlexPacked:
     """The packed-attention backend: `flex` on CUDA for packed rows (`auto`), SDPA otherwise.
 
@@ -114,19 +104,16 @@ def packed_attention(
 class FlexPacked:
     """`PackedCausal`'s visibility through FlexAttention: a block mask from the doc ids, no T x T tensor."""
 
-    def __init__(self, doc_ids_bt: torch.Tensor, parent_ids_bt: torch.Tensor | None = None, cols_bq=None):
-        self.doc_ids_bt, self.parent_ids_bt, self.cols_bq = doc_ids_bt, parent_ids_bt, cols_bq
-        self.packed = not bool((doc_ids_bt == 0).all())
-        # built here, once per forward and outside any compiled layer (a compiled layer then only reads it;
-        # built lazily inside one, the first layer's graph would differ from the others'); keys: every column
-        needs_mask = self.packed or cols_bq is not None
-        self.block_mask = self._mask(doc_ids_bt.shape[1]) if needs_mask else None
-
-    def _mask(self, kv_len: int):
+    def __init__(self, doc_ids_bt: Tensor, parent_ids_bt: Tensor | None = None, cols_bq=None):
         from torch.nn.attention.flex_attention import create_block_mask
 
-        doc, parent, cols = self.doc_ids_bt, self.parent_ids_bt, self.cols_bq
-        packed = self.packed
+        self.doc_ids_bt, self.parent_ids_bt = doc, parent = doc_ids_bt, parent_ids_bt
+        packed = not bool((doc == 0).all())
+        # built here, once per forward and outside any compiled layer (a compiled layer then only reads it;
+        # built lazily inside one, the first layer's graph would differ from the others'); keys: every column
+        self.block_mask, cols = None, cols_bq
+        if not packed and cols is None:
+            return
 
         def visible(b, h, q_idx, kv_idx):
             q_col = cols[b, q_idx] if cols is not None else q_idx
@@ -138,21 +125,21 @@ class FlexPacked:
                 see = see & same
             return see
 
-        rows = doc.shape[0]
-        q_len = cols.shape[1] if cols is not None else doc.shape[1]
+        rows, kv_len = doc.shape
+        q_len = cols.shape[1] if cols is not None else kv_len
         compile_mask = doc.device.type == "cuda"  # the compiled builder never evaluates the whole Q x K grid
-        return create_block_mask(visible, rows, None, q_len, kv_len, device=doc.device, _compile=compile_mask)
+        self.block_mask = create_block_mask(
+            visible, rows, None, q_len, kv_len, device=doc.device, _compile=compile_mask
+        )
 
-    def __call__(
-        self, layer_idx: int, q_bhtd: torch.Tensor, k_bhtd: torch.Tensor, v_bhtd: torch.Tensor
-    ) -> torch.Tensor:
+    def __call__(self, layer_idx: int, q_bhtd: Tensor, k_bhtd: Tensor, v_bhtd: Tensor) -> Tensor:
         if self.block_mask is None:  # one sample per row: SDPA's causal kernel needs no mask
             return sdpa(q_bhtd, k_bhtd, v_bhtd, None, causal=True)
         gqa = q_bhtd.shape[1] != k_bhtd.shape[1]
         flex = _flex_attention("compiling" if torch.compiler.is_compiling() else q_bhtd.device.type)
         return flex(q_bhtd, k_bhtd, v_bhtd, block_mask=self.block_mask, enable_gqa=gqa, kernel_options=FLEX_OPTIONS)
 
-    def select_queries(self, cols_bq: torch.Tensor) -> FlexPacked:
+    def select_queries(self, cols_bq: Tensor) -> FlexPacked:
         """The same attention for queries at columns `cols_bq` [B, Q] only (keys: every column)."""
         return FlexPacked(self.doc_ids_bt, self.parent_ids_bt, cols_bq)
 
@@ -183,16 +170,14 @@ def _flex_attention(device_type: str):
     return eager
 
 
-def take_columns(x_bt: torch.Tensor, cols_bq: torch.Tensor) -> torch.Tensor:
+def take_columns(x_bt: Tensor, cols_bq: Tensor) -> Tensor:
     """x[b, cols_bq[b, q], ...] for every row b: [B, T, ...] -> [B, Q, ...]."""
     return x_bt[torch.arange(x_bt.shape[0], device=x_bt.device)[:, None], cols_bq]
 
 
 def doc_ids_from_lengths(lengths: list[list[int]], row_len: int, device: torch.device | None = None):
-    """doc ids [B, row_len] and restarting position ids for rows packed with samples of `lengths`.
-
-    Padding after the last sample of a row gets its own doc id (-1 - row) and position 0.
-    """
+    """doc ids [B, row_len] and restarting position ids for rows packed with samples of `lengths`; padding after a
+    row's last sample gets doc id -1 and position 0."""
     doc_ids = torch.full((len(lengths), row_len), -1, dtype=torch.long)
     positions = torch.zeros((len(lengths), row_len), dtype=torch.long)
     for row, row_lengths in enumerate(lengths):
@@ -227,17 +212,15 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
-    def prepare(self, position_ids_bt: torch.Tensor) -> Attend:
+    def prepare(self, position_ids_bt: Tensor) -> Attend:
         if int(position_ids_bt.max()) >= self.max_len:
             raise ValueError(f"position {int(position_ids_bt.max())} exceeds KV cache length {self.max_len}")
-        slots_bt = torch.where(position_ids_bt < 0, self.max_len, position_ids_bt)
-        key_pos_s = torch.arange(self.max_len + 1, device=position_ids_bt.device)
-        visible_bts = key_pos_s[None, None, :] <= position_ids_bt[:, :, None]
+        visible_bts = torch.arange(self.max_len + 1, device=position_ids_bt.device) <= position_ids_bt[:, :, None]
         visible_bts[:, :, self.max_len] = position_ids_bt < 0  # padding sees only its scratch slot
         mask_b1ts = visible_bts[:, None]
-        index_bhtd = slots_bt[:, None, :, None]
+        index_bhtd = torch.where(position_ids_bt < 0, self.max_len, position_ids_bt)[:, None, :, None]  # slots
 
-        def attend(layer_idx: int, q_bhtd, k_bhtd, v_bhtd) -> torch.Tensor:
+        def attend(layer_idx: int, q_bhtd, k_bhtd, v_bhtd) -> Tensor:
             idx = index_bhtd.expand(-1, k_bhtd.shape[1], -1, k_bhtd.shape[3])
             self.k[layer_idx].scatter_(2, idx, k_bhtd.to(self.k.dtype))
             self.v[layer_idx].scatter_(2, idx, v_bhtd.to(self.v.dtype))

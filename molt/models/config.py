@@ -95,6 +95,9 @@ class TransformerConfig:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
 
+# the MoE fields, named as in config.json (space-separated)
+MOE_KEYS = "num_experts num_experts_per_tok moe_intermediate_size norm_topk_prob decoder_sparse_step mlp_only_layers"
+
 # model_type -> its config.json reader (HF keys -> TransformerConfig fields); all families share one writer
 FAMILIES: Registry[Callable[[dict[str, Any]], dict[str, Any]]] = Registry("model family")
 
@@ -194,14 +197,7 @@ def config_to_hf(cfg: TransformerConfig, dtype: str = "float32") -> dict[str, An
     if cfg.model_type == "llama":
         hf["mlp_bias"] = cfg.mlp_bias
     if cfg.num_experts:
-        hf |= dict(
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.num_experts_per_tok,
-            moe_intermediate_size=cfg.moe_intermediate_size,
-            norm_topk_prob=cfg.norm_topk_prob,
-            decoder_sparse_step=cfg.decoder_sparse_step,
-            mlp_only_layers=cfg.mlp_only_layers,
-        )
+        hf |= {key: getattr(cfg, key) for key in MOE_KEYS.split()}
     if cfg.vision is not None:
         hf |= dict(vision_config=dataclasses.asdict(cfg.vision), image_token_id=cfg.image_token_id)
     return hf
@@ -220,22 +216,11 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Transform
 
 # Built-in presets: random-weight models for tests and the default job (vocab sized for the built-in
 # tokenizer; `vocab_size` is overwritten with the real tokenizer size when a model is built).
+# Fields left out take TransformerConfig's defaults.
 PRESETS: dict[str, TransformerConfig] = {
-    "tiny": TransformerConfig(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2),
-    "small": TransformerConfig(
-        hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64
-    ),
-    "tiny-moe": TransformerConfig(
-        model_type="qwen3_moe",
-        hidden_size=256,
-        intermediate_size=768,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=192,
-    ),
+    "tiny": TransformerConfig(),  # the defaults: 4 layers, 256 wide, 4 heads, 2 kv heads
+    "small": TransformerConfig(hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8, num_kv_heads=4),
+    "tiny-moe": TransformerConfig(model_type="qwen3_moe", num_experts=8, moe_intermediate_size=192),
     # the shape of Qwen3-0.6B (random weights; vocab from the tokenizer): GPU benchmarks and checks
     "qwen3-0.6b": TransformerConfig(
         hidden_size=1024,
@@ -252,12 +237,8 @@ PRESETS: dict[str, TransformerConfig] = {
         hidden_size=128,
         intermediate_size=384,
         num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
         head_dim=32,
-        vision=VisionConfig(
-            image_size=32, patch_size=8, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128
-        ),
+        vision=VisionConfig(hidden_size=64, intermediate_size=128),
     ),
 }
 

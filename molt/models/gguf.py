@@ -15,16 +15,15 @@ from molt.models.tokenizer import save_tokenizer
 
 def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """HF folder (config.json, model.safetensors, tokenizer) for `gguf_file`; cached in `out_dir`."""
-    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     if (out_dir / "config.json").exists():
         return out_dir
     if not gguf_file.exists():
         raise FileNotFoundError(f"GGUF file {gguf_file} does not exist")
-    kwargs = dict(gguf_file=gguf_file.name)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype="float32", **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype="float32", gguf_file=gguf_file.name)
     config = loaded.config
     config.quantization_config = None
     if hasattr(config, "_pre_quantization_dtype"):

@@ -59,25 +59,23 @@ def hf_views(params: Mapping[str, torch.Tensor], cfg: TransformerConfig) -> dict
     return {hf: view for name, param in params.items() for hf, view in hf_tensors(name, param, cfg)}
 
 
-def _own_params(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in model.state_dict().items():
-        if not (name == "lm_head.weight" and model.cfg.tie_word_embeddings):
-            yield name, tensor
+def _own_params(model: Transformer) -> dict[str, torch.Tensor]:
+    tied = model.cfg.tie_word_embeddings  # a tied head is the embedding matrix, not a weight of its own
+    return {name: tensor for name, tensor in model.state_dict().items() if not (tied and name == "lm_head.weight")}
 
 
 def to_hf_state(model: Transformer) -> dict[str, torch.Tensor]:
     """The model's weights under HF names and layouts (what transformers and vLLM expect)."""
-    return hf_views({name: tensor.detach() for name, tensor in _own_params(model)}, model.cfg)
+    return hf_views({name: tensor.detach() for name, tensor in _own_params(model).items()}, model.cfg)
 
 
 def from_hf_state(model: Transformer, tensors: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
     """Copy HF-named tensors into `model`; missing or unexpected names are an error listing them."""
-    cfg, used, missing, state = model.cfg, set(), [], {}
-    for name, _ in _own_params(model):
+    cfg, own, used, missing, state = model.cfg, _own_params(model), set(), [], {}
+    for name in own:
         names, per_expert = _hf_names(name, cfg)
-        absent = [n for n in names if n not in tensors]
-        missing += absent
-        if absent:
+        if absent := [n for n in names if n not in tensors]:
+            missing += absent
             continue
         used.update(names)
         parts = [tensors[n] for n in names]
@@ -90,7 +88,6 @@ def from_hf_state(model: Transformer, tensors: Mapping[str, torch.Tensor], sourc
     unexpected = sorted(n for n in tensors if n not in used and not IGNORED_HF_KEYS.search(n))
     if missing or unexpected:
         raise ValueError(f"{source}: missing weights {sorted(missing)}; unexpected weights {unexpected}")
-    own = model.state_dict()
     for name, tensor in state.items():
         if tensor.shape != own[name].shape:
             raise ValueError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
@@ -101,10 +98,8 @@ class LazyTensors(Mapping):
     """Name -> tensor over one or more safetensors files, read on access."""
 
     def __init__(self, files: list[Path], dtype: torch.dtype):
-        self.where = {}
-        for handle in [safe_open(str(f), framework="pt") for f in files]:
-            self.where.update(dict.fromkeys(handle.keys(), handle))
-        self.dtype = dtype
+        handles = [safe_open(str(f), framework="pt") for f in files]
+        self.where, self.dtype = {name: handle for handle in handles for name in handle.keys()}, dtype  # noqa: SIM118
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.where[name].get_tensor(name).to(self.dtype)
@@ -158,8 +153,7 @@ def from_pretrained(
 def _umask() -> int:
     """The process umask, read from /proc where possible (setting it to read it races with other threads)."""
     status = Path("/proc/self/status")
-    lines = status.read_text().splitlines() if status.exists() else []
-    for line in lines:
+    for line in status.read_text().splitlines() if status.exists() else []:
         if line.startswith("Umask:"):
             return int(line.split()[1], 8)
     mask = os.umask(0o022)
@@ -207,12 +201,11 @@ def _write_shards(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = tensor.contiguous().cpu()
-        size += nbytes
+        size += tensor.nbytes
     if len(shards) == 1:
         save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
         return
@@ -221,5 +214,5 @@ def _write_shards(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes:
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(folder / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, fname))
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}}
+    index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index | {"weight_map": weight_map}, indent=2))

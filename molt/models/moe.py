@@ -63,9 +63,7 @@ class Routing:
 
     def __init__(self, replay_nlk: torch.Tensor | None = None):
         self.replay_nlk = replay_nlk
-        self.chosen: list[torch.Tensor] = []
-        self.live: list[torch.Tensor] = []
-        self.probs: list[torch.Tensor] = []
+        self.chosen, self.live, self.probs = [], [], []  # per MoE layer, in layer order
 
     def route(self, logits_ne: torch.Tensor, top_k: int, normalize: bool, fp32: bool):
         """Route one MoE layer (the next in layer order) and record it; returns (weights, experts)."""
@@ -105,8 +103,7 @@ class SparseMoE(nn.Module):
                 logits_ne = F.linear(x_nh.float(), self.gate.weight.to(x_nh.dtype).float())
         else:
             logits_ne = self.gate(x_nh)
-        if routing is None:
-            routing = Routing()  # nothing to replay; the record is dropped
+        routing = routing if routing is not None else Routing()  # nothing to replay; the record is dropped
         weights_nk, experts_nk = routing.route(logits_ne, self.top_k, self.normalize, self.fp32)
         return self.mix(x_nh, weights_nk, experts_nk).view_as(x_bth)
 

@@ -12,29 +12,31 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from molt.models.config import TransformerConfig
 from molt.registry import Registry
 
-RopeFn = Callable[[int, float, dict[str, Any], int], tuple[torch.Tensor, float]]
+RopeFn = Callable[[int, float, dict[str, Any], int], tuple[Tensor, float]]
 ROPE_TYPES: Registry[RopeFn] = Registry("rope type")
 
 
-def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:
+def _base_inv_freq(dim: int, theta: float) -> Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 @ROPE_TYPES.register("default")
-def _default(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+def _default(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[Tensor, float]:
     return _base_inv_freq(dim, theta), 1.0
 
 
 @ROPE_TYPES.register("linear")
-def _linear(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+def _linear(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[Tensor, float]:
     return _base_inv_freq(dim, theta) / params["factor"], 1.0
 
 
 @ROPE_TYPES.register("llama3")
-def _llama3(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+def _llama3(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[Tensor, float]:
     """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend smoothly in between."""
     inv_freq = _base_inv_freq(dim, theta)
     factor, lo, hi = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
@@ -48,7 +50,7 @@ def _llama3(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tup
 
 
 @ROPE_TYPES.register("yarn")
-def _yarn(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+def _yarn(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple[Tensor, float]:
     """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; scale attention."""
     orig = params.get("original_max_position_embeddings") or max_pos
     factor = params.get("factor") or max_pos / orig
@@ -69,26 +71,21 @@ def _yarn(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     high = high + 0.001 if low == high else high
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # 1 - ramp
     extrapolation = _base_inv_freq(dim, theta)
-    keep = 1 - ramp
     return extrapolation / factor * (1 - keep) + extrapolation * keep, float(attn)
 
 
-def rope_inv_freq(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_pos: int
-) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(cfg: TransformerConfig) -> tuple[Tensor, float]:
     """(inv_freq [head_dim/2], attention scale) for the config's rope type."""
-    params = dict(scaling or {})
+    params = dict(cfg.rope_scaling or {})
     kind = params.get("rope_type", "default")
     if kind not in ROPE_TYPES:
         raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported; supported: {sorted(ROPE_TYPES)}")
-    return ROPE_TYPES[kind](head_dim, theta, params, max_pos)
+    return ROPE_TYPES[kind](cfg.head_dim, cfg.rope_theta, params, cfg.max_position_embeddings)
 
 
-def rope_cos_sin(
-    inv_freq: torch.Tensor, scale: float, position_ids_bt: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(inv_freq: Tensor, scale: float, position_ids_bt: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos/sin tables [B, T, 1, D] for explicit positions, computed in fp32; the sin table's first half
     is negated (rotate-half's sign folded in, see `apply_rope`)."""
     freqs_btf = position_ids_bt.float()[..., None] * inv_freq.float()
@@ -98,7 +95,7 @@ def rope_cos_sin(
     return (emb_btd.cos() * scale).to(dtype)[:, :, None], (emb_btd.sin() * (scale * sign_d)).to(dtype)[:, :, None]
 
 
-def apply_rope(x_bthd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x_bthd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate the two halves of the head dimension (the HF / Llama layout): x*cos + rotate_half(x)*sin,
     where rotate_half(x) = (-x2, x1) = roll(x) * sign, the sign being folded into `sin`. Three ops."""
     return torch.addcmul(x_bthd * cos, x_bthd.roll(x_bthd.shape[-1] // 2, dims=-1), sin)

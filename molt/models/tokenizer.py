@@ -8,6 +8,7 @@ Knows nothing of models, engines or training; depends only on `transformers` and
 
 from __future__ import annotations
 
+import itertools
 import json
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
@@ -97,9 +98,6 @@ class ChatTemplateError(ValueError):
     """A chat template cannot be used as asked (missing, or it rewrites history)."""
 
 
-# ---------------------------------------------------------------------------------------------- I/O
-
-
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Load the HF tokenizer in local folder `path` (never downloads; errors name the path)."""
     folder = Path(path).expanduser()
@@ -130,9 +128,6 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> Pa
     special_map = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
     (folder / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, sort_keys=True) + "\n")
     return folder
-
-
-# --------------------------------------------------------------------------------- built-in tokenizer
 
 
 def build_builtin_tokenizer(out_dir: str | Path | None = None, image_token: bool = False) -> PreTrainedTokenizerFast:
@@ -167,9 +162,6 @@ def build_builtin_tokenizer(out_dir: str | Path | None = None, image_token: bool
     if out_dir is not None:
         save_tokenizer(tokenizer, out_dir)
     return tokenizer
-
-
-# ------------------------------------------------------------------------------------ chat templates
 
 
 def stock_fast(tokenizer: Any, *methods: str) -> bool:
@@ -231,8 +223,7 @@ def assistant_mask(
     """
     stops = list(end_of_turn) if end_of_turn is not None else [tokenizer.eos_token]
     text, spans = _assistant_char_spans(tokenizer, list(messages), tools, [s for s in stops if s])
-    cuts = [edge for span in spans for edge in span]
-    ids, regions = _encode_regions(tokenizer, text, cuts)
+    ids, regions = _encode_regions(tokenizer, text, [edge for span in spans for edge in span])
     return ids, [region % 2 for region in regions]
 
 
@@ -266,17 +257,12 @@ def _assistant_char_spans(
                 "conversation (e.g. earlier reasoning is dropped); split the conversation into segments "
                 f"at message {i + 1} and mask each segment separately"
             )
-        start = len(prompt)
-        end = _generated_end(turn, start, stops)
+        start = len(prompt)  # the generated text ends just after its last end-of-turn token, else with the turn
+        found = [(turn.rfind(stop, start), stop) for stop in stops]
+        end = max((pos + len(stop) for pos, stop in found if pos >= 0), default=len(turn))
         if end > start:
             spans.append((start, end))
     return full, spans
-
-
-def _generated_end(turn: str, start: int, stops: list[str]) -> int:
-    """End of the generated text in `turn[start:]`: just after its last end-of-turn token, else the end."""
-    found = [(turn.rfind(stop, start), stop) for stop in stops]
-    return max((pos + len(stop) for pos, stop in found if pos >= 0), default=len(turn))
 
 
 def _encode_regions(tokenizer: PreTrainedTokenizerBase, text: str, cuts: list[int]) -> tuple[list[int], list[int]]:
@@ -299,10 +285,8 @@ def _encode_regions(tokenizer: PreTrainedTokenizerBase, text: str, cuts: list[in
     else:
         hard = sorted({cut for cut in cuts if 0 < cut < len(text)})
     ids, regions = [], []
-    edges = [0, *hard, len(text)]
-    for lo, hi in zip(edges, edges[1:], strict=False):
-        inner = [cut - lo for cut in cuts if lo < cut < hi]
-        piece_ids, piece_regions = _encode_regions(tokenizer, text[lo:hi], inner)
+    for lo, hi in itertools.pairwise([0, *hard, len(text)]):
+        piece_ids, piece_regions = _encode_regions(tokenizer, text[lo:hi], [cut - lo for cut in cuts if lo < cut < hi])
         base = bisect_right(cuts, lo)
         ids += piece_ids
         regions += [base + region for region in piece_regions]

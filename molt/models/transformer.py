@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from molt.models.attention import Cache, packed_attention, take_columns
 from molt.models.config import TransformerConfig
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32:  # one fused op (bitwise equal to the lines below in fp32)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
@@ -50,9 +50,7 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
-    def forward(
-        self, x_bth: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, layer_idx: int, queries_bq=None
-    ):
+    def forward(self, x_bth: Tensor, cos: Tensor, sin: Tensor, attend, layer_idx: int, queries_bq=None):
         """Attention output at every position, or only at columns `queries_bq` [B, Q] (keys and values
         still come from every position; `attend` must expect those queries)."""
         b, t, _ = x_bth.shape
@@ -77,7 +75,7 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -90,10 +88,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.is_moe_layer(layer_idx):
-            self.mlp = SparseMoE(cfg)
-        else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        moe = cfg.is_moe_layer(layer_idx)
+        self.mlp = SparseMoE(cfg) if moe else SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x_bth, cos, sin, attend, routing: Routing | None = None, queries_bq=None):
         """[B, T, H] out; with `queries_bq` only those columns' outputs [B, Q, H] (see `SelfAttention`)."""
@@ -121,10 +117,7 @@ class Transformer(nn.Module):
 
     def reset_rope(self) -> None:
         """(Re)compute the rotary inverse frequencies from the config."""
-        cfg = self.cfg
-        inv_freq, self.rope_scale = rope_inv_freq(
-            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
-        )
+        inv_freq, self.rope_scale = rope_inv_freq(self.cfg)
         self.inv_freq = inv_freq.to(self.inv_freq.device)
 
     def _apply(self, fn, recurse=True):
@@ -137,19 +130,19 @@ class Transformer(nn.Module):
 
     def forward(
         self,
-        input_ids_bt: torch.Tensor,
-        position_ids_bt: torch.Tensor | None = None,
+        input_ids_bt: Tensor,
+        position_ids_bt: Tensor | None = None,
         *,
-        doc_ids_bt: torch.Tensor | None = None,
-        parent_ids_bt: torch.Tensor | None = None,
+        doc_ids_bt: Tensor | None = None,
+        parent_ids_bt: Tensor | None = None,
         cache: Cache | None = None,
         return_hidden: bool = False,
         routing: Routing | None = None,
-        pixel_values: torch.Tensor | None = None,
-        image_embeds_nh: torch.Tensor | None = None,
-        outputs_bq: torch.Tensor | None = None,
+        pixel_values: Tensor | None = None,
+        image_embeds_nh: Tensor | None = None,
+        outputs_bq: Tensor | None = None,
         attention: str = "auto",
-    ) -> torch.Tensor:
+    ) -> Tensor:
         """Logits for `input_ids_bt` at explicit positions (default 0..T-1 per row).
 
         `doc_ids_bt` packs several samples per row (see `PackedCausal`, also for `parent_ids_bt`); `cache`
@@ -165,10 +158,9 @@ class Transformer(nn.Module):
             raise ValueError("pass either doc_ids_bt (packed training) or cache (decoding), not both")
         if outputs_bq is not None and (cache is not None or routing is not None):
             raise ValueError("outputs_bq is for packed training of dense models (no cache, no MoE routing)")
-        if cache is not None:
-            attend = cache.prepare(position_ids_bt)
-        else:
-            attend = packed_attention(doc_ids_bt, parent_ids_bt, attention)
+        attend = (
+            packed_attention(doc_ids_bt, parent_ids_bt, attention) if cache is None else cache.prepare(position_ids_bt)
+        )
         # the residual stream runs in the compute dtype, under autocast too (see `dtypes.py`)
         x_bth = self.embed_tokens(input_ids_bt).to(activation_dtype(self.embed_tokens.weight))
         if pixel_values is not None:
@@ -178,14 +170,13 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, position_ids_bt.clamp(min=0), x_bth.dtype)
         for layer in self.layers[:-1]:
             x_bth = layer(x_bth, cos, sin, attend, routing)
-        if outputs_bq is None:
-            x_bth = self.layers[-1](x_bth, cos, sin, attend, routing)
-        else:  # the last layer's queries, MLP and head only where an output is wanted
-            x_bth = self.layers[-1](x_bth, cos, sin, attend.select_queries(outputs_bq), routing, outputs_bq)
+        # with `outputs_bq`, the last layer's queries, MLP and head only where an output is wanted
+        last_attend = attend if outputs_bq is None else attend.select_queries(outputs_bq)
+        x_bth = self.layers[-1](x_bth, cos, sin, last_attend, routing, outputs_bq)
         x_bth = self.norm(x_bth)
         return x_bth if return_hidden else self.lm_head(x_bth)
 
-    def _scatter_images(self, ids_bt: torch.Tensor, x_bth: torch.Tensor, embeds_nh: torch.Tensor | None):
+    def _scatter_images(self, ids_bt: Tensor, x_bth: Tensor, embeds_nh: Tensor | None):
         """Image embeddings written over the embeddings of the placeholder positions (counts must match)."""
         if self.cfg.image_token_id is None:
             raise ValueError("image embeddings given to a model without image_token_id (not a VLM)")
@@ -193,9 +184,7 @@ class Transformer(nn.Module):
         num_rows = 0 if embeds_nh is None else embeds_nh.shape[0]
         if int(mask_bt.sum()) != num_rows:
             raise ValueError(f"{int(mask_bt.sum())} image placeholder tokens but {num_rows} image embedding rows")
-        if embeds_nh is None:
-            return x_bth
-        return x_bth.masked_scatter(mask_bt[..., None], embeds_nh.to(x_bth.dtype))
+        return x_bth if embeds_nh is None else x_bth.masked_scatter(mask_bt[..., None], embeds_nh.to(x_bth.dtype))
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> Transformer:

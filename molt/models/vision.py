@@ -30,9 +30,6 @@ class ImageError(ValueError):
     """An image that cannot be used (missing file, undecodable bytes, unknown kind)."""
 
 
-# ------------------------------------------------------------------------------------------ processor
-
-
 def load_image(image: Any, where: str = "image", verify: bool = False):
     """A PIL image from a PIL image, file path, raw bytes, a `data:` URI or an HF `{"bytes"/"path"}` dict; `verify`:
     only check that it decodes (PIL's `verify`, no pixels). URLs are not fetched; images over PIL's
@@ -117,9 +114,7 @@ def expand_image_tokens(ids: list[int], image_token_id: int, per_image: int) -> 
     for token in ids:
         if token == image_token_id:
             starts.append(len(out))
-            out += [token] * per_image
-        else:
-            out.append(token)
+        out += [token] * (per_image if token == image_token_id else 1)
     return out, starts
 
 
@@ -151,9 +146,6 @@ def image_spans(ids: list[int], image_token_id: int, per_image: int, where: str 
             starts += range(i, i + n, per_image)
         i += n
     return starts
-
-
-# ------------------------------------------------------------------------------------------ the tower
 
 
 class LayerNorm(nn.LayerNorm):

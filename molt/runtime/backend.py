@@ -2,8 +2,7 @@
 
 `RayRuntime` gives the loop one `Engine` (a `Router` over `RemoteEngine` replicas) and one trainer (`RayTrainer`),
 plus per-step metrics (load per replica, restarts, weight-sync GB/s). Agents and the chat server stay in the
-driver's asyncio loop. `shutdown()` kills every actor and frees the placement group, on exit, error or Ctrl-C.
-"""
+driver's asyncio loop. `shutdown()` kills every actor and frees the placement group, on exit, error or Ctrl-C."""
 
 from __future__ import annotations
 
@@ -55,13 +54,12 @@ class RayRuntime(Runtime):
         """Per-replica load, work since the previous call (evals included) and the last weight sync, for a step."""
         out: dict[str, Any] = {}
         for e in self.engines:
-            out[f"engine/{e.index}/requests"] = e.num_requests
-            out[f"engine/{e.index}/restarts"] = e.num_restarts
-            out[f"engine/{e.index}/resent"] = e.num_resent  # calls re-sent after the replica died
+            # resent: calls re-sent after the replica died
+            counts = {"requests": e.num_requests, "restarts": e.num_restarts, "resent": e.num_resent}
             if e.stats:  # busy_s, decode_s, decode_batch_mean
-                work = work_since(e.stats, self.engine_stats.get(e.index, {}))
-                out |= {f"engine/{e.index}/{key}": value for key, value in work.items()}
+                counts |= work_since(e.stats, self.engine_stats.get(e.index, {}))
                 self.engine_stats[e.index] = e.stats
+            out |= {f"engine/{e.index}/{key}": value for key, value in counts.items()}
         weights = self.trainer.last_weights
         if weights is not None and self.engines:
             push_s = max(e.sync_s for e in self.engines)

@@ -4,8 +4,7 @@ A `Runtime` places the policy trainer (with its reference, critic and teacher mo
 from the one engine factory (`molt/runtime/factory.py`) and reports its own metrics. Weight sync goes through the
 interfaces it hands out: `trainer.weights()` into `engine.update_weights(...)`. Backends are registered in
 `RUNTIMES` by `runtime.backend` name: `local` (`LocalRuntime`, below: one process, the default, no Ray) and `ray`
-(actors; Ray is imported only then).
-"""
+(actors; Ray is imported only then)."""
 
 from __future__ import annotations
 

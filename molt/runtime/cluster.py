@@ -2,8 +2,7 @@
 
 A local cluster (no `runtime.address`) advertises enough logical CPUs for every actor, so a small
 machine oversubscribes its cores rather than hanging on a placement group it can never fill.
-Knows Ray and the `runtime` config group; nothing of models, engines or trainers.
-"""
+Knows Ray and the `runtime` config group; nothing of models, engines or trainers."""
 
 from __future__ import annotations
 
@@ -56,7 +55,7 @@ class Placement:
     def __init__(self, rt: RuntimeConfig, num_actors: int):
         bundle = {"CPU": rt.cpus_per_actor} | ({"GPU": rt.gpus_per_actor} if rt.gpus_per_actor else {})
         self.group = placement_group([dict(bundle) for _ in range(num_actors)], strategy="PACK")
-        self.rt = rt
+        self.resources = dict(num_cpus=rt.cpus_per_actor, num_gpus=rt.gpus_per_actor)
         if not self.group.wait(timeout_seconds=120):
             remove_placement_group(self.group)
             raise ActorFailedError(
@@ -67,13 +66,7 @@ class Placement:
     def options(self, index: int, name: str, **kw: Any) -> dict[str, Any]:
         """Ray actor options pinning an actor to bundle `index`."""
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
-        return dict(
-            num_cpus=self.rt.cpus_per_actor,
-            num_gpus=self.rt.gpus_per_actor,
-            scheduling_strategy=strategy,
-            name=name,
-            **kw,
-        )
+        return dict(self.resources, scheduling_strategy=strategy, name=name, **kw)
 
     def remove(self) -> None:
         remove_placement_group(self.group)

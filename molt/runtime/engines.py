@@ -6,8 +6,7 @@
 is an error listing them. A dead replica is restarted by Ray (up to `runtime.engine_restarts`): the first caller to
 see it re-sends the last weights and version, and every in-flight request is sent again (same id and seed), so no
 sample is lost or mixes weights; past the budget the run stops with `ActorFailedError`. Knows Ray and the engine
-interface, not the loop.
-"""
+interface, not the loop."""
 
 from __future__ import annotations
 
@@ -125,8 +124,7 @@ class RemoteEngine(Engine):
         self.actor, self.index, self.chunk_bytes = actor, index, chunk_bytes
         self.version, self._epoch, self._lock = version, 0, asyncio.Lock()
         self._last: tuple[ChunkedWeights, int] | None = None
-        self._pending = 0
-        self.num_requests = self.num_restarts = self.num_resent = 0
+        self._pending = self.num_requests = self.num_restarts = self.num_resent = 0
         self.sync_s = 0.0
         self.stats: dict = {}  # the replica's work counters at the last weight sync
 

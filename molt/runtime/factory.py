@@ -5,8 +5,7 @@ Used wherever an engine is started: the local runtime, each Ray engine replica, 
 rollout engine is one builder here plus its class behind `molt.engine.interface.Engine`. The built-in engine's
 KV cache is the slot cache (num_slots x max_len positions preallocated; fastest on CPU) or the paged cache
 (blocks sized from a memory budget, so memory follows the tokens in flight); `auto` takes the paged one on CUDA
-for dense text models.
-"""
+for dense text models."""
 
 from __future__ import annotations
 

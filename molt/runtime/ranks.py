@@ -4,8 +4,7 @@ Each `TrainerRank` joins a torch.distributed group (gloo on CPU, NCCL on CUDA), 
 every model wrapped with FSDP2 (LoRA adapters stay whole) and steps on its shard of the batch (whole groups,
 balanced by tokens); denominators and metric sums are all-reduced, so the step equals single-process training. The
 sharded checkpoint holds every model and optimizer, so a run resumes on any number of ranks. Knows Ray, the trainer
-and torch.distributed.checkpoint; nothing of engines or the loop.
-"""
+and torch.distributed.checkpoint; nothing of engines or the loop."""
 
 from __future__ import annotations
 
@@ -16,13 +15,7 @@ from pathlib import Path
 import ray
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+import torch.distributed.checkpoint.state_dict as dsd
 
 from molt.config import Config
 from molt.data.trajectory import Trajectory
@@ -74,31 +67,26 @@ class TrainerRank:
     def save(self, folder: str, tokenizer) -> dict:
         """Every model and optimizer as shards under `folder/dcp` (all ranks); from rank 0 the HF policy folder
         (merged with LoRA, the PEFT adapter in `adapter/`). Returns the unsharded state: schedules, KL coefficient."""
-        full = dict(self.full_weights())
-        trainer = self.trainer
+        full, t = dict(self.full_weights()), self.trainer
         if self.rank == 0:
             _export(self.model.cfg, full, folder, tokenizer)
-            if trainer.lora is not None:
-                trainer.lora.save_peft(Path(folder) / "adapter", self.cfg.model.path)
+            if t.lora is not None:
+                t.lora.save_peft(Path(folder) / "adapter", self.cfg.model.path)
         torch.distributed.barrier()
         dcp.save(self._state_dicts(), checkpoint_id=str(Path(folder) / "dcp"))
-        critic = trainer.critic.schedule.state_dict() if trainer.critic is not None else None
-        return {
-            "schedule": trainer.schedule.state_dict(),
-            "kl_coef": trainer.kl_control.coef,
-            "critic_schedule": critic,
-        }
+        critic = t.critic.schedule.state_dict() if t.critic is not None else None
+        return {"schedule": t.schedule.state_dict(), "kl_coef": t.kl_control.coef, "critic_schedule": critic}
 
     def load(self, folder: str, state: dict) -> None:
         """Load a sharded checkpoint written by any number of ranks (DCP reshards on load)."""
         sd = self._state_dicts()
         dcp.load(sd, checkpoint_id=str(Path(folder) / "dcp"))
-        strict = StateDictOptions(strict=True)
+        strict = dsd.StateDictOptions(strict=True)
         for key, module, opt, opt_key in self._parts():
             if opt is None:
-                set_model_state_dict(module, sd[key], options=strict)
+                dsd.set_model_state_dict(module, sd[key], options=strict)
             else:
-                set_state_dict(module, opt, model_state_dict=sd[key], optim_state_dict=sd[opt_key], options=strict)
+                dsd.set_state_dict(module, opt, model_state_dict=sd[key], optim_state_dict=sd[opt_key], options=strict)
         trainer = self.trainer
         trainer.schedule.load_state_dict(state["schedule"])
         if trainer.critic is not None:
@@ -124,9 +112,9 @@ class TrainerRank:
         out = {}
         for key, module, opt, opt_key in self._parts():
             if opt is None:
-                out[key] = get_model_state_dict(module)
+                out[key] = dsd.get_model_state_dict(module)
             else:
-                out[key], out[opt_key] = get_state_dict(module, opt)
+                out[key], out[opt_key] = dsd.get_state_dict(module, opt)
         return out
 
 

@@ -56,10 +56,9 @@ def trajectory_pixels(trajs: list[Trajectory], cfg: TransformerConfig) -> list[l
     for traj in trajs:
         records = traj.images or []
         starts = image_spans(traj.tokens, cfg.image_token_id, cfg.vision.tokens_per_image, f"rollout {traj.rollout_id}")
-        if starts != [r["start"] for r in records]:
+        if starts != (recorded := [r["start"] for r in records]):
             raise ImageMismatchError(
-                f"rollout {traj.rollout_id}: placeholders start at {starts} but images are recorded at "
-                f"{[r['start'] for r in records]}"
+                f"rollout {traj.rollout_id}: placeholders start at {starts} but images are recorded at {recorded}"
             )
         for r in records:
             if pixel_hash(r["pixels"]) != r["hash"]:

@@ -7,8 +7,7 @@ Shapes are dynamic from the start: row widths change every step, and a static fi
 would use up dynamo's recompile limit (past it a layer silently runs eager). Activation checkpointing first
 puts the recompute inside the compiled graph. MoE layers stay eager: their forward records routing in Python.
 FlexAttention is traced into a compiled layer's graph (outside one, `molt.models.attention` compiles its own).
-`resolve_compile("auto", device)` is on for CUDA only (inductor on CPU compiles slowly for little gain).
-"""
+`resolve_compile("auto", device)` is on for CUDA only (inductor on CPU compiles slowly for little gain)."""
 
 from __future__ import annotations
 

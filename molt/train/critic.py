@@ -5,8 +5,7 @@
 policy's log-probs (`molt.train.logprobs.packed_hidden`): unpacked like them, `values_bt[b, t]` = V before action
 token t (shared prefixes included). The body starts as a copy of the initial policy or the HF folder
 `--critic.path`. Data parallel, the value model is sharded like the policy (FSDP2) and its loss sums are
-all-reduced. Knows the model, the packed micro-batches and the value loss; nothing of trajectories or the loop.
-"""
+all-reduced. Knows the model, the packed micro-batches and the value loss; nothing of trajectories or the loop."""
 
 from __future__ import annotations
 
@@ -63,9 +62,7 @@ class Critic:
         else:
             body = copy.deepcopy(policy)
         self.model = ValueModel(body.requires_grad_(True)).to(cfg.runtime.device, precision.params).train()
-        self.clip = cfg.critic.clip or None
-        self.updates = cfg.critic.updates
-        self.scaler = precision.scaler()
+        self.clip, self.updates, self.scaler = cfg.critic.clip or None, cfg.critic.updates, precision.scaler()
         self.precision, self.device, self.grad_clip = precision, cfg.runtime.device, cfg.train.grad_clip
         if shard is not None:
             shard(self.model)
@@ -116,9 +113,8 @@ class Critic:
             values_bt = self._values(mb)
             mask_bt = mb.mask_bt.to(values_bt.device)
             if k == len(targets):  # the first update: these are V_old
-                inputs = algo.AdvantageInputs(
-                    mask_bt, rewards_b[mb.samples].to(mask_bt.device), values_bt=values_bt.detach()
-                )
+                rewards = rewards_b[mb.samples].to(mask_bt.device)
+                inputs = algo.AdvantageInputs(mask_bt, rewards, values_bt=values_bt.detach())
                 targets.append((values_bt.detach(), algo.compute_advantages("gae", inputs, gae)[1]))
                 for b, i in enumerate(mb.samples):
                     values[i] = values_bt[b, : lengths[i]].detach().tolist()
@@ -138,25 +134,21 @@ class Critic:
         with self.precision.autocast():
             return mb.unpack(self.model(mb.packed.to(self.device)))
 
-    def _loss(
-        self, values_bt, mb, denoms, old_bt: torch.Tensor, returns_bt: torch.Tensor
-    ) -> tuple[torch.Tensor, float]:
+    def _loss(self, values_bt, mb, denoms, old_bt, returns_bt) -> tuple[torch.Tensor, float]:
         """The clipped value loss of one micro-batch (token-mean over the step) and its clip fraction."""
         mask_bt = mb.mask_bt.to(values_bt.device)
         loss_bt, metrics = algo.value_loss(values_bt, old_bt, returns_bt, mask_bt, self.clip)
         return algo.aggregate("token-mean", loss_bt, mask_bt, denoms), float(metrics.get("value_clip_frac", 0.0))
 
+    def _parts(self) -> dict:
+        return {"model": self.model, "optimizer": self.opt, "schedule": self.schedule}
+
     def state_dict(self) -> dict:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.opt.state_dict(),
-            "schedule": self.schedule.state_dict(),
-        }
+        return {key: part.state_dict() for key, part in self._parts().items()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
+        for key, part in self._parts().items():
+            part.load_state_dict(state[key])
 
 
 def explained_variance(sums: dict[str, float]) -> float:

@@ -1,8 +1,7 @@
 """The `Trainer` protocol: what the loop, the runtimes and checkpoints need of a policy trainer.
 
 Implemented by `molt.train.trainer.Trainer` (one process) and `molt.runtime.ranks.RayTrainer` (data-parallel
-Ray ranks).
-"""
+Ray ranks)."""
 
 from __future__ import annotations
 

@@ -4,10 +4,11 @@ The model returns final hidden states; the head, the fp32 log-softmax and the en
 rows at a time (at most `MAX_CHUNK_ELEMENTS` logits), a large chunk under activation checkpointing, so neither
 forward nor backward ever holds the whole [T, V] fp32 logits. Log-probs are computed exactly as the engines
 compute theirs: `logits.float() / temperature`, log-softmax. `molt.train.compile.compile_model` gives the head
-a compiled chunk function (the matmul's logits, then fused fp32 reductions).
-"""
+a compiled chunk function (the matmul's logits, then fused fp32 reductions)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -29,15 +30,12 @@ def head_logprobs(
         return empty, empty
     vocab = head.weight.shape[0]
     chunk_tokens = max(1, min(chunk_tokens, MAX_CHUNK_ELEMENTS // vocab))
-    remat = (
-        torch.is_grad_enabled() and hidden_nh.requires_grad and min(chunk_tokens, len(hidden_nh)) * vocab > REMAT_MIN
-    )
+    logits_per_chunk = min(chunk_tokens, len(hidden_nh)) * vocab
+    remat = torch.is_grad_enabled() and hidden_nh.requires_grad and logits_per_chunk > REMAT_MIN
     chunk_fn = getattr(head, "_molt_chunk_fn", head_chunk)  # compiled by `compile_model`
-    outs = [
-        chunk_fn(head, h_ch, t_ch, temperature, remat)
-        for h_ch, t_ch in zip(hidden_nh.split(chunk_tokens), targets_n.split(chunk_tokens), strict=True)
-    ]
-    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+    chunks = zip(hidden_nh.split(chunk_tokens), targets_n.split(chunk_tokens), strict=True)
+    logp_n, entropy_n = zip(*(chunk_fn(head, h_ch, t_ch, temperature, remat) for h_ch, t_ch in chunks), strict=True)
+    return torch.cat(logp_n), torch.cat(entropy_n)
 
 
 def head_chunk(
@@ -45,11 +43,7 @@ def head_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(target), entropy) of one chunk; `remat`: its logits are recomputed in backward, not kept."""
     if remat:
-        return checkpoint(_chunk, head, hidden_ch, targets_c, temperature, use_reentrant=False)
-    return _chunk(head, hidden_ch, targets_c, temperature)
-
-
-def _chunk(head: torch.nn.Module, hidden_ch: torch.Tensor, targets_c: torch.Tensor, temperature: float):
+        return checkpoint(head_chunk, head, hidden_ch, targets_c, temperature, False, use_reentrant=False)
     logits_cv = head(hidden_ch).float()
     if temperature != 1.0:  # dividing by 1 is exact: skip the copy
         logits_cv = logits_cv / temperature
@@ -97,16 +91,15 @@ def packed_hidden(
     one row per fork (`packed.forks`). Whatever head reads them (LM head, value head) lays its per-row outputs
     out with `laid_out_rows`."""
     kwargs = dict(doc_ids_bt=packed.doc_ids, parent_ids_bt=packed.parent_ids, pixel_values=packed.pixel_values)
+    forward = functools.partial(model, packed.input_ids, packed.position_ids, return_hidden=True, **kwargs)
     if not trained_only:
-        hidden_nh = model(packed.input_ids, packed.position_ids, routing=routing, return_hidden=True, **kwargs)
-        hidden_nh = hidden_nh.flatten(0, 1)
+        hidden_nh = forward(routing=routing).flatten(0, 1)
         at_n = torch.arange(packed.targets.numel(), device=hidden_nh.device)
     else:
         cols_bq, valid_bq = trained_columns(packed)
-        hidden_nh = model(packed.input_ids, packed.position_ids, outputs_bq=cols_bq, return_hidden=True, **kwargs)
-        hidden_nh = hidden_nh[valid_bq]
+        hidden_nh = forward(outputs_bq=cols_bq)
         at_n = torch.arange(cols_bq.shape[0], device=cols_bq.device)[:, None] * packed.targets.shape[1] + cols_bq
-        at_n = at_n[valid_bq]
+        hidden_nh, at_n = hidden_nh[valid_bq], at_n[valid_bq]
     targets_n = packed.targets.flatten()[at_n].clamp(min=0)
     if packed.forks is not None:  # a fork's row among the computed outputs (`at_n` is increasing)
         fork_at, fork_targets = packed.forks.T.contiguous()

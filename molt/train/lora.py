@@ -6,8 +6,7 @@ hook. The model's modules, parameter names and state dict are untouched, so weig
 checkpoints keep their names; only the adapters train. A hook fires only on the very module it was made for: a
 copy of the model (e.g. the rollout engine's) is the plain base model and takes merged weights instead
 (`merged_weights`, or `merge` on each full tensor gathered from FSDP2 shards; the adapters stay whole on every
-rank). `save_peft` writes the adapters in the PEFT format. Knows the decoder's module names; nothing of RL.
-"""
+rank). `save_peft` writes the adapters in the PEFT format. Knows the decoder's module names; nothing of RL."""
 
 from __future__ import annotations
 
@@ -27,15 +26,7 @@ from torch import nn
 from molt.config import ConfigError
 
 log = logging.getLogger("molt.train")
-TARGETS = {
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
-}
+TARGETS = {t: f"self_attn.{t}_proj" for t in "qkvo"} | {t: f"mlp.{t}_proj" for t in ("gate", "up", "down")}
 
 
 class Adapter(nn.Module):
@@ -130,14 +121,6 @@ class LoRA(nn.Module):
     def num_trainable(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def peft_state(self) -> dict[str, torch.Tensor]:
-        """Adapters under PEFT's names for an HF causal LM (`base_model.model.model.<name>.lora_A.weight`), fp32."""
-        return {
-            f"base_model.model.model.{name}.{ab}.weight": weight.detach().float().contiguous().cpu()
-            for name in self.linears
-            for ab, weight in self.adapters[_key(name)].named_parameters()  # lora_A, lora_B
-        }
-
     def save_peft(self, folder: str | Path, base_model: str = "") -> None:
         """Write `adapter_config.json` + `adapter_model.safetensors` that `peft.PeftModel.from_pretrained` loads."""
         folder = Path(folder)
@@ -158,7 +141,12 @@ class LoRA(nn.Module):
             "inference_mode": True,
         }
         (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(self.peft_state(), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        state = {  # PEFT's names for an HF causal LM (`base_model.model.model.<name>.lora_A.weight`), fp32
+            f"base_model.model.model.{name}.{ab}.weight": weight.detach().float().contiguous().cpu()
+            for name in self.linears
+            for ab, weight in self.adapters[_key(name)].named_parameters()  # lora_A, lora_B
+        }
+        save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def _key(name: str) -> str:

@@ -4,8 +4,7 @@
 its activations there (torch's non-reentrant checkpoint, which replays autocast). The layer's forward is
 replaced on the instance, so parameter names, state dicts and FSDP2 hooks are unchanged. MoE layers are
 left as they are: their forward records the routing (and replays it by layer order), which a recompute
-would record twice. The model code knows nothing of this.
-"""
+would record twice. The model code knows nothing of this."""
 
 from __future__ import annotations
 
@@ -26,14 +25,11 @@ def checkpoint_layers(model: torch.nn.Module) -> int:
 def wrap_dense_layers(model: torch.nn.Module, wrap: Callable[[Callable], Callable], tag: str) -> int:
     """Replace each dense decoder layer's forward on the instance with `wrap(forward)`, once per `tag`; returns
     how many were replaced (0 the second time). MoE layers are skipped."""
-    wrapped = 0
-    for layer in model.layers:
-        if isinstance(layer.mlp, SparseMoE) or getattr(layer, tag, False):
-            continue
+    layers = [m for m in model.layers if not isinstance(m.mlp, SparseMoE) and not getattr(m, tag, False)]
+    for layer in layers:
         layer.forward = wrap(layer.forward)
         setattr(layer, tag, True)
-        wrapped += 1
-    return wrapped
+    return len(layers)
 
 
 def _checkpointed(forward, *args, **kwargs):

@@ -7,8 +7,7 @@ doc ids so attention never crosses samples, and shifted targets with the loss ma
 Prefix sharing (`groups`): the common prompt of a group's samples is laid out once, up to the first token any
 of them trains on; each sample keeps its own tail (a `Piece` from the prefix length on, positions continuing)
 whose tokens also see the prefix (`parent_ids`). The prefix's last position predicts each tail's first token:
-those targets are listed as `forks` (position, target). Every log-prob and gradient equals the unshared layout's.
-"""
+those targets are listed as `forks` (position, target). Every log-prob and gradient equals the unshared layout's."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ class PackedBatch:
 
 def first_fit_rows(lengths: list[int], row_len: int) -> list[list[int]]:
     """Indices of samples per row, first-fit decreasing; a sample longer than `row_len` is an error."""
-    rows: list[list[int]] = []
-    free: list[int] = []
+    rows, free = [], []  # indices per row, room left per row
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         if lengths[i] > row_len:
             raise ValueError(f"sample {i} has {lengths[i]} tokens, more than the row length {row_len}")
@@ -81,14 +79,9 @@ def first_fit_rows(lengths: list[int], row_len: int) -> list[list[int]]:
 
 def shared_prefix_len(samples: list[list[int]], masks: list[list[int]]) -> int:
     """Tokens [0, S) every sample has in common, none of them trained on (mask 0 on tokens 1..S-1)."""
-    first = samples[0]
     limit = min(len(s) for s in samples) - 1  # every sample keeps at least one token of its own
-    for m in masks:
-        limit = min(limit, next((t for t in range(1, len(m)) if m[t]), len(m)))
-    n = 0
-    while n < limit and all(s[n] == first[n] for s in samples):
-        n += 1
-    return n
+    limit = min([limit] + [next((t for t in range(1, len(m)) if m[t]), len(m)) for m in masks])
+    return next((n for n in range(limit) if any(s[n] != samples[0][n] for s in samples)), limit)
 
 
 def share_units(samples, masks, groups, row_len: int) -> list[list[Piece]]:
@@ -125,21 +118,14 @@ def _closed(unit: list[Piece], samples) -> list[Piece]:
 
 def placements(rows: list[list[Piece]]) -> list[tuple[int, int, Piece]]:
     """(row, column of its first token, piece) of every piece of `rows`."""
-    out = []
-    for r, row in enumerate(rows):
-        offset = 0
-        for p in row:
-            out.append((r, offset, p))
-            offset += len(p)
-    return out
+    return [(r, sum(map(len, row[:k])), p) for r, row in enumerate(rows) for k, p in enumerate(row)]
 
 
 def collate(samples: list[list[int]], masks: list[list[int]], rows: list[list[Piece]], images=None) -> PackedBatch:
     """Tensors for `rows` (lists of pieces); the target at t is token t+1 of the same sample.
 
     `images` (VLMs, unshared samples only): per sample, its pixel tensors in placeholder order.
-    Built as flat Python lists (one tensor each at the end: this runs every trainer step).
-    """
+    Built as flat Python lists (one tensor each at the end: this runs every trainer step)."""
     width = max(sum(map(len, row)) for row in rows)
     size = len(rows) * width
     ids_f, pos_f, targets_f, mask_f = [0] * size, [0] * size, [IGNORE] * size, [0.0] * size

@@ -5,8 +5,7 @@ the root; a value model's layers are its `.body`'s), so the model code stays fre
 Each rank's loss already divides by the step's global denominators (all-reduced in `Trainer.step`),
 so the ranks' gradients must be summed, not averaged: the FSDP gradient divide factor is set to 1;
 plain (replicated) parameters such as LoRA adapters get theirs summed by `sum_replicated_grads`.
-Knows torch.distributed and the model's layer list; nothing of Ray, engines or the loop.
-"""
+Knows torch.distributed and the model's layer list; nothing of Ray, engines or the loop."""
 
 from __future__ import annotations
 
@@ -115,8 +114,7 @@ def split_by_tokens(trajs: list[Trajectory], num_ranks: int) -> list[list[int]]:
     """Indices of `trajs` per rank: whole groups, largest first onto the rank with the fewest tokens.
 
     Groups stay on one rank (per-prompt loss modes need a group's tokens in one place). Every rank
-    gets at least one group when there are enough groups (`RayTrainer.step` refuses fewer).
-    """
+    gets at least one group when there are enough groups (`RayTrainer.step` refuses fewer)."""
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(trajs):
         groups.setdefault(t.group_id, []).append(i)

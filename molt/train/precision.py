@@ -8,8 +8,7 @@
   sharded (`parallel.parallelize`). float16 adds dynamic loss scaling (`torch.amp.GradScaler`).
 - `pure`: parameters (hence gradients and optimizer states) are stored in the compute dtype.
 
-With a float32 compute dtype both are plain fp32 training. Knows torch only: no model, no config tree.
-"""
+With a float32 compute dtype both are plain fp32 training. Knows torch only: no model, no config tree."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 `forward_routing` builds the `Routing` a packed forward takes (replaying the recorded expert ids when
 `algo.routing_replay`); `routing_stats` turns what it recorded into step sums and the Switch load-balancing
 loss; `logprob_diffs` sums the log-prob mismatch with replayed *and* live routing; `freeze_routers` applies
-`train.freeze_router`. Math lives in `molt/algo/routing.py`; nothing here knows the loop or engines.
-"""
+`train.freeze_router`. Math lives in `molt/algo/routing.py`; nothing here knows the loop or engines."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ def routing_stats(routing: Routing, packed: PackedBatch, sums: dict) -> torch.Te
     """Add this micro-batch's routing sums to `sums`; returns its mean-over-layers load-balancing loss.
 
     Sums: `moe_agree` / `moe_recorded` (token-layers whose live top-k set equals the recorded one,
-    and token-layers with a record), `moe_load` [layers, E] token-expert assignments.
-    """
+    and token-layers with a record), `moe_load` [layers, E] token-expert assignments."""
     valid_n = (packed.doc_ids >= 0).flatten()
     recorded = packed.routing.flatten(0, 1) if packed.routing is not None else None
     losses, loads = [], []
@@ -60,8 +58,7 @@ def logprob_diffs(
 
     `logp_bt` is the loss's forward (replayed experts if `algo.routing_replay`, else live); with
     `algo.moe_diff_both`, `other_logp(routing)` ([b, T] log-probs) runs once more, without grad, in
-    the other mode. Nothing without recorded routing (both modes would route live).
-    """
+    the other mode. Nothing without recorded routing (both modes would route live)."""
     if packed.routing is None:
         return
     modes = ("replay", "live") if cfg.routing_replay else ("live", "replay")

@@ -3,8 +3,7 @@
 Samples are tokenized once (assistant spans derived from the chat template), packed into dense
 rows, and trained with a global token-mean cross-entropy: each step's gradient is the gradient of
 (sum of token losses) / (number of loss tokens in the step), however it is split into micro-batches.
-The command that assembles a run of them is `molt/cli/sft.py`.
-"""
+The command that assembles a run of them is `molt/cli/sft.py`."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str, model_
     """Token ids, assistant masks and pixels per row (images expanded for a VLM `model_cfg`).
 
     A too-long row, one without targets or with an unusable image is a DataError naming the row (file:line).
-    Image placeholders never carry loss, even in an assistant turn.
-    """
+    Image placeholders never carry loss, even in an assistant turn."""
     ids, masks, pixels = [], [], []
     for i, row in enumerate(rows):
         where = row_location(row, f"{source} row {i}")

@@ -4,8 +4,7 @@ The teacher reads the same packed rows as the policy and gives log p_teacher(tok
 the same layout as the policy's log-probs (`molt.train.logprobs.token_logprobs`, chunked LM head, fp32
 log-softmax at the rollout temperature), without gradients. It may differ from the policy in size and in
 dense/MoE (an MoE teacher routes live: nothing is replayed); it must share the tokenizer. Knows models and
-the packed layout; nothing of advantages or the loop.
-"""
+the packed layout; nothing of advantages or the loop."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ LoRA (`--train.lora_rank`): only the adapters train; `weights()` and checkpoints
 KL-loss coefficient `--algo.kl_coef` adapts toward `--algo.kl_target` when set (`train/kl_coef`). A resume trains
 with the config it is given: its learning rates, schedule, AdamW settings and (fixed) KL coefficient. Data parallel
 (`fsdp=True`, in each `molt.runtime.ranks.TrainerRank`): every model is FSDP2-sharded, each rank runs step 2 on
-its own samples and the per-sample values and KL are gathered, so step 3 sees the whole batch.
-"""
+its own samples and the per-sample values and KL are gathered, so step 3 sees the whole batch."""
 
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ from molt import algo
 from molt.config import Config, ConfigError, TrainConfig
 from molt.data.trajectory import Trajectory
 from molt.models import Transformer, save_pretrained
-from molt.train import parallel
+from molt.train import parallel, routing
 from molt.train.batch import MicroBatch, check_tokens, layout, padded, per_sample, trajectory_pixels
 from molt.train.compile import prepare_layers
 from molt.train.critic import Critic
@@ -44,26 +43,16 @@ from molt.train.lora import LoRA
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
 from molt.train.precision import Precision, clip_and_step
-from molt.train.routing import (
-    attach_routing,
-    forward_routing,
-    freeze_routers,
-    logprob_diffs,
-    routing_metrics,
-    routing_stats,
-)
 from molt.train.teacher import load_teacher, teacher_logprobs
 
 
 def resume_optimizer(
     opt: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LambdaLR, train: TrainConfig
 ) -> None:
-    """Make a restored AdamW and schedule (`build_optimizer`'s) train with `train`: its lr, weight decay (the first
-    param group decays) and betas in every group, the schedule's base lr, and the current lr recomputed from this
-    config's schedule (warm-up, max_steps, min_lr_ratio) at the restored step."""
+    """Make a restored AdamW and schedule (`build_optimizer`'s) train with `train`'s lr, betas and weight decay (first
+    group only), the current lr recomputed from this config's schedule at the restored step."""
     schedule.base_lrs = [train.lr] * len(opt.param_groups)
-    step = schedule.last_epoch
-    schedule._last_lr = [train.lr * fn(step) for fn in schedule.lr_lambdas]  # noqa: SLF001 - what get_last_lr reads
+    schedule._last_lr = [train.lr * fn(schedule.last_epoch) for fn in schedule.lr_lambdas]  # noqa: SLF001 - get_last_lr
     for i, (group, lr) in enumerate(zip(opt.param_groups, schedule._last_lr, strict=True)):  # noqa: SLF001
         group.update(lr=lr, initial_lr=train.lr, betas=train.betas, weight_decay=train.weight_decay if i == 0 else 0.0)
 
@@ -77,8 +66,7 @@ class Trainer:
     """Owns the policy's training copy, its optimizer and version; `step` trains on one batch."""
 
     def __init__(self, model: Transformer, cfg: Config, fsdp: bool = False):
-        """`fsdp` (a `TrainerRank`, in its process group): every model it builds is sharded like the policy (FSDP2,
-        `parallel.parallelize`) before the optimizers are built."""
+        """`fsdp` (a `TrainerRank`): every model it builds is FSDP2-sharded before the optimizers are built."""
         if cfg.train.batch_size != TrainConfig.__dataclass_fields__["batch_size"].default:  # no silent no-ops
             raise ConfigError(
                 "train.batch_size: has no effect here: it is molt sft's batch; an RL step trains "
@@ -89,45 +77,39 @@ class Trainer:
         prepare_layers(model, cfg.train, cfg.runtime.device)  # a critic copied from it inherits the wrapping
         self.scaler = self.precision.scaler()
         self.moe_shape = (model.cfg.num_moe_layers(), model.cfg.num_experts_per_tok)
-        self.frozen = freeze_routers(model, cfg)
-        self.objective = cfg.algo.objective()
-        a = cfg.algo
+        self.frozen = routing.freeze_routers(model, cfg)
+        a, tr = cfg.algo, cfg.train
+        self.objective = a.objective()
         kl = dict(coef=a.kl_coef, target=a.kl_target, horizon=a.kl_horizon) if a.kl_target else dict(coef=a.kl_coef)
         self.kl_control = algo.make_kl_controller("adaptive" if a.kl_target else "fixed", **kl)
         overlong_max_len = a.overlong_max_len or cfg.rollout.max_tokens
         self.shaping = algo.RewardShapingParams(a.reward_clip, a.overlong_buffer, overlong_max_len, a.overlong_coef)
         mixed = self.precision.compute if self.precision.mixed else None
         shard = functools.partial(parallel.parallelize, compute_dtype=mixed) if fsdp else None
-        self.critic = Critic(model, cfg, self.precision, shard) if cfg.algo.estimator == "gae" else None
-        compute, device = self.precision.compute, cfg.runtime.device
-        self.teacher = load_teacher(cfg.algo.teacher, model, device, compute) if cfg.algo.teacher else None
-        tr = cfg.train
+        self.critic = Critic(model, cfg, self.precision, shard) if a.estimator == "gae" else None
+        self.teacher = load_teacher(a.teacher, model, cfg.runtime.device, self.precision.compute) if a.teacher else None
         self.lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
         # the KL reference is the initial policy: with LoRA, the frozen base itself (adapters off), no copy
-        wants_ref = cfg.algo.kl_coef > 0 and self.lora is None
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if wants_ref else None
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if a.kl_coef > 0 and self.lora is None else None
         if fsdp:  # LoRA adapters stay whole on every rank (`parallel.sum_replicated_grads`)
-            for m in (self.teacher, self.ref, model):
-                if m is not None:
-                    shard(m)
+            for m in [m for m in (self.teacher, self.ref, model) if m is not None]:
+                shard(m)
             self.precision = self.precision.unsharded()  # FSDP2 casts the parameters: no autocast on top
         self.opt, self.schedule = build_optimizer(self.trainable(), cfg.train)
-        self.version = 0
-        self.num_skipped_steps = 0
+        self.version = self.num_skipped_steps = 0
 
     def trainable(self):
         """The parameters the optimizer steps: the LoRA adapters, or the model's own."""
         return self.lora.parameters() if self.lora is not None else self.model.parameters()
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The weights rollout engines need (Molt names): all but frozen routers (`train.freeze_router`);
-        with LoRA the targets' merged weights W + scale * B @ A."""
+        """The weights rollout engines need (Molt names): all but frozen routers; with LoRA the merged targets."""
         state = self.model.state_dict() | (self.lora.merged_weights() if self.lora is not None else {})
         return {k: v.detach() for k, v in state.items() if k not in self.frozen}
 
     def extra_state(self) -> dict:
-        """Checkpoint entries beside the optimizer's: the critic (weights, optimizer, schedule) and the LoRA
-        adapters with the frozen targets' base weights (the HF folder holds merged ones)."""
+        """Checkpoint entries beside the optimizer's: the critic, the LoRA adapters and their targets' base weights
+        (the HF folder holds merged ones)."""
         state = {"kl_coef": self.kl_control.coef}
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
@@ -173,13 +155,12 @@ class Trainer:
 
     def micro_batches(self, trajs: list[Trajectory]) -> list[MicroBatch]:
         ids = [t.tokens for t in trajs]
-        masks = [t.loss_mask for t in trajs]
         row_len = max(self.cfg.rollout.max_len, max(map(len, ids)))
-        images = trajectory_pixels(trajs, self.model.cfg)
         groups = [t.group_id for t in trajs] if self.cfg.train.share_prefix else None
-        packs = pack(ids, masks, row_len, self.cfg.train.micro_batch_tokens, images, groups)
+        images = trajectory_pixels(trajs, self.model.cfg)
+        packs = pack(ids, [t.loss_mask for t in trajs], row_len, self.cfg.train.micro_batch_tokens, images, groups)
         if self.moe_shape[0]:
-            attach_routing(packs, [t.routing for t in trajs], self.moe_shape)
+            routing.attach_routing(packs, [t.routing for t in trajs], self.moe_shape)
         return [layout(p, trajs) for p in packs]
 
     def advantages(
@@ -188,8 +169,8 @@ class Trainer:
         values: list[list[float]] | None = None,
         teacher_kl: list[list[float]] | None = None,
     ) -> tuple[list[list[float]], dict]:
-        """Per-token advantages of every trajectory (computed once over the whole step batch), from the rewards
-        and, where the run has them, the critic's `values` and the reverse KL to the teacher (`teacher_kl`)."""
+        """Per-token advantages of every trajectory (over the whole step batch), from the rewards and, where the run
+        has them, the critic's `values` and the reverse KL to the teacher (`teacher_kl`)."""
         algo_cfg = self.cfg.algo
         distill = algo_cfg.estimator == "on_policy_distill"
         rewards_b, shaping_metrics = self.rewards(trajs)
@@ -213,8 +194,7 @@ class Trainer:
         DAPO overlong penalty on its rollout's generated tokens (`--algo.overlong_buffer`) then `--algo.reward_clip`."""
         rewards_b = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         lengths_b = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32)
-        rollout_ids_b = torch.tensor([t.rollout_id for t in trajs])
-        return algo.shape_rewards(rewards_b, lengths_b, self.shaping, rollout_ids_b)
+        return algo.shape_rewards(rewards_b, lengths_b, self.shaping, torch.tensor([t.rollout_id for t in trajs]))
 
     def _advantage_params(self, whiten: bool | None = None) -> algo.AdvantageParams:
         a = self.cfg.algo
@@ -222,10 +202,8 @@ class Trainer:
         return algo.AdvantageParams(a.gamma, a.lam, coef, whiten=a.whiten if whiten is None else whiten)
 
     def step(self, trajs: list[Trajectory], shard: list[int] | None = None) -> dict[str, float]:
-        """One optimizer step on `trajs` (complete groups); returns scalar metrics.
-
-        Data parallel (`molt.train.parallel`): every rank gets the whole batch and trains on its `shard`
-        (indices of whole groups); denominators and metric sums are summed over the ranks."""
+        """One optimizer step on `trajs` (complete groups); returns scalar metrics. Data parallel, every rank gets the
+        whole batch and trains on its `shard` (indices of whole groups); denominators and sums add over the ranks."""
         t0 = time.perf_counter()
         mine = trajs if shard is None else [trajs[i] for i in shard]
         check_tokens(mine, exhaustive=self.cfg.train.check_tokens == "exhaustive")
@@ -266,8 +244,7 @@ class Trainer:
         }
 
     def _adapt_kl(self, kl: float, num_samples: int) -> dict[str, float]:
-        """`train/kl_coef`, the KL-loss coefficient this step used; then the controller's update from the step's
-        measured KL (`--algo.kl_target`; fixed otherwise), which the next step uses."""
+        """`train/kl_coef`, the coefficient this step used; the controller (`--algo.kl_target`) updates the next's."""
         if not self.cfg.algo.kl_coef:
             return {}
         used = self.objective.kl_loss_coef
@@ -275,8 +252,8 @@ class Trainer:
         return {"train/kl_coef": used}
 
     def _model_signals(self, mbs: list[MicroBatch], trajs, denoms, num_mbs: int):
-        """(the critic's values V_old, the teacher's per-token KL, their metrics) for `trajs`; a model the run does
-        not have gives None. The critic updates here (`Critic.train`), before the policy."""
+        """(critic values V_old, teacher per-token KL, their metrics), None where the run lacks the model. The critic
+        updates here (`Critic.train`), before the policy."""
         values, metrics = None, {}
         if self.critic is not None:
             lengths, rewards_b = [len(t.tokens) for t in trajs], self.rewards(trajs)[0]
@@ -312,8 +289,8 @@ class Trainer:
     def _backward(self, mb: MicroBatch, trajs, advantages, denoms, sums: dict[str, float], scale=1.0) -> None:
         device = self.cfg.runtime.device
         packed = mb.packed.to(device)
-        routing = forward_routing(packed, self.cfg.algo.routing_replay) if self.moe_shape[0] else None
-        logp_bt, entropy_bt, ref_logp_bt = self._logprobs(mb, packed, routing)
+        moe_routing = routing.forward_routing(packed, self.cfg.algo.routing_replay) if self.moe_shape[0] else None
+        logp_bt, entropy_bt, ref_logp_bt = self._logprobs(mb, packed, moe_routing)
         bonus_bt = entropy_bt if self.objective.entropy_coef else None  # with grad: the loss subtracts coef * H
         mask_bt = mb.mask_bt.to(device)
         rollout_logp_bt = per_sample([t.rollout_logprobs for t in trajs], mb).to(device)
@@ -327,41 +304,36 @@ class Trainer:
             group_ids_b=self._group_ids(mb, trajs).to(device),
         )
         loss, metrics = algo.policy_objective(batch, denoms, self.objective)
-        if routing is not None:  # Switch load-balancing loss, weighted by this micro-batch's share of tokens
-            aux = routing_stats(routing, packed, sums) * (packed.num_tokens / max(self.step_tokens, 1))
+        if moe_routing is not None:  # Switch load-balancing loss, weighted by this micro-batch's share of tokens
+            aux = routing.routing_stats(moe_routing, packed, sums) * (packed.num_tokens / max(self.step_tokens, 1))
             _add(sums, moe_aux=aux.detach())
             if self.cfg.algo.moe_aux_coef > 0:
                 loss = loss + self.cfg.algo.moe_aux_coef * aux
-        loss_scaled = loss * scale
-        (self.scaler.scale(loss_scaled) if self.scaler is not None else loss_scaled).backward()
+        (self.scaler.scale(loss * scale) if self.scaler is not None else loss * scale).backward()
         fresh_bt = (per_sample([t.versions for t in trajs], mb).to(device) == self.version) * mask_bt
         diff_bt = (logp_bt.detach() - rollout_logp_bt).abs()
         _add(sums, loss=loss.detach(), abs_diff=diff_bt * mask_bt, fresh_diff=diff_bt * fresh_bt, fresh=fresh_bt)
         _add(sums, entropy=entropy_bt.detach() * mask_bt, tokens=mask_bt)
-        if routing is not None:  # MoE: |diff| with replayed and live routing (the other mode: a no-grad forward)
+        if moe_routing is not None:  # MoE: |diff| with replayed and live routing (the other mode: a no-grad forward)
             other_logp = lambda r: self._logprobs(mb, packed, r, reference=False)[0]  # noqa: E731
-            logprob_diffs(sums, packed, self.cfg.algo, logp_bt.detach(), rollout_logp_bt, mask_bt, other_logp)
+            routing.logprob_diffs(sums, packed, self.cfg.algo, logp_bt.detach(), rollout_logp_bt, mask_bt, other_logp)
         n = float(mask_bt.sum())
         for key, value in metrics.items():
             sums[f"w_{key}"] = sums.get(f"w_{key}", 0.0) + float(value) * n
 
-    def _logprobs(self, mb: MicroBatch, packed: PackedBatch, routing, reference: bool = True):
+    def _logprobs(self, mb: MicroBatch, packed: PackedBatch, moe_routing, reference: bool = True):
         """(log-probs, entropies, reference log-probs or None), each [b, T] per sample, in the compute dtype.
         Entropies keep their graph (the entropy bonus); callers detach them otherwise."""
         temp, chunk = self.cfg.rollout.temperature, self.cfg.train.logprob_chunk_tokens
+        trained_only = moe_routing is None  # dense models compute only the trained positions
         with self.precision.autocast():
-            logp, entropy = token_logprobs_entropy(self.model, packed, temp, routing, routing is None, chunk)
+            logp, entropy = token_logprobs_entropy(self.model, packed, temp, moe_routing, trained_only, chunk)
             ref_logp_bt = None
-            if reference and self.cfg.algo.kl_coef > 0:
-                with torch.no_grad(), self._reference() as ref:
-                    ref_logp_bt = mb.unpack(token_logprobs(ref, packed, temp, None, routing is None, chunk))
+            if reference and self.cfg.algo.kl_coef > 0:  # the frozen copy, or with LoRA the model with adapters off
+                ref = self.model if self.ref is None else self.ref
+                with torch.no_grad(), self.lora.disabled() if self.ref is None else contextlib.nullcontext():
+                    ref_logp_bt = mb.unpack(token_logprobs(ref, packed, temp, None, trained_only, chunk))
         return mb.unpack(logp), mb.unpack(entropy), ref_logp_bt
-
-    @contextlib.contextmanager
-    def _reference(self):
-        """The KL reference policy: the frozen copy, or with LoRA the model with its adapters off."""
-        with self.lora.disabled() if self.ref is None else contextlib.nullcontext():
-            yield self.model if self.ref is None else self.ref
 
     def _step_metrics(self, trajs, sums, adv_metrics) -> dict[str, float]:
         n = max(sums.get("tokens", 0.0), 1.0)
@@ -370,7 +342,7 @@ class Trainer:
         shaped = adv_metrics.pop("reward_mean", None)  # the estimator's, of the shaped reward
         if shaped is not None and (self.shaping.clip or self.shaping.overlong_buffer):
             out["train/shaped_reward_mean"] = float(shaped)
-        out |= {f"train/{k}": float(v) for k, v in adv_metrics.items()} | routing_metrics(sums)
+        out |= {f"train/{k}": float(v) for k, v in adv_metrics.items()} | routing.routing_metrics(sums)
         rewards = {t.rollout_id: t.reward for t in trajs}  # one per rollout, whatever its number of segments
         if sums.get("fresh", 0.0) > 0:  # numerics alone: tokens the current weights sampled (absent when none)
             out["train/logprob_diff_fresh"] = sums["fresh_diff"] / sums["fresh"]

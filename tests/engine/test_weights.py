@@ -26,8 +26,16 @@ async def until_decoded(engine, num_tokens):
 
 
 async def swap_mid_generation(engine, new_weights, prompt, sampling):
+    step = engine.core.step_safely
+
+    def step_then_pause(admit=True):  # paused by the engine thread itself: a busy machine cannot finish the request
+        step(admit)
+        engine._paused = engine.stats["decode_tokens"] >= 6
+
+    engine.core.step_safely = step_then_pause
     task = asyncio.create_task(engine.generate(prompt, sampling))
     await until_decoded(engine, 6)
+    engine.core.step_safely = step
     await engine.pause()  # a token boundary; the request stays in its slot
     await engine.update_weights(new_weights, version=1, mode="interrupt")
     await engine.resume()

@@ -47,23 +47,16 @@ class ChatContext:
     sampling: dict[str, Any] = field(default_factory=dict)  # the rollout's settings (the server applies them)
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     session_id: str = ""
-    clients: ClientPool | None = field(default=None, repr=False)  # the runner's shared connection pool
+    clients: ClientPool = field(default_factory=ClientPool, repr=False)  # the runner's (built by hand: its own)
 
     def openai(self, **options: Any) -> Any:
-        """An `AsyncOpenAI` client bound to this session, on the runner's shared connection pool.
-
-        `options` go to the constructor (e.g. `max_retries`); closing it (`async with`) keeps the pool open.
-        """
-        return self._client("openai", self.base_url, options)
+        """An `AsyncOpenAI` client bound to this session, on the runner's shared connection pool; `options` go to
+        the constructor (e.g. `max_retries`); closing it (`async with`) keeps the pool open."""
+        return self.clients.client("openai", self.base_url, self.api_key, **options)
 
     def anthropic(self, **options: Any) -> Any:
         """An `AsyncAnthropic` client bound to this session, on the runner's shared connection pool."""
-        return self._client("anthropic", self.session_url, options)
-
-    def _client(self, sdk: str, base_url: str, options: dict[str, Any]) -> Any:
-        if self.clients is None:
-            self.clients = ClientPool()  # a context built by hand: a pool of its own
-        return self.clients.client(sdk, base_url, self.api_key, **options)
+        return self.clients.client("anthropic", self.session_url, self.api_key, **options)
 
 
 class ChatAgent:
@@ -124,10 +117,8 @@ def _import_error(spec: str, error: Exception) -> ConfigError:
     file = Path(where).resolve()
     if isinstance(error, SyntaxError) and error.filename and error.lineno:
         where, text = f"{error.filename}:{error.lineno}", error.msg
-    else:
-        frames = [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == file]
-        if frames:
-            where = f"{frames[-1].filename}:{frames[-1].lineno}"
+    elif frames := [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == file]:
+        where = f"{frames[-1].filename}:{frames[-1].lineno}"
     return ConfigError(f"rollout.agent: importing {spec!r} failed at {where}: {type(error).__name__}: {text}")
 
 
@@ -232,20 +223,15 @@ def _stamp(agent: ChatAgent, result: Result, segments: list[Trajectory], truncat
     return segments
 
 
-async def run_agent(chat: ChatRunner | None, engine, tokenizer, agent, row: dict, sampling,
-                    limits: EpisodeLimits, **kw) -> list[Trajectory]:  # fmt: skip
-    """One rollout of an Env (one segment) or a ChatAgent (one or more segments, through `chat`)."""
-    if isinstance(agent, ChatAgent):
-        return await chat.run(agent, row, sampling, limits, **kw)
-    return [await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)]
-
-
 def local_rollout(chat: ChatRunner | None, engine, tokenizer, make_env: Callable[[], Any]):
     """`rollout(row, sampling, limits, **ids)` on this event loop, a fresh agent from `make_env()` each time; agent
     code blocking the loop past `limits.step_timeout_s` stops the run (`watchdog.LoopWatchdog`)."""
 
     async def rollout(row: dict, sampling, limits: EpisodeLimits, **kw) -> list[Trajectory]:
         watch_loop(limits.step_timeout_s)
-        return await run_agent(chat, engine, tokenizer, make_env(), row, sampling, limits, **kw)
+        agent = make_env()  # an Env: one segment; a ChatAgent: one or more, through `chat`
+        if isinstance(agent, ChatAgent):
+            return await chat.run(agent, row, sampling, limits, **kw)
+        return [await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)]
 
     return rollout

@@ -24,8 +24,7 @@ MAX_KEEPALIVE = 512  # idle loopback connections kept (one per concurrent reques
 @functools.cache
 def _session_client_class(sdk: str) -> type:
     """The SDK's async client with `close()` leaving the shared pool open."""
-    module = importlib.import_module(sdk)
-    base = module.AsyncOpenAI if sdk == "openai" else module.AsyncAnthropic
+    base = getattr(importlib.import_module(sdk), "AsyncOpenAI" if sdk == "openai" else "AsyncAnthropic")
 
     async def close(self) -> None:  # the pool belongs to the runner
         return None

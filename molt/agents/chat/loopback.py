@@ -137,25 +137,20 @@ def transport_class(httpx) -> type:
             self.route = getattr(app, "direct_route", None)
 
         async def handle_async_request(self, request):
-            scope = _scope(request)
+            scope, body, exchange = _scope(request), await request.aread(), None
             handler = self.route(scope["method"], scope["path"]) if self.route is not None else None
-            if handler is not None:
-                try:
-                    return await _direct(httpx, handler, scope, await request.aread())
-                except Exception as e:  # noqa: BLE001 - as below: the handler never answers with an exception
-                    raise httpx.RemoteProtocolError(f"chat server failed: {type(e).__name__}: {e}") from e
-            exchange = _Exchange(self.app, scope, await request.aread())
             try:
+                if handler is not None:
+                    return await _direct(httpx, handler, scope, body)
+                exchange = _Exchange(self.app, scope, body)
                 head = await exchange.head
             except asyncio.CancelledError:
-                await exchange.close()
+                if exchange is not None:
+                    await exchange.close()
                 raise
             except Exception as e:  # noqa: BLE001 - the app failed before answering: like a dropped connection
                 raise httpx.RemoteProtocolError(f"chat server failed: {type(e).__name__}: {e}") from e
-            return httpx.Response(
-                head["status"],
-                headers=head.get("headers", []),
-                stream=_body_class(httpx)(exchange.iter_body(), exchange.close),
-            )
+            stream = _body_class(httpx)(exchange.iter_body(), exchange.close)
+            return httpx.Response(head["status"], headers=head.get("headers", []), stream=stream)
 
     return InProcessTransport

@@ -59,6 +59,8 @@ MAX_DEPTH = 64  # JSON nesting a request may use (tool schemas, arguments); deep
 class TooDeep(ValueError):
     """A request value nests deeper than MAX_DEPTH (its rendering would exhaust the interpreter's stack)."""
 
+    status = 400
+
 
 def check_depth(value: Any, where: str = "request body", max_depth: int = MAX_DEPTH) -> None:
     """Raise TooDeep if `value` (parsed JSON) nests more than `max_depth` levels; iterative, so never recurses."""

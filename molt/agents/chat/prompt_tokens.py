@@ -47,11 +47,9 @@ def encode_within(tokenizer, text: str, max_tokens: int) -> list[int]:
         and (backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)))
     ):
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # tokenizers < 0.21: with offsets
-        (encoding,) = encode([text], add_special_tokens=False)
-        if len(encoding) >= max_tokens:
-            raise OverContext(len(encoding))
-        return encoding.ids
-    ids = tokenizer.encode(text, add_special_tokens=False)
+        (ids,) = encode([text], add_special_tokens=False)  # an Encoding: its ids are converted only if they fit
+    else:
+        ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) >= max_tokens:
         raise OverContext(len(ids))
-    return ids
+    return getattr(ids, "ids", ids)  # an Encoding's ids, or the list

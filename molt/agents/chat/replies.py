@@ -15,6 +15,8 @@ from molt.engine.interface import TokenDelta
 class SessionClosed(LookupError):
     """The session is unknown or its rollout has finished."""
 
+    status = 404
+
 
 class RequestError(ValueError):
     """The request is well-formed JSON but cannot be served (e.g. the template cannot render it)."""
@@ -67,9 +69,8 @@ class TurnReply:
 
 @dataclass
 class TextDelta:
-    """Text of sample `index` that can be sent now (streaming), and the tokens generated since the last
-    delta as (id, log-prob) pairs when the request asked for log-probs (else empty), with each one's
-    alternatives when it asked for `top_logprobs` (else None)."""
+    """Text of sample `index` that can be sent now, and the tokens generated since the last delta as (id, log-prob)
+    pairs when the request asked for log-probs (else empty), with their alternatives if it asked for `top_logprobs`."""
 
     index: int
     text: str
@@ -84,25 +85,23 @@ class Inbox:
     def __init__(self):
         self.items: list[TokenDelta] = []
         self.closed = False
-        self.waiter: asyncio.Future | None = None
+        self.ready = asyncio.Event()
 
     def put(self, item: TokenDelta) -> None:
         self.items.append(item)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        self.ready.set()
 
     def close(self, _=None) -> None:
         self.closed = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        self.ready.set()
 
     async def take(self) -> list[TokenDelta] | None:
         """The deltas that arrived since the last take (waiting for one), or None once closed and empty."""
         while not self.items:
             if self.closed:
                 return None
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
+            self.ready.clear()
+            await self.ready.wait()
         items, self.items = self.items, []
         return items
 

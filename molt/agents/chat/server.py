@@ -42,7 +42,7 @@ from molt.agents.chat import wire_anthropic, wire_openai
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, TooDeep, check_depth, lone_surrogate
 from molt.agents.chat.replies import GenerationError, RequestError, SessionClosed
-from molt.agents.chat.session import RENDER_INLINE_BYTES, Session
+from molt.agents.chat.session import Session, off_loop
 from molt.agents.chat.tool_parser import PARSERS, get_parser
 from molt.agents.runner import first_prompt_ids
 from molt.data.trajectory import Trajectory
@@ -58,7 +58,7 @@ PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "
 class HTTPError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status = status
 
 
 def _reject_constant(name: str) -> Any:
@@ -83,11 +83,8 @@ def template_renders_tools(tokenizer) -> bool:
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening TCP socket whose accepted connections get TCP_NODELAY from asyncio.
-
-    asyncio sets TCP_NODELAY only on sockets whose `proto` is IPPROTO_TCP (`socket.create_server` leaves it
-    0); without it each response waits for the client's delayed ACK (Nagle, ~40 ms).
-    """
+    """A listening socket whose `proto` is IPPROTO_TCP, the only kind asyncio sets TCP_NODELAY on for accepted
+    connections (`socket.create_server` leaves it 0); without it each response waits for a delayed ACK (~40 ms)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
@@ -160,16 +157,9 @@ class ChatServer:
         session = self.sessions.pop(session_id, None)
         return session.close() if session is not None else []
 
-    def _session(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise SessionClosed("unknown or finished session")
-        return session
-
     async def start(self) -> ChatServer:
         """Serve on the running loop until `stop()`; returns once the socket is bound."""
         options = {"log_level": "warning", "access_log": False, "lifespan": "off"}  # stop() sets the shutdown's grace
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, **options)
         try:  # bound here, so a taken port is a clear OSError (uvicorn would sys.exit inside the task)
             sock = _listening_socket(self.host, self.port)
         except OSError as e:
@@ -177,7 +167,7 @@ class ChatServer:
         self.port = sock.getsockname()[1]
         if self.serve_sampling is not None:  # `molt serve`: say at start-up; training: at the first tools
             self._warn_if_tools_ignored()
-        self._server = _EmbeddedServer(config)
+        self._server = _EmbeddedServer(uvicorn.Config(self.app, host=self.host, port=self.port, **options))
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="chat-server")
         while not self._server.started:
             if self._task.done():
@@ -221,56 +211,33 @@ class ChatServer:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="Molt chat server", docs_url=None, redoc_url=None, openapi_url=None)
         app.get("/health")(self._health)
-        app.get("/s/{session_id}/v1/models")(self._models)
-        app.get("/s/{session_id}/v1/models/{model_id:path}")(self._models)
-
-        @app.get("/v1/models")
-        async def models(request: Request) -> Response:
-            return await self._models(request)
-
-        @app.get("/v1/models/{model_id:path}")
-        async def model(request: Request, model_id: str) -> Response:
-            return await self._models(request, model_id=model_id)
-
-        @app.post("/s/{session_id}/v1/chat/completions")
-        async def openai_session(request: Request, session_id: str) -> Response:
-            return await self._complete(request, session_id, wire_openai)
-
-        @app.post("/s/{session_id}/v1/messages")
-        async def anthropic_session(request: Request, session_id: str) -> Response:
-            return await self._complete(request, session_id, wire_anthropic)
-
-        app.post("/s/{session_id}/v1/messages/count_tokens")(self._count_tokens)
-
-        if self.serve_sampling is not None:
-
-            @app.post("/v1/chat/completions")
-            async def openai_serve(request: Request) -> Response:
-                return await self._complete(request, None, wire_openai)
-
-            @app.post("/v1/messages")
-            async def anthropic_serve(request: Request) -> Response:
-                return await self._complete(request, None, wire_anthropic)
-
-            app.post("/v1/messages/count_tokens")(self._count_tokens)
-
+        for prefix in ("/s/{session_id}", ""):  # the handlers read `session_id` (None: none) from the path
+            app.get(prefix + "/v1/models")(self._models)
+            app.get(prefix + "/v1/models/{model_id:path}")(self._models)
+            if prefix or self.serve_sampling is not None:  # serve mode: each request in an implicit session
+                for path, wire in WIRES.items():
+                    app.post(prefix + path)(self._route(wire))
+                app.post(prefix + "/v1/messages/count_tokens")(self._count_tokens)
         return app
+
+    def _route(self, wire) -> Callable[[Request], Awaitable[Response]]:
+        async def complete(request: Request) -> Response:
+            return await self._complete(request, request.path_params.get("session_id"), wire)
+
+        return complete
 
     async def _health(self) -> dict[str, Any]:
         return {"status": "ok", "sessions": len(self.sessions), "version": getattr(self.engine, "version", 0)}
 
-    async def _models(self, request: Request, session_id: str | None = None, model_id: str | None = None) -> Response:
-        """The served model's card in a list, or `model_id`'s card (a name it answers to); on a session's route
-        once the session is checked to exist."""
+    async def _models(self, request: Request) -> Response:
+        """The model's card in a list, or `model_id`'s card (a name it answers to), once the session (if any) exists."""
+        session_id, model_id = request.path_params.get("session_id"), request.path_params.get("model_id")
         try:
-            self._authorize(request)
-            if session_id is not None:
-                self._session(session_id)
+            self._session(request, session_id)
             if model_id is not None:
                 self._check_model(model_id)
         except (HTTPError, SessionClosed) as e:
-            status, message = self._failure(e, session_id)
-            return JSONResponse(wire_openai.error(status, message), status)
+            return self._error(wire_openai, e, session_id)
         card = {"id": model_id or self.model_name, "object": "model", "created": 0, "owned_by": "molt"}
         return JSONResponse(card if model_id is not None else {"object": "list", "data": [card]})
 
@@ -280,13 +247,17 @@ class ChatServer:
         if model not in self.model_names:
             raise HTTPError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}")
 
-    def _authorize(self, request: Request) -> None:
-        if not self.api_key:
-            return
-        bearer = request.headers.get("authorization", "")
-        given = bearer[7:] if bearer.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        if not secrets.compare_digest(given.encode(), self.api_key.encode()):
-            raise HTTPError(401, "missing or wrong API key")
+    def _session(self, request: Request, session_id: str | None) -> Session | None:
+        """The request's open session (None on a route without one), once its API key is checked."""
+        if self.api_key:
+            bearer = request.headers.get("authorization", "")
+            given = bearer[7:] if bearer.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+            if not secrets.compare_digest(given.encode(), self.api_key.encode()):
+                raise HTTPError(401, "missing or wrong API key")
+        session = self.sessions.get(session_id) if session_id is not None else None
+        if session_id is not None and session is None:
+            raise SessionClosed("unknown or finished session")
+        return session
 
     async def _read_json(self, request: Request) -> Any:
         declared = request.headers.get("content-length")
@@ -321,10 +292,8 @@ class ChatServer:
     def _warn_if_tools_ignored(self) -> None:
         """Once per server (with render_tools on): log a warning if the chat template ignores `tools`, so that
         requests' tools never reach the prompt; such requests are still answered."""
-        if self._tools_checked:
-            return
-        self._tools_checked = True
-        if template_renders_tools(self.tokenizer):
+        checked, self._tools_checked = self._tools_checked, True
+        if checked or template_renders_tools(self.tokenizer):
             return
         parser = next(name for name in PARSERS if PARSERS[name] is self.parser)
         parsed = "so replies never carry tool calls" if parser == "none" else f"calls are parsed as {parser!r}"
@@ -351,15 +320,13 @@ class ChatServer:
             return text, text.encode()
         return (raw.decode(errors="backslashreplace") if "\ufffd" in text else text), raw
 
-    def _implicit_session(self) -> Session:
-        return self.open_session(self.serve_sampling, max_len=self.serve_max_len, honor_sampling=True)
-
     async def _complete(self, request: Request, session_id: str | None, wire) -> Response:
         """One completion request -> JSON or an event stream; every failure in the wire's error format."""
         session, owned = None, session_id is None
         try:
-            self._authorize(request)
-            session = self._implicit_session() if owned else self._session(session_id)
+            session = self._session(request, session_id)
+            if owned:
+                session = self.open_session(self.serve_sampling, max_len=self.serve_max_len, honor_sampling=True)
             chat = await self._decode(request, wire)
             if not chat.stream:
                 return JSONResponse(wire.encode(await session.turn(chat), self.model_name, chat))
@@ -369,8 +336,7 @@ class ChatServer:
             body = self._sse(wire, chat, first, events, session if session_id is None else None)
             return StreamingResponse(body, media_type="text/event-stream")
         except Exception as e:  # noqa: BLE001 - every failure answers in the wire's format
-            status, message = self._failure(e, session_id)
-            return JSONResponse(wire.error(status, message, getattr(e, "code", None)), status)
+            return self._error(wire, e, session_id)
         finally:
             if owned and session is not None:
                 self.close_session(session.id)
@@ -394,14 +360,10 @@ class ChatServer:
 
     def _failure(self, error: Exception, session_id: str | None) -> tuple[int, str]:
         """(HTTP status, message) of an exception; Molt's own bugs are logged with a request id."""
-        if isinstance(error, HTTPError):
-            return error.status, error.message
-        if isinstance(error, SessionClosed):
-            return 404, str(error)
-        if isinstance(error, RequestError):
+        if isinstance(error, HTTPError | RequestError | SessionClosed | TooDeep):
             return error.status, str(error)
-        if isinstance(error, TooDeep | RecursionError):
-            return 400, str(error) if isinstance(error, TooDeep) else "the request nests too deeply"
+        if isinstance(error, RecursionError):
+            return 400, "the request nests too deeply"
         if isinstance(error, GenerationError):
             if not (self._server and self._server.should_exit):  # stopping: `stop` aborts the generations left
                 log.warning("chat session %s: %s", session_id[:6] if session_id else "implicit", error)
@@ -410,20 +372,20 @@ class ChatServer:
         log.exception("chat server: internal error in request %s", request_id)
         return 500, f"internal error (request id {request_id}; see the server log)"
 
-    async def _count_tokens(self, request: Request, session_id: str | None = None) -> Response:
+    async def _count_tokens(self, request: Request) -> Response:
         """Anthropic `count_tokens`: the prompt's tokens as the template renders it (nothing is generated)."""
-        wire = wire_anthropic
+        session_id = request.path_params.get("session_id")
         try:
-            self._authorize(request)
-            if session_id is not None:
-                self._session(session_id)  # only checked to exist
-            chat = await self._decode(request, wire, counting=True)
+            self._session(request, session_id)  # only checked to exist
+            chat = await self._decode(request, wire_anthropic, counting=True)
             tools = chat.tools if self.render_tools else None
-            count = functools.partial(first_prompt_ids, self.tokenizer, chat.messages, tools)
-            ids = await asyncio.to_thread(count) if chat.size > RENDER_INLINE_BYTES else count()
+            ids = await off_loop(chat.size, first_prompt_ids, self.tokenizer, chat.messages, tools)
             return JSONResponse({"input_tokens": len(ids)})
         except Exception as e:  # noqa: BLE001 - a template that cannot render it is a 422, the rest as elsewhere
             if isinstance(e, TemplateError | TypeError | KeyError | ValueError) and not isinstance(e, TooDeep):
-                return JSONResponse(wire.error(422, f"the chat template cannot render these messages: {e}"), 422)
-            status, message = self._failure(e, session_id)
-            return JSONResponse(wire.error(status, message), status)
+                e = RequestError(f"the chat template cannot render these messages: {e}")
+            return self._error(wire_anthropic, e, session_id)
+
+    def _error(self, wire, error: Exception, session_id: str | None) -> JSONResponse:
+        status, message = self._failure(error, session_id)
+        return JSONResponse(wire.error(status, message, getattr(error, "code", None)), status)

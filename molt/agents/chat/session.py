@@ -55,6 +55,11 @@ from molt.models.vision import ImageError
 RENDER_INLINE_BYTES = 64 << 10  # smaller requests render on the event loop (a thread hop costs more)
 
 
+async def off_loop(size: int, fn, *args):
+    """`fn(*args)`, in a worker thread for a request over RENDER_INLINE_BYTES (keeps the event loop responsive)."""
+    return await asyncio.to_thread(fn, *args) if size > RENDER_INLINE_BYTES else fn(*args)
+
+
 @dataclass
 class _Plan:
     context: list[int]  # what the engine sees
@@ -98,10 +103,7 @@ class Session:
 
     async def turn(self, request: ChatRequest) -> TurnReply:
         """Answer one request (idempotent for retries); raises SessionClosed, RequestError, GenerationError."""
-        reply = None
-        async for event in self.stream(request, live=False):
-            reply = event
-        return reply
+        return [event async for event in self.stream(request, live=False)][-1]  # not live: the reply alone
 
     async def stream(self, request: ChatRequest, live: bool = True) -> AsyncIterator[TextDelta | TurnReply]:
         """`TextDelta`s as tokens are generated (with `live`), then the `TurnReply`. Closing the iterator
@@ -109,11 +111,10 @@ class Session:
         async with self.lock:
             if self.closed:
                 raise SessionClosed(f"session {self.id[:6]}... is finished")
-            if len(request.messages) == len(self.history) and request_key(request) == self.last_key:
-                yield self.last_reply  # a retry (only a request as long as the last can be one)
-                return
-            prepared = await self._prepare(request)
-            if isinstance(prepared, TurnReply):
+            # a retry gets the cached reply (only a request as long as the last can be one)
+            retry = len(request.messages) == len(self.history) and request_key(request) == self.last_key
+            prepared = self.last_reply if retry else await self._prepare(request)
+            if isinstance(prepared, TurnReply):  # that, or the empty "length" reply
                 yield prepared
                 return
             plan, sampling, tools = prepared
@@ -157,10 +158,7 @@ class Session:
             raise RequestError("messages must not be empty")
         tools = request.tools if self.render_tools else None
         try:
-            if request.size > RENDER_INLINE_BYTES:  # keep the event loop (every other session's) responsive
-                plan = await asyncio.to_thread(self._plan, request, tools)
-            else:
-                plan = self._plan(request, tools)
+            plan = await off_loop(request.size, self._plan, request, tools)
             num_tokens, at_least = len(plan.context), ""
         except OverContext as e:
             num_tokens, at_least = e.num_tokens, "at least "
@@ -176,14 +174,10 @@ class Session:
         return plan, self._sampling(request, room), tools
 
     async def _generate(self, plan: _Plan, sampling: SamplingParams, on_tokens) -> list[Completion]:
-        kw = pixels_arg(plan.images)
+        args = (plan.context, sampling) if on_tokens is None else (plan.context, sampling, on_tokens)
         try:
-            if on_tokens is not None:
-                completions = await self.engine.generate_streamed(
-                    plan.context, sampling, on_tokens, session_id=self.id, **kw
-                )
-            else:
-                completions = await self.engine.generate_group(plan.context, sampling, session_id=self.id, **kw)
+            generate = self.engine.generate_group if on_tokens is None else self.engine.generate_streamed
+            completions = await generate(*args, session_id=self.id, **pixels_arg(plan.images))
         except ContextLengthError as e:
             if self.honor_sampling:
                 raise ContextLengthExceeded(str(e)) from e
@@ -257,10 +251,9 @@ class Session:
 
     def _sampling(self, request: ChatRequest, room: int) -> SamplingParams:
         base = self.sampling
-        if self.honor_sampling:  # serve: the request's max_tokens, up to the context
-            max_tokens = min(request.max_tokens or base.max_tokens, room)
-        else:  # training: the rollout's max_tokens bounds every turn
-            max_tokens = min(base.max_tokens, request.max_tokens or base.max_tokens, room)
+        # serve: the request's max_tokens, up to the context; training: the rollout's max_tokens bounds every turn too
+        cap = room if self.honor_sampling else min(room, base.max_tokens)
+        max_tokens = min(request.max_tokens or base.max_tokens, cap)
         changes = {
             "n": request.n,
             "max_tokens": max_tokens,

@@ -16,6 +16,7 @@ trajectory always keeps the raw generated ids: parsing only shapes the reply to 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -95,14 +96,9 @@ def _split_calls(text: str, tools: Tools, compact: bool) -> tuple[str, list[Tool
     content = TOOL_CALL_RE.sub("", text)
     if "<tool_call>" in content or "</tool_call>" in content:
         return text, []  # an unclosed or stray tag: malformed
-    calls = []
-    for block in blocks:
-        body = block[1].strip()
-        call = _json_call(body, specs) or (_compact_call(body, specs) if compact else None)
-        if call is None:
-            return text, []
-        calls.append(call)
-    return content.strip(), calls
+    bodies = [block[1].strip() for block in blocks]
+    calls = [_json_call(body, specs) or (_compact_call(body, specs) if compact else None) for body in bodies]
+    return (content.strip(), calls) if all(calls) else (text, [])  # one malformed call: all plain text
 
 
 def _compact_call(body: str, specs: dict[str, dict[str, Any]]) -> ToolCall | None:
@@ -115,16 +111,8 @@ def _compact_call(body: str, specs: dict[str, dict[str, Any]]) -> ToolCall | Non
     return ToolCall(new_id("call_"), name, {next(iter(props)): body})
 
 
-@PARSERS.register("hermes")
-def parse_hermes(text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the rest is content."""
-    return _split_calls(text, tools, compact=False)
-
-
-@PARSERS.register("molt")
-def parse_molt(text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
-    """Hermes blocks, or compact `<tool_call>ARG</tool_call>` calls of a sole one-parameter function."""
-    return _split_calls(text, tools, compact=True)
+parse_hermes = PARSERS.add("hermes", functools.partial(_split_calls, compact=False))
+parse_molt = PARSERS.add("molt", functools.partial(_split_calls, compact=True))
 
 
 @PARSERS.register("none")

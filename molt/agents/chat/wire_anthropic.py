@@ -20,22 +20,18 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, function_call, refuse_unsupported, text_content
 from molt.agents.chat.replies import InvalidRequest, TextDelta, TurnReply
-from molt.agents.chat.wire_openai import NOT_FETCHED
+from molt.agents.chat.wire_openai import ERROR_TYPES, NOT_FETCHED, WireModel, pieces
 
 # options Molt does not implement, with the values that ask for nothing: any other value is a 400, never ignored
 UNSUPPORTED = {"thinking": ({"type": "disabled"},), "output_config": ({},), "mcp_servers": ([],)}
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class Block(_Model):
+class Block(WireModel):
     type: str
     text: str | None = None
     id: str | None = None
@@ -68,18 +64,18 @@ class Block(_Model):
         raise InvalidRequest("image URLs are not fetched; send a base64 image source (source.type 'base64')")
 
 
-class MessageIn(_Model):
+class MessageIn(WireModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class ToolIn(_Model):
+class ToolIn(WireModel):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)
 
 
-class ToolChoice(_Model):
+class ToolChoice(WireModel):
     type: Literal["auto", "any", "tool", "none"] = "auto"
     name: str | None = None
 
@@ -94,7 +90,7 @@ class ToolChoice(_Model):
         return None
 
 
-class MessagesRequest(_Model):
+class MessagesRequest(WireModel):
     model: str = ""
     max_tokens: int | None = Field(default=None, ge=1)
     messages: list[MessageIn] = Field(min_length=1)
@@ -153,35 +149,35 @@ def decode(body: Any, counting: bool = False) -> ChatRequest:
     if req.messages[-1].role == "assistant":
         raise InvalidRequest("a final assistant message (prefill) is not supported: Molt's reply is a new turn")
     messages = [{"role": "system", "content": text_content(_text(req.system))}] if req.system else []
-    for m in req.messages:
-        messages += _messages(m)
-    tools = [
-        {
-            "type": "function",
-            "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
-        }
-        for t in req.tools or ()
+    messages += [message for m in req.messages for message in _messages(m)]
+    specs = [
+        {"name": t.name, "description": t.description or "", "parameters": t.input_schema} for t in req.tools or ()
     ]
     return ChatRequest(
         messages=messages,
-        tools=tools or None,
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
+        tools=[{"type": "function", "function": spec} for spec in specs] or None,
         stop=tuple(req.stop_sequences or ()),
         parse_tools=not (req.tool_choice and req.tool_choice.type == "none"),
-        stream=req.stream,
         extra={"model": req.model},
         force_tool=req.tool_choice.forced() if req.tool_choice else None,
+        **req.model_dump(include={"max_tokens", "temperature", "top_p", "top_k", "stream"}),  # as given
     )
 
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def _stop_reason(reply: TurnReply) -> str:
-    return "stop_sequence" if reply.stop_sequence else STOP_REASONS.get(reply.finish_reason, "end_turn")
+def _stop(reply: TurnReply) -> dict[str, Any]:
+    reason = "stop_sequence" if reply.stop_sequence else STOP_REASONS.get(reply.finish_reason, "end_turn")
+    return {"stop_reason": reason, "stop_sequence": reply.stop_sequence}
+
+
+def _usage(reply: TurnReply) -> dict[str, int]:
+    return {"input_tokens": reply.num_prompt_tokens, "output_tokens": reply.num_completion_tokens}
+
+
+def _head(model: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": model, "content": content}
 
 
 def _blocks(reply: TurnReply) -> list[dict[str, Any]]:
@@ -190,16 +186,7 @@ def _blocks(reply: TurnReply) -> list[dict[str, Any]]:
 
 
 def encode(reply: TurnReply, model: str, request: ChatRequest) -> dict[str, Any]:
-    return {
-        "id": new_id("msg_"),
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": _blocks(reply),
-        "stop_reason": _stop_reason(reply),
-        "stop_sequence": reply.stop_sequence,
-        "usage": {"input_tokens": reply.num_prompt_tokens, "output_tokens": reply.num_completion_tokens},
-    }
+    return _head(model, _blocks(reply)) | _stop(reply) | {"usage": _usage(reply)}
 
 
 _json = json.JSONEncoder(ensure_ascii=False).encode  # = json.dumps(x, ensure_ascii=False), one encoder for all
@@ -223,35 +210,26 @@ def _text_delta(text: str) -> str:
     return _json(text).join(TEXT_DELTA)
 
 
-ARGUMENT_PIECE = 16  # characters of a tool_use input per input_json_delta
-
-
 def _tool_use_events(index: int, call) -> Iterator[str]:
     block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
     yield _event("content_block_start", {"index": index, "content_block": block})
-    text = _json(call.arguments)
-    for at in range(0, len(text), ARGUMENT_PIECE):
-        delta = {"type": "input_json_delta", "partial_json": text[at : at + ARGUMENT_PIECE]}
+    for piece in pieces(_json(call.arguments)):
+        delta = {"type": "input_json_delta", "partial_json": piece}
         yield _event("content_block_delta", {"index": index, "delta": delta})
     yield _event("content_block_stop", {"index": index})
 
 
 async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, request: ChatRequest) -> AsyncIterator[str]:
-    """message_start, text deltas as they are generated, then tool_use blocks (input_json_delta pieces),
-    message_delta and message_stop. The events one session event brings are sent as one chunk (each chunk
-    costs the client a read; the events are the same)."""
-    head = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": model, "content": []}
-    parts = [_event("message_start", {"message": head | {"stop_reason": None, "stop_sequence": None, "usage": {
-        "input_tokens": 0, "output_tokens": 0}}})]  # fmt: skip
+    """message_start, text deltas as generated, tool_use blocks (input_json_delta pieces), message_delta, message_stop;
+    the events one session event brings go out as one chunk (each chunk costs the client a read)."""
+    start = _head(model, []) | {"stop_reason": None, "stop_sequence": None}
+    parts = [_event("message_start", {"message": start | {"usage": {"input_tokens": 0, "output_tokens": 0}}})]
     sent, text_open = "", False
     async for event in events:
         text = event.text if isinstance(event, TextDelta) else event.content[len(sent) :]
-        if text:
-            if not text_open:
-                parts.append(TEXT_START)
-                text_open = True
-            sent += text
-            parts.append(_text_delta(text))
+        if text:  # the text block opens with the first text
+            parts += [_text_delta(text)] if text_open else [TEXT_START, _text_delta(text)]
+            sent, text_open = sent + text, True
         if isinstance(event, TextDelta):
             if parts:
                 yield "".join(parts)
@@ -261,9 +239,7 @@ async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, reque
             parts.append(TEXT_STOP)
         for k, call in enumerate(event.tool_calls):
             parts += _tool_use_events(k + text_open, call)
-        usage = {"input_tokens": event.num_prompt_tokens, "output_tokens": event.num_completion_tokens}
-        stop = {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_sequence}
-        parts.append(_event("message_delta", {"delta": stop, "usage": usage}))
+        parts.append(_event("message_delta", {"delta": _stop(event), "usage": _usage(event)}))
     yield "".join([*parts, MESSAGE_STOP])
 
 
@@ -271,13 +247,7 @@ def stream_error(status: int, message: str) -> str:
     return _event("error", {"error": error(status, message)["error"]})
 
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    422: "invalid_request_error",
-}
+ERROR_TYPES = ERROR_TYPES | {413: "request_too_large", 422: "invalid_request_error"}  # OpenAI's, and these
 
 
 def error(status: int, message: str, code: str | None = None) -> dict[str, Any]:

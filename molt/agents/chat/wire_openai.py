@@ -40,25 +40,21 @@ UNSUPPORTED = {
     "functions": ([],),
     "function_call": ("none", "auto"),
     "modalities": (["text"],),
-    "audio": (),
-    "prediction": (),
-    "reasoning_effort": (),
-    "web_search_options": (),
-}
+} | dict.fromkeys(("audio", "prediction", "reasoning_effort", "web_search_options"), ())  # any value is refused
 
 
 NOT_FETCHED = "image URLs and paths are not fetched; send the image as a base64 data URI (data:image/png;base64,...)"
 
 
-class _Model(BaseModel):
+class WireModel(BaseModel):  # both wires' schemas: unknown fields are ignored
     model_config = ConfigDict(extra="ignore")
 
 
-class ImageUrl(_Model):
+class ImageUrl(WireModel):
     url: str
 
 
-class ContentPart(_Model):
+class ContentPart(WireModel):
     type: Literal["text", "image_url"]  # audio/file parts are refused (422), not dropped
     text: str | None = None
     image_url: ImageUrl | None = None
@@ -73,18 +69,18 @@ class ContentPart(_Model):
         return {"type": "text", "text": self.text or ""}
 
 
-class FunctionCall(_Model):
+class FunctionCall(WireModel):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCallIn(_Model):
+class ToolCallIn(WireModel):
     id: str = ""
     type: str = "function"
     function: FunctionCall
 
 
-class MessageIn(_Model):
+class MessageIn(WireModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
@@ -92,23 +88,23 @@ class MessageIn(_Model):
     name: str | None = None
 
 
-class FunctionSpec(_Model):
+class FunctionSpec(WireModel):
     model_config = ConfigDict(extra="allow")
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class ToolSpec(_Model):
+class ToolSpec(WireModel):
     type: Literal["function"] = "function"
     function: FunctionSpec
 
 
-class StreamOptions(_Model):
+class StreamOptions(WireModel):
     include_usage: bool = False
 
 
-class CompletionRequest(_Model):
+class CompletionRequest(WireModel):
     model: str = ""
     messages: list[MessageIn] = Field(min_length=1)
     tools: list[ToolSpec] | None = None
@@ -174,34 +170,27 @@ def decode(body: Any) -> ChatRequest:
         messages=[_message(m) for m in req.messages],
         tools=tools,
         max_tokens=req.max_completion_tokens or req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
         stop=tuple(req.stop or ()),
         parse_tools=req.tool_choice != "none",
-        stream=req.stream,
         extra={"include_usage": bool(req.stream_options and req.stream_options.include_usage), "model": req.model},
-        n=req.n,
-        seed=req.seed,
-        logprobs=req.logprobs,
         top_logprobs=req.top_logprobs or 0,
         force_tool=_forced_tool(req.tool_choice),
+        **req.model_dump(include={"temperature", "top_p", "top_k", "stream", "n", "seed", "logprobs"}),  # as given
     )
 
 
 def _usage(reply: TurnReply) -> dict[str, int]:
-    completion = sum(c.num_completion_tokens for c in reply.choices)
-    return {
-        "prompt_tokens": reply.num_prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": reply.num_prompt_tokens + completion,
-    }
+    prompt, completion = reply.num_prompt_tokens, sum(c.num_completion_tokens for c in reply.choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _head(kind: str, model: str) -> dict[str, Any]:
+    return {"id": new_id("chatcmpl-"), "object": kind, "created": int(time.time()), "model": model}
 
 
 def _logprobs(tokens, tops, decode_token) -> dict[str, Any]:
-    """OpenAI `logprobs.content`: each generated (token, log-prob) with the engine's log-prob (the one trained
-    on) and its `top_logprobs` alternatives (`tops`, one list per token, or None); `decode_token(id)` gives a
-    token's text and bytes."""
+    """OpenAI `logprobs.content`: each (token, the engine's log-prob: the one trained on) with its `top_logprobs`
+    alternatives (`tops`, one list per token, or None); `decode_token(id)` gives a token's text and bytes."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = decode_token(token_id)
@@ -221,39 +210,30 @@ def _choice_logprobs(choice: TurnReply, request: ChatRequest, start: int = 0) ->
     return _logprobs(tokens, tops, request.extra["decode_token"])
 
 
-def _message_of(choice: TurnReply) -> dict[str, Any]:
+def _choice(index: int, choice: TurnReply, request: ChatRequest) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": choice.content or (None if choice.tool_calls else "")}
     if choice.tool_calls:
         message["tool_calls"] = [function_call(c.id, c.name, c.arguments_json) for c in choice.tool_calls]
-    return message
+    logprobs = _choice_logprobs(choice, request)
+    return {"index": index, "message": message, "finish_reason": choice.finish_reason, "logprobs": logprobs}
 
 
 def encode(reply: TurnReply, model: str, request: ChatRequest) -> dict[str, Any]:
-    choices = [
-        {
-            "index": i,
-            "message": _message_of(choice),
-            "finish_reason": choice.finish_reason,
-            "logprobs": _choice_logprobs(choice, request),
-        }
-        for i, choice in enumerate(reply.choices)
-    ]
-    return {
-        "id": new_id("chatcmpl-"),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": _usage(reply),
-    }
+    choices = [_choice(i, choice, request) for i, choice in enumerate(reply.choices)]
+    return _head("chat.completion", model) | {"choices": choices, "usage": _usage(reply)}
 
 
 ARGUMENT_PIECE = 16  # characters of tool-call arguments per streamed chunk
 
 
+def pieces(arguments: str) -> list[str]:
+    """Tool-call arguments in the pieces both wires stream them in."""
+    return [arguments[at : at + ARGUMENT_PIECE] for at in range(0, len(arguments), ARGUMENT_PIECE)]
+
+
 async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, request: ChatRequest) -> AsyncIterator[str]:
     """`chat.completion.chunk` events as text is generated, then tool calls, finish reasons, usage, `[DONE]`."""
-    head = {"id": new_id("chatcmpl-"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    head = _head("chat.completion.chunk", model)
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs=None) -> str:
         body = head | {"choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
@@ -276,9 +256,7 @@ async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, reque
                 yield chunk(i, {"content": rest}, logprobs=logprobs)
             for k, call in enumerate(choice.tool_calls):
                 yield chunk(i, {"tool_calls": [{"index": k} | function_call(call.id, call.name, "")]})
-                arguments = call.arguments_json
-                for at in range(0, len(arguments), ARGUMENT_PIECE):
-                    piece = arguments[at : at + ARGUMENT_PIECE]
+                for piece in pieces(call.arguments_json):
                     yield chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
             yield chunk(i, {}, choice.finish_reason)
         if request.extra.get("include_usage"):

@@ -69,14 +69,8 @@ def usable(tensor: torch.Tensor) -> bool:
 def _torch_flags() -> list[str]:
     """Headers, libraries and ABI of the running torch (so the cache key changes with it)."""
     root = Path(torch.__file__).parent
-    return [
-        f"-I{root / 'include'}",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        f"-L{root / 'lib'}",
-        f"-Wl,-rpath,{root / 'lib'}",
-        "-lc10",
-        "-ltorch_cpu",
-    ]
+    inc, lib, abi = root / "include", root / "lib", int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [f"-I{inc}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
 
 
 def _build(compiler: str | None, flags: list[str], path: Path) -> None:
