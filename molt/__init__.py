@@ -3,8 +3,7 @@
 The Python API mirrors `molt train`: `molt.train(config)`, or `await molt.train_async(config)` inside an event loop.
 `config` is a `Config`, a nested or dotted dict (`{"train.max_steps": 20}`) or a TOML/YAML path; keyword arguments
 override groups of it. Heavy modules are imported on the first call. `molt.train` stays the function although a
-subpackage `molt/train/` exists: import its modules with `from molt.train.trainer import Trainer`.
-"""
+subpackage `molt/train/` exists: import its modules with `from molt.train.trainer import Trainer`."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ in another process (an agent worker), with the words the loop logs for any of th
 
 A `UserError` is something the user can fix (config, data row, agent or reward file, checkpoint, device, port);
 the CLI prints it as one line naming the file and line or config key (see `molt/cli/main.py`). It is deliberately
-not a `ValueError`: tyro would catch that while building the config from flags and draw its own box instead.
-"""
+not a `ValueError`: tyro would catch that while building the config from flags and draw its own box instead."""
 
 from __future__ import annotations
 

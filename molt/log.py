@@ -2,8 +2,7 @@
 
 Every write that a resumed or crashed run depends on is atomic (temp file, then rename). Weights & Biases
 (`--log.wandb_project`) receives the same scalars as metrics.jsonl; `wandb` is imported only then, so it
-stays an optional dependency (`pip install molt[wandb]`).
-"""
+stays an optional dependency (`pip install molt[wandb]`)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Every named variant a config flag or a file picks (`--algo.estimator grpo`, `--runtime.engine vllm`, a data
 format, a tool-call parser) is registered under its name in a `Registry` and looked up by it; an unknown or
 duplicate name, or a variant registered without the info its family requires, is a ValueError. Imports
-nothing, so every stage may use it.
-"""
+nothing, so every stage may use it."""
 
 from __future__ import annotations
 

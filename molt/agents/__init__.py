@@ -1,8 +1,7 @@
 """Agents: the Env/Result contract, episode runners, built-in environments.
 
 `from molt.agents import Env, Result` is all a step environment needs; `ChatAgent` and `ChatContext`
-(the SDK-driven agents) import the chat server on first use, so importing `Env` stays cheap.
-"""
+(the SDK-driven agents) import the chat server on first use, so importing `Env` stays cheap."""
 
 from __future__ import annotations
 

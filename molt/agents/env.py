@@ -2,8 +2,7 @@
 
 An `Env` is reset with a dataset row and stepped with the decoded text of each action; its
 `Result.observation` (text or chat messages) is appended to the context with loss mask 0. Agent
-classes are loaded from a file path or a dotted name. Nothing here knows engines or trainers.
-"""
+classes are loaded from a file path or a dotted name. Nothing here knows engines or trainers."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ class Env:
     `reset(row)` returns the first observation as chat messages, or text (one user message) (default: the row's
     `messages` up to their trailing assistant turns, which are a demonstration for SFT, not part of the RL prompt).
     `step(action)` gets the decoded text of the policy's turn and returns a `Result`; the episode ends when it is
-    `terminated` or `truncated` or has no observation (or the framework's turn/context budget runs out: truncated).
-    """
+    `terminated` or `truncated` or has no observation (or the framework's turn/context budget runs out: truncated)."""
 
     async def reset(self, row: dict[str, Any]) -> Messages:
         self.row = row
@@ -77,8 +75,7 @@ def import_user_module(target: str):
 def load_agent(spec: str, bases: tuple[type, ...] = (Env,)) -> type:
     """Agent class from `file.py`, `file.py:Name`, `pkg.module` or `pkg.module:Name`.
 
-    Without `:Name` the module must define exactly one subclass of `bases` (or a class named `Agent`).
-    """
+    Without `:Name` the module must define exactly one subclass of `bases` (or a class named `Agent`)."""
     target = spec.split(":")[0]
     if target.endswith(".py") and not Path(target).exists():
         raise FileNotFoundError(f"--rollout.agent: agent file {target!r} does not exist")

@@ -5,8 +5,7 @@ OpenAI `{"type": "image_url", "image_url": {"url": "data:..."}}` or Anthropic-de
 one `<|image|>` per part; `expand_images` repeats it to the model's `tokens_per_image` and returns one record per image
 (absolute start position, uint8 pixels, content hash) for `Trajectory.images`. An image whose tokens would not fit in
 the episode's context budget raises `ImageBudgetError`: a rollout is dropped rather than having an image cut in half.
-Knows the engine's vision spec (`engine.vision`, `engine.image_token_id`), not models or trainers.
-"""
+Knows the engine's vision spec (`engine.vision`, `engine.image_token_id`), not models or trainers."""
 
 from __future__ import annotations
 

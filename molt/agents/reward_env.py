@@ -8,8 +8,7 @@ Env's would.
 With `--rollout.agent` as well, the reward function replaces the agent's own reward: `ScoredEnv` scores the action of
 the turn that ends the episode (terminated, truncated, no observation, or the last of `max_turns`; earlier steps get 0,
 the agent's own total is logged as `reward/agent`), and a `ScoredChatAgent` scores the text of the last completion of
-the rollout. An episode cut by the context budget before its final turn scores 0.
-"""
+the rollout. An episode cut by the context budget before its final turn scores 0."""
 
 from __future__ import annotations
 

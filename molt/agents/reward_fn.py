@@ -7,8 +7,7 @@ weighted sum of all named rewards (`--rollout.reward_weights name=w,...`, defaul
 (`reward/<name>` per step, `eval/reward/<name>`). User functions that are not `async` run each call on a
 thread of its own, so a slow one cannot stall the loop, its timeout (`rollout.step_timeout_s`) fires, and
 one that hangs holds only its own (daemon) thread. Loading is checked when the config is built: a missing
-file or function is one line naming it. A value that is not a finite number fails its rollout.
-"""
+file or function is one line naming it. A value that is not a finite number fails its rollout."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Each is `fn(completion: str, row: dict) -> float`, like a user's reward function. The reference
 answer is the row's `answer` column (else `label`); a GSM8K-style `... #### 72` or a `\\boxed{72}`
 reference is reduced to its final answer. Answers match numerically when both sides are numbers
-(`1,234`, `-3.50`, `3/4`, `\\frac{3}{4}`, `50%` as 50), else as normalised text.
-"""
+(`1,234`, `-3.50`, `3/4`, `\\frac{3}{4}`, `50%` as 50), else as normalised text."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The framework owns the LLM loop: the first observation is rendered with the chat template once; every later context is
 the exact accumulated ids (prompt, engine-generated ids, observation deltas). Observations are rendered as the
 template's *delta* after the previous turns, so earlier actions are never re-tokenized. Knows the engine interface
-(`generate`), not the trainer. `check_result` and `as_messages` admit what agent code returns (ChatAgent runs too).
-"""
+(`generate`), not the trainer. `check_result` and `as_messages` admit what agent code returns (ChatAgent runs too)."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ def observation_ids(
     with the new turns must extend the render without them (else TemplateRewriteError: a chat session then starts
     a new segment); not strict (the Env runner, which keeps its exact ids as the context): only the text after the
     action must, so a template that renders earlier turns differently once one follows (Qwen3's empty `<think>`
-    block on the last assistant turn) still extends the episode.
-    """
+    block on the last assistant turn) still extends the episode."""
     with_action = history + [{"role": "assistant", "content": PROBE}]
     base = render_chat(tokenizer, with_action, tools=tools)
     full = render_chat(tokenizer, with_action + observation, tools=tools, add_generation_prompt=True)
@@ -149,8 +147,7 @@ async def run_episode(
     """One multi-turn episode; `ids` (group_id, rollout_id) go into the Trajectory.
 
     The reward is the sum of the steps' rewards. The episode ends on terminated/truncated, on a step that returns
-    no observation, or (then `truncated`) after `max_turns` actions or when the context budget `max_len` is used up.
-    """
+    no observation, or (then `truncated`) after `max_turns` actions or when the context budget `max_len` is used up."""
     name = type(env).__name__
     reset = await within(limits.step_timeout_s, env.reset(row), f"{name}.reset")
     messages = as_messages(reset, f"{name}.reset returned a first observation")  # a str: one user message

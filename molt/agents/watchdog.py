@@ -1,7 +1,6 @@
 """Time limits on agent code, which runs on the rollouts' event loop: `within` awaits one agent call under a
 timeout that says what ran past which limit; `LoopWatchdog` stops the run when agent code blocks that loop (a sync
-SDK client, `time.sleep`), which no asyncio timeout can interrupt. Knows nothing of engines or trainers.
-"""
+SDK client, `time.sleep`), which no asyncio timeout can interrupt. Knows nothing of engines or trainers."""
 
 from __future__ import annotations
 

@@ -19,8 +19,7 @@ one), and an `info` value that does not pickle comes back as its repr (as the ro
 Wire: a 4-byte length and a pickle, each way (both ends are Molt's own processes). main -> worker: `setup`
 (first), `run` (a rollout), `stop` (cancel it), `reply` / `delta` / `error` (an engine call's result, streamed
 tokens, failure). worker -> main: `ready` (setup done), `generate`, `cancel`, `abort` (engine calls), `done` /
-`failed` / `dropped` / `fatal` (a rollout's outcome).
-"""
+`failed` / `dropped` / `fatal` (a rollout's outcome)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The algorithm library: pure, vectorised tensor functions, every variant registered by name.
 
 Imports only torch. Layout: padded [B, T] tensors per (micro-)batch with `mask_bt` = 1 on action
-tokens; per-sample tensors are [B]. See docs/algorithms.md for the formulas and their flags.
-"""
+tokens; per-sample tensors are [B]. See docs/algorithms.md for the formulas and their flags."""
 
 from molt.algo.advantages import ESTIMATORS, AdvantageInputs, AdvantageParams, add_teacher_kl, compute_advantages
 from molt.algo.aggregation import AGGREGATIONS, StepDenominators, aggregate, step_denominators

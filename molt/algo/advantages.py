@@ -8,8 +8,7 @@ estimator is registered in `ESTIMATORS` with static info: `whiten` (its default)
 
 Layout: `mask_bt` [B, T] is 1 on action tokens; `rewards_b`, `group_ids_b`, `rollout_ids_b` are
 [B]. Outputs are [B, T], zero off the mask. `returns_bt` are the un-whitened targets (the critic's
-regression target for `gae`); `advantages_bt` feed the policy loss.
-"""
+regression target for `gae`); `advantages_bt` feed the policy loss."""
 
 from __future__ import annotations
 

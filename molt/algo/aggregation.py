@@ -6,8 +6,7 @@ so summing the micro-batch losses (backward on each, no 1/num_micro rescale) giv
 gradient of the full-batch loss. Under data parallelism the scalar counts are summed across
 ranks (`StepDenominators.all_reduced`) and the trainer undoes the gradient mean over ranks.
 
-Empty inputs are safe: a zero denominator is floored at 1, and its numerator is then 0.
-"""
+Empty inputs are safe: a zero denominator is floored at 1, and its numerator is then 0."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ gives the statistic `u` that is tested or bounded, and a *mode* turns it into th
 Named schemes: token/trunc = TIS, token/mask = IcePop, seq/mask = sequence-masked IS,
 geo/mask = geometric-mean masked IS, seq/trunc = sequence-level TIS. `geo` is a length-normalised
 filter statistic, not an importance weight, so it only takes `mask`. With the PPO surrogate clipped
-against the proximal policy this is decoupled PPO: the behaviour policy enters only through `w`.
-"""
+against the proximal policy this is decoupled PPO: the behaviour policy enters only through `w`."""
 
 from __future__ import annotations
 
@@ -95,8 +94,7 @@ def is_correction(
     """`(weight_bt, metrics)`: detached weights (1 when off, 0 off the mask) and mismatch metrics.
 
     Metrics: `is_filter_frac` (action tokens masked, clipped or truncated), `is_weight_mean`,
-    `rollout_kl` (mean of rollout - old: k1 of KL(rollout || trainer)), `logprob_diff` (mean |old - rollout|).
-    """
+    `rollout_kl` (mean of rollout - old: k1 of KL(rollout || trainer)), `logprob_diff` (mean |old - rollout|)."""
     mask = mask_bt.bool()
     log_ratio_bt = clamped_log_ratio(old_logp_bt.detach(), rollout_logp_bt.detach(), mask)
     ratio_bt = log_ratio_bt.exp()

@@ -4,8 +4,7 @@
 per sample; whole groups are kept or dropped so n-sample groups stay intact, and each rollout
 counts once. The loop refills dropped groups and counts each drop under its filter's name.
 `shape_rewards` is the reward pipeline the trainer runs before the estimator: the overlong penalty
-on each rollout's generated length (its segments summed), then clipping (`RewardShapingParams`).
-"""
+on each rollout's generated length (its segments summed), then clipping (`RewardShapingParams`)."""
 
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ def filter_groups(
 def overlong_penalty(lengths_b: Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> Tensor:
     """DAPO soft overlong punishment (<= 0), added to the reward.
 
-    0 up to `max_len - buffer_len` tokens, then linear down to -factor at `max_len`, -factor beyond.
-    """
+    0 up to `max_len - buffer_len` tokens, then linear down to -factor at `max_len`, -factor beyond."""
     if not 0 < buffer_len <= max_len:
         raise ValueError(f"need 0 < buffer_len <= max_len, got {buffer_len}, {max_len}")
     excess_b = (max_len - buffer_len - lengths_b.to(torch.float32)) / buffer_len

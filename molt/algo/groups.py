@@ -3,8 +3,7 @@
 A *group* is the n rollouts of one prompt (`group_ids_b`); a *rollout* may be split into several
 samples (segments, `rollout_ids_b`) that share its reward. Group statistics count each rollout
 once, using its first sample in batch order. Ids are arbitrary integers; rollout ids must be
-unique within the batch (one rollout belongs to one group).
-"""
+unique within the batch (one rollout belongs to one group)."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ class RolloutGroups:
 def rollout_groups(group_ids_b: Tensor, rollout_ids_b: Tensor | None = None) -> RolloutGroups:
     """Index maps from ids; without `rollout_ids_b` every sample is its own rollout.
 
-    Raises ValueError when the samples of one rollout disagree on their group.
-    """
+    Raises ValueError when the samples of one rollout disagree on their group."""
     num_b = group_ids_b.numel()
     device = group_ids_b.device
     if rollout_ids_b is None:

@@ -3,8 +3,7 @@
 Estimators (Schulman, "Approximating KL divergence", 2020) act per token on the log-ratio `x = logp - base_logp`
 of tokens sampled from the policy (NaN -> 0, +-inf -> +-30). k2 and k3 are clamped to [0, KL_CLAMP]; k1 is not
 (distillation rewards stay uncapped). Used as a reward penalty (k1 recommended) or a loss term (k2/k3).
-Controllers hold the coefficient beta: `fixed`, or `adaptive` (Ziegler et al. 2019).
-"""
+Controllers hold the coefficient beta: `fixed`, or `adaptive` (Ziegler et al. 2019)."""
 
 from __future__ import annotations
 

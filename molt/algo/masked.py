@@ -3,8 +3,7 @@
 Layout: `[B, T]` tensors, one row per sample (segment), `mask_bt` 1 on action tokens (any dtype;
 nonzero = action). Positions outside the mask never influence a result, even when they hold
 NaN/inf: selection uses `torch.where`, never multiplication by the mask. No loops over samples
-or tokens; the reverse scan takes log2(T) vectorised steps.
-"""
+or tokens; the reverse scan takes log2(T) vectorised steps."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def sanitized_log_ratio(logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tensor) 
     """`(logp - base, valid)`: zero where masked out or non-finite; `valid` marks usable action tokens.
 
     A non-finite log-ratio at an action token is a numerical failure upstream; such a token is
-    dropped (0, no gradient) rather than clamped to e^±30, and callers count it.
-    """
+    dropped (0, no gradient) rather than clamped to e^±30, and callers count it."""
     diff_bt = logp_bt - base_logp_bt
     valid_bt = mask_bt.bool() & torch.isfinite(diff_bt)
     return torch.where(valid_bt, diff_bt, 0.0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT), valid_bt
@@ -60,8 +58,7 @@ def reverse_linear_scan(b_bt: Tensor, a_bt: Tensor) -> Tensor:
     """Solve `x_t = b_t + a_t * x_{t+1}` with `x_T = 0` along dim 1 (discounted reverse cumsum).
 
     Hillis-Steele doubling: after k steps each position holds the composition of the next 2^k
-    terms, so T tokens take ceil(log2 T) vectorised steps. Stable: only products of `a` appear.
-    """
+    terms, so T tokens take ceil(log2 T) vectorised steps. Stable: only products of `a` appear."""
     x_bt, a_bt = b_bt, a_bt.to(b_bt.dtype)
     shift = 1
     while shift < x_bt.shape[1]:

@@ -6,8 +6,7 @@
 `w` is the train/rollout IS weight (`correction`), the surrogate is clipped against the proximal
 policy `old_logp_bt` (defaults to `logp_bt.detach()`, i.e. strictly on-policy), and every term
 uses the step denominators so micro-batch losses sum to the full-step loss. Knows nothing about
-models or the trainer: it takes [B, T] tensors and returns a scalar and metrics.
-"""
+models or the trainer: it takes [B, T] tensors and returns a scalar and metrics."""
 
 from __future__ import annotations
 

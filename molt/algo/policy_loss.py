@@ -7,8 +7,7 @@ update); the rollout (behaviour) policy enters only through `molt.algo.correctio
 
 Shared preprocessing: the log-ratio `logp - old` is clamped to +-30; action tokens whose
 log-ratio or advantage is non-finite are dropped (loss 0, no gradient) and counted in
-`nonfinite_frac`. Metrics are means over this micro-batch's action tokens.
-"""
+`nonfinite_frac`. Metrics are means over this micro-batch's action tokens."""
 
 from __future__ import annotations
 
@@ -92,8 +91,7 @@ def gspo(
     """GSPO-token (Zheng et al. 2025): every token carries the sequence ratio s = exp(mean log-ratio).
 
     The per-token ratio is sg[s] * pi/sg[pi]: its value is s and its gradient w.r.t. logp_t is s,
-    then PPO-clipped. With `seq-mean-token-mean` aggregation this is the paper's objective.
-    """
+    then PPO-clipped. With `seq-mean-token-mean` aggregation this is the paper's objective."""
     log_ratio_bt, advantages_bt, valid_bt, metrics = _prepare(logp_bt, old_logp_bt, advantages_bt, mask_bt)
     num_tokens_b = valid_bt.sum(dim=1).clamp_min(1).to(log_ratio_bt.dtype)
     log_seq_ratio_b1 = (log_ratio_bt.detach().sum(dim=1) / num_tokens_b).unsqueeze(1)
@@ -109,8 +107,7 @@ def cispo(
     """CISPO (MiniMax-M1 2025): -sg[min(r, 1 + clip_high)] * A * logp; every token keeps a gradient.
 
     The gradient w.r.t. logp_t is exactly -min(r_t, 1 + clip_high) * A_t (no lower bound, as the
-    paper recommends; `clip_low` is unused).
-    """
+    paper recommends; `clip_low` is unused)."""
     log_ratio_bt, advantages_bt, valid_bt, metrics = _prepare(logp_bt, old_logp_bt, advantages_bt, mask_bt)
     ratio_bt = log_ratio_bt.detach().exp()
     weight_bt = ratio_bt.clamp(max=1 + params.clip_high)

@@ -1,8 +1,7 @@
 """Mixture-of-experts routing metrics and the load-balancing loss: pure functions of routing tensors.
 
 Per MoE layer, `experts_nk` holds each token's k expert ids and `valid_n` marks the tokens that
-count (real tokens, and for agreement only those with a recorded routing). Imports only torch.
-"""
+count (real tokens, and for agreement only those with a recorded routing). Imports only torch."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ def load_balance_loss(probs_ne: torch.Tensor, experts_nk: torch.Tensor, valid_n:
     """Switch-Transformer auxiliary loss E * sum_e f_e * P_e over the valid tokens (1 when balanced).
 
     f_e: fraction of token-expert assignments that went to e (no gradient); P_e: mean router
-    probability of e (the gradient path).
-    """
+    probability of e (the gradient path)."""
     num_experts = probs_ne.shape[-1]
     count = valid_n.sum().clamp(min=1)
     frac_e = expert_load(experts_nk, valid_n, num_experts) / (count * experts_nk.shape[-1])

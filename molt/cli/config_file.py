@@ -2,8 +2,7 @@
 
 Unknown keys, wrong types and invalid values are errors naming the dotted key, the file and (where
 the format lets us find it) the line. Values are checked against the dataclass field types; nothing
-is silently converted except int -> float, a path -> str and numpy-style numbers -> int / float.
-"""
+is silently converted except int -> float, a path -> str and numpy-style numbers -> int / float."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ The target (`--model.path`, filled from `molt eval TARGET`) is a checkpoint, a r
 with the run's config.yaml) or any HF model folder. Same data split, agent, rewards, engine, limits, sampling and
 seeds as training's eval, so it reproduces the in-training eval of the checkpoint's step. Writes `metrics.jsonl`
 (mean reward, named rewards, pass@k for every k up to `eval.n_samples`), `results.jsonl` (one line per row) and, if
-samples failed, `rollout_failures.log`; a user error when every sample failed.
-"""
+samples failed, `rollout_failures.log`; a user error when every sample failed."""
 
 from __future__ import annotations
 

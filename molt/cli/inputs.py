@@ -3,8 +3,7 @@ agent worker processes (`rollout.agent_workers`) that build the same agent facto
 
 Also the start-up checks of config values that name user code (`rollout.agent`, `rollout.reward`,
 `chat.tool_parser`): `molt.config` sits below the agents and cannot import them, so the commands run
-these checks before anything is built. Each problem is one ConfigError line.
-"""
+these checks before anything is built. Each problem is one ConfigError line."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Commands are registered functions taking the resolved `Config` (docstring = top-level help), each assembling its
 run in its own module here. A `UserError` is one line `molt <command>: <kind>: <message>` with exit code 2 and no
-traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed with its traceback, exit code 1.
-"""
+traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed with its traceback, exit code 1."""
 
 from __future__ import annotations
 

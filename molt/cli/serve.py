@@ -3,8 +3,7 @@
 Every request to `/v1/chat/completions` or `/v1/messages` runs in its own implicit session (nothing
 is recorded); the request's `temperature` / `top_p` are honoured, unlike in training sessions.
 The checkpoint is a Hugging Face model folder or a run directory (its latest checkpoint). This command
-assembles the model, an engine from the one factory (32 sequences of `chat.max_len`) and the server.
-"""
+assembles the model, an engine from the one factory (32 sequences of `chat.max_len`) and the server."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The stage's pieces (tokenization, packing, the token-mean loss, the step) live in `molt/train/sft.py`.
 Writes metrics.jsonl and an HF checkpoint (model + tokenizer) that `transformers` loads; with `--train.lora_rank`
-only LoRA adapters train, and the checkpoint holds the merged weights plus the adapters in PEFT format (`adapter/`).
-"""
+only LoRA adapters train, and the checkpoint holds the merged weights plus the adapters in PEFT format (`adapter/`)."""
 
 from __future__ import annotations
 

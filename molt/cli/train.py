@@ -2,8 +2,7 @@
 
 The order: start-up checks of the run directory, inputs (a bad row stops here), the policy (resumed, loaded, or a
 cached warm start), the runtime of `runtime.backend`, the loop, a closing summary. With `rollout.replay` the loop
-trains on a rollout dump and no engine is started (`molt/loop/replay.py`).
-"""
+trains on a rollout dump and no engine is started (`molt/loop/replay.py`)."""
 
 from __future__ import annotations
 

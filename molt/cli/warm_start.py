@@ -4,8 +4,7 @@ Cached under `cache_root()/warmstart/<key>`, the key naming the model and data s
 AdamW and precision settings (its SFT uses them) and the rows (a data file's all, a task's first few: a changed file
 or task definition is not served stale). Runs sharing the cache train a warm start once (a file lock: the others
 wait for it); one a crash or a full disk left unreadable is trained again. Full fine-tuning, also when the RL run
-trains LoRA adapters.
-"""
+trains LoRA adapters."""
 
 from __future__ import annotations
 

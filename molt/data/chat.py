@@ -1,7 +1,6 @@
 """Chat messages: the shape every prompt row ends up in, validated with the row's file and line.
 
-A malformed row is an error naming the file and line (or row); nothing is skipped silently.
-"""
+A malformed row is an error naming the file and line (or row); nothing is skipped silently."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Files and folders (`formats.py`) are mapped and checked row by row (`rows.py`) when the run starts, before any model is
 built. Held-out rows come from `data.eval_path`, a `DatasetDict`'s test or validation split other than `data.split`, or
-a seeded shuffled split of `data.path` (`data.num_eval` rows, at most 10%).
-"""
+a seeded shuffled split of `data.path` (`data.num_eval` rows, at most 10%)."""
 
 from __future__ import annotations
 

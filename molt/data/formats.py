@@ -4,8 +4,7 @@ Registered readers by format: JSON lines (`.jsonl`, or a `.json` that is not one
 array (`.json`), Parquet (`.parquet`) and a `datasets` folder written by `save_to_disk` (Arrow
 stream files listed in `state.json`; a `DatasetDict` folder gives its splits). A folder of `.jsonl`
 / `.parquet` files reads them all in name order. Parquet and Arrow are read with pyarrow, which is
-also what the `datasets` library stores; nothing here interprets the rows (see `rows.py`).
-"""
+also what the `datasets` library stores; nothing here interprets the rows (see `rows.py`)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Every row leaves with a validated chat `messages` list (the prompt the agent is reset with); all its
 other columns stay in the row for the reward function or agent (`answer`, `label`, tests, images).
 A `prompt` string becomes one user turn (with the row's `images`/`image` column as image parts
-before the text); `data.system_prompt` is put first in any prompt without a system message.
-"""
+before the text); `data.system_prompt` is put first in any prompt without a system message."""
 
 from __future__ import annotations
 

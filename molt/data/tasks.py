@@ -2,8 +2,7 @@
 
 A task is a registered class with `rows(n, seed)` (dataset rows: `messages`, `label`), an SFT `demonstration(row, rng)`
 (the row's messages plus assistant turns), and `grade(row, text)` in [0, 1]. Tasks are generated from a seed, so nothing
-is downloaded and every machine sees the same data. Knows nothing about models or training.
-"""
+is downloaded and every machine sees the same data. Knows nothing about models or training."""
 
 from __future__ import annotations
 
@@ -83,8 +82,7 @@ class Calculator(SeededTask):
     The policy calls the tool as `<tool_call>347*29</tool_call>`, receives the result as a tool
     message, then answers with the number. The tiny model cannot multiply in its head, so the
     reward (exact final answer) needs the tool. Demonstrations are deliberately imperfect: some
-    answer without the tool (a guess) and some mistype an operand in the call.
-    """
+    answer without the tool (a guess) and some mistype an operand in the call."""
 
     env = "calculator"
     demo_mix = (0.5, 0.25, 0.25)  # correct tool use, direct guess, mistyped tool call
@@ -136,8 +134,7 @@ class ShapeColour(SeededTask):
 
     Rows hold the image as a PNG data URI in an image content part. Without looking, the reward is
     1/4. Demonstrations are deliberately noisy (only `demo_correct` of them name the right colour),
-    so the warm start reads the image only partly and RL has a visual signal to learn from.
-    """
+    so the warm start reads the image only partly and RL has a visual signal to learn from."""
 
     env = "single_turn"
     demo_correct = 0.4
@@ -218,8 +215,7 @@ class GradeSchoolMath(SeededTask):
 
     Rows carry the reference in `answer` (and `label`), so the built-in `math` reward (`--rollout.reward math`)
     checks answers numerically; the task's own grade reads the completion's last number. Demonstrations (the
-    `solution` column) show the arithmetic, then `\\boxed{N}`.
-    """
+    `solution` column) show the arithmetic, then `\\boxed{N}`."""
 
     env = "single_turn"
     instruction = "Give the final answer as a number."

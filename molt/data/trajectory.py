@@ -4,8 +4,7 @@ One `Trajectory` is one segment of one rollout: the exact token ids (prompt, gen
 observations in order), a loss mask that is 1 only on engine-generated tokens, and per-token rollout
 log-probs and weight versions (0.0 / -1 where the engine did not sample the token). A rollout
 that its agent rewrote mid-way has several segments sharing `rollout_id` and reward. Plain lists,
-serialisable with `to_dict` / `from_dict`; nothing here knows about engines or trainers.
-"""
+serialisable with `to_dict` / `from_dict`; nothing here knows about engines or trainers."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class Trajectory:
         """Append engine-generated tokens with their sampling log-probs and versions: mask 1.
 
         The action's span and a hash of the emitted ids are recorded so the trainer can verify
-        that exactly these tokens, and only these, are trained (`keep_copy` keeps the ids too).
-        """
+        that exactly these tokens, and only these, are trained (`keep_copy` keeps the ids too)."""
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError(f"action of {len(ids)} tokens has {len(logprobs)} logprobs, {len(versions)} versions")
         start = len(self.tokens)
@@ -69,8 +67,7 @@ class Trajectory:
 
         An engine reports the routing of its whole context (prompt + generated), so a later turn's
         record replaces an earlier one where it has one: each position keeps the routing of the last
-        forward that computed its KV in this rollout (identical unless the weights changed between).
-        """
+        forward that computed its KV in this rollout (identical unless the weights changed between)."""
         if routing is None:
             return
         old = self.routing if self.routing is not None else routing[:0]

@@ -21,8 +21,7 @@ Invariants (`check()` asserts them):
 - **New weights** invalidate every digest (`clear_prefixes`), and the sequences holding blocks then (KV kept
   across the swap) and their forks register no block again: KV of old weights is never registered again.
 
-Sizing: `bytes_per_block` and `num_blocks_for_budget` turn a byte budget into a block count.
-"""
+Sizing: `bytes_per_block` and `num_blocks_for_budget` turn a byte budget into a block count."""
 
 from __future__ import annotations
 

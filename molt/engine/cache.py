@@ -12,8 +12,7 @@ slot", and the request waits in the queue. Nothing is preempted. Invariants (the
 - The n samples of one prompt share its prefill: `share` copies the computed prefix into siblings.
 
 Every relocation is a `Move` the runner applies, in order, before the next forward. Knows nothing of tensors,
-models or sampling.
-"""
+models or sampling."""
 
 from __future__ import annotations
 

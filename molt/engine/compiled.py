@@ -5,8 +5,7 @@ One compilation (cached on disk by inductor) serves every batch, length and cach
 to two (a batch of 1 would be compiled again). The graph reads the cache and writes nothing (an in-graph write
 made it copy the cache): `CompiledDecode.step` stores the new keys and values after it. On CPU the linear
 layers use the packed weights (`cpu/packed.py`) and, in fp32, attention is Molt's kernel. Knows the runner's
-cache layout, nothing of requests or scheduling. See docs/engine.md.
-"""
+cache layout, nothing of requests or scheduling. See docs/engine.md."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ all rows at once, then append / stop / finish in Python.
 Single-threaded and free of asyncio: `TorchEngine` calls it from its worker thread. Requests
 enter as scheduler `Group`s and leave through each group's `on_done` callback (a list of
 `Completion`s, or the exception that failed them). Knows models, caches and sampling; nothing
-of agents or trainers.
-"""
+of agents or trainers."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ block that no sequence owns.
 All buckets share one memory pool and one logits buffer (captured largest first); weights load in place and
 the cache never moves, so a weight sync needs no recapture. Off CUDA the same path runs eagerly
 (`capture=False`), which the tests check on CPU. Knows the paged runner's cache layout; nothing of requests,
-sampling or scheduling.
-"""
+sampling or scheduling."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ A request's images are uint8 pixel tensors, one per whole run of `tokens_per_ima
 tokens in its prompt. Each prefill chunk runs the vision tower (current weights, so a recompute
 after a weight swap re-encodes too) on the images its positions overlap and takes the rows of its
 own placeholder positions; a chunk boundary may fall inside an image. Generated tokens are never
-placeholders (the core bans the id from sampling). Knows the model config, not requests' origins.
-"""
+placeholders (the core bans the id from sampling). Knows the model config, not requests' origins."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Everything above the engine (agent runners, the loop, the chat server) talks to this and only
 this. It is token-first: prompts are token ids and completions are the exact ids the engine
 sampled, each with its log-prob and the weight version that sampled it. Knows nothing of models,
-caches, agents or trainers.
-"""
+caches, agents or trainers."""
 
 from __future__ import annotations
 

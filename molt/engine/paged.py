@@ -14,8 +14,7 @@ block table (`blocks.BlockManager`), so memory follows the tokens in flight.
   with a Triton kernel (`graphs.py`, `paged_attention.py`).
 
 Dense text models only (MoE routing capture and images keep the slot cache). Knows the model, the block
-manager and the scheduler; nothing of sampling or agents.
-"""
+manager and the scheduler; nothing of sampling or agents."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ implementations of the same function:
 - `torch` (anywhere; the reference): every row gathers its whole table's width and masks past its length.
 
 Scores and softmax in fp32; the products with values in the cache's dtype, as the trainer's attention does.
-Knows nothing of models, requests or scheduling.
-"""
+Knows nothing of models, requests or scheduling."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ the router at submission, so concurrent submissions spread at once; ties go to t
 A request with a `session_id` (one agent episode) goes where that session went before, so the
 replica's prefix cache still holds the episode's earlier turns. Sessions are remembered
 least-recently-used up to `max_sessions`. Weight updates, pause and resume fan out to every
-replica. Knows only the `Engine` interface: replicas may be torch engines, vLLM or other routers.
-"""
+replica. Knows only the `Engine` interface: replicas may be torch engines, vLLM or other routers."""
 
 from __future__ import annotations
 

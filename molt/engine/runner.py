@@ -13,8 +13,7 @@ one matmul over exactly the step's tokens. Only attention knows whose token is w
 With `compile`, decode-only steps run one `torch.compile`d graph (`compiled.py`). On CPU, linear layers use
 packed weights during the runner's own forward (`cpu/packed.py`). For MoE models the runner also keeps each
 computed token's expert ids in `routes`, laid out and moved like the KV, so a reused prefix or a sibling's
-shared prompt carries the routing its KV was computed under. Knows nothing of requests, sampling or scheduling.
-"""
+shared prompt carries the routing its KV was computed under. Knows nothing of requests, sampling or scheduling."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ uniform number that picks a row's token is a hash of (the sample's seed, the tok
 inverse-CDF sampling: a seeded request gives the same tokens whichever requests share its batch, and no
 per-request generator state exists. Log-probs (`SamplingParams`: "scaled" or "processed") are computed in fp32
 from the logits, as the trainer does, with one device -> host copy per call. Knows nothing of models, caches
-or requests.
-"""
+or requests."""
 
 from __future__ import annotations
 

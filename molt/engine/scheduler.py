@@ -8,8 +8,7 @@ is one uncomputed token, a prefill many, and recomputing after a weight swap is 
 token budget: each decoding sequence gets its token first, prefills share the rest (long prompts are chunked).
 The n samples of a request share one prefill, and so do requests for the same prompt (a GRPO group sent as n
 episodes): one admitted while that prompt is prefilled waits for it, one admitted while a sequence holding it
-runs copies its KV and computes only the last token. Plain Python: knows the cache manager, not tensors.
-"""
+runs copies its KV and computes only the last token. Plain Python: knows the cache manager, not tensors."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ futex wake-up (docs/engine.md, "Threads"). So the process's other model compute 
 too, between steps (`run_on_engine_thread`), and the caller's thread keeps torch at 1 thread.
 
 The step itself lives in `core.py`; this file owns the thread, the inbox, pause and the two weight-sync modes.
-Knows models and the engine core; nothing of agents or trainers.
-"""
+Knows models and the engine core; nothing of agents or trainers."""
 
 from __future__ import annotations
 

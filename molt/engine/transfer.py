@@ -3,8 +3,7 @@
 On CUDA, `torch.tensor(values, device="cuda")` copies from pageable host memory, which waits until the GPU has
 run every queued kernel. Built on the host in pinned memory and copied asynchronously instead, the inputs of a
 step never stall the stream, so the step's only wait is the one copy of its sampled tokens and log-probs back
-to the host (`sampling.sample`). On CPU this is a plain `torch.tensor`. Knows nothing of models or requests.
-"""
+to the host (`sampling.sample`). On CPU this is a plain `torch.tensor`. Knows nothing of models or requests."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ sync are done here, independent of vLLM's internals:
 Weights reach the workers through `collective_rpc` -> `MoltWorkerExtension.molt_load_weights` (the vLLM model's
 own `load_weights`, HF names), checked first against the checkpoint's names. Log-probs are vLLM's
 `processed_logprobs` (after its logits processors, renormalised over top-k / top-p; greedy: T = 1).
-Knows the engine interface and vLLM; nothing of agents or trainers.
-"""
+Knows the engine interface and vLLM; nothing of agents or trainers."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Resolves every incoming name to a view of an existing parameter (HF per-expert tensors land in a
 slice of Molt's stacked expert weights), checks all shapes first, then copies. Nothing is
 reallocated, so the KV cache and any compiled state stay where they are. Knows the model's
-parameter naming (through `molt.models.hf_io`, where it is defined), nothing of requests or caches.
-"""
+parameter naming (through `molt.models.hf_io`, where it is defined), nothing of requests or caches."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ rollouts and dropped groups (`Accounting`, the base of `RLLoop`).
 A failed rollout is one warning line; the first failure of each kind goes with its traceback to
 `<run_dir>/rollout_failures.log`. Its group trains on unless the estimator needs complete groups. Logged steps say
 how many groups were dropped and why; 50 steps' worth dropped in a row stop the run with advice. Knows the config
-and trajectories; nothing of engines or the trainer.
-"""
+and trajectories; nothing of engines or the trainer."""
 
 from __future__ import annotations
 

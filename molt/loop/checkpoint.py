@@ -2,8 +2,7 @@
 
 Layout: `<run>/checkpoints/step-<N>/` (HF files and trainer_state.pt) and `<run>/checkpoints/latest` naming the
 newest complete one, written last: a crash mid-save resumes from the previous one, and its leftovers (`.step-N.*`)
-go at the next save. Files get the modes the user's umask gives new files, not the temp folder's 0700.
-"""
+go at the next save. Files get the modes the user's umask gives new files, not the temp folder's 0700."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ the trainer's order, with the `Trajectory` fields plus `step` and `version` (the
 hash; their pixels go once to `rollouts/images/<hash>.pt`. `info` is written as JSON whatever it holds (arrays as lists,
 other keys as str, other values as their repr), never failing. Floats keep `repr` precision, so a read-back batch is
 bit-identical. `read_shard` checks every line (types, aligned lists, vocabulary, action hashes, pixels, versions, MoE
-routing: shape, expert ids) and fails with a `DumpError` naming file, line and field. Knows trajectories only.
-"""
+routing: shape, expert ids) and fails with a `DumpError` naming file, line and field. Knows trajectories only."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Training's eval and `molt eval` share it, so both score a checkpoint the same way: the same episodes, sampling,
 seeds (`eval.seed + row * n + k`) and rewards. Episodes run with the reward functions' `EVALUATING` flag set, so
 training's per-step reward metrics leave them out. A failed sample scores 0 in every metric; its error goes, with the
-traceback of the first of each kind, to the run's `rollout_failures.log`.
-"""
+traceback of the first of each kind, to the run's `rollout_failures.log`."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Step N trains on the batch `--rollout.dump` wrote for step N, checked line by line (`molt/loop/dump.py`), through
 the same `trainer.step` as a live run, so a loss change can be debugged against fixed data. No engine, sync or
 eval. The trainer steps on one thread with the torch threads the built-in engine's thread would have had, so a
-replay of a run at `max_staleness 0` reproduces its losses bit for bit.
-"""
+replay of a run at `max_staleness 0` reproduces its losses bit for bit."""
 
 from __future__ import annotations
 

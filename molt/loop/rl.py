@@ -5,8 +5,7 @@ cannot be older than `max_staleness` versions when trained (0 = synchronous trai
 takes complete groups, re-checks staleness, steps the trainer on the engine's thread, and `sync` pushes the weights.
 Every sample is trained on or dropped with a counted reason (`drop/<reason>`, see `molt/loop/accounting.py`). A
 ChatAgent rollout may yield several segments sharing reward and rollout id; a group holds all of them. Group filters
-read `reward` (or `score`: `rollout.filter_on`); `rollout.dump` writes each trained batch for `molt/loop/replay.py`.
-"""
+read `reward` (or `score`: `rollout.filter_on`); `rollout.dump` writes each trained batch for `molt/loop/replay.py`."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ once per forward from the explicit positions:
 - `KVCache`: a contiguous per-row cache for incremental decoding (slot = position). The engine may
   bring its own (block-based) cache implementing the same `prepare` / `attend` protocol.
 
-Nothing here knows about parallelism or RL.
-"""
+Nothing here knows about parallelism or RL."""
 
 from __future__ import annotations
 
@@ -196,8 +195,7 @@ class KVCache:
 
     A forward writes each new token's k/v at its position and attends to every slot at or before it,
     so a row's state is just "what was written at positions < p" and needs no length bookkeeping.
-    Positions < 0 mark padding tokens: they write nothing and see only themselves.
-    """
+    Positions < 0 mark padding tokens: they write nothing and see only themselves."""
 
     def __init__(
         self,

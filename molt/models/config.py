@@ -2,8 +2,7 @@
 
 One dataclass describes every supported model (Llama, Qwen2, Qwen3 dense, Qwen3-MoE). Each HF
 `model_type` registers a reader of its config keys (one writer serves all); an unknown `model_type`
-or an unsupported feature is an error naming the key. Knows nothing of weights.
-"""
+or an unsupported feature is an error naming the key. Knows nothing of weights."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ in bf16. The trainer's mixed precision keeps fp32 parameters under `torch.autoca
 elementwise ops would stay fp32, a different function than the one the engine samples from. So the model casts its
 activations to the autocast dtype where they enter (embeddings, pixels) and its own elementwise weights (norms,
 positional embeddings) to the activations' dtype: every op sees what it would see in a bf16 copy of the weights.
-Ops the model wants in fp32 whatever the parameters (the MoE router) run with autocast off. Knows torch only.
-"""
+Ops the model wants in fp32 whatever the parameters (the MoE router) run with autocast off. Knows torch only."""
 
 from __future__ import annotations
 

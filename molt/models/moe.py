@@ -4,8 +4,7 @@ Routing is explicit: `route` is a pure function, and a forward may take a `Routi
 replays given expert ids (R3: the trainer uses the experts the rollout engine chose) and records
 what each MoE layer did (the engine's capture, the trainer's agreement / load metrics). Experts
 are stored as stacked tensors [E, ...]; tokens are grouped by expert with one sort, then each
-expert with work runs two matmuls. No parallelism, no RL here.
-"""
+expert with work runs two matmuls. No parallelism, no RL here."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ def route(
 
     With `replay_nk`, tokens whose replay row is not NO_ROUTE use those experts instead of their own
     top-k; their weights are still the live router probabilities of those experts (so the router
-    keeps learning through them).
-    """
+    keeps learning through them)."""
     return select(router_probs(logits_ne, fp32), top_k, normalize, replay_nk)[:2]
 
 
@@ -58,8 +56,7 @@ class Routing:
     experts used, `live` [N, k] the router's own top-k, `probs` [N, E] the router probabilities
     (with grad: load-balancing losses use them). A plain class, not a dataclass: wrappers that
     rebuild dataclass arguments holding grad tensors (FSDP2 does) would make later layers record
-    into a copy.
-    """
+    into a copy."""
 
     def __init__(self, replay_nlk: torch.Tensor | None = None):
         self.replay_nlk = replay_nlk
@@ -84,8 +81,7 @@ class SparseMoE(nn.Module):
     """Router + E SwiGLU experts; each token is processed by its top-k experts, gate-weighted.
 
     `fp32`: the router's matmul, softmax and the gate-weighted combine run in fp32 (whatever the
-    parameter dtype), so a bf16 model's expert choice is not decided by bf16 rounding.
-    """
+    parameter dtype), so a bf16 model's expert choice is not decided by bf16 rounding."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()

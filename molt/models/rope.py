@@ -2,8 +2,7 @@
 
 Scaling types are registered functions `(dim, theta, params, max_pos) -> (inv_freq, attention_scale)`;
 an unsupported `rope_type` is an error. Positions are explicit tensors, so packed sequences simply
-restart their positions at 0.
-"""
+restart their positions at 0."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ Molt's built-in byte-level tokenizer with a ChatML chat template (`build_builtin
 identically on every machine); and conversation -> text -> token ids (`render_chat`, `apply_chat_template`)
 with the 0/1 loss mask over assistant turns, derived from the template itself (`assistant_mask`).
 
-Knows nothing of models, engines or training; depends only on `transformers` and `tokenizers`.
-"""
+Knows nothing of models, engines or training; depends only on `transformers` and `tokenizers`."""
 
 from __future__ import annotations
 
@@ -116,8 +115,7 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> Pa
 
     The chat template goes inline into `tokenizer_config.json` (older readers look only there, not
     in `chat_template.jinja`), the class is named `PreTrainedTokenizerFast` rather than
-    transformers 5's `TokenizersBackend`, and a legacy `special_tokens_map.json` is written beside it.
-    """
+    transformers 5's `TokenizersBackend`, and a legacy `special_tokens_map.json` is written beside it."""
     folder = Path(folder)
     tokenizer.save_pretrained(str(folder), save_jinja_files=False)
     config_file = folder / "tokenizer_config.json"
@@ -137,8 +135,7 @@ def build_builtin_tokenizer(out_dir: str | Path | None = None, image_token: bool
     exactly and nothing is unknown; a tiny model learns bytes fine, and no merge crosses a text boundary. On
     top sit the ChatML control tokens (`<|endoftext|>` pad, `<|im_end|>` eos) and atomic tool/reasoning markup
     tokens. Built from constants only: ids are identical on every machine. `image_token` (VLMs) adds the
-    special `<|image|>` placeholder as the last id; text ids are unchanged.
-    """
+    special `<|image|>` placeholder as the last id; text ids are unchanged."""
     vocab = {char: byte for byte, char in bytes_to_unicode().items()}  # the byte -> character map of ByteLevel
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     # No regex split: with no merges it cannot change the ids, and offsets stay per character.
@@ -219,8 +216,7 @@ def assistant_mask(
     loss, while markup the template adds after it (ChatML's "\\n") is prompt for the next turn.
     A turn with no end-of-turn token is generated in full. Raises `ChatTemplateError` when the
     template re-renders history. The text is tokenized as `apply_chat_template` does, except where a
-    token straddles a span edge: there it is tokenized piece by piece, as a rollout would.
-    """
+    token straddles a span edge: there it is tokenized piece by piece, as a rollout would."""
     stops = list(end_of_turn) if end_of_turn is not None else [tokenizer.eos_token]
     text, spans = _assistant_char_spans(tokenizer, list(messages), tools, [s for s in stops if s])
     ids, regions = _encode_regions(tokenizer, text, [edge for span in spans for edge in span])
@@ -270,8 +266,7 @@ def _encode_regions(tokenizer: PreTrainedTokenizerBase, text: str, cuts: list[in
 
     Cuts that fall inside a token (a merge across the edge) are made hard: the pieces between them are
     tokenized separately, recursively. Tokenizers without exact offsets (slow ones, or ones whose
-    post-processor trims whitespace off offsets) are split at every cut.
-    """
+    post-processor trims whitespace off offsets) are split at every cut."""
     if not cuts:
         ids = tokenizer.encode(text, add_special_tokens=False)
         return ids, [0] * len(ids)

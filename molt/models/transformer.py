@@ -3,8 +3,7 @@
 The forward takes token ids and explicit position ids, plus either `doc_ids` (packed training rows:
 no attention across samples) or a `cache` (incremental decoding; see `attention.py`). Parameter
 names follow HF's (fusing q/k/v or gate/up measured slower on CPU: the split's backward copies).
-The model knows nothing about parallelism, sampling or RL.
-"""
+The model knows nothing about parallelism, sampling or RL."""
 
 from __future__ import annotations
 
@@ -150,8 +149,7 @@ class Transformer(nn.Module):
         A VLM takes uint8 `pixel_values` [N, 3, S, S] (whole images, in placeholder order) or `image_embeds_nh`,
         one row per `image_token_id` position in row-major order. `outputs_bq` (packed training, dense models):
         only these columns' logits [B, Q, V], equal to the full forward's there. `attention`: the packed
-        backend (see `attention.packed_attention`).
-        """
+        backend (see `attention.packed_attention`)."""
         if position_ids_bt is None:
             position_ids_bt = torch.arange(input_ids_bt.shape[1], device=input_ids_bt.device).expand_as(input_ids_bt)
         if cache is not None and doc_ids_bt is not None:

@@ -5,8 +5,7 @@ pixels are what the engine and the trainer both see (they travel in the trajecto
 `pixel_hash`). Each image becomes `tokens_per_image` placeholder tokens (one per patch): the chat template
 writes one `<|image|>` per image and `expand_image_tokens` repeats it. `VisionTower` (patch embedding,
 pre-norm encoder layers, a 2-layer projector into the LM's hidden size) makes the rows the LM scatters into
-those positions. Knows nothing of engines, agents or training; model code free of parallelism.
-"""
+those positions. Knows nothing of engines, agents or training; model code free of parallelism."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
 turns one `ChatAgent.run(ctx)` (within `step_timeout_s x max_turns`) into its session's trajectory
 segments, each stamped with the rollout's reward, score, ids and segment index. The agent must use async
 clients (`AsyncOpenAI`, `AsyncAnthropic`) or run sync ones in a thread: the server shares its event loop (one
-blocked past `step_timeout_s` stops the run: `watchdog.LoopWatchdog`).
-"""
+blocked past `step_timeout_s` stops the run: `watchdog.LoopWatchdog`)."""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ class ChatAgent:
     """Base class of chat agents: override `async run(ctx) -> Result`.
 
     Every completion request on `ctx.base_url` / `ctx.session_url` is recorded token-exactly; the
-    returned `Result.reward` (and `score`, `info`, `truncated`) applies to all recorded segments.
-    """
+    returned `Result.reward` (and `score`, `info`, `truncated`) applies to all recorded segments."""
 
     async def run(self, ctx: ChatContext) -> Result:
         raise NotImplementedError
@@ -75,8 +73,7 @@ def load_agent_class(spec: str) -> type:
 
     Checked before any model is built: the module imports, the class exists, overrides `async step` (an
     Env) or `async run` (a ChatAgent) and takes no constructor arguments. Any problem is a ConfigError
-    naming `rollout.agent` (and the file's line when importing it failed). Imported once per file version.
-    """
+    naming `rollout.agent` (and the file's line when importing it failed). Imported once per file version."""
     path = Path(spec.split(":")[0])
     mtime = path.stat().st_mtime if path.suffix == ".py" and path.exists() else 0.0
     return _checked_agent_class(spec, mtime)

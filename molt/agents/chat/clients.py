@@ -5,8 +5,7 @@ rollouts share), opens new connections and detects the platform in a worker thre
 one HTTP client per SDK and hands out session-bound SDK clients on it, copies of a prototype. With the server
 on the same event loop (the runner's case) requests go into it in-process (`loopback.py`); without it, over
 a keep-alive loopback pool. Closing a session client leaves the shared one open; the runner closes it.
-Imports the SDKs only when asked for their client.
-"""
+Imports the SDKs only when asked for their client."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ capture) without TCP, HTTP/1.1 framing and the connection pool. Responses stream
 that closes the response early is a disconnect to the app, which aborts the generation. With a `ChatServer`
 the completion routes skip the ASGI stack too: `direct_route` names the handler FastAPI would call, which gets
 the same Starlette `Request` and returns the same `Response` (`_direct`).
-Works with `httpx` and `httpx2` (the SDKs use either): the classes are built per httpx module.
-"""
+Works with `httpx` and `httpx2` (the SDKs use either): the classes are built per httpx module."""
 
 from __future__ import annotations
 

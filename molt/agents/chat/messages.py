@@ -5,8 +5,7 @@ Messages are canonical dicts the chat template renders: `role` (system/user/assi
 OpenAI form with `arguments` decoded to an object. A *fingerprint* is what decides whether a
 request extends the session's conversation: role, content and calls (name + arguments, compared
 as JSON values, so re-serialised arguments or `None` vs `""` content still match); call ids are
-left out, because templates do not render them.
-"""
+left out, because templates do not render them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Prompt tokens within a context budget: a lower bound on a text's tokens from its length (`min_tokens`), and
 encoding megabytes of prompt in a worker thread without stalling the event loop (`encode_within`). A prompt
-that cannot fit raises `OverContext` with its (lower-bound or exact) token count.
-"""
+that cannot fit raises `OverContext` with its (lower-bound or exact) token count."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """What a chat session answers: the wire-independent reply (`TurnReply`), streamed text (`TextDelta`), the
-errors a request can meet, and the inbox that gathers the engine's token deltas for a streaming consumer.
-"""
+errors a request can meet, and the inbox that gathers the engine's token deltas for a streaming consumer."""
 
 from __future__ import annotations
 

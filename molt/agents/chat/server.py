@@ -14,8 +14,7 @@ failed). Anything else is a 500 naming a request id, logged with its traceback. 
 mid-stream aborts the generation and nothing is recorded. A chat template that ignores `tools` (so requests'
 tools never reach the prompt) is warned about once: at start-up in serve mode, else at the first tools.
 `direct_route` gives in-process clients (`loopback.py`) the completion handler itself, skipping FastAPI's
-routing and middleware: the same function, validation and responses as over HTTP.
-"""
+routing and middleware: the same function, validation and responses as over HTTP."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ Plain Python over the engine interface and the tokenizer (no HTTP). Per request,
 Streaming yields `TextDelta`s as the engine produces tokens (not when tool calls are parsed), then the
 `TurnReply`; the text sent is a prefix of the reply's content, and the wires send the rest with the reply.
 Large requests are rendered and tokenized in a worker thread, and one whose text certainly overflows the
-context is not tokenized at all (`prompt_tokens.py`).
-"""
+context is not tokenized at all (`prompt_tokens.py`)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ Each push decodes only the tokens since the last checkpoint plus the WINDOW befo
 makes a long stream quadratic): the text is `head` + the window's decoding while that still starts with
 `known`, the window's decoding at the checkpoint (else a full decode). Detokenizers act locally (byte-level;
 metaspace strips a leading space only at a decode's start, which the window's decodes share), so this is the
-full decode's text.
-"""
+full decode's text."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ trajectory always keeps the raw generated ids: parsing only shapes the reply to 
   when the request offers exactly one function with exactly one parameter and TEXT does not start
   with `{`: TEXT is that argument (the built-in calculator task's demonstrations call
   `<tool_call>347*29</tool_call>`).
-* `none`: never parses calls.
-"""
+* `none`: never parses calls."""
 
 from __future__ import annotations
 

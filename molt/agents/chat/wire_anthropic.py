@@ -11,8 +11,7 @@ assistant message (a prefill to continue) and the `UNSUPPORTED` options (`thinki
 Encoding: `text` and `tool_use` content blocks, `stop_reason` (end_turn, max_tokens, tool_use,
 stop_sequence) and `usage`; `tool_choice` any / tool opens the reply with a call of the request's
 tools. Streaming sends the standard event sequence as the engine generates: text deltas live, then each
-`tool_use` block with its input in `input_json_delta` pieces.
-"""
+`tool_use` block with its input in `input_json_delta` pieces."""
 
 from __future__ import annotations
 

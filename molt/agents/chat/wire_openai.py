@@ -12,8 +12,7 @@ default log_softmax(logits / T) over the whole vocabulary: the number the traine
 byte-level token may hold part of a character, whose `token` escapes those bytes); `usage` counts the whole
 context as prompt. Streaming sends role, content deltas as the engine generates (with their `logprobs`), then each tool
 call (id and name, then its arguments in pieces, as OpenAI does), finish, usage when
-`stream_options.include_usage`, and `[DONE]`.
-"""
+`stream_options.include_usage`, and `[DONE]`."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@
 the system C++ compiler (`$CXX`, else `c++`) against the running torch into `$MOLT_CACHE/kernels`; eager code
 and compiled graphs call them alike. They share torch's OpenMP runtime, so they run on the calling thread's
 pool. `load()` is False on CPUs without AVX2/FMA, when the build fails (logged once) or with
-`MOLT_GEMM_KERNEL=0`; callers then keep torch's own ops.
-"""
+`MOLT_GEMM_KERNEL=0`; callers then keep torch's own ops."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ forward, and outside it (the trainer, a reference forward, autograd, other `torc
 `PackedLinear` is exactly `nn.Linear` and a `KernelRMSNorm` exactly `RMSNorm`. Each layer keeps its packed
 copy as a plain attribute (not in the state dict); `active()` first repacks, in place, every layer whose weight's
 version counter has moved (a weight load), so a pack is never stale. Where the kernels cannot run (no AVX2/FMA,
-no C++ compiler) no module is swapped and the engine uses `F.linear` and `F.rms_norm`.
-"""
+no C++ compiler) no module is swapped and the engine uses `F.linear` and `F.rms_norm`."""
 
 from __future__ import annotations
 
