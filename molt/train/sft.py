@@ -57,10 +57,25 @@ def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str, model_
                             "or shorten the row")  # fmt: skip
         if not any(row_mask):
             raise DataError(f"{where}: no assistant tokens to train on (molt sft needs an assistant turn per row)")
+        if (name := _unrendered_call(tokenizer, row["messages"], row_ids, row_mask)) is not None:
+            raise DataError(f"{where}: the chat template leaves out this row's tool call {name!r} (its assistant "
+                            "tokens do not contain it), so molt sft would train the turn without it; use a template "
+                            "that renders tool_calls, or write the calls into the turn's content")  # fmt: skip
         ids.append(row_ids)
         masks.append(row_mask)
         pixels.append(row_pixels)
     return ids, masks, pixels
+
+
+def _unrendered_call(tokenizer, messages: list[dict], ids: list[int], mask: list[int]) -> str | None:
+    """The name of an assistant turn's tool call that the trained tokens do not contain (a template that ignores
+    `tool_calls`, e.g. SmolLM2's), or None."""
+    calls = [c for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
+    names = [c["function"].get("name") for c in calls if isinstance(c, dict) and isinstance(c.get("function"), dict)]
+    if not names:
+        return None
+    trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    return next((n for n in names if isinstance(n, str) and n not in trained), None)
 
 
 def token_losses(model: Transformer, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,6 +65,25 @@ def test_malformed_dataset_line_names_file_and_line(tmp_path):
         tokenize_rows(build_builtin_tokenizer(), [row], 64, "data.jsonl")
 
 
+def test_a_template_that_leaves_out_tool_calls_is_a_data_error_not_empty_turns():
+    from molt.data.rows import LocatedRow
+    from molt.models import build_builtin_tokenizer
+    from molt.train.sft import tokenize_rows
+
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    row = LocatedRow(messages=[{"role": "user", "content": "2+3?"}, {"role": "assistant", "tool_calls": [call]},
+                               {"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"}])  # fmt: skip
+    row.where = "calls.jsonl:2"
+    tokenizer = build_builtin_tokenizer()
+    assert len(tokenize_rows(tokenizer, [row], 256, "calls.jsonl")[0]) == 1  # its template renders the call
+    tokenizer.chat_template = (  # SmolLM2-style: content only
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(DataError, match=r"^calls\.jsonl:2: the chat template leaves out this row's tool call 'add'"):
+        tokenize_rows(tokenizer, [row], 256, "calls.jsonl")
+
+
 def test_lora_sft_trains_only_adapters_and_saves_merged_and_peft(tmp_path):
     flags = ["--train.max_steps", "3", "--train.warmup_steps", "0", "--data.num_train", "40", "--data.num_eval", "8"]
     flags += ["--train.batch_size", "8", "--train.lora_rank", "4", "--train.lora_targets", "q", "v"]
