@@ -16,14 +16,15 @@ and is started again. Training's per-step `reward/<name>` metrics are fed with t
 reward functions scored (sent back with the segments, as in process: an agent's own `info["reward/..."]` is not
 one), and an `info` value that does not pickle comes back as its repr (as the rollout dump writes it).
 
-Wire: a 4-byte length and a pickle, each way (both ends are Molt's own processes). main -> worker: `setup`
-(first), `run` (a rollout), `stop` (cancel it), `reply` / `delta` / `error` (an engine call's result, streamed
-tokens, failure). worker -> main: `ready` (setup done), `generate`, `cancel`, `abort` (engine calls), `done` /
-`failed` / `dropped` / `fatal` (a rollout's outcome)."""
+Wire: a 4-byte length and a pickle, each way (both ends are Molt's own processes). Both ends are a `_Peer`: a call
+is `(kind, key, value)`, answered by `reply` / `error` (an exception) and ended early by `cancel`; `delta` carries a
+streamed call's tokens. main -> worker: `setup` (first; `ready` answers it), `run` (a rollout). worker -> main:
+`generate`, `abort` (engine calls)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -33,7 +34,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,7 @@ from molt.agents.chat.agent import ChatRunner, local_rollout
 from molt.agents.reward_fn import EVALUATING, WORKER_REWARDS, RewardLog
 from molt.agents.runner import EpisodeLimits
 from molt.data.trajectory import Trajectory
-from molt.engine.interface import Completion, Engine, SamplingParams, TokenDelta
+from molt.engine.interface import Completion, Engine, SamplingParams
 from molt.errors import RemoteRolloutError, RolloutDrop, RunFatalError, describe_error, error_kind, error_traceback
 
 log = logging.getLogger("molt.agents")
@@ -67,69 +68,117 @@ class WorkerDrop(RolloutDrop):
         self.drop_reason = reason
 
 
-def _send(writer: asyncio.StreamWriter, message: tuple) -> None:
-    if writer.is_closing():
-        return  # the other side is gone; its reader reports that
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    writer.write(HEADER.pack(len(data)) + data)
-
-
 async def _receive(reader: asyncio.StreamReader) -> tuple:
     (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
     return pickle.loads(await reader.readexactly(size))
 
 
-def _portable(error: BaseException) -> BaseException:
-    """`error` if it pickles (e.g. a ContextLengthError the worker's server turns into a 400), else its words."""
+def _pickles(value: Any) -> bool:
+    """Whether `value` survives pickling (an exception, an `info` value: a lambda or an SDK client does not)."""
     try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001 - any unpicklable exception
-        return RuntimeError(describe_error(error))
+        pickle.loads(pickle.dumps(value))
+        return True
+    except Exception:  # noqa: BLE001 - any value that does not pickle
+        return False
 
 
-def _picklable(segments: list[Trajectory]) -> list[Trajectory]:
-    """`segments` with each `info` value that does not pickle (a lambda, an SDK client) replaced by its repr."""
+def _portable(result: tuple[str, Any]) -> tuple[str, Any]:
+    """A worker's `done` rollout with each `info` value that does not pickle replaced by its repr (the rest of a
+    rollout, and every answer of the main process, always pickles)."""
+    outcome, (segments, rewards) = result
     for segment in segments:
-        for key, value in segment.info.items():
+        segment.info = {k: v if _pickles(v) else repr(v) for k, v in segment.info.items()}
+    return outcome, (segments, rewards)
+
+
+class _Peer:
+    """One end of the socket pair: its calls to the other end (`waiting`: futures, with their `delta` callback) and
+    the other end's calls to it (`serving`: tasks running `answer(kind, key, value)`)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, process=None):
+        self.reader, self.writer, self.process = reader, writer, process  # process: the worker's (main process)
+        self.waiting: dict[int, tuple[asyncio.Future, Callable[[Any], None] | None]] = {}
+        self.serving: dict[int, asyncio.Task] = {}
+        self.ids = itertools.count()
+        self.reading: asyncio.Task | None = None
+
+    def send(self, message: tuple) -> None:
+        if self.writer.is_closing():
+            return  # the other side is gone; its reader reports that
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self.writer.write(HEADER.pack(len(data)) + data)
+
+    async def call(self, kind: str, value: Any, on_delta: Callable[[Any], None] | None = None) -> Any:
+        """The other end's answer to `(kind, value)`; cancelling the call cancels it there."""
+        key, reply = next(self.ids), asyncio.get_running_loop().create_future()
+        self.waiting[key] = (reply, on_delta)
+        self.send((kind, key, value))
+        try:
+            return await reply
+        except asyncio.CancelledError:
+            self.send(("cancel", key, None))
+            raise
+        finally:
+            self.waiting.pop(key, None)
+
+    async def serve(self, answer: Callable[[str, int, Any], Awaitable[Any]]) -> None:
+        """Settle this end's calls and answer the other end's, until it hangs up (then its calls are cancelled)."""
+        try:
+            while True:
+                kind, key, value = await _receive(self.reader)
+                if kind == "cancel":
+                    if (task := self.serving.pop(key, None)) is not None:
+                        task.cancel()
+                elif kind not in ("reply", "error", "delta"):
+                    self.serving[key] = asyncio.create_task(self._answer(answer, kind, key, value))
+                elif (waiting := self.waiting.get(key)) is None or waiting[0].done():
+                    continue  # cancelled meanwhile
+                elif kind == "delta":
+                    waiting[1](value)
+                elif kind == "reply":
+                    waiting[0].set_result(value)
+                else:
+                    waiting[0].set_exception(value)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            for task in list(self.serving.values()):
+                task.cancel()
+
+    async def _answer(self, answer, kind: str, key: int, value: Any) -> None:
+        try:
+            result = await answer(kind, key, value)
             try:
-                pickle.dumps(value)
-            except Exception:  # noqa: BLE001 - any value that does not pickle
-                segment.info[key] = repr(value)
-    return segments
+                self.send(("reply", key, result))
+            except (pickle.PicklingError, AttributeError, TypeError):  # pickled once; these values only on failure
+                self.send(("reply", key, _portable(result)))
+        except Exception as e:  # noqa: BLE001 - the caller gets it, as it would in process
+            self.send(("error", key, e if _pickles(e) else RuntimeError(describe_error(e))))  # else its words
+        finally:
+            self.serving.pop(key, None)
 
 
 # ---- main process --------------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class _Worker:
-    process: subprocess.Popen
-    writer: asyncio.StreamWriter
-    jobs: dict[int, asyncio.Future] = field(default_factory=dict)
-    calls: dict[int, asyncio.Task] = field(default_factory=dict)
-    reading: asyncio.Task | None = None
-
-
 class AgentWorkers:
     """`run(row, sampling, limits, **ids)` -> a rollout's segments, run in the least busy of `n` worker processes."""
 
     def __init__(self, setup: Callable[[], WorkerKit], engine: Engine, n: int, reward_log: RewardLog | None = None):
         self.setup, self.engine, self.n, self.reward_log = setup, engine, n, reward_log
-        self.workers: list[_Worker] = []  # running ones; a lost worker leaves until its replacement joins
+        self.workers: list[_Peer] = []  # running ones; a lost worker leaves until its replacement joins
         self.joined = asyncio.Event()
-        self.job_ids = itertools.count()
         self.closing, self.fatal = False, None
 
     async def start(self) -> AgentWorkers:
         """Spawn the workers; if one cannot start, stop the others and raise why."""
         started = await asyncio.gather(*(self._spawn(i) for i in range(self.n)), return_exceptions=True)
-        self.workers = [w for w in started if isinstance(w, _Worker)]
+        self.workers = [w for w in started if isinstance(w, _Peer)]
         failed = next((e for e in started if isinstance(e, BaseException)), None)
         if failed is not None:
             await self.close()
             raise failed
         return self
 
-    async def _spawn(self, index: int) -> _Worker:
+    async def _spawn(self, index: int) -> _Peer:
         """A fresh interpreter (no forked copy of the engine's threads; no re-run of the caller's `__main__`) on one
         end of a socket pair, sent `setup` and the engine's vision spec; returned once `setup()` has returned."""
         ours, theirs = socket.socketpair()
@@ -137,17 +186,16 @@ class AgentWorkers:
         command = [sys.executable, "-c", WORKER_MAIN, str(theirs.fileno())]
         process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env)
         theirs.close()
-        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        worker = _Peer(*await asyncio.open_unix_connection(sock=ours), process)
         info = {"vision": self.engine.vision, "image_token_id": self.engine.image_token_id}
-        _send(writer, ("setup", index, (self.setup, info)))
+        worker.send(("setup", index, (self.setup, info)))
         try:
-            await _receive(reader)  # "ready": setup() returned
+            await _receive(worker.reader)  # "ready": setup() returned
         except (asyncio.IncompleteReadError, ConnectionError):
             code = await asyncio.to_thread(process.wait)
             error = f"agent worker {index} exited (code {code}) before it was ready; its error is above"
             raise RunFatalError(error) from None
-        worker = _Worker(process, writer)
-        worker.reading = asyncio.create_task(self._serve(worker, reader, index))
+        worker.reading = asyncio.create_task(self._serve(worker, index))
         return worker
 
     async def run(self, row: dict, sampling: SamplingParams, limits: EpisodeLimits, **kw: Any) -> list[Trajectory]:
@@ -157,65 +205,36 @@ class AgentWorkers:
             await self.joined.wait()
         if self.fatal is not None:
             raise self.fatal
-        worker = min(self.workers, key=lambda w: len(w.jobs))
-        job, done = next(self.job_ids), asyncio.get_running_loop().create_future()
-        worker.jobs[job] = done
-        _send(worker.writer, ("run", job, (row, sampling, limits, kw, EVALUATING.get())))
-        try:
-            segments, rewards = await done
-        except asyncio.CancelledError:
-            _send(worker.writer, ("stop", job, None))
-            raise
-        finally:
-            worker.jobs.pop(job, None)
+        worker = min(self.workers, key=lambda w: len(w.waiting))
+        outcome, value = await worker.call("run", (row, sampling, limits, kw, EVALUATING.get()))
+        if outcome != "done":
+            raise (WorkerDrop if outcome == "dropped" else RemoteRolloutError)(*value)
+        segments, rewards = value
         for named in rewards if self.reward_log is not None else ():
             self.reward_log.add(named)
         return segments
 
-    async def _serve(self, worker: _Worker, reader: asyncio.StreamReader, index: int) -> None:
+    async def _serve(self, worker: _Peer, index: int) -> None:
         """Answer one worker's engine calls and settle its rollouts, until it exits (then start another)."""
         try:
-            while True:
-                kind, key, value = await _receive(reader)
-                if kind == "generate":
-                    worker.calls[key] = asyncio.create_task(self._generate(worker, key, *value))
-                elif kind == "cancel":
-                    if (call := worker.calls.pop(key, None)) is not None:
-                        call.cancel()
-                elif kind == "abort":
-                    await self.engine.abort(key)
-                elif (job := worker.jobs.get(key)) is None or job.done():
-                    continue  # cancelled meanwhile
-                elif kind == "done":
-                    job.set_result(value)
-                elif kind == "fatal":
-                    job.set_exception(value)  # the worker's RunFatalError itself
-                else:
-                    job.set_exception((WorkerDrop if kind == "dropped" else RemoteRolloutError)(*value))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+            await worker.serve(functools.partial(self._answer, worker))
         finally:
             await self._lost(worker, index)
 
-    async def _generate(self, worker: _Worker, call: int, prompt: list[int], sampling, kw: dict, streamed: bool):
-        try:
-            if streamed:
-                stream = lambda delta: _send(worker.writer, ("delta", call, delta))  # noqa: E731
-                result: list[Completion] = await self.engine.generate_streamed(prompt, sampling, stream, **kw)
-            else:
-                result = await self.engine.generate_group(prompt, sampling, **kw)
-            _send(worker.writer, ("reply", call, result))
-        except Exception as e:  # noqa: BLE001 - the worker's caller gets it, as it would in process
-            _send(worker.writer, ("error", call, _portable(e)))
-        finally:
-            worker.calls.pop(call, None)
+    async def _answer(self, worker: _Peer, kind: str, call: int, value: Any) -> Any:
+        """A worker's engine call: `abort`, or `generate` (its tokens streamed back as `delta`s if asked)."""
+        if kind == "abort":
+            return await self.engine.abort(value)
+        prompt, sampling, kw, streamed = value
+        if not streamed:
+            return await self.engine.generate_group(prompt, sampling, **kw)
+        stream = lambda delta: worker.send(("delta", call, delta))  # noqa: E731
+        return await self.engine.generate_streamed(prompt, sampling, stream, **kw)
 
-    async def _lost(self, worker: _Worker, index: int) -> None:
-        """A worker's connection closed: its engine calls are cancelled, its rollouts failed; unless closing, a
-        new worker takes its place."""
+    async def _lost(self, worker: _Peer, index: int) -> None:
+        """A worker's connection closed: its engine calls are cancelled (by `serve`), its rollouts failed; unless
+        closing, a new worker takes its place."""
         self.workers = [w for w in self.workers if w is not worker]
-        for call in list(worker.calls.values()):
-            call.cancel()
         worker.writer.close()
         if self.closing:
             return
@@ -223,7 +242,7 @@ class AgentWorkers:
         error = RemoteRolloutError(
             f"agent worker {index} exited (code {code}) during this rollout", "", ("worker exit", str(code))
         )
-        for job in worker.jobs.values():
+        for job, _ in worker.waiting.values():
             if not job.done():
                 job.set_exception(error)
         log.warning("agent worker %d exited with code %s; starting another", index, code)
@@ -251,47 +270,23 @@ class AgentWorkers:
 class RemoteEngine(Engine):
     """The main process's engine as an agent worker sees it: generation only, over the socket."""
 
-    def __init__(self, writer: asyncio.StreamWriter, info: dict[str, Any]):
-        self.writer, self.vision, self.image_token_id = writer, info["vision"], info["image_token_id"]
-        self.calls: dict[int, tuple[asyncio.Future, Callable[[TokenDelta], None] | None]] = {}
-        self.call_ids = itertools.count()
+    def __init__(self, peer: _Peer, info: dict[str, Any]):
+        self.peer, self.vision, self.image_token_id = peer, info["vision"], info["image_token_id"]
 
     async def generate_group(self, prompt_token_ids, sampling=None, *, request_id=None, session_id=None, images=None):
-        return await self._call(prompt_token_ids, sampling, request_id, session_id, images, None)
+        options = {"request_id": request_id, "session_id": session_id, "images": images}
+        return await self.generate_streamed(prompt_token_ids, sampling, None, **options)
 
     async def generate_streamed(
         self, prompt_token_ids, sampling, on_tokens, *, request_id=None, session_id=None, images=None
     ) -> list[Completion]:
-        return await self._call(prompt_token_ids, sampling, request_id, session_id, images, on_tokens)
-
-    async def _call(self, prompt, sampling, request_id, session_id, images, on_tokens) -> list[Completion]:
-        call, reply = next(self.call_ids), asyncio.get_running_loop().create_future()
-        self.calls[call] = (reply, on_tokens)
+        """A `generate` call (`on_tokens` None: `generate_group`'s); cancelling it makes the main process abort it."""
         kw = {"request_id": request_id, "session_id": session_id} | ({"images": list(images)} if images else {})
-        _send(self.writer, ("generate", call, (list(prompt), sampling or SamplingParams(), kw, on_tokens is not None)))
-        try:
-            return await reply
-        except asyncio.CancelledError:
-            _send(self.writer, ("cancel", call, None))  # the main process aborts the request
-            raise
-        finally:
-            self.calls.pop(call, None)
-
-    def deliver(self, kind: str, call: int, value: Any) -> None:
-        """A message from the main process about engine call `call`."""
-        reply, on_tokens = self.calls.get(call, (None, None))
-        if reply is None or reply.done():
-            return
-        if kind == "delta":
-            on_tokens(value)
-        elif kind == "reply":
-            reply.set_result(value)
-        else:
-            reply.set_exception(value)
+        value = (list(prompt_token_ids), sampling or SamplingParams(), kw, on_tokens is not None)
+        return await self.peer.call("generate", value, on_tokens)
 
     async def abort(self, request_id: str) -> bool:
-        _send(self.writer, ("abort", request_id, None))
-        return True
+        return await self.peer.call("abort", request_id)
 
     async def update_weights(self, weights, version, mode="interrupt") -> None:
         raise NotImplementedError("an agent worker's engine only generates; weights are synced in the main process")
@@ -303,7 +298,7 @@ class RemoteEngine(Engine):
         raise NotImplementedError("an agent worker's engine only generates")
 
     def num_pending(self) -> int:
-        return len(self.calls)
+        return len(self.peer.waiting)
 
 
 def worker_main() -> None:
@@ -318,52 +313,37 @@ def worker_main() -> None:
 
 
 async def _work(sock: socket.socket) -> None:
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    peer = _Peer(*await asyncio.open_unix_connection(sock=sock))
     try:
-        _, _, (setup, info) = await _receive(reader)
+        _, _, (setup, info) = await _receive(peer.reader)
     except (asyncio.IncompleteReadError, ConnectionError):
         return  # the main process hung up before sending setup
     kit = setup()  # nothing else runs on this loop yet
-    _send(writer, ("ready", 0, None))
-    engine = RemoteEngine(writer, info)
+    peer.send(("ready", 0, None))
+    engine = RemoteEngine(peer, info)
     chat = ChatRunner(engine, kit.tokenizer, **kit.chat_options)
     run_one = local_rollout(chat, engine, kit.tokenizer, kit.make_env)
-    jobs: dict[int, asyncio.Task] = {}
 
-    async def rollout(job: int, row, sampling, limits, kw: dict, evaluating: bool) -> None:
+    async def rollout(kind: str, job: int, value: tuple) -> tuple[str, Any]:
+        """A `run` call: (`done`, (segments, named rewards)), (`dropped`, ...) or (`failed`, ...); an error fatal
+        to the run (e.g. agent code blocked this loop: `watchdog.LoopWatchdog`) is raised, to stop it."""
+        row, sampling, limits, kw, evaluating = value
         EVALUATING.set(evaluating)  # this task's own context
         rewards: list[dict[str, float]] = []
         WORKER_REWARDS.set(rewards)  # what its reward function scores, for the main process's reward log
         try:
             segments = await run_one(row, sampling, limits, **kw)
-            try:
-                _send(writer, ("done", job, (segments, rewards)))
-            except (pickle.PicklingError, AttributeError, TypeError):  # an info value that does not pickle
-                _send(writer, ("done", job, (_picklable(segments), rewards)))
         except RolloutDrop as e:
-            _send(writer, ("dropped", job, (e.drop_reason, str(e))))
-        except RunFatalError as e:  # e.g. agent code blocked this loop (watchdog.LoopWatchdog): the run stops
-            _send(writer, ("fatal", job, _portable(e)))
+            return "dropped", (e.drop_reason, str(e))
+        except RunFatalError:
+            raise
         except Exception as e:  # noqa: BLE001 - the agent's failure, reported to the loop
-            _send(writer, ("failed", job, (describe_error(e), error_traceback(e), error_kind(e))))
-        finally:
-            jobs.pop(job, None)
+            return "failed", (describe_error(e), error_traceback(e), error_kind(e))
+        return "done", (segments, rewards)  # an info value that does not pickle comes back as its repr (`_portable`)
 
     try:
-        while True:
-            kind, key, value = await _receive(reader)
-            if kind == "run":
-                jobs[key] = asyncio.create_task(rollout(key, *value))
-            elif kind == "stop":
-                if (task := jobs.pop(key, None)) is not None:
-                    task.cancel()
-            else:
-                engine.deliver(kind, key, value)
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass  # the main process closed the connection: stop
+        await peer.serve(rollout)  # the main process closed the connection: stop
     finally:
-        for task in list(jobs.values()):
-            task.cancel()
-        await asyncio.gather(*jobs.values(), return_exceptions=True)
+        await asyncio.gather(*peer.serving.values(), return_exceptions=True)
         await chat.close()
         kit.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from molt.config import ConfigError, ModelConfig, check
+from molt.config import Config, ConfigError, ModelConfig, check
 from molt.models import PRESETS, Transformer, from_pretrained, preset
 from molt.models.tokenizer import IMAGE_PLACEHOLDER, build_builtin_tokenizer, load_tokenizer
 from molt.train.precision import resolve_dtype
@@ -53,3 +53,10 @@ def build_model(
         arch.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
     model = Transformer(arch).init_weights(cfg.init_std, torch.Generator().manual_seed(seed))
     return model.to(device=device, dtype=dtype)
+
+
+def build_policy(cfg: Config, model_cfg: ModelConfig | None = None, dtype: torch.dtype | None = None):
+    """(tokenizer, model) of `model_cfg` (default: the run's `model` group) on the run's device, seeded by it."""
+    model_cfg = model_cfg or cfg.model
+    tokenizer = build_tokenizer(model_cfg)
+    return tokenizer, build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device, dtype)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from molt.agents.chat.agent import local_rollout
-from molt.cli.build import build_model, build_tokenizer
+from molt.cli.build import build_policy
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.config import Config, check
 from molt.engine.torch_engine import on_fresh_thread
@@ -36,16 +36,8 @@ class EvalResult:
     rows: list[dict[str, Any]]
 
 
-def _model(cfg: Config, checkpoint: str):
-    model_cfg = dataclasses.replace(cfg.model, path=checkpoint)
-    tokenizer = build_tokenizer(model_cfg)
-    return tokenizer, build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device).eval()
-
-
-async def _eval_async(
-    cfg: Config, checkpoint: str, rows: list[dict], inputs: RunInputs, threads: int, out: list, failure_log: Path
-):
-    tokenizer, model = await on_fresh_thread(_model, cfg, checkpoint, threads=threads)
+async def _eval_async(cfg: Config, rows: list[dict], inputs: RunInputs, threads: int, out: list, failure_log: Path):
+    tokenizer, model = await on_fresh_thread(build_policy, cfg, threads=threads)  # the engine puts it in eval mode
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True)
     chat, workers, n = chat_runner(cfg, engine, tokenizer), None, cfg.eval.n_samples
     try:
@@ -78,7 +70,7 @@ def run_eval(cfg: Config) -> EvalResult:
     run, records = RunDir(cfg.log.run_dir, "eval", cfg, tensorboard=False), []
     failure_log = run.path / FAILURE_LOG
     try:
-        metrics = asyncio.run(_eval_async(cfg, checkpoint, rows, inputs, threads, records, failure_log))
+        metrics = asyncio.run(_eval_async(cfg, rows, inputs, threads, records, failure_log))
     finally:
         torch.set_num_threads(main_threads)
         if inputs.reward:

@@ -14,11 +14,11 @@ import sys
 
 import torch
 
-from molt.agents.chat.agent import CHAT_SERVER_OPTIONS
 from molt.agents.chat.server import ChatServer
-from molt.cli.build import build_model, build_tokenizer
+from molt.cli.build import build_policy
 from molt.config import Config
 from molt.engine.interface import SamplingParams
+from molt.loop.evaluate import chat_options
 from molt.runtime.factory import build_engine
 
 GRACE_S = 3.0  # after SIGINT / SIGTERM: how long requests in flight have to finish before their generations end
@@ -27,8 +27,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def build_server(cfg: Config) -> ChatServer:
     """Model, engine and a serve-mode ChatServer (not started); `parse_command` checked the config's user code."""
-    tokenizer = build_tokenizer(cfg.model)
-    model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device)
+    tokenizer, model = build_policy(cfg)
     chat = cfg.chat
     threads = cfg.runtime.threads or torch.get_num_threads()
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True, num_slots=32, max_len=chat.max_len)
@@ -36,9 +35,8 @@ def build_server(cfg: Config) -> ChatServer:
     ro = cfg.rollout  # a request's own temperature / top_p / top_k override these
     sampling = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, max_tokens=chat.max_tokens,
                               stop_token_ids=stop)  # fmt: skip
-    options = {k: getattr(chat, k) for k in CHAT_SERVER_OPTIONS}  # as in training, plus serve's own settings
-    return ChatServer(engine, tokenizer, api_key=chat.api_key, serve_sampling=sampling, serve_max_len=chat.max_len,
-                      **options)  # fmt: skip
+    options = chat_options(cfg)  # as in training, plus serve's own settings
+    return ChatServer(engine, tokenizer, serve_sampling=sampling, serve_max_len=chat.max_len, **options)
 
 
 async def _serve(cfg: Config) -> signal.Signals | None:

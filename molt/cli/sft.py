@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from molt.cli.build import build_model, build_tokenizer
+from molt.cli.build import build_policy
 from molt.config import Config
 from molt.log import RunDir, check_new_run_dir, plot_metrics
 from molt.models import save_pretrained
@@ -40,9 +40,8 @@ def run_sft(cfg: Config) -> SftResult:
     if cfg.log.run_dir:
         check_new_run_dir(cfg.log.run_dir)
     run = RunDir(cfg.log.run_dir, "sft", cfg)
-    tokenizer = build_tokenizer(cfg.model)
     precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
-    model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device, precision.params)
+    tokenizer, model = build_policy(cfg, dtype=precision.params)
     scaler = precision.scaler()
     train_rows, eval_rows = sft_rows(cfg)
     source = cfg.data.path or f"task {cfg.data.task}"

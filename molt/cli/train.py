@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import yaml
 
-from molt.cli.build import build_model, build_tokenizer, check_same_tokenizer
+from molt.cli.build import build_policy, build_tokenizer, check_same_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.cli.warm_start import wants_warm_start, warm_start
 from molt.config import Config, ConfigError, check
@@ -57,9 +57,7 @@ def _policy(cfg: Config, train_rows: list[dict], warm: bool):
         model_cfg = dataclasses.replace(cfg.model, path=warm_start(cfg, train_rows), tokenizer="")
     else:
         model_cfg = cfg.model
-    tokenizer = build_tokenizer(model_cfg)
-    params = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device).params
-    return tokenizer, build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device, params)
+    return build_policy(cfg, model_cfg, Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device).params)
 
 
 class Progress:
@@ -105,15 +103,11 @@ async def _start(cfg: Config, run: RunDir, threads: int, inputs: RunInputs) -> t
             return runtime, ReplayLoop(cfg, trainer=trainer, tokenizer=tokenizer, model_cfg=model.cfg,
                                        threads=threads, state=state, run_dir=run.path)  # fmt: skip
         engine = runtime.start_engines(tokenizer, trainer.version)
-    except BaseException:
-        runtime.shutdown()
-        raise
-    if state is not None:  # the engines copied the checkpoint folder (LoRA: the unmerged base): the trainer wins
-        await engine.update_weights(trainer.weights(), trainer.version)
-    try:
+        if state is not None:  # the engines copied the checkpoint folder (LoRA: the unmerged base): the trainer wins
+            await engine.update_weights(trainer.weights(), trainer.version)
         workers = await agent_workers(cfg, engine, tokenizer, inputs.reward)
     except BaseException:
-        await runtime.close()
+        await runtime.close()  # what was placed so far (`Runtime.close` stops only the engines that started)
         raise
     loop = RLLoop(cfg, engine=engine, trainer=trainer, tokenizer=tokenizer, make_env=inputs.make_env,
                   train_rows=inputs.train_rows, eval_rows=inputs.eval_rows, state=state, run_dir=run.path,

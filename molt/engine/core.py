@@ -27,7 +27,7 @@ from molt.engine.sampling import RowParams, TopLogprobs, sample, sample_top
 from molt.engine.scheduler import Group, Scheduler
 from molt.engine.scheduler import Sequence as Seq
 from molt.engine.transfer import to_device
-from molt.engine.weights import load_weights
+from molt.models.hf_io import load_weights
 from molt.models.transformer import Transformer
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from molt.engine.blocks import (
 )
 from molt.engine.cpu.packed import LinearPacks
 from molt.engine.graphs import GraphDecode
-from molt.engine.runner import joined_attention, padded_attention, sampled_logits, writing_attend
+from molt.engine.runner import gathered_attention, joined_attention, sampled_logits, writing_attend
 from molt.engine.scheduler import Group, Plan, Scheduler, Sequence
 from molt.engine.transfer import to_device
 from molt.models.transformer import Transformer
@@ -268,37 +268,13 @@ class PagedStep:
             tables[slot][p // bs] * r.kv_heads * bs + p % bs for slot, s, n in self.rows for p in range(s, s + n)
         ]
         groups = [g for g in (self.rows[: self.num_decode], self.rows[self.num_decode :]) if g]
-        attentions = [self._group_attention(g, tables, device) for g in groups]
+        attentions = [
+            gathered_attention(g, tables, bs, r.kv_heads, bs * max(-(-(s + n) // bs) for _, s, n in g), device)
+            for g in groups
+        ]
         bounds = list(itertools.accumulate((sum(n for _, _, n in g) for g in groups), initial=0))
         spans = list(zip(attentions, bounds, bounds[1:], strict=False))
         return writing_attend(r.k, r.v, to_device(first_n, torch.long, device), bs, joined_attention(spans))
-
-    def _group_attention(self, rows: list[tuple[int, int, int]], tables: dict[int, list[int]], device):
-        """Rows padded to [R, width] queries; each attends causally over its blocks, gathered into [R, kv, S, d]."""
-        bs, kv_heads, width = self.runner.block_size, self.runner.kv_heads, max(n for _, _, n in rows)
-        num_blocks = max(-(-(start + n) // bs) for _, start, n in rows)
-        table_rb = to_device(
-            [(tables[slot] + [0] * num_blocks)[:num_blocks] for slot, _, _ in rows], torch.long, device
-        )
-        flat_n = to_device([i * width + j for i, (_, _, n) in enumerate(rows) for j in range(n)], torch.long, device)
-        pos_rt = to_device(
-            [[start + min(j, n - 1) for j in range(width)] for _, start, n in rows], torch.long, device
-        )  # padding repeats the row's last query (dropped afterwards)
-        key_pos_s = torch.arange(num_blocks * bs, device=device)
-        visible_r1ts = (key_pos_s[None, None, :] <= pos_rt[:, :, None])[:, None]
-        # rows of the flat cache [blocks * kv_heads * block_size, head_dim] holding each row's keys, in order:
-        # one gather straight into SDPA's [R, kv_heads, S, head_dim] layout
-        block_rs = table_rb.repeat_interleave(bs, dim=1)
-        heads_k = torch.arange(kv_heads, device=device)
-        gather_n = ((block_rs[:, None, :] * kv_heads + heads_k[None, :, None]) * bs + (key_pos_s % bs)).view(-1)
-
-        def attend(k_cache, v_cache, q_nhd) -> torch.Tensor:
-            head_dim = k_cache.shape[-1]
-            keys = k_cache.view(-1, head_dim).index_select(0, gather_n).view(len(rows), kv_heads, -1, head_dim)
-            values = v_cache.view(-1, head_dim).index_select(0, gather_n).view(len(rows), kv_heads, -1, head_dim)
-            return padded_attention(q_nhd, keys, values, flat_n, width, visible_r1ts)
-
-        return attend
 
 
 class PagedRunner:

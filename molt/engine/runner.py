@@ -86,6 +86,33 @@ def joined_attention(spans: list[tuple[Callable, int, int]]):
     return attention
 
 
+def gathered_attention(rows: list[tuple[int, int, int]], tables, block_size: int, kv_heads: int, span: int, device):
+    """`attention(k_cache, v_cache, q_nhd)` of packed rows (slot, start, length) padded to [R, width] queries, each
+    causal over its first `span` cache positions, gathered through its block table `tables[slot]` (blocks of
+    `block_size` positions; in the slot cache one block, the slot) straight into SDPA's [R, kv_heads, span, d]."""
+    width, num_blocks = max(n for _, _, n in rows), -(-span // block_size)
+    table_rb = to_device([(tables[slot] + [0] * num_blocks)[:num_blocks] for slot, _, _ in rows], torch.long, device)
+    flat_n = to_device([i * width + j for i, (_, _, n) in enumerate(rows) for j in range(n)], torch.long, device)
+    pos_rt = to_device(
+        [[start + min(j, n - 1) for j in range(width)] for _, start, n in rows], torch.long, device
+    )  # padding repeats the row's last query (dropped afterwards)
+    key_pos_s = torch.arange(span, device=device)
+    visible_r1ts = (key_pos_s[None, None, :] <= pos_rt[:, :, None])[:, None]
+    # rows of the flat cache [blocks * kv_heads * block_size, head_dim] holding each row's keys, in order
+    block_rs = table_rb.repeat_interleave(block_size, dim=1)[:, :span]
+    heads_k = torch.arange(kv_heads, device=device)
+    gather_n = (block_rs[:, None, :] * kv_heads + heads_k[None, :, None]) * block_size + key_pos_s % block_size
+    gather_n = gather_n.view(-1)
+
+    def attend(k_cache, v_cache, q_nhd) -> torch.Tensor:
+        head_dim = k_cache.shape[-1]
+        keys = k_cache.view(-1, head_dim).index_select(0, gather_n).view(len(rows), kv_heads, -1, head_dim)
+        values = v_cache.view(-1, head_dim).index_select(0, gather_n).view(len(rows), kv_heads, -1, head_dim)
+        return padded_attention(q_nhd, keys, values, flat_n, width, visible_r1ts)
+
+    return attend
+
+
 def sampled_logits(model: Transformer, hidden_nh: torch.Tensor, num_decode: int, chunks, sampled_chunks: list[int]):
     """Logits of the decode rows, then of each sampled chunk's last token: the LM head runs only where one samples."""
     if chunks:
@@ -98,17 +125,16 @@ def sampled_logits(model: Transformer, hidden_nh: torch.Tensor, num_decode: int,
 class MixedStep:
     """Cache backend for one packed row: `num_decode` decode tokens, then prefill chunks.
 
-    `decode_slots` / `chunk_slots` are the cache rows, `chunk_lens` the chunk lengths (positions
-    come from the position ids the model is called with), `kv_lens` the number of cache positions
-    the decode rows and the chunks attend over (the longest sequence of each, not the capacity)."""
+    `decode_slots` are the decode rows' cache rows, `chunks` (slot, start, length) the prefill chunks, `kv_lens`
+    the number of cache positions the decode rows and the chunks attend over (the longest sequence of each, not
+    the capacity)."""
 
-    def __init__(self, runner: ModelRunner, decode_slots, chunk_slots, chunk_lens, kv_lens: tuple[int, int]):
-        self.runner, self.decode_slots, self.kv_lens = runner, decode_slots, kv_lens
-        self.chunk_slots, self.chunk_lens = chunk_slots, chunk_lens
+    def __init__(self, runner: ModelRunner, decode_slots, chunks: list[tuple[int, int, int]], kv_lens: tuple[int, int]):
+        self.runner, self.decode_slots, self.chunks, self.kv_lens = runner, decode_slots, chunks, kv_lens
 
     def prepare(self, position_ids_bt: torch.Tensor):
         r, pos_n, num_decode = self.runner, position_ids_bt[0], len(self.decode_slots)
-        chunk_rows = [s for s, n in zip(self.chunk_slots, self.chunk_lens, strict=True) for _ in range(n)]
+        chunk_rows = [slot for slot, _, n in self.chunks for _ in range(n)]
         slots_n = to_device(self.decode_slots + chunk_rows, torch.long, pos_n.device)
         # every new key/value is one row of the flattened cache [slots * kv_heads * max_seq_len, head_dim]
         write_n = slots_n * (r.kv_heads * r.max_seq_len) + pos_n
@@ -117,8 +143,9 @@ class MixedStep:
             attention = lambda k, v, q_nhd: kernels.decode_attention(q_nhd, k, v, slots_n, lens_n)  # noqa: E731
         else:  # torch ops (GPU, other dtypes): the decode rows' and the prefill chunks' apart, joined
             spans = [(self._decode_attention(pos_n[:num_decode]), 0, num_decode)] if num_decode else []
-            if self.chunk_slots:
-                prefill = self._prefill_attention(pos_n[num_decode:], slots_n[num_decode:])
+            if self.chunks:  # the slot cache read as one block of max_seq_len positions per slot
+                tables, span = {slot: [slot] for slot, _, _ in self.chunks}, self.kv_lens[1]
+                prefill = gathered_attention(self.chunks, tables, r.max_seq_len, r.kv_heads, span, pos_n.device)
                 spans.append((prefill, num_decode, len(pos_n)))
             attention = joined_attention(spans)
         return writing_attend(r.k, r.v, write_n, r.max_seq_len, attention)
@@ -140,23 +167,6 @@ class MixedStep:
             q_bkgd = q_bhd.reshape(rows, r.kv_heads, -1, r.head_dim)
             out_bkgd = F.scaled_dot_product_attention(q_bkgd, keys, values, attn_mask=visible_b11s)
             return out_bkgd.reshape(q_bhd.shape)
-
-        return attend
-
-    def _prefill_attention(self, pos_n: torch.Tensor, slots_n: torch.Tensor):
-        """Chunks scattered into a padded [R, T] layout, causal over their slot's cache, gathered back."""
-        device, kv_len = pos_n.device, self.kv_lens[1]
-        lens, width = self.chunk_lens, max(self.chunk_lens)
-        flat_n = to_device([row * width + i for row, n in enumerate(lens) for i in range(n)], torch.long, device)
-        slots_r = to_device(self.chunk_slots, torch.long, device)
-        pos_rt = torch.zeros(len(lens) * width, dtype=torch.long, device=device)  # padding: position 0
-        pos_rt[flat_n] = pos_n
-        visible_r1ts = (torch.arange(kv_len, device=device) <= pos_rt.view(len(lens), width)[:, :, None])[:, None]
-
-        def attend(k_cache, v_cache, q_nhd) -> torch.Tensor:
-            keys = k_cache[:, :, :kv_len].index_select(0, slots_r)
-            values = v_cache[:, :, :kv_len].index_select(0, slots_r)
-            return padded_attention(q_nhd, keys, values, flat_n, width, visible_r1ts)
 
         return attend
 
@@ -219,9 +229,7 @@ class ModelRunner:
         kv_lens = (max(positions[: len(decode)], default=0) + 1, max((s + len(c) for _, c, s in chunks), default=0))
         if self.dtype != torch.float32:  # fp32 sums agree without tiles; reading them costs the CPU default ~20%
             kv_lens = tuple(min(-(-n // KV_TILE) * KV_TILE, self.max_seq_len) for n in kv_lens)
-        backend = MixedStep(
-            self, [s for s, _, _ in decode], [s for s, _, _ in chunks], [len(c) for _, c, _ in chunks], kv_lens
-        )
+        backend = MixedStep(self, [s for s, _, _ in decode], [(s, start, len(c)) for s, c, start in chunks], kv_lens)
         routing = Routing() if self.routes is not None else None
         with self.packs.active():
             hidden_nh = self.model(

@@ -97,6 +97,12 @@ class TransformerConfig:
 # the MoE fields, named as in config.json (space-separated)
 MOE_KEYS = "num_experts num_experts_per_tok moe_intermediate_size norm_topk_prob decoder_sparse_step mlp_only_layers"
 
+# the config.json keys every family reads and writes as they are (key:field where the TransformerConfig field differs)
+HF_KEYS = """model_type vocab_size hidden_size intermediate_size num_hidden_layers:num_layers
+    num_attention_heads:num_heads num_key_value_heads:num_kv_heads head_dim rms_norm_eps max_position_embeddings
+    tie_word_embeddings bos_token_id eos_token_id pad_token_id"""
+HF_FIELDS = [(key, field or key) for key, _, field in (k.partition(":") for k in HF_KEYS.split())]
+
 # model_type -> its config.json reader (HF keys -> TransformerConfig fields); all families share one writer
 FAMILIES: Registry[Callable[[dict[str, Any]], dict[str, Any]]] = Registry("model family")
 
@@ -118,24 +124,11 @@ def _read_common(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("config.json: use_sliding_window=true is not supported")
     theta, scaling = _rope(hf)
     heads = hf["num_attention_heads"]
-    return dict(
-        model_type=hf["model_type"],
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
-        pad_token_id=hf.get("pad_token_id"),
-    )
+    defaults = dict(num_key_value_heads=heads, head_dim=hf["hidden_size"] // heads, rms_norm_eps=1e-6)
+    defaults |= dict(max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=None)
+    given = defaults | dict(eos_token_id=None, pad_token_id=None) | {k: v for k, v in hf.items() if v is not None}
+    fields = {field: given[key] for key, field in HF_FIELDS}  # a required key missing: KeyError, as before
+    return fields | dict(rope_theta=theta, rope_scaling=scaling)
 
 
 @FAMILIES.register("llama", architecture="LlamaForCausalLM")
@@ -170,29 +163,10 @@ def _read_qwen3_moe(hf: dict[str, Any]) -> dict[str, Any]:
 def config_to_hf(cfg: TransformerConfig, dtype: str = "float32") -> dict[str, Any]:
     """HF `config.json` dict for `cfg` (readable by transformers and vLLM); `dtype`: the saved weights'."""
     rope = {"rope_type": "default"} | (cfg.rope_scaling or {}) | {"rope_theta": cfg.rope_theta}
-    hf: dict[str, Any] = dict(
-        architectures=[FAMILIES.info(cfg.model_type)["architecture"]],
-        model_type=cfg.model_type,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        hidden_act="silu",
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,  # older transformers / vLLM read these two
-        rope_scaling=cfg.rope_scaling,
-        rope_parameters=rope,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=cfg.qkv_bias,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id,
-        pad_token_id=cfg.pad_token_id,
-        torch_dtype=dtype,
-    )
+    hf: dict[str, Any] = {"architectures": [FAMILIES.info(cfg.model_type)["architecture"]]}
+    hf |= {key: getattr(cfg, field) for key, field in HF_FIELDS}
+    hf |= dict(hidden_act="silu", rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling)  # older readers: these two
+    hf |= dict(rope_parameters=rope, attention_bias=cfg.qkv_bias, torch_dtype=dtype)
     if cfg.model_type == "llama":
         hf["mlp_bias"] = cfg.mlp_bias
     if cfg.num_experts:

@@ -1,9 +1,10 @@
 """Hugging Face model folders in and out: `config.json` + `*.safetensors` (sharded or not).
 
 Molt's parameter names are HF's without the `model.` prefix, except MoE experts, which Molt stacks
-into [E, ...] tensors; `to_hf_state` / `from_hf_state` translate with one regex rule (the one place these
-names are known: the engines' weight loading and the vLLM adapter use `hf_tensors` / `hf_views`). Loading is
-strict: a missing or unexpected weight is an error listing the names. Saving is atomic (temp folder, then rename)."""
+into [E, ...] tensors; `to_hf_state` / `load_weights` translate with one regex rule (the one place these
+names are known; the vLLM adapter uses `hf_tensors`). `load_weights` copies in place: strict for a checkpoint (a
+missing or unexpected weight is an error listing the names), partial for an engine's weight swap. Saving is atomic
+(temp folder, then rename)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,29 +69,38 @@ def to_hf_state(model: Transformer) -> dict[str, torch.Tensor]:
     return hf_views({name: tensor.detach() for name, tensor in _own_params(model).items()}, model.cfg)
 
 
-def from_hf_state(model: Transformer, tensors: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
-    """Copy HF-named tensors into `model`; missing or unexpected names are an error listing them."""
-    cfg, own, used, missing, state = model.cfg, _own_params(model), set(), [], {}
-    for name in own:
-        names, per_expert = _hf_names(name, cfg)
-        if absent := [n for n in names if n not in tensors]:
-            missing += absent
+@torch.no_grad()
+def load_weights(
+    model: Transformer,
+    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    source: str | None = None,
+) -> int:
+    """Copy `weights` (Molt or HF names: HF per-expert tensors land in a slice of Molt's stacked experts) into
+    `model`'s parameters in place; returns the number of tensors copied. Nothing is reallocated (a running engine's
+    cache and compiled state stay valid). Unknown names or shape mismatches are an error listing them, raised before
+    anything is copied; with `source` (a whole checkpoint) so are missing weights, and a tied head it stores is
+    ignored (some tied checkpoints store the shared matrix twice)."""
+    params = model.state_dict(keep_vars=True)
+    params |= hf_views(params, model.cfg)
+    skip = "lm_head.weight" if source is not None and model.cfg.tie_word_embeddings else None
+    plan, unknown, mismatched = {}, [], []
+    for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
+        if IGNORED_HF_KEYS.search(name) or name == skip:
             continue
-        used.update(names)
-        parts = [tensors[n] for n in names]
-        if not per_expert:
-            state[name] = parts[0]
-        else:  # each expert's projections concatenated, then the experts stacked
-            state[name] = torch.stack([torch.cat(parts[i : i + per_expert]) for i in range(0, len(parts), per_expert)])
-    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
-        used.add("lm_head.weight")  # some tied checkpoints store the shared matrix twice
-    unexpected = sorted(n for n in tensors if n not in used and not IGNORED_HF_KEYS.search(n))
-    if missing or unexpected:
-        raise ValueError(f"{source}: missing weights {sorted(missing)}; unexpected weights {unexpected}")
-    for name, tensor in state.items():
-        if tensor.shape != own[name].shape:
-            raise ValueError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
-    model.load_state_dict(state, strict=not cfg.tie_word_embeddings)
+        dest = params.get(name)
+        if dest is None:
+            unknown.append(name)
+        elif tuple(dest.shape) != tuple(tensor.shape):
+            mismatched.append(f"{name}: got {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        else:
+            plan[name] = (dest, tensor)
+    missing = sorted(hf_views(_own_params(model), model.cfg).keys() - plan.keys()) if source is not None else []
+    if missing or unknown or mismatched:
+        where = "update_weights: " if source is None else f"{source}: missing weights {missing}; "
+        raise ValueError(f"{where}unknown names {sorted(unknown)}; shape mismatches {mismatched}")
+    for dest, tensor in plan.values():
+        dest.copy_(tensor)
+    return len(plan)
 
 
 class LazyTensors(Mapping):
@@ -145,7 +155,7 @@ def from_pretrained(
     model = model.to_empty(device=device).to(dtype)  # `Transformer._apply` recomputes the rotary buffer
     if cfg.tie_word_embeddings:  # materialising from meta breaks the tie
         model.lm_head.weight = model.embed_tokens.weight
-    from_hf_state(model, LazyTensors(weight_files(folder), dtype), source=str(folder))
+    load_weights(model, LazyTensors(weight_files(folder), dtype), source=str(folder))
     return model
 
 

@@ -37,9 +37,6 @@ class Runtime(abc.ABC):
     async def close(self) -> None:
         """Stop the engines and release everything this runtime placed."""
 
-    def shutdown(self) -> None:  # noqa: B027 - optional hook
-        """Release what was placed so far (synchronous: for a start-up that fails half-way)."""
-
 
 RUNTIMES: Registry = Registry("runtime.backend")
 

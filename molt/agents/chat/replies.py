@@ -1,5 +1,5 @@
 """What a chat session answers: the wire-independent reply (`TurnReply`), streamed text (`TextDelta`), the
-errors a request can meet, and the inbox that gathers the engine's token deltas for a streaming consumer."""
+errors a request can meet, and how a streaming consumer takes the engine's token deltas."""
 
 from __future__ import annotations
 
@@ -77,32 +77,9 @@ class TextDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-class Inbox:
-    """The engine's token deltas (callbacks on the event loop) until the generation ends (`close`); the
-    consumer takes all that arrived while it was busy at once, so a slow consumer sends fewer, larger deltas."""
-
-    def __init__(self):
-        self.items: list[TokenDelta] = []
-        self.closed = False
-        self.ready = asyncio.Event()
-
-    def put(self, item: TokenDelta) -> None:
-        self.items.append(item)
-        self.ready.set()
-
-    def close(self, _=None) -> None:
-        self.closed = True
-        self.ready.set()
-
-    async def take(self) -> list[TokenDelta] | None:
-        """The deltas that arrived since the last take (waiting for one), or None once closed and empty."""
-        while not self.items:
-            if self.closed:
-                return None
-            self.ready.clear()
-            await self.ready.wait()
-        items, self.items = self.items, []
-        return items
+async def take_all(inbox: asyncio.Queue) -> list:
+    """All that arrived in `inbox` since the last take (waits for one): a slow consumer takes fewer, larger batches."""
+    return [await inbox.get()] + [inbox.get_nowait() for _ in range(inbox.qsize())]
 
 
 def coalesced(deltas: list[TokenDelta]) -> list[TokenDelta]:

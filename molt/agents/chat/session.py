@@ -34,13 +34,13 @@ from molt.agents.chat.prompt_tokens import OverContext, encode_within, min_token
 from molt.agents.chat.replies import (
     ContextLengthExceeded,
     GenerationError,
-    Inbox,
     InvalidRequest,
     RequestError,
     SessionClosed,
     TextDelta,
     TurnReply,
     coalesced,
+    take_all,
 )
 from molt.agents.chat.textstream import TextStream, decoder, trim_at_stop
 from molt.agents.chat.tool_parser import Parser, call_prefix, parse_none
@@ -117,13 +117,13 @@ class Session:
                 yield prepared
                 return
             plan, sampling, tools = prepared
-            inbox = Inbox()
+            inbox: asyncio.Queue = asyncio.Queue()  # the engine's token deltas, then None once it is done
             live = live and not (request.parse_tools and request.tools) and not plan.prefix
             texts = [TextStream(self.tokenizer, request.stop) for _ in range(request.n if live else 0)]
-            task = asyncio.ensure_future(self._generate(plan, sampling, inbox.put if live else None))
-            task.add_done_callback(inbox.close)
+            task = asyncio.ensure_future(self._generate(plan, sampling, inbox.put_nowait if live else None))
+            task.add_done_callback(lambda _: inbox.put_nowait(None))
             try:  # once the generation is done, what it streamed last goes out with the reply
-                while (deltas := await inbox.take()) is not None and not task.done():
+                while (deltas := await take_all(inbox)) and not task.done():
                     for delta in coalesced(deltas):
                         index, text = delta.sample_index, texts[delta.sample_index].push(delta.token_ids)
                         if request.logprobs:
