@@ -120,11 +120,11 @@ def _flag_keys(args: list[str]) -> frozenset[str]:
 def parse_config(args: list[str], prog: str = "molt", command_name: str = "train") -> Config:
     """Resolve the config: defaults <- `--config` file <- flags. A bad file raises ConfigError; a bad flag exits
     with code 2 after one line naming it (a value the checks reject, or tyro's own message)."""
-    from molt.cli.config_file import build, load_config_file
+    from molt.cli.config_file import build
 
     path = _config_path(args)
     defaults = build(Config, DEFAULTS.get(command_name, {}))
-    base = load_config_file(Config, path, base=defaults, skip=_flag_keys(args)) if path else defaults
+    base = _file_config(path, defaults, _flag_keys(args)) if path else defaults
     unused = UNUSED.get(command_name, ())
     for key in sorted(_flag_keys(args)):  # before the groups' own checks, which may name other flags
         if (group := key.split(".")[0]) in unused or key in unused:
@@ -136,6 +136,19 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
         return tyro.cli(schema, args=args, default=base, prog=prog, use_underscores=True)
     except UserError as e:
         fail(prog, e)
+
+
+def _file_config(path: str, defaults: Config, flags: frozenset[str]) -> Config:
+    """The file's config, which the flags then change and the result is checked; when the file alone does not pass
+    the checks, without the values the flags replace (a bad value a flag mends, e.g.)."""
+    from molt.cli.config_file import load_config_file
+
+    try:
+        return load_config_file(Config, path, base=defaults)
+    except ConfigError:
+        if not flags:
+            raise
+        return load_config_file(Config, path, base=defaults, skip=flags)
 
 
 def _without(groups: tuple[str, ...]) -> type:

@@ -25,6 +25,18 @@ def test_file_then_flags_override(tmp_path):
     assert cfg.train.batch_size == Config().train.batch_size  # untouched default
 
 
+def test_a_flag_changes_a_valid_file_and_mends_a_bad_one(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[rollout]\nmax_len = 8192\n[train]\nmicro_batch_tokens = 8192\n")
+    cfg = parse_config(["--config", str(path), "--train.micro_batch_tokens", "16384"])  # not checked with its default
+    assert (cfg.train.micro_batch_tokens, cfg.rollout.max_len) == (16384, 8192)
+    path.write_text("[train]\nlr = -1.0\nmax_steps = 7\n")
+    cfg = parse_config(["--config", str(path), "--train.lr", "1e-4"])
+    assert (cfg.train.lr, cfg.train.max_steps) == (1e-4, 7)
+    with pytest.raises(ConfigError, match=r"run\.toml:2: train\.lr: "):
+        parse_config(["--config", str(path), "--train.max_steps", "9"])
+
+
 def test_yaml_file(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("train:\n  lr: 2.0e-4\n  betas: [0.9, 0.99]\nmodel:\n  preset: tiny-moe\n")
