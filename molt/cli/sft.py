@@ -39,11 +39,11 @@ def run_sft(cfg: Config) -> SftResult:
         torch.set_num_threads(cfg.runtime.threads)
     if cfg.log.run_dir:
         check_new_run_dir(cfg.log.run_dir)
+    train_rows, eval_rows = sft_rows(cfg)  # a bad data file: an error before the run directory and the model
     run = RunDir(cfg.log.run_dir, "sft", cfg)
     precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
     tokenizer, model = build_policy(cfg, dtype=precision.params)
     scaler = precision.scaler()
-    train_rows, eval_rows = sft_rows(cfg)
     source = cfg.data.path or f"task {cfg.data.task}"
     row_len, mb = cfg.data.max_len, cfg.train.micro_batch_tokens
     ids, masks, pixels = tokenize_rows(tokenizer, train_rows, row_len, source, model.cfg)

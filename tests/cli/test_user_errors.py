@@ -63,6 +63,7 @@ def test_row_without_messages(tmp_path, molt):
     (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1"}\n\n{"question": "2+2"}\n')
     result = molt("sft", "--data.path", "rows.jsonl")
     one_line(result, "data error: rows.jsonl:3: no prompt: a row needs a 'messages' list or a 'prompt' string")
+    nothing_built(tmp_path)  # found before the run directory and the model
 
 
 def test_missing_agent_file_stops_before_the_warm_start(tmp_path, molt):
