@@ -12,6 +12,7 @@ regression target for `gae`); `advantages_bt` feed the policy loss."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -151,13 +152,10 @@ def _token_rewards(inputs: AdvantageInputs, params: AdvantageParams) -> Tensor:
 
 @ESTIMATORS.register("reinforce", whiten=True, needs=("rewards_b",), uses_kl=True, group_baseline=False)
 def reinforce(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
-    """REINFORCE++: discounted return of the token rewards over action tokens; whitened by default."""
-    mask = inputs.mask_bt.bool()
-    rewards_bt = _token_rewards(inputs, params)
-    # Observation tokens are transparent: they carry the return unchanged and do not discount.
-    step_bt = torch.ones_like(rewards_bt).masked_fill(mask, params.gamma)
-    returns_bt = torch.where(mask, reverse_linear_scan(rewards_bt, step_bt), 0.0)
-    return returns_bt, returns_bt, {"reward_mean": rollout_mean(inputs.rewards_b, inputs.rollout_ids_b)}
+    """REINFORCE++: discounted return of the token rewards over action tokens (`gae` with V = 0 and lambda = 1,
+    observation tokens transparent); whitened by default."""
+    zeros_bt = torch.zeros(inputs.mask_bt.shape, device=inputs.mask_bt.device)
+    return gae(dataclasses.replace(inputs, values_bt=zeros_bt), dataclasses.replace(params, lam=1.0))
 
 
 @ESTIMATORS.register("gae", whiten=True, needs=("rewards_b", "values_bt"), uses_kl=True, group_baseline=False)

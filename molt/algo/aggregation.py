@@ -111,8 +111,6 @@ def prompt_mean_token_mean(
     loss_bt: Tensor, mask_bt: Tensor, denoms: StepDenominators, *, group_ids_b: Tensor, **_: object
 ) -> Tensor:
     """Token mean within each prompt (over the whole step), averaged over the step's prompts."""
-    if group_ids_b.numel() == 0:
-        return loss_bt.sum() * 0.0
     index_b = torch.searchsorted(denoms.group_ids_g, group_ids_b).clamp_max(denoms.group_ids_g.numel() - 1)
     if bool((denoms.group_ids_g[index_b] != group_ids_b).any()):
         raise ValueError("a group id of this micro-batch is missing from the step denominators")

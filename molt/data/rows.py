@@ -10,9 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from molt.data.chat import check_messages
-from molt.data.formats import DataError, Located
-
-Row = dict[str, Any]
+from molt.data.formats import DataError, Located, Row
 
 
 class LocatedRow(dict):

@@ -10,9 +10,9 @@ import random
 import re
 from typing import Any
 
+from molt.data.formats import Row
 from molt.registry import Registry
 
-Row = dict[str, Any]
 TASKS: Registry[type] = Registry("task")
 
 

@@ -211,7 +211,11 @@ class Trainer:
         denoms = algo.step_denominators([mb.mask_bt for mb in mbs], [self._group_ids(mb, mine) for mb in mbs])
         denoms = denoms.all_reduced(parallel.all_reduce_sum)
         num_mbs = parallel.all_reduce_max(len(mbs))  # before any forward: FSDP collectives must line up
-        values, teacher_kl, model_metrics = self._model_signals(mbs, mine, denoms, num_mbs)
+        values, model_metrics = None, {}
+        if self.critic is not None:  # the critic updates here, before the policy (`Critic.train`)
+            lengths, gae = [len(t.tokens) for t in mine], self._advantage_params(whiten=False)
+            values, model_metrics = self.critic.train(mbs, lengths, self.rewards(mine)[0], denoms, gae, num_mbs)
+        teacher_kl = self._teacher_kl(mbs, mine, model_metrics, num_mbs) if self.teacher is not None else None
         if shard is not None:  # each rank scored its own samples; the advantages see the whole batch
             values, teacher_kl = parallel.gather_samples(shard, len(trajs), values, teacher_kl)
         advantages, adv_metrics = self.advantages(trajs, values, teacher_kl)
@@ -250,17 +254,6 @@ class Trainer:
         used = self.objective.kl_loss_coef
         self.objective = dataclasses.replace(self.objective, kl_loss_coef=self.kl_control.update(kl, num_samples))
         return {"train/kl_coef": used}
-
-    def _model_signals(self, mbs: list[MicroBatch], trajs, denoms, num_mbs: int):
-        """(critic values V_old, teacher per-token KL, their metrics), None where the run lacks the model. The critic
-        updates here (`Critic.train`), before the policy."""
-        values, metrics = None, {}
-        if self.critic is not None:
-            lengths, rewards_b = [len(t.tokens) for t in trajs], self.rewards(trajs)[0]
-            gae = self._advantage_params(whiten=False)
-            values, metrics = self.critic.train(mbs, lengths, rewards_b, denoms, gae, num_mbs)
-        teacher_kl = self._teacher_kl(mbs, trajs, metrics, num_mbs) if self.teacher is not None else None
-        return values, teacher_kl, metrics
 
     @torch.no_grad()
     def _teacher_kl(self, mbs: list[MicroBatch], trajs, metrics: dict, num_mbs: int = 0) -> list[list[float]]:
