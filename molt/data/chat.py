@@ -4,10 +4,9 @@ A malformed row is an error naming the file and line (or row); nothing is skippe
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from molt.data.formats import DataError, read_json_lines
+from molt.data.formats import DataError
 
 ROLES = {"system", "user", "assistant", "tool"}
 
@@ -26,18 +25,3 @@ def check_messages(messages: Any, where: str, key: str = "messages") -> list[dic
         if msg["role"] == "user" and not (content.strip() if isinstance(content, str) else content):
             raise DataError(f"{where}: {key}[{i}].content is empty: a user turn needs text (or parts)")
     return messages
-
-
-def _check_row(row: Any, where: str) -> dict[str, Any]:
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    check_messages(row.get("messages"), where)
-    return row
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a .jsonl chat file; blank lines are allowed, malformed ones are errors with file:line."""
-    rows = [_check_row(row, where) for where, row in read_json_lines(Path(path))]
-    if not rows:
-        raise DataError(f"{path}: no rows")
-    return rows

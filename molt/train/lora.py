@@ -118,9 +118,6 @@ class LoRA(nn.Module):
                 for name, linear in self.linears.items():
                     linear.weight.data = originals[name]
 
-    def num_trainable(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def save_peft(self, folder: str | Path, base_model: str = "") -> None:
         """Write `adapter_config.json` + `adapter_model.safetensors` that `peft.PeftModel.from_pretrained` loads."""
         folder = Path(folder)

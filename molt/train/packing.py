@@ -52,11 +52,6 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int((self.doc_ids >= 0).sum())
 
-    @property
-    def sample_index(self) -> list[list[int]]:
-        """The samples (their own, unshared pieces) of each row, in row order."""
-        return [[p.sample for p in row if not p.shared] for row in self.rows]
-
     def to(self, device: torch.device | str) -> PackedBatch:
         move = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         return PackedBatch(**move, rows=self.rows)  # (pixel_values, parent_ids move too when present)

@@ -34,7 +34,7 @@ def test_zero_init_adapters_leave_the_model_unchanged_and_count_r_times_d_in_plu
     with torch.no_grad():
         assert torch.equal(model(IDS), base(IDS))
     expect = sum(4 * (m.in_features + m.out_features) for m in lora.linears.values())
-    assert lora.num_trainable() == expect and len(lora.linears) == 7 * model.cfg.num_layers
+    assert sum(p.numel() for p in lora.parameters()) == expect and len(lora.linears) == 7 * model.cfg.num_layers
     assert model.state_dict().keys() == base.state_dict().keys()  # names unchanged: sync and HF export work
 
 

@@ -6,6 +6,11 @@ import torch
 from molt.train.packing import IGNORE, first_fit_rows, pack, shared_prefix_len
 
 
+def sample_index(batch):
+    """The samples (their own, unshared pieces) of each row, in row order."""
+    return [[p.sample for p in row if not p.shared] for row in batch.rows]
+
+
 def test_first_fit_rows_places_every_sample_within_row_len():
     lengths = [5, 9, 3, 7, 1, 10, 2]
     rows = first_fit_rows(lengths, row_len=10)
@@ -23,7 +28,7 @@ def test_targets_stay_inside_their_sample():
     samples = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     masks = [[0, 1, 1], [0, 1], [0, 0, 1, 1]]
     (batch,) = pack(samples, masks, row_len=6, micro_batch_tokens=12)
-    for r, row in enumerate(batch.sample_index):
+    for r, row in enumerate(sample_index(batch)):
         start = 0
         for i in row:
             n = len(samples[i])
@@ -62,7 +67,7 @@ def test_group_shares_its_prompt_once_and_tails_see_it():
     assert tuple(batch.input_ids.shape) == (2, 12)  # rows as wide as the longest unit (the group), not 32
     shared = [(r, p) for r, row in enumerate(batch.rows) for p in row if p.shared]
     assert len(shared) == 1 and (shared[0][1].start, shared[0][1].end) == (0, 6)
-    assert sorted(i for row in batch.sample_index for i in row) == [0, 1, 2, 3]
+    assert sorted(i for row in sample_index(batch) for i in row) == [0, 1, 2, 3]
     # each answer's first token is predicted at the prompt's last position: one fork per sample
     r, last = shared[0][0], shared[0][0] * 12 + 5
     assert batch.forks.tolist() == [[last, 1], [last, 3], [last, 4]] and batch.input_ids[r, 5] == 12

@@ -9,8 +9,8 @@ import transformers
 from molt.cli.build import build_model, build_tokenizer
 from molt.cli.main import parse_config
 from molt.cli.sft import run_sft
-from molt.data.chat import read_jsonl
-from molt.data.formats import DataError
+from molt.data.formats import DataError, read_located
+from molt.data.rows import prompt_rows
 from molt.models import from_pretrained
 
 
@@ -51,10 +51,10 @@ def test_malformed_dataset_line_names_file_and_line(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n\n{"messages": [}\n')
     with pytest.raises(DataError, match=r"data\.jsonl:3: invalid JSON"):
-        read_jsonl(path)
+        prompt_rows(read_located(path), {})
     path.write_text('{"messages": [{"role": "robot", "content": "hi"}]}\n')
     with pytest.raises(DataError, match=r"data\.jsonl:1: messages\[0\] needs a 'role'"):
-        read_jsonl(path)
+        prompt_rows(read_located(path), {})
     from molt.data.rows import LocatedRow
     from molt.models import build_builtin_tokenizer
     from molt.train.sft import tokenize_rows
