@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from molt.agents.runner import record_completion
 from molt.cli.main import parse_config
 from molt.data.trajectory import Trajectory
 from molt.engine import SamplingParams, TorchEngine
@@ -82,8 +83,7 @@ def rollout(model: Transformer, record: bool) -> tuple[float, list[Trajectory]]:
         for c in group:
             traj = Trajectory(group_id=g, rollout_id=len(trajs), reward=float(c.sample_index % 2))
             traj.extend_prompt(prompt)
-            traj.extend_action(c.token_ids, c.logprobs, c.versions)
-            traj.add_routing(c.routing)
+            record_completion(traj, c, keep_ids=False)
             trajs.append(traj)
     return GROUPS * N * NEW_TOKENS / dt, trajs
 

@@ -113,6 +113,7 @@ def batch(model, num_groups=4, n=4, seed=0):
 
 def moe_rollouts(engine_model):
     """Four groups of four 24-token samples of the real `TorchEngine` on `engine_model`, routing recorded."""
+    from molt.agents.runner import record_completion
     from molt.engine import SamplingParams, TorchEngine
 
     engine = TorchEngine(engine_model.eval(), num_slots=16, max_seq_len=64, eos_token_ids=(), seed=0)
@@ -129,8 +130,7 @@ def moe_rollouts(engine_model):
         for c in group:
             traj = Trajectory(group_id=g, rollout_id=len(trajs), reward=float(c.sample_index % 2))
             traj.extend_prompt(prompt)
-            traj.extend_action(c.token_ids, c.logprobs, c.versions)
-            traj.add_routing(c.routing)
+            record_completion(traj, c, keep_ids=False)
             trajs.append(traj)
     return trajs
 
