@@ -194,6 +194,7 @@ async def measured(engine, run_one, rows: list[dict], in_flight: int, pids: list
         "steps": work["steps"],
         "busy": work["busy_s"] / seconds,
         "batch": work["decode_tokens"] / max(work["decode_steps"], 1),
+        "prefill": work["prefill_tokens"] / len(rows),
     }
 
 
@@ -250,8 +251,8 @@ def report(best: dict[str, dict[str, float]], floors: dict[str, float], args) ->
         f"load average {os.getloadavg()[0]:.1f} at the end (other processes share the CPUs).",
         "",
         "| path | generated tok/s | / Env | loop CPU ms/rollout | cores used | engine busy | engine steps "
-        "| mean decode batch |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| mean decode batch | prefill tokens/rollout |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in best.items():
         if name == "env":
@@ -266,7 +267,7 @@ def report(best: dict[str, dict[str, float]], floors: dict[str, float], args) ->
             label = f"Env + the {name.split('+')[1].split()[0]} SDK call on a canned response (no server)"
         lines.append(
             f"| {label} | {r['tps']:.0f} | {r['tps'] / env['tps']:.2f} | {r['loop_ms']:.2f} | {r['cores']:.2f} "
-            f"| {r['busy']:.2f} | {r['steps']} | {r['batch']:.1f} |"
+            f"| {r['busy']:.2f} | {r['steps']} | {r['batch']:.1f} | {r['prefill']:.1f} |"
         )
     lines += [
         "",

@@ -101,12 +101,24 @@ class _Peer:
         self.serving: dict[int, asyncio.Task] = {}
         self.ids = itertools.count()
         self.reading: asyncio.Task | None = None
+        self.outbox: list[bytes] = []
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: tuple, now: bool = False) -> None:
+        """Send `message` with the others of this loop iteration, in one write (a system call each way); `now`:
+        at once, with those before it."""
         if self.writer.is_closing():
             return  # the other side is gone; its reader reports that
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        self.writer.write(HEADER.pack(len(data)) + data)
+        if not self.outbox and not now:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self.outbox += (HEADER.pack(len(data)), data)
+        if now:
+            self._flush()
+
+    def _flush(self) -> None:
+        data, self.outbox = b"".join(self.outbox), []
+        if data and not self.writer.is_closing():
+            self.writer.write(data)
 
     async def call(self, kind: str, value: Any, on_delta: Callable[[Any], None] | None = None) -> Any:
         """The other end's answer to `(kind, value)`; cancelling the call cancels it there."""
@@ -146,14 +158,15 @@ class _Peer:
                 task.cancel()
 
     async def _answer(self, answer, kind: str, key: int, value: Any) -> None:
+        now = self.process is None  # a worker sends a rollout's outcome at once: a crash right after keeps it
         try:
             result = await answer(kind, key, value)
             try:
-                self.send(("reply", key, result))
+                self.send(("reply", key, result), now)
             except (pickle.PicklingError, AttributeError, TypeError):  # pickled once; these values only on failure
-                self.send(("reply", key, _portable(result)))
+                self.send(("reply", key, _portable(result)), now)
         except Exception as e:  # noqa: BLE001 - the caller gets it, as it would in process
-            self.send(("error", key, e if _pickles(e) else RuntimeError(describe_error(e))))  # else its words
+            self.send(("error", key, e if _pickles(e) else RuntimeError(describe_error(e))), now)  # else its words
         finally:
             self.serving.pop(key, None)
 

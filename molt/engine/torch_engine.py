@@ -106,6 +106,7 @@ class TorchEngine(Engine):
         self._cv = threading.Condition()
         self._inbox: list[Callable[[], None]] = []
         self._drains: list[tuple[Weights, int, concurrent.futures.Future]] = []
+        self._outbox: list[tuple] = []  # (caller's loop, fn, *args): results for callers, sent after each step
         self._paused = self._closed = False
         self._thread: threading.Thread | None = None
         self.num_threads = num_threads or torch.get_num_threads()
@@ -148,13 +149,11 @@ class TorchEngine(Engine):
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
-        def on_done(result) -> None:
-            with contextlib.suppress(RuntimeError):  # the caller's loop is gone
-                loop.call_soon_threadsafe(_settle, future, result)
+        def on_done(result) -> None:  # engine thread, as `on_step`: sent at the end of the step (`_send_out`)
+            self._outbox.append((loop, _settle, future, result))
 
-        def on_step(deltas: list[TokenDelta]) -> None:  # engine thread: one hop per step
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_deliver, on_tokens, deltas)
+        def on_step(deltas: list[TokenDelta]) -> None:
+            self._outbox.append((loop, _deliver, on_tokens, deltas))
 
         base_seed = self._rng.getrandbits(63) if sampling.seed is None else sampling.seed
         seeds = [sample_seed(base_seed, i) for i in range(sampling.n)]
@@ -239,12 +238,24 @@ class TorchEngine(Engine):
                     fn()
                 except Exception:  # a bad command must not kill the loop every caller waits on
                     log.exception("engine command failed")
+            if not self._closed and self._drain_ready():
+                self._finish_drains()
+            if not self._closed and self._runnable():
+                self.core.step_safely(admit=not self._drains)
+            self._send_out()
             if self._closed:
                 return
-            if self._drain_ready():
-                self._finish_drains()
-            if self._runnable():
-                self.core.step_safely(admit=not self._drains)
+
+    def _send_out(self) -> None:
+        """Hand the results of this iteration's commands and step to their callers' loops: one wake-up per loop
+        (a system call), not one per request."""
+        calls: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, *call in self._outbox:
+            calls.setdefault(loop, []).append(call)
+        self._outbox = []
+        for loop, batch in calls.items():
+            with contextlib.suppress(RuntimeError):  # the caller's loop is gone
+                loop.call_soon_threadsafe(_run_all, batch)
 
     def _drain_ready(self) -> bool:
         return bool(self._drains) and not self.core.scheduler.running
@@ -276,6 +287,15 @@ async def on_fresh_thread(fn: Callable[..., object], *args, threads: int):
 def with_threads(threads: int, fn: Callable[..., object], *args):
     torch.set_num_threads(threads)
     return fn(*args)
+
+
+def _run_all(calls: list[list]) -> None:
+    """One engine iteration's results on a caller's loop; a failing callback does not keep the others'."""
+    for fn, *args in calls:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - as the loop reports a failing callback of its own
+            log.exception("engine result callback failed")
 
 
 def _deliver(on_tokens: Callable[[TokenDelta], None], deltas: list[TokenDelta]) -> None:
