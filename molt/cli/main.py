@@ -236,7 +236,7 @@ def parse_command(argv: list[str]) -> Config:
         rest = ["--model.path", *rest]  # `molt serve CHECKPOINT`
     if name == "eval" and rest and not rest[0].startswith("-"):
         rest = _eval_args(rest[0], rest[1:])  # `molt eval CHECKPOINT|RUN_DIR`
-    args = _resume_args(_replay_args(rest))
+    args = _resume_args(_replay_args(_bool_words(rest)))
     cfg = parse_config(args, prog=f"molt {name}", command_name=name)
     try:
         check_user_code(cfg, _flag_keys(args) if name in ("train", "eval") else ())  # serve always chats
@@ -245,6 +245,28 @@ def parse_command(argv: list[str]) -> Config:
     if cfg.chat.port and (name == "serve" or cfg.rollout.agent):
         check_port(cfg.chat.host, cfg.chat.port)
     return cfg
+
+
+BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
+
+
+def _bool_words(args: list[str]) -> list[str]:
+    """`--group.flag true|false` (or `=false`), as a config file's user writes a boolean, as tyro spells it:
+    `--group.flag` / `--group.no_flag`."""
+    bools = {f"--{g}.{k}" for g, cls in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(cls)
+             for k, tp in typing.get_type_hints(cls).items() if tp is bool}  # fmt: skip
+    out = []
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        word = value if eq else arg
+        if out and not eq and out[-1] in bools and word.lower() in BOOL_WORDS:
+            flag = out.pop()
+        elif not (eq and flag in bools and word.lower() in BOOL_WORDS):
+            out.append(arg)
+            continue
+        group, key = flag.split(".", 1)
+        out.append(flag if BOOL_WORDS[word.lower()] else f"{group}.no_{key}")
+    return out
 
 
 def _in_file(error: ConfigError, args: list[str]) -> ConfigError:

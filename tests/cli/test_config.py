@@ -16,6 +16,15 @@ def test_flags_set_fields():
     assert cfg.train.lr == 3e-4 and cfg.model.preset == "small" and cfg.train.betas == (0.8, 0.9)
 
 
+def test_boolean_flags_take_a_config_file_word():
+    from molt.cli.main import parse_command
+
+    cfg = parse_command(["train", "--rollout.dump", "true", "--data.shuffle=False", "--train.share_prefix", "no"])
+    assert cfg.rollout.dump and not cfg.data.shuffle and not cfg.train.share_prefix
+    assert not parse_command(["train", "--rollout.dump", "--rollout.dump", "0"]).rollout.dump  # the last one wins
+    assert parse_command(["train", "--data.task", "arithmetic", "--rollout.dump"]).rollout.dump
+
+
 def test_file_then_flags_override(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[train]\nlr = 5e-4\nmax_steps = 70\n\n[data]\nmax_len = 128\n")
