@@ -122,7 +122,7 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
     with code 2 after one line naming it (a value the checks reject, or tyro's own message)."""
     from molt.cli.config_file import build
 
-    path = _config_path(args)
+    args, path = _bool_words(args), _config_path(args)
     defaults = build(Config, DEFAULTS.get(command_name, {}))
     base = _file_config(path, defaults, _flag_keys(args)) if path else defaults
     unused = UNUSED.get(command_name, ())
@@ -236,7 +236,7 @@ def parse_command(argv: list[str]) -> Config:
         rest = ["--model.path", *rest]  # `molt serve CHECKPOINT`
     if name == "eval" and rest and not rest[0].startswith("-"):
         rest = _eval_args(rest[0], rest[1:])  # `molt eval CHECKPOINT|RUN_DIR`
-    args = _resume_args(_replay_args(_bool_words(rest)))
+    args = _resume_args(_replay_args(rest))
     cfg = parse_config(args, prog=f"molt {name}", command_name=name)
     try:
         check_user_code(cfg, _flag_keys(args) if name in ("train", "eval") else ())  # serve always chats

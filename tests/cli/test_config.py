@@ -22,7 +22,7 @@ def test_boolean_flags_take_a_config_file_word():
     cfg = parse_command(["train", "--rollout.dump", "true", "--data.shuffle=False", "--train.share_prefix", "no"])
     assert cfg.rollout.dump and not cfg.data.shuffle and not cfg.train.share_prefix
     assert not parse_command(["train", "--rollout.dump", "--rollout.dump", "0"]).rollout.dump  # the last one wins
-    assert parse_command(["train", "--data.task", "arithmetic", "--rollout.dump"]).rollout.dump
+    assert parse_config(["--data.task", "arithmetic", "--rollout.dump", "yes"]).rollout.dump
 
 
 def test_file_then_flags_override(tmp_path):
