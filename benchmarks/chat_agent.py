@@ -230,7 +230,8 @@ async def measure(args) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
         for _ in range(args.repeats):
             for name, run_one in runs.items():
                 result = await measured(engine, run_one, rows, args.in_flight, pids)
-                round_env = result["tps"] if name == "env" else round_env  # noqa: F821 - "env" runs first
+                if name == "env":  # each round's first path
+                    round_env = result["tps"]
                 ratios[name].append(result["tps"] / round_env)
                 if result["tps"] > best.get(name, {"tps": 0.0})["tps"]:
                     best[name] = result
@@ -275,8 +276,7 @@ def report(best: dict[str, dict[str, float]], floors: dict[str, float], args) ->
             label = f"Env + the {name.split('+')[1].split()[0]} SDK call on a canned response (no server)"
         lines.append(
             f"| {label} | {r['tps']:.0f} | {r['tps'] / env['tps']:.2f} | {r['round_ratio']:.2f} | {r['loop_ms']:.2f} "
-            f"| {r['cores']:.2f} "
-            f"| {r['busy']:.2f} | {r['steps']} | {r['batch']:.1f} | {r['prefill']:.1f} |"
+            f"| {r['cores']:.2f} | {r['busy']:.2f} | {r['steps']} | {r['batch']:.1f} | {r['prefill']:.1f} |"
         )
     lines += [
         "",
