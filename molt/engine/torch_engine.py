@@ -2,7 +2,8 @@
 
 One worker thread owns the model, the cache and the scheduler and runs the step loop; asyncio callers (any
 number, any event loop) hand it requests and commands through a locked inbox and get results back with
-`call_soon_threadsafe`. Commands (abort, pause, weight swaps) run between steps, at token boundaries.
+`call_soon_threadsafe`, one call per loop per step (each wakes the loop: a system call). Commands (abort, pause,
+weight swaps) run between steps, at token boundaries.
 
 One compute thread: OpenMP pools are per thread, and more pool threads than cores make every parallel op pay a
 futex wake-up (docs/engine.md, "Threads"). So the process's other model compute (the trainer step) runs here
