@@ -447,6 +447,33 @@ def test_session_clients_are_copies_with_their_own_url_and_resources():
     asyncio.run(check())
 
 
+def test_in_process_session_clients_share_one_url_and_name_their_session_in_a_header():
+    async def check():
+        engine = ScriptedEngine(["hi"])
+        server = await ChatServer(engine, TOK, api_key=KEY).start()
+        pool = ClientPool(server)
+        try:
+            a, b = (server.open_session(GREEDY, max_len=256) for _ in range(2))
+            clients = [pool.client("openai", f"{server.url}/s/{s.id}/v1", KEY, s.id) for s in (a, b)]
+            assert str(clients[0].base_url) == str(clients[1].base_url) == f"{server.url}/v1/"
+            for client in clients:
+                reply = await client.chat.completions.create(model="molt", messages=MESSAGES)
+                assert reply.choices[0].message.content == "hi"
+            claude = pool.client("anthropic", f"{server.url}/s/{a.id}", KEY, a.id)  # routes FastAPI serves too
+            counted = await claude.messages.count_tokens(model="molt", messages=MESSAGES)
+            assert str(claude.base_url).rstrip("/") == server.url and counted.input_tokens > 0
+            moved = clients[0].with_options(base_url=f"{server.url}/s/{b.id}/v1")  # a path names b: it wins
+            await moved.chat.completions.create(model="molt", messages=MESSAGES + [{"role": "user", "content": "x"}])
+            assert len(server.close_session(a.id)) == 1 and len(server.close_session(b.id)) == 2
+            with pytest.raises(openai.NotFoundError):  # a finished session's header: 404, as its path would be
+                await clients[0].with_options(max_retries=0).chat.completions.create(model="molt", messages=MESSAGES)
+        finally:
+            await pool.close()
+            await server.stop()
+
+    asyncio.run(check())
+
+
 def test_top_k_is_honoured_in_serve_mode_on_both_wires(served):
     kw = {"model": "molt", "messages": MESSAGES, "max_tokens": 8}
     greedy = _openai(served).chat.completions.create(temperature=0, **kw).choices[0].message.content

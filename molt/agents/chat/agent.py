@@ -51,11 +51,11 @@ class ChatContext:
     def openai(self, **options: Any) -> Any:
         """An `AsyncOpenAI` client bound to this session, on the runner's shared connection pool; `options` go to
         the constructor (e.g. `max_retries`); closing it (`async with`) keeps the pool open."""
-        return self.clients.client("openai", self.base_url, self.api_key, **options)
+        return self.clients.client("openai", self.base_url, self.api_key, self.session_id, **options)
 
     def anthropic(self, **options: Any) -> Any:
         """An `AsyncAnthropic` client bound to this session, on the runner's shared connection pool."""
-        return self.clients.client("anthropic", self.session_url, self.api_key, **options)
+        return self.clients.client("anthropic", self.session_url, self.api_key, self.session_id, **options)
 
 
 class ChatAgent:

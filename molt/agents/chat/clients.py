@@ -3,9 +3,10 @@
 Building an SDK client from nothing loads the system CA bundle (20-90 ms of CPU on the event loop the
 rollouts share), opens new connections and detects the platform in a worker thread, so `ClientPool` keeps
 one HTTP client per SDK and hands out session-bound SDK clients on it, copies of a prototype. With the server
-on the same event loop (the runner's case) requests go into it in-process (`loopback.py`); without it, over
-a keep-alive loopback pool. Closing a session client leaves the shared one open; the runner closes it.
-Imports the SDKs only when asked for their client."""
+on the same event loop (the runner's case) requests go into it in-process (`loopback.py`) and name their session
+in a header (`x-molt-session`; a `/s/{session}` path still wins); without it, over a keep-alive loopback pool.
+Closing a session client leaves the shared one open; the runner closes it. Imports the SDKs only when asked for
+their client."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import importlib
 from typing import Any
 
 from molt.agents.chat.ids import new_id
-from molt.agents.chat.loopback import transport_class
+from molt.agents.chat.loopback import SESSION_HEADER, transport_class
 
 MAX_KEEPALIVE = 512  # idle loopback connections kept (one per concurrent request at most)
 
@@ -63,18 +64,26 @@ class ClientPool:
     def __init__(self, app=None):
         self.app = app
         self._pools: dict[str, Any] = {}
-        self._prototypes: dict[tuple[str, str], Any] = {}  # (sdk, api key) -> a client never used itself
+        self._prototypes: dict[tuple[str, str, str], Any] = {}  # (sdk, api key, URL) -> a client never used itself
 
-    def client(self, sdk: str, base_url: str, api_key: str, **options: Any) -> Any:
+    def client(self, sdk: str, base_url: str, api_key: str, session_id: str = "", **options: Any) -> Any:
         """An `AsyncOpenAI` (`sdk="openai"`) or `AsyncAnthropic` client on the shared HTTP client; without
-        `options`, a shallow copy of a prototype (the constructor costs as much as a rollout's request)."""
+        `options`, a shallow copy of a prototype (the constructor costs as much as a rollout's request). In process,
+        `session_id`'s client names its session in a header on the server's root URL, one URL for every session
+        (httpx parses a new URL in Python, twice per request)."""
         if options:
             return self._build(sdk, base_url, api_key, options)
-        prototype = self._prototypes.get((sdk, api_key))
-        if prototype is None:
-            prototype = self._prototypes[sdk, api_key] = self._build(sdk, base_url, api_key, {})
+        in_header = bool(session_id) and self.app is not None
+        if in_header:
+            base_url = base_url.replace(f"/s/{session_id}", "", 1)
+        key = (sdk, api_key, base_url if in_header else "")
+        if (prototype := self._prototypes.get(key)) is None:
+            prototype = self._prototypes[key] = self._build(sdk, base_url, api_key, {})
         client = copy.copy(prototype)  # its resources (`client.chat`, ...) are cached on first use: its own
-        client.base_url = base_url.rstrip("/") + "/"  # one URL parse, not two (httpx parses URLs in Python)
+        if in_header:
+            client._custom_headers = prototype._custom_headers | {SESSION_HEADER: session_id}  # SDK-internal
+        else:
+            client.base_url = base_url.rstrip("/") + "/"  # one URL parse, not two
         return client
 
     def _build(self, sdk: str, base_url: str, api_key: str, options: dict[str, Any]) -> Any:

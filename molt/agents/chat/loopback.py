@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 _END = None  # end of the response body in the chunk queue
+SESSION_HEADER = "x-molt-session"  # an in-process session client's session (`clients.py`), read as `/s/{session}`
 
 
 class _Exchange:
@@ -68,7 +69,11 @@ class _Exchange:
 
 
 def _scope(request) -> dict[str, Any]:
-    url = request.url
+    """The request's ASGI scope; a session named in its header is the `/s/{session}` prefix its path lacks."""
+    url, session = request.url, request.headers.get(SESSION_HEADER)
+    path, raw_path = url.path, url.raw_path.split(b"?")[0]
+    if session and not path.startswith("/s/"):
+        path, raw_path = f"/s/{session}{path}", f"/s/{session}".encode() + raw_path
     return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.4"},
@@ -76,8 +81,8 @@ def _scope(request) -> dict[str, Any]:
         "method": request.method,
         "headers": [(k.lower(), v) for k, v in request.headers.raw],
         "scheme": url.scheme,
-        "path": url.path,  # decoded (once) by httpx, as its own ASGI transport passes it
-        "raw_path": url.raw_path.split(b"?")[0],
+        "path": path,  # decoded (once) by httpx, as its own ASGI transport passes it
+        "raw_path": raw_path,
         "query_string": url.query,
         "server": (url.host, url.port),
         "client": ("127.0.0.1", 0),
