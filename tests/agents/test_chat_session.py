@@ -250,3 +250,26 @@ def test_stream_sends_waiting_deltas_as_one_and_the_reply_carries_what_came_last
     assert masked_ids(session.close()[0]) == ids
     engine, session, first, _ = asyncio.run(run(hang_up=True))
     assert first.text == "hél" and engine.aborted and session.close() == [] and session.num_turns == 0
+
+
+class HeldEngine(BurstEngine):
+    """Its (non-streamed) generation waits for `gate` too."""
+
+    async def generate_group(self, prompt_token_ids, sampling=None, *, request_id=None, session_id=None):
+        return await self.generate_streamed(prompt_token_ids, sampling, lambda delta: None)
+
+
+def test_a_cancelled_turn_aborts_its_generation_and_records_nothing():
+    async def run():
+        engine = HeldEngine()
+        engine.gate, engine.aborted = asyncio.Event(), False
+        session = _session(engine)
+        turn = asyncio.ensure_future(session.turn(ChatRequest(messages=[{"role": "user", "content": "hi"}])))
+        await asyncio.sleep(0.05)  # the engine waits at its gate
+        turn.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await turn
+        return engine, session
+
+    engine, session = asyncio.run(run())
+    assert engine.aborted and session.close() == [] and session.num_turns == 0

@@ -117,26 +117,30 @@ class Session:
                 yield prepared
                 return
             plan, sampling, tools = prepared
-            inbox: asyncio.Queue = asyncio.Queue()  # the engine's token deltas, then None once it is done
             live = live and not (request.parse_tools and request.tools) and not plan.prefix
-            texts = [TextStream(self.tokenizer, request.stop) for _ in range(request.n if live else 0)]
-            task = asyncio.ensure_future(self._generate(plan, sampling, inbox.put_nowait if live else None))
-            task.add_done_callback(lambda _: inbox.put_nowait(None))
-            try:  # once the generation is done, what it streamed last goes out with the reply
-                while (deltas := await take_all(inbox)) and not task.done():
-                    for delta in coalesced(deltas):
-                        index, text = delta.sample_index, texts[delta.sample_index].push(delta.token_ids)
-                        if request.logprobs:
-                            tokens = list(zip(delta.token_ids, delta.logprobs, strict=True))
-                            yield TextDelta(index, text, tokens, delta.top_logprobs if request.top_logprobs else None)
-                        elif text:
-                            yield TextDelta(index, text)
-                completions = task.result()
-            finally:
-                if not task.done():  # the consumer went away: abort, record nothing
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
+            if not live:  # the reply alone; cancelled meanwhile, the engine aborts it and nothing is recorded
+                completions = await self._generate(plan, sampling, None)
+            else:
+                inbox: asyncio.Queue = asyncio.Queue()  # the engine's token deltas, then None once it is done
+                texts = [TextStream(self.tokenizer, request.stop) for _ in range(request.n)]
+                task = asyncio.ensure_future(self._generate(plan, sampling, inbox.put_nowait))
+                task.add_done_callback(lambda _: inbox.put_nowait(None))
+                try:  # once the generation is done, what it streamed last goes out with the reply
+                    while (deltas := await take_all(inbox)) and not task.done():
+                        for delta in coalesced(deltas):
+                            index, text = delta.sample_index, texts[delta.sample_index].push(delta.token_ids)
+                            if request.logprobs:
+                                tokens = list(zip(delta.token_ids, delta.logprobs, strict=True))
+                                tops = delta.top_logprobs if request.top_logprobs else None
+                                yield TextDelta(index, text, tokens, tops)
+                            elif text:
+                                yield TextDelta(index, text)
+                    completions = task.result()
+                finally:
+                    if not task.done():  # the consumer went away: abort, record nothing
+                        task.cancel()
+                        with contextlib.suppress(BaseException):
+                            await task
             if self.closed:
                 raise SessionClosed(f"session {self.id[:6]}... finished during generation")
             if not completions:
