@@ -93,8 +93,10 @@ class Session:
         self.current: Trajectory | None = None
         self.tools: list | None = None  # tools rendered into the current segment
         self.history: list[Message] = []  # the messages the current segment's last action answered
-        self.history_fps: list[str] = []  # their fingerprints + the reply's
+        self.answered: list[Message] = []  # those and the reply; their fingerprints once a request needs them
+        self.fps: list[str] | None = []
         self.ended_with_eos = False
+        self.last_request: ChatRequest | None = None  # and its retry key, once a request needs it
         self.last_key: str | None = None
         self.last_reply: TurnReply | None = None
         self.num_turns = 0
@@ -111,7 +113,7 @@ class Session:
             if self.closed:
                 raise SessionClosed(f"session {self.id[:6]}... is finished")
             # a retry gets the cached reply (only a request as long as the last can be one)
-            retry = len(request.messages) == len(self.history) and request_key(request) == self.last_key
+            retry = len(request.messages) == len(self.history) and request_key(request) == self._last_key()
             prepared = self.last_reply if retry else await self._prepare(request)
             if isinstance(prepared, TurnReply):  # that, or the empty "length" reply
                 yield prepared
@@ -147,8 +149,18 @@ class Session:
                 yield TurnReply.length(request.n, len(plan.context))
                 return
             reply = self._commit(request, tools, plan, completions)
-            self.last_key, self.last_reply = request_key(request), reply
+            self.last_request, self.last_key, self.last_reply = request, None, reply
             yield reply
+
+    def _last_key(self) -> str | None:
+        if self.last_key is None and self.last_request is not None:
+            self.last_key = request_key(self.last_request)
+        return self.last_key
+
+    def _history_fps(self) -> list[str]:
+        if self.fps is None:
+            self.fps = fingerprints(self.answered)
+        return self.fps
 
     def close(self) -> list[Trajectory]:
         """Finish the session (later requests get SessionClosed); its segments in order."""
@@ -210,8 +222,8 @@ class Session:
         return self._force_call(plan, request) if request.force_tool is not None else plan
 
     def _extension(self, messages: list[Message], tools: list | None, large: bool) -> _Plan | None:
-        n = len(self.history_fps)
-        if self.current is None or tools != self.tools or fingerprints(messages[:n]) != self.history_fps:
+        n = len(self.answered)
+        if self.current is None or tools != self.tools or fingerprints(messages[:n]) != self._history_fps():
             return None
         if large:  # the new turns' text alone may not fit
             self._check_fits(sum(len(c) for m in messages[n:] if isinstance(c := m.get("content"), str)))
@@ -294,7 +306,7 @@ class Session:
         self.num_turns += 1
         first = replies[0]
         self.history = list(request.messages)
-        self.history_fps = fingerprints([*request.messages, assistant_message(first.content, first.tool_calls)])
+        self.answered, self.fps = [*request.messages, assistant_message(first.content, first.tool_calls)], None
         self.ended_with_eos = bool(first.token_ids) and first.token_ids[-1] == self.tokenizer.eos_token_id
         first.siblings = replies[1:]
         return first
