@@ -255,15 +255,16 @@ def _bool_words(args: list[str]) -> list[str]:
     `--group.flag` / `--group.no_flag`."""
     bools = {f"--{g}.{k}" for g, cls in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(cls)
              for k, tp in typing.get_type_hints(cls).items() if tp is bool}  # fmt: skip
-    out = []
+    out: list[str] = []
     for arg in args:
-        flag, eq, value = arg.partition("=")
-        word = value if eq else arg
-        if out and not eq and out[-1] in bools and word.lower() in BOOL_WORDS:
-            flag = out.pop()
-        elif not (eq and flag in bools and word.lower() in BOOL_WORDS):
+        flag, eq, word = arg.partition("=")
+        if not eq and out and out[-1] in bools:  # `--group.flag word`: the word may be its value
+            flag, word = out[-1], arg
+        if flag not in bools or word.lower() not in BOOL_WORDS:
             out.append(arg)
             continue
+        if not eq:
+            out.pop()
         group, key = flag.split(".", 1)
         out.append(flag if BOOL_WORDS[word.lower()] else f"{group}.no_{key}")
     return out
