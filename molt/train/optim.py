@@ -10,11 +10,12 @@ from molt.config import TrainConfig
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
-    """Multiplier of the peak LR at optimizer step `step` (0-based); a warm-up longer than the run is the run."""
+    """Multiplier of the peak LR at optimizer step `step` (0-based): warm-up to 1, then cosine decay to `min_ratio`
+    at the last step (`max_steps - 1`); a warm-up longer than the run is the run."""
     warmup_steps = min(warmup_steps, max_steps)
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - 1 - warmup_steps))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 

@@ -127,6 +127,15 @@ def test_any_max_steps_works_with_the_default_warmup():
     assert [lr_factor(step, 10, 4, 0.1) for step in range(4)] == [0.25, 0.5, 0.75, 1.0]
 
 
+def test_the_last_step_trains_at_the_final_learning_rate():
+    from molt.train.optim import lr_factor
+
+    # warm-up 2 steps, then cosine from 1 down to min_lr_ratio at step max_steps - 1: 1, 0.775, 0.325, 0.1
+    factors = [lr_factor(step, 2, 6, 0.1) for step in range(6)]
+    assert factors == pytest.approx([0.5, 1.0, 1.0, 0.775, 0.325, 0.1])
+    assert lr_factor(0, 0, 1, 0.1) == 1.0  # a one-step run trains at the peak
+
+
 def test_prompt_over_the_context_budget_is_named_not_blamed_on_the_policy(molt):
     result = molt("train", *FAST, "--rollout.max_len", "8", shared_cache=True)
     err = one_line(result, "run stopped:", "(prompt_over_context (last: the prompt is", "rollout.max_len is 8")
