@@ -137,6 +137,9 @@ class RewardFunction:
         if twice := sorted({s for s in specs if specs.count(s) > 1}):
             raise ValueError(f"rollout.reward: {twice} named twice")
         self.parts = [load_part(s) for s in specs]
+        for name in {p.name for p in self.parts}:  # each part's float is logged and weighted under its name
+            if len(same := [s for s, p in zip(specs, self.parts, strict=True) if p.name == name]) > 1:
+                raise ValueError(f"rollout.reward: {same} are all named {name!r}; give each its own function name")
         self.weights = parse_weights(weights)
         names = {p.name for p in self.parts}
         unknown = sorted(set(self.weights) - names)

@@ -18,6 +18,7 @@ from molt.registry import Registry
 BUILTIN_REWARDS: Registry[Callable[[str, dict[str, Any]], float]] = Registry("reward")
 
 NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d*)?")  # the only commas a number may hold
 FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 THINK = re.compile(r"\s*<think>.*?</think>\s*\S", re.S)
 
@@ -49,7 +50,8 @@ def extract_answer(completion: str) -> str | None:
 
 def row_answer(row: dict[str, Any]) -> str:
     """The row's `answer` column, else its `label`, as text; an error if it has neither."""
-    value = row.get("answer", row.get("label"))
+    value = row.get("answer")
+    value = row.get("label") if value is None else value
     if value is None:
         raise KeyError("the row has no 'answer' (or 'label') column for the reward to compare with")
     return str(value)
@@ -65,9 +67,14 @@ def reference_answer(row: dict[str, Any]) -> str:
 
 
 def to_number(text: str) -> float | None:
-    """`text` as a number (`1,234`, `$5`, `3/4`, `\\frac{3}{4}`, `7.`; `50%` is 50, as references write it), or None."""
-    t = FRAC.sub(r"\1/\2", text).strip().strip("$").replace("\\%", "").rstrip("%").replace(",", "").rstrip(".")
-    t = t.replace("\\!", "").replace(" ", "")
+    """`text` as a number (`1,234`, `$5`, `3/4`, `\\frac{3}{4}`, `7.`; `50%` is 50, as references write it), or None
+    (also for `2, 3` or `1 1/2`: a comma outside thousands groups, a space outside a fraction)."""
+    t = FRAC.sub(r"\1/\2", text).replace("\\$", "$").replace("\\%", "%").replace("\\!", "").strip()
+    t = re.sub(r"\s*/\s*", "/", t.strip("$").rstrip("%").strip().rstrip("."))
+    if "," in t:
+        if not THOUSANDS.fullmatch(t):
+            return None
+        t = t.replace(",", "")
     try:
         return float(Fraction(t)) if "/" in t else float(t)
     except (ValueError, ZeroDivisionError):
@@ -89,8 +96,8 @@ def answers_match(predicted: str, reference: str) -> bool:
 @BUILTIN_REWARDS.register("math")
 def math_reward(completion: str, row: dict[str, Any]) -> float:
     """1 if the completion's final answer (`\\boxed{}`, else its last number) matches the row's answer."""
-    predicted = extract_answer(completion)
-    return float(predicted is not None and answers_match(predicted, reference_answer(row)))
+    reference, predicted = reference_answer(row), extract_answer(completion)  # a row without an answer always fails
+    return float(predicted is not None and answers_match(predicted, reference))
 
 
 @BUILTIN_REWARDS.register("exact")

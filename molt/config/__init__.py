@@ -60,7 +60,7 @@ class Config:
             group, key = dotted.split(".")
             data[group][key] = data[group][key] and str(Path(data[group][key]).resolve())
         for key in ("agent", "reward"):  # `file.py[:name]` parts, among built-in names and modules
-            parts = [part.partition(":") for part in data["rollout"][key].split(",")]
+            parts = [part.strip().partition(":") for part in data["rollout"][key].split(",") if part.strip()]
             files = [(str(Path(f).resolve()) if f.endswith(".py") else f, sep, name) for f, sep, name in parts]
             data["rollout"][key] = ",".join("".join(part) for part in files)
         return data

@@ -29,6 +29,9 @@ from molt.data.tasks import get_task
         ("\\boxed{Paris}", "paris", 1.0),
         ("So 18.", "Janet sells 16 - 3 - 4 = 9 eggs, 9 * 2 = 18 dollars.\n#### 18", 1.0),  # GSM8K reference
         ("answer: \\boxed{50\\%}", "50", 1.0),  # a percent matches the bare number
+        ("\\boxed{2, 3}", "23", 0.0),  # a comma outside thousands groups is no number
+        ("\\boxed{1 1/2}", "5.5", 0.0),  # nor a space outside a fraction
+        ("\\boxed{\\$18.90}", "18.90", 1.0),  # a LaTeX dollar sign
     ],
 )
 def test_math_reward_hand_cases(completion, answer, expected):
@@ -40,8 +43,10 @@ def test_extraction_helpers():
     assert extract_answer("1, 2 and 3,000") == "3,000"
     assert extract_answer("\\boxed{unclosed 5") == "5"
     assert reference_answer({"label": "\\boxed{9}"}) == "9"
-    with pytest.raises(KeyError, match="no 'answer'"):
-        math_reward("1", {"prompt": "x"})
+    assert reference_answer({"answer": None, "label": "9"}) == "9"  # a null answer column: the label
+    for completion in ("1", "no number"):  # a row without an answer fails, whatever the completion
+        with pytest.raises(KeyError, match="no 'answer'"):
+            math_reward(completion, {"prompt": "x"})
 
 
 REWARD_FILE = """
@@ -106,6 +111,10 @@ def test_reward_loading_errors_are_one_line_naming_the_file(tmp_path):
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="reward_weights: \\['fmt'\\] name no reward"):
         load_reward("math", "fmt=1")
+    for name in ("one.py", "two.py"):
+        (tmp_path / name).write_text("def reward(c, row):\n  return 1.0\n")
+    with pytest.raises(ValueError, match=r"\['.*one.py', '.*two.py'\] are all named 'reward'"):
+        load_reward(f"{tmp_path / 'one.py'}, {tmp_path / 'two.py'}")  # each would be logged as reward/reward
 
 
 def test_reward_env_runs_the_ordinary_token_exact_episode():

@@ -175,7 +175,7 @@ def test_a_flag_replaces_a_file_value_unchecked_and_run_files_hold_absolute_path
     (tmp_path / "run.toml").write_text('[data]\npath = "gone.jsonl"\n\n[train]\nmax_steps = 5\n')
     with pytest.raises(ConfigError, match="run.toml:2: data.path: file 'gone.jsonl' does not exist"):
         parse_config(["--config", "run.toml"])
-    cfg = parse_config(["--config", "run.toml", "--data.path", "rows.jsonl", "--rollout.reward", "math,r.py:fn"])
+    cfg = parse_config(["--config", "run.toml", "--data.path", "rows.jsonl", "--rollout.reward", "math, r.py:fn"])
     assert cfg.data.path == "rows.jsonl" and cfg.train.max_steps == 5
     saved = cfg.file_form()
     assert saved["data"]["path"] == str(tmp_path / "rows.jsonl")
