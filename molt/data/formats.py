@@ -81,7 +81,14 @@ def read_json(path: Path) -> Located:
     text = _read_text(path)
     start = len(text) - len(text.lstrip())
     if not text[start:].startswith("["):
-        return read_json_lines(path)
+        try:
+            return read_json_lines(path)
+        except DataError:
+            if isinstance(whole := _json_or_none(text), dict):  # e.g. {"data": [...]}, pretty-printed
+                keys = ", ".join(map(repr, list(whole)[:5]))
+                raise DataError(f"{path}: one JSON object (keys {keys}), not rows: a .json dataset is an array "
+                                "of rows or one row per line (JSON lines)") from None  # fmt: skip
+            raise
     decoder, out, pos = json.JSONDecoder(), [], start + 1
     while True:
         pos = _SPACE.match(text, pos).end()
@@ -98,6 +105,13 @@ def read_json(path: Path) -> Located:
         elif pos >= len(text) or text[pos] != "]":
             line = text.count("\n", 0, pos) + 1
             raise DataError(f"{path}:{line}: invalid JSON (expected ',' or ']' after a row)")
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _arrow_rows(path: Path, table) -> Located:
@@ -120,24 +134,37 @@ def read_datasets_folder(path: Path, split: str = "train") -> Located:
     import pyarrow as pa
 
     if (path / "dataset_dict.json").exists():
-        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        splits = dataset_splits(path)
         if split not in splits:
             raise DataError(f"{path}: DatasetDict has no split {split!r}; splits: {splits}")
         return read_datasets_folder(path / split)
-    state = json.loads((path / "state.json").read_text())
     out: Located = []
-    for entry in state.get("_data_files", []):
-        file = path / entry["filename"]
-        with pa.memory_map(str(file)) as source:
-            table = pa.ipc.open_stream(source).read_all()
-        out += _arrow_rows(file, table)
+    for name in _index(path / "state.json", "_data_files", "filename"):
+        file = path / name
+        try:
+            with pa.memory_map(str(file)) as source:
+                out += _arrow_rows(file, pa.ipc.open_stream(source).read_all())
+        except (OSError, ValueError) as e:  # missing, truncated, not Arrow (pyarrow's errors are these)
+            raise DataError(f"{file}: cannot read this `datasets` Arrow file: {e}") from None
     return out
+
+
+def _index(file: Path, key: str, field: str = "") -> list:
+    """The list under `key` of a `datasets` JSON index file (each entry's `field`, if given); a missing or
+    damaged one is an error naming it."""
+    try:
+        entries = json.loads(file.read_text())[key]
+        return [entry[field] for entry in entries] if field else list(entries)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = f"no {e}" if isinstance(e, KeyError) else str(e)
+        raise DataError(f"{file}: not a `datasets` index ({type(e).__name__}: {problem}); re-save the dataset with "
+                        "save_to_disk") from None  # fmt: skip
 
 
 def dataset_splits(path: str | Path) -> list[str]:
     """Split names of a `DatasetDict` folder (empty for anything else)."""
     index = Path(path) / "dataset_dict.json"
-    return json.loads(index.read_text())["splits"] if index.exists() else []
+    return _index(index, "splits") if index.exists() else []
 
 
 @READERS.register("folder")

@@ -86,6 +86,27 @@ def test_bad_rows_name_the_file_and_its_own_line(tmp_path):
         dataset_rows(_data("--data.path", str(tmp_path / "binary.jsonl")))
 
 
+def test_a_damaged_datasets_folder_or_a_json_object_is_a_data_error_naming_the_file(tmp_path):
+    _write_all(tmp_path, ROWS)
+    path = lambda name: _data("--data.path", str(tmp_path / name), "--data.columns", "prompt=question")  # noqa: E731
+    arrow = next((tmp_path / "ds").glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:100])  # truncated
+    with pytest.raises(DataError, match=rf"{arrow.name}: cannot read this `datasets` Arrow file"):
+        dataset_rows(path("ds"))
+    arrow.unlink()
+    with pytest.raises(DataError, match=rf"{arrow.name}: cannot read this `datasets` Arrow file"):
+        dataset_rows(path("ds"))
+    (tmp_path / "ds" / "state.json").write_text("{oops")
+    with pytest.raises(DataError, match=r"ds/state\.json: not a `datasets` index \(JSONDecodeError"):
+        dataset_rows(path("ds"))
+    (tmp_path / "dsdict" / "dataset_dict.json").write_text('{"split": ["train"]}')
+    with pytest.raises(DataError, match=r"dataset_dict\.json: not a `datasets` index \(KeyError: no 'splits'\)"):
+        dataset_rows(path("dsdict"))
+    (tmp_path / "object.json").write_text(json.dumps({"data": ROWS}, indent=2))
+    with pytest.raises(DataError, match=r"object\.json: one JSON object \(keys 'data'\), not rows"):
+        dataset_rows(path("object.json"))
+
+
 def test_config_time_errors_name_the_key(tmp_path, capsys):
     (tmp_path / "rows.csv").write_text("a,b\n")
     for flags, message in [
