@@ -73,6 +73,8 @@ def prompt_row(raw: Any, where: str, columns: dict[str, str], system_prompt: str
         if source not in raw:
             raise DataError(f"{where}: no column {source!r} (data.columns {target}={source}); columns: {sorted(raw)}")
         row[target] = raw[source]
+    if "prompt" in columns and "messages" not in columns:  # an explicit prompt mapping wins over a messages column
+        row["messages"] = None
     messages = _prompt_messages(row, where)
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
