@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import decimal
 import json
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,14 @@ async def _eval_async(cfg: Config, rows: list[dict], inputs: RunInputs, threads:
         await engine.close()
 
 
+def _plain(value: Any) -> Any:
+    """A row value that JSON cannot hold, as results.jsonl writes it: a date or time as ISO text, a Decimal as its
+    digits, anything else (an image, bytes) as a short tag."""
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    return value.isoformat() if hasattr(value, "isoformat") else f"<{type(value).__name__}>"
+
+
 def run_eval(cfg: Config) -> EvalResult:
     """The `molt eval` command."""
     checkpoint = cfg.model.path  # a run directory's latest checkpoint, resolved by ModelConfig
@@ -76,7 +85,7 @@ def run_eval(cfg: Config) -> EvalResult:
         if inputs.reward:
             inputs.reward.close()
     for record, row in zip(records, rows, strict=True):
-        record["row"] = json.loads(json.dumps(row, default=lambda v: f"<{type(v).__name__}>"))  # images: a short tag
+        record["row"] = json.loads(json.dumps(row, default=_plain))
     run.log({"checkpoint": checkpoint, **metrics})
     run.close()
     out = Path(cfg.eval.output) if cfg.eval.output else run.path / "results.jsonl"

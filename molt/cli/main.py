@@ -209,11 +209,14 @@ def _run_of(target: str) -> Path | None:
 
 def _eval_args(target: str, args: list[str]) -> list[str]:
     """`molt eval TARGET` = `--model.path TARGET`, with the run's config.yaml as the config file when TARGET
-    is a run or one of its checkpoints (its data, rollout and eval settings; not its run_dir)."""
+    is a run or one of its checkpoints (its data, rollout and eval settings; not its run_dir; not its training data
+    when `--data.eval_path` names the rows to score)."""
     run = _run_of(target)
     base = ["--model.path", target]
     if run is not None and _config_path(args) is None:
         reset = ["--log.run_dir", "", "--model.tokenizer", ""]  # eval reads no ckpt settings
+        if "data.eval_path" in (flags := _flag_keys(args)) and "data.path" not in flags:
+            reset += ["--data.path", ""]  # the run's training file need not exist any more
         base = ["--config", str(run / "config.yaml"), *reset, *base]
     return base + args
 

@@ -38,6 +38,14 @@ def test_molt_eval_reproduces_the_in_training_eval_of_the_checkpoint(tmp_path):
     greedy = [json.loads(line) for line in (tmp_path / "greedy" / "results.jsonl").read_text().splitlines()]
     assert all(len({s["text"] for s in r["samples"]}) == 1 for r in greedy)
 
+    # other held-out rows: the run's training file is no longer needed
+    (tmp_path / "rows.jsonl").rename(tmp_path / "moved.jsonl")
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    main(["eval", str(tmp_path / "run"), "--data.eval_path", str(tmp_path / "held.jsonl"), "--eval.n_samples", "1",
+          "--log.run_dir", str(tmp_path / "held")])  # fmt: skip
+    held = [json.loads(line) for line in (tmp_path / "held" / "results.jsonl").read_text().splitlines()]
+    assert [r["row"]["answer"] for r in held] == [r["answer"] for r in rows[:2]]
+
 
 def test_failed_samples_are_shown_and_an_eval_where_all_failed_is_an_error(tmp_path, capsys, monkeypatch):
     tokenizer = build_builtin_tokenizer()
@@ -55,3 +63,26 @@ def test_failed_samples_are_shown_and_an_eval_where_all_failed_is_an_error(tmp_p
     (tmp_path / "five.jsonl").write_text("".join(f'{{"prompt": "say {i}", "answer": "{i}"}}\n' for i in range(5)))
     one_line(run_molt(capsys, "eval", "model", "--data.path", "five.jsonl", "--rollout.reward", "exact"),
              "data.num_eval=200 rows, at most 10% of its rows, for eval: none of the 5 rows of five.jsonl")  # fmt: skip
+
+
+def test_each_sample_gets_its_own_row_and_results_keep_dates_and_decimals(tmp_path, capsys, monkeypatch):
+    import datetime
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tokenizer = build_builtin_tokenizer()
+    save_pretrained(Transformer(preset("tiny", vocab_size=len(tokenizer))), tmp_path / "model", tokenizer=tokenizer)
+    rows = [{"prompt": f"say {i}", "answer": decimal.Decimal(f"{i}.50"), "day": datetime.date(2026, 1, 1 + i)}
+            for i in range(3)]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    (tmp_path / "take.py").write_text("def reward(completion, row):\n    return float(row.pop('answer') > 0)\n")
+    monkeypatch.chdir(tmp_path)
+    flags = ["--data.path", "rows.parquet", "--data.eval_path", "rows.parquet", "--eval.n_samples", "3"]
+    result = run_molt(capsys, "eval", "model", *flags, "--rollout.max_tokens", "2", "--rollout.reward", "take.py")
+    assert result.returncode == 0 and "failures" not in result.stderr  # no sample saw another's popped answer
+    results = [json.loads(line) for line in next((tmp_path / "runs").glob("eval-*/results.jsonl")).open()]
+    assert [(r["row"]["answer"], r["row"]["day"]) for r in results] == [(f"{i}.50", f"2026-01-0{i + 1}") for i in
+                                                                         range(3)]  # fmt: skip
+    assert [s["reward"] for r in results for s in r["samples"]] == [1.0] * 9

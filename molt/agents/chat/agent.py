@@ -9,6 +9,7 @@ blocked past `step_timeout_s` stops the run: `watchdog.LoopWatchdog`)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 import secrets
@@ -221,11 +222,16 @@ def _stamp(agent: ChatAgent, result: Result, segments: list[Trajectory], truncat
 
 
 def local_rollout(chat: ChatRunner | None, engine, tokenizer, make_env: Callable[[], Any]):
-    """`rollout(row, sampling, limits, **ids)` on this event loop, a fresh agent from `make_env()` each time; agent
-    code blocking the loop past `limits.step_timeout_s` stops the run (`watchdog.LoopWatchdog`)."""
+    """`rollout(row, sampling, limits, **ids)` on this event loop, a fresh agent from `make_env()` each time, on its
+    own copy of the row and its messages (the samples of a group share one row: an agent or reward that changes
+    its row must not change the others'); agent code blocking the loop past `limits.step_timeout_s` stops the run
+    (`watchdog.LoopWatchdog`)."""
 
     async def rollout(row: dict, sampling, limits: EpisodeLimits, **kw) -> list[Trajectory]:
         watch_loop(limits.step_timeout_s)
+        row = copy.copy(row)  # keeps a LocatedRow's file:line
+        if isinstance(row.get("messages"), list):
+            row["messages"] = [dict(m) if isinstance(m, dict) else m for m in row["messages"]]
         agent = make_env()  # an Env: one segment; a ChatAgent: one or more, through `chat`
         if isinstance(agent, ChatAgent):
             return await chat.run(agent, row, sampling, limits, **kw)
