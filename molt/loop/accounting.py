@@ -105,14 +105,16 @@ class Accounting:
         self.drop_details: dict[str, str] = {}  # reason -> the last such drop's message
         self.dropped_rows: set[str] = set()  # rows whose rollouts were dropped (each logged once)
 
-    def _count_failure(self, error: Exception, rollout_id: int, group_index: int) -> None:
-        """One line per failed rollout; the first of each kind with its traceback in the failure log."""
+    def _count_failure(self, error: Exception, rollout_id: int, group_index: int, row: dict) -> None:
+        """One line per failed rollout, naming a data file's row (`file:line`); the first of each kind with its
+        traceback in the failure log."""
         self.state.rollouts += 1
         self.state.failures += 1
         what = describe_error(error)
         fate = "its group is dropped: the estimator needs complete groups" if self.complete_groups else (
             "its group trains without it unless all of its rollouts fail")  # fmt: skip
-        line = f"rollout {rollout_id} (group {group_index}) failed: {what}"
+        where = row_location(row, "")
+        line = f"rollout {rollout_id} (group {group_index}{', ' + where if where else ''}) failed: {what}"
         first = self.failure_log is not None and log_failure(self.failure_log, line, error, self.failure_kinds)
         log.warning("%s; %s%s", line, fate, f" (traceback in {self.failure_log})" if first else "")
         ro = self.cfg.rollout

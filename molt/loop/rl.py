@@ -147,7 +147,7 @@ class RLLoop(Accounting):
             except RunFatalError:  # e.g. an engine replica that is gone for good
                 raise
             except Exception as e:  # noqa: BLE001 - agent code fails this rollout only
-                self._count_failure(e, rollout_id, group_index)
+                self._count_failure(e, rollout_id, group_index, row)
                 return Failed(e)
         self.state.rollouts += 1
         self.rollout_tokens += sum(s.num_action_tokens for s in segments)

@@ -142,13 +142,17 @@ def test_prompt_over_the_context_budget_is_named_not_blamed_on_the_policy(molt):
     assert "raise --rollout.max_len" in err and "policy" not in err
 
 
-def test_a_dropped_prompt_names_its_data_row(tmp_path, molt, caplog):
+def test_a_dropped_prompt_or_a_failed_rollout_names_its_data_row(tmp_path, molt, caplog):
     rows = ['{"prompt": "say 1", "answer": "1"}', '{"prompt": "%s", "answer": "2"}' % ("long " * 40)]
+    rows.append('{"prompt": "say 3"}')  # no answer: its reward fails
     (tmp_path / "two.jsonl").write_text("\n".join(rows) + "\n")
     flags = ["--data.path", "two.jsonl", "--rollout.reward", "exact", "--rollout.max_len", "96"]
+    flags += ["--rollout.max_failure_frac", "1"]
     molt("train", *FAST, *flags, "--rollout.filters", "nonfinite", "--train.max_steps", "2", shared_cache=True)
     drops = [m for m in caplog.messages if "its group is dropped (prompt_over_context)" in m]
     assert len(drops) == 1 and drops[0].startswith("two.jsonl:2: the prompt is"), drops
+    failed = [m for m in caplog.messages if ") failed: KeyError" in m]
+    assert failed and all("two.jsonl:3) failed: KeyError" in m for m in failed), failed
 
 
 def test_step_timeout_says_what_timed_out(tmp_path, molt, caplog):

@@ -46,7 +46,7 @@ def test_every_format_and_a_column_mapping_load_the_same_rows(tmp_path):
     both = {"messages": [{"role": "user", "content": "OLD"}], "question": "What is 2+2?"}
     (tmp_path / "both.jsonl").write_text(json.dumps(both) + "\n")
     data = _data("--data.path", str(tmp_path / "both.jsonl"), "--data.columns", "prompt=question")
-    assert file_rows(data.path, data)[0]["messages"] == [{"role": "user", "content": "What is 2+2?"}]  # the mapping wins
+    assert file_rows(data.path, data)[0]["messages"] == [{"role": "user", "content": "What is 2+2?"}]  # mapping wins
 
 
 def test_held_out_split_is_seeded_shuffled_or_from_eval_path_or_test_split(tmp_path):
