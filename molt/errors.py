@@ -40,6 +40,11 @@ class RunFatalError(Exception):
     fatal_to_run = True
 
 
+class AgentExit(RuntimeError):
+    """Agent code raised what would end more than its rollout (`SystemExit`, an `asyncio.CancelledError` its task was
+    not sent): its rollout fails with this instead, at the agent's line."""
+
+
 class RemoteRolloutError(Exception):
     """A rollout that failed in an agent worker process: the worker's `describe_error` text, its traceback, and the
     (type, place) that names this kind of failure."""

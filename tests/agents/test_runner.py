@@ -20,7 +20,7 @@ from molt.agents.env import Env, Result, load_agent
 from molt.agents.runner import EpisodeLimits, TemplateRewriteError, observation_ids, run_episode
 from molt.agents.watchdog import LoopBlockedError
 from molt.data.tasks import get_task
-from molt.errors import describe_error
+from molt.errors import AgentExit, describe_error
 from molt.models.tokenizer import apply_chat_template, build_builtin_tokenizer
 
 
@@ -248,3 +248,40 @@ def test_first_prompt_is_rendered_once_per_tokenizer_and_handed_out_as_a_copy():
     other = [{"role": "user", "content": "what is 12*3?"}]
     assert first_prompt_ids(tok, other) == apply_chat_template(tok, other, add_generation_prompt=True)
     assert first_prompt_ids(build_builtin_tokenizer(), messages) == expected  # another tokenizer, its own cache
+
+
+class Raises(Env):
+    """Its step raises `error`, which would end more than the rollout if it got out."""
+
+    def __init__(self, error):
+        self.error = error
+
+    async def step(self, action):
+        raise self.error
+
+
+class Waits(Env):
+    async def step(self, action):
+        await asyncio.sleep(30)
+        return Result(reward=1.0)
+
+
+def test_agent_code_raising_cancelled_error_or_sys_exit_fails_only_its_rollout():
+    row = get_task("arithmetic").rows(1, seed=0)[0]
+    limits = EpisodeLimits(step_timeout_s=5)
+    cases = [(asyncio.CancelledError(), "raised asyncio.CancelledError, but its rollout was not cancelled"),
+             (SystemExit(3), r"called sys.exit\(3\)")]  # fmt: skip
+    for error, message in cases:
+        rollout = local_rollout(None, ScriptedEngine(["1"]), TOK, lambda e=error: Raises(e))
+        with pytest.raises(AgentExit, match=message) as failed:
+            asyncio.run(rollout(row, SAMPLING, limits))
+        assert describe_error(failed.value).endswith(f"test_runner.py:{Raises.step.__code__.co_firstlineno + 1}]")
+
+    async def cancelled():  # a rollout that is itself cancelled still ends as cancelled
+        task = asyncio.create_task(local_rollout(None, ScriptedEngine(["1"]), TOK, Waits)(row, SAMPLING, limits))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await task
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(cancelled())

@@ -26,6 +26,7 @@ from molt.agents.runner import EpisodeLimits, check_result, run_episode
 from molt.agents.watchdog import watch_loop, within
 from molt.config import ConfigError
 from molt.data.trajectory import Trajectory
+from molt.errors import AgentExit
 from molt.models.vision import image_data_uri
 
 # `chat` config fields that are ChatServer options in training (the rest only apply to `molt serve`)
@@ -233,8 +234,16 @@ def local_rollout(chat: ChatRunner | None, engine, tokenizer, make_env: Callable
         if isinstance(row.get("messages"), list):
             row["messages"] = [dict(m) if isinstance(m, dict) else m for m in row["messages"]]
         agent = make_env()  # an Env: one segment; a ChatAgent: one or more, through `chat`
-        if isinstance(agent, ChatAgent):
-            return await chat.run(agent, row, sampling, limits, **kw)
-        return [await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)]
+        try:
+            if isinstance(agent, ChatAgent):
+                return await chat.run(agent, row, sampling, limits, **kw)
+            return [await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)]
+        except asyncio.CancelledError as e:
+            if asyncio.current_task().cancelling():  # this rollout was cancelled: pass it on
+                raise
+            what = "agent code raised asyncio.CancelledError, but its rollout was not cancelled"
+            raise AgentExit(what).with_traceback(e.__traceback__) from None
+        except SystemExit as e:  # would end the run's process
+            raise AgentExit(f"agent code called sys.exit({e.code!r})").with_traceback(e.__traceback__) from None
 
     return rollout
