@@ -141,14 +141,16 @@ def test_error_codes(served):
     server, engine = served
     session, other = server.open(), server.open()
     messages = [{"role": "user", "content": "hi"}]
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.AuthenticationError) as wrong_key:
         _openai(server, session, key="wrong").chat.completions.create(model="molt", messages=messages)
+    assert wrong_key.value.code == "invalid_api_key"
     with pytest.raises(anthropic.AuthenticationError):
         _anthropic(server, session, key="wrong").messages.create(model="molt", max_tokens=8, messages=messages)
     with pytest.raises(openai.NotFoundError):
         openai.OpenAI(base_url=f"{server.server.url}/s/nosuchsession/v1", api_key=KEY, max_retries=0).models.list()
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist") as unknown:
         _openai(server, session).chat.completions.create(model="gpt-5", messages=messages)
+    assert (unknown.value.type, unknown.value.code) == ("invalid_request_error", "model_not_found")  # as OpenAI's
     with pytest.raises(openai.BadRequestError, match="response_format"):
         _openai(server, session).chat.completions.create(
             model="molt", messages=messages, response_format={"type": "json_object"}

@@ -1,6 +1,7 @@
 """Session capture without HTTP: extension deltas, segments on rewrite, idempotent retries, commit-after-success."""
 
 import asyncio
+import dataclasses
 import json
 import threading
 
@@ -273,3 +274,12 @@ def test_a_cancelled_turn_aborts_its_generation_and_records_nothing():
 
     engine, session = asyncio.run(run())
     assert engine.aborted and session.close() == [] and session.num_turns == 0
+
+
+def test_the_stop_sequence_reported_is_the_one_that_cut_the_text():
+    class StopsAtL(ScriptedEngine):  # as an engine reports the first listed stop string that one token completed
+        async def generate_group(self, *args, **kw):
+            return [dataclasses.replace(c, stop_reason="l") for c in await super().generate_group(*args, **kw)]
+
+    reply = _turn(_session(StopsAtL(["say <hello"])), [{"role": "user", "content": "hi"}], stop=["l", "<"])
+    assert (reply.content, reply.stop_sequence) == ("say ", "<")

@@ -55,9 +55,9 @@ PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, code: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.code = status, code  # code: OpenAI's error code
 
 
 def _reject_constant(name: str) -> Any:
@@ -244,7 +244,8 @@ class ChatServer:
         if not model:
             raise HTTPError(400, f"model is required (this server serves {self.model_name!r})")
         if model not in self.model_names:
-            raise HTTPError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}")
+            message = f"the model {model!r} does not exist; this server serves {self.model_name!r}"
+            raise HTTPError(404, message, "model_not_found")
 
     def _session(self, request: Request, session_id: str | None) -> Session | None:
         """The request's open session (None on a route without one), once its API key is checked."""
@@ -252,7 +253,7 @@ class ChatServer:
             bearer = request.headers.get("authorization", "")
             given = bearer[7:] if bearer.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
             if not secrets.compare_digest(given.encode(), self.api_key.encode()):
-                raise HTTPError(401, "missing or wrong API key")
+                raise HTTPError(401, "missing or wrong API key", "invalid_api_key")
         session = self.sessions.get(session_id) if session_id is not None else None
         if session_id is not None and session is None:
             raise SessionClosed("unknown or finished session")

@@ -317,7 +317,7 @@ class Session:
         stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
         if request.stop:
             text, found = trim_at_stop(text, request.stop)
-            stop = stop or found
+            stop = found or stop  # the stop string that cut the text (the engine's may be a later one)
         parse = request.parse_tools and request.tools
         content, calls = self.parser(text, request.tools) if parse else (text, [])
         finish = "tool_calls" if calls else completion.finish_reason

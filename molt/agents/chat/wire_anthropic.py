@@ -24,7 +24,7 @@ from pydantic import Field, field_validator
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, function_call, refuse_unsupported, text_content
 from molt.agents.chat.replies import InvalidRequest, TextDelta, TurnReply
-from molt.agents.chat.wire_openai import ERROR_TYPES, NOT_FETCHED, WireModel, pieces
+from molt.agents.chat.wire_openai import NOT_FETCHED, WireModel, pieces
 
 # options Molt does not implement, with the values that ask for nothing: any other value is a 400, never ignored
 UNSUPPORTED = {"thinking": ({"type": "disabled"},), "output_config": ({},), "mcp_servers": ([],)}
@@ -246,7 +246,8 @@ def stream_error(status: int, message: str) -> str:
     return _event("error", {"error": error(status, message)["error"]})
 
 
-ERROR_TYPES = ERROR_TYPES | {413: "request_too_large", 422: "invalid_request_error"}  # OpenAI's, and these
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "request_too_large", 422: "invalid_request_error"}  # fmt: skip
 
 
 def error(status: int, message: str, code: str | None = None) -> dict[str, Any]:

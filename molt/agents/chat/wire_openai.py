@@ -7,7 +7,8 @@ decoded from JSON. `n` samples share the prompt; `seed` and `top_k` (vLLM's extr
 `text`, `top_logprobs` without `logprobs`, and the options of `UNSUPPORTED` set to anything but their no-op values
 are refused (400).
 Encoding: one choice per sample with `content` and parsed `tool_calls`; `logprobs` are the engine's (by
-default log_softmax(logits / T) over the whole vocabulary: the number the trainer's ratio uses), and
+default log_softmax(logits / T) over the whole vocabulary: the number the trainer's ratio uses), one per generated
+token, as captured (a trimmed stop string's tokens and the end-of-turn token included), and
 `top_logprobs` the k most likely tokens under that same distribution (each token's `bytes` are its own: a
 byte-level token may hold part of a character, whose `token` escapes those bytes); `usage` counts the whole
 context as prompt. Streaming sends role, content deltas as the engine generates (with their `logprobs`), then each tool
@@ -267,9 +268,8 @@ def stream_error(status: int, message: str) -> str:
     return f"data: {json.dumps(error(status, message))}\n\n"
 
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
-
-
 def error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": code or status}}
+    """OpenAI's error body (a wrong key and an unknown model are `invalid_request_error`s too): `code` a string
+    (`invalid_api_key`, `model_not_found`, `context_length_exceeded`, ...) or null."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
