@@ -283,3 +283,31 @@ def test_the_stop_sequence_reported_is_the_one_that_cut_the_text():
 
     reply = _turn(_session(StopsAtL(["say <hello"])), [{"role": "user", "content": "hi"}], stop=["l", "<"])
     assert (reply.content, reply.stop_sequence) == ("say ", "<")
+
+
+class TokenByToken(ScriptedEngine):
+    """Streams its scripted reply one token per delta, yielding to the event loop between them."""
+
+    async def generate_streamed(self, prompt_token_ids, sampling, on_tokens, *, request_id=None, session_id=None):
+        (completion,) = await self.generate_group(prompt_token_ids, sampling)
+        for k, token in enumerate(completion.token_ids):
+            on_tokens(TokenDelta(0, [token], completion.logprobs[k : k + 1]))
+            await asyncio.sleep(0)
+        return [completion]
+
+
+def test_text_before_a_tool_call_streams_as_generated_and_the_call_goes_out_parsed():
+    text, messages = "  Sure, computing.\n" + CALL + "\nDone.", [{"role": "user", "content": "12*345="}]
+
+    async def streamed():
+        request = ChatRequest(messages=messages, tools=[CALC_TOOL])
+        return [event async for event in session(TokenByToken([text])).stream(request)]
+
+    sampling, parser = dataclasses.replace(SAMPLING, max_tokens=256), get_parser("auto", TOK)
+    session = lambda engine: Session("sid", engine, TOK, sampling, max_len=1024, parser=parser)  # noqa: E731
+    *deltas, reply = asyncio.run(streamed())
+    plain = _turn(session(ScriptedEngine([text])), messages, tools=[CALC_TOOL])
+    assert len(deltas) > 5 and "".join(d.text for d in deltas) == "  Sure, computing."  # up to the call's space
+    assert reply.content == plain.content == "  Sure, computing.\n\nDone."  # the rest goes out with the reply
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [(c.name, c.arguments) for c in plain.tool_calls]
+    assert [(c.name, c.arguments) for c in plain.tool_calls] == [("calculate", {"expression": "12*345"})]

@@ -43,7 +43,7 @@ from molt.agents.chat.replies import (
     take_all,
 )
 from molt.agents.chat.textstream import TextStream, decoder, trim_at_stop
-from molt.agents.chat.tool_parser import Parser, call_prefix, parse_none
+from molt.agents.chat.tool_parser import Parser, call_opener, call_prefix, parse_none
 from molt.agents.images import expand_images, message_images, pixels_arg
 from molt.agents.runner import TemplateRewriteError, first_prompt_ids, observation_ids, record_completion
 from molt.data.trajectory import Trajectory
@@ -119,12 +119,14 @@ class Session:
                 yield prepared
                 return
             plan, sampling, tools = prepared
-            live = live and not (request.parse_tools and request.tools) and not plan.prefix
+            parse = bool(request.parse_tools and request.tools)  # the text up to a call streams; the calls at the end
+            opener = call_opener(self.parser) if parse else None
+            live = live and not plan.prefix and (not parse or opener is not None or self.parser is parse_none)
             if not live:  # the reply alone; cancelled meanwhile, the engine aborts it and nothing is recorded
                 completions = await self._generate(plan, sampling, None)
             else:
                 inbox: asyncio.Queue = asyncio.Queue()  # the engine's token deltas, then None once it is done
-                texts = [TextStream(self.tokenizer, request.stop) for _ in range(request.n)]
+                texts = [TextStream(self.tokenizer, request.stop, opener) for _ in range(request.n)]
                 task = asyncio.ensure_future(self._generate(plan, sampling, inbox.put_nowait))
                 task.add_done_callback(lambda _: inbox.put_nowait(None))
                 try:  # once the generation is done, what it streamed last goes out with the reply

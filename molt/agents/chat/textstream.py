@@ -37,10 +37,11 @@ def decoder(tokenizer) -> Callable[[list[int]], str]:
 
 
 class TextStream:
-    """Feed generated ids with `push`; each call returns the new text that can be sent."""
+    """Feed generated ids with `push`; each call returns the new text that can be sent. `opener`: the text that
+    opens a tool call, where the text stops (the calls go out parsed, at the end), its space before held back."""
 
-    def __init__(self, tokenizer, stops: Sequence[str] = ()):
-        self.decode, self.stops = decoder(tokenizer), tuple(stops)
+    def __init__(self, tokenizer, stops: Sequence[str] = (), opener: str | None = None):
+        self.decode, self.stops, self.calls = decoder(tokenizer), (*stops, *filter(None, [opener])), bool(opener)
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
@@ -60,6 +61,8 @@ class TextStream:
             elif len(self.ids) - self.mark >= WINDOW:
                 self._checkpoint(text)
             text = text[: len(text) - self._held(text)]
+        if self.calls:  # space before a call is not content (`tool_parser`); it goes out with what follows it
+            text = text.rstrip()
         if not text.startswith(self.sent):  # the decoding of a longer prefix changed earlier text: wait
             return ""
         new, self.sent = text[len(self.sent) :], text

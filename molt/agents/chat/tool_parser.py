@@ -97,7 +97,9 @@ def _split_calls(text: str, tools: Tools, compact: bool) -> tuple[str, list[Tool
         return text, []  # an unclosed or stray tag: malformed
     bodies = [block[1].strip() for block in blocks]
     calls = [_json_call(body, specs) or (_compact_call(body, specs) if compact else None) for body in bodies]
-    return (content.strip(), calls) if all(calls) else (text, [])  # one malformed call: all plain text
+    # the text before the first call as it was generated (a stream sends it so), less the space before the call
+    content = content.rstrip() if text[: blocks[0].start()].strip() else content.strip()
+    return (content, calls) if all(calls) else (text, [])  # one malformed call: all plain text
 
 
 def _compact_call(body: str, specs: dict[str, dict[str, Any]]) -> ToolCall | None:
@@ -120,12 +122,18 @@ def parse_none(text: str, tools: Tools) -> tuple[str, list[ToolCall]]:
     return text, []
 
 
+def call_opener(parser: Parser) -> str | None:
+    """The text that opens a tool call in `parser`'s format (a stream sends text up to it), or None if the parser
+    has no format."""
+    return "<tool_call>" if parser in (parse_hermes, parse_molt) else None
+
+
 def call_prefix(parser: Parser, name: str) -> str | None:
     """Text that opens a tool call in `parser`'s format (of function `name`, or any when ""), which a request
     with tool_choice required/named puts after the generation prompt; None if the parser has no format."""
-    if parser not in (parse_hermes, parse_molt):
+    if (opener := call_opener(parser)) is None:
         return None
-    return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
+    return opener + "\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
 
 
 def get_parser(name: str, tokenizer=None) -> Parser:
