@@ -311,3 +311,26 @@ def test_text_before_a_tool_call_streams_as_generated_and_the_call_goes_out_pars
     assert reply.content == plain.content == "  Sure, computing.\n\nDone."  # the rest goes out with the reply
     assert [(c.name, c.arguments) for c in reply.tool_calls] == [(c.name, c.arguments) for c in plain.tool_calls]
     assert [(c.name, c.arguments) for c in plain.tool_calls] == [("calculate", {"expression": "12*345"})]
+
+
+class Siblings(ScriptedEngine):
+    """Answers a request for n samples with the next n scripted replies (sample k's ids are its own)."""
+
+    async def generate_group(self, prompt_token_ids, sampling=None, *, request_id=None, session_id=None):
+        out = []
+        for k in range(sampling.n):
+            (c,) = await super().generate_group(prompt_token_ids, dataclasses.replace(sampling, n=1))
+            out.append(dataclasses.replace(c, sample_index=k))
+        return out
+
+
+def test_a_request_continuing_another_sample_of_an_n2_turn_extends_that_samples_segment():
+    engine, messages = Siblings(["first answer", "second answer", "ok"]), [{"role": "user", "content": "hi"}]
+    session = _session(engine)
+    reply = _turn(session, messages, n=2)
+    assert [c.content for c in reply.choices] == ["first answer", "second answer"]
+    _turn(session, [*messages, _assistant(reply.siblings[0]), {"role": "user", "content": "go on"}])
+    other, chosen = session.close()  # in sample order; the continued sample's segment grew, the other's did not
+    assert masked_ids(chosen) == engine.emitted[1] + engine.emitted[2] and masked_ids(other) == engine.emitted[0]
+    turn2 = engine.prompts[2]  # (the first turn's prompt is recorded once per sample)
+    assert turn2[: len(engine.prompts[0]) + len(engine.emitted[1])] == engine.prompts[0] + engine.emitted[1]

@@ -12,10 +12,10 @@ Plain Python over the engine interface and the tokenizer (no HTTP). Per request,
    re-runs cleanly. No room left (context or turns) answers an empty "length" reply without generating;
    in serve mode (`honor_sampling`) an over-context prompt is a 400 `context_length_exceeded` instead.
 5. `n > 1`: the samples share the prompt; each becomes a segment over the whole context (earlier actions
-   there have loss mask 0) and sample 0's is the one later requests extend.
+   there have loss mask 0), and a later request extends the one whose reply it continues (as in 2).
 
-Streaming yields `TextDelta`s as the engine produces tokens (not when tool calls are parsed), then the
-`TurnReply`; the text sent is a prefix of the reply's content, and the wires send the rest with the reply.
+Streaming yields `TextDelta`s as the engine produces tokens (with tools, the text up to a call's opening), then
+the `TurnReply`; the text sent is a prefix of the reply's content, and the wires send the rest with the reply.
 Large requests are rendered and tokenized in a worker thread, and one whose text certainly overflows the
 context is not tokenized at all (`prompt_tokens.py`)."""
 
@@ -96,6 +96,7 @@ class Session:
         self.answered: list[Message] = []  # those and the reply; their fingerprints once a request needs them
         self.fps: list[str] | None = []
         self.ended_with_eos = False
+        self.siblings: list[tuple[Trajectory, TurnReply]] = []  # n > 1: the other samples, which a request may continue
         self.last_request: ChatRequest | None = None  # and its retry key, once a request needs it
         self.last_key: str | None = None
         self.last_reply: TurnReply | None = None
@@ -225,7 +226,9 @@ class Session:
 
     def _extension(self, messages: list[Message], tools: list | None, large: bool) -> _Plan | None:
         n = len(self.answered)
-        if self.current is None or tools != self.tools or fingerprints(messages[:n]) != self._history_fps():
+        if self.current is None or tools != self.tools:
+            return None
+        if (fps := fingerprints(messages[:n])) != self._history_fps() and not self._continue_sibling(fps):
             return None
         if large:  # the new turns' text alone may not fit
             self._check_fits(sum(len(c) for m in messages[n:] if isinstance(c := m.get("content"), str)))
@@ -235,6 +238,18 @@ class Session:
             return None  # the template re-renders history: start a new segment
         delta, images = expand_images(self.engine, delta, message_images(messages[n:]), len(self.current.tokens))
         return _Plan(self.current.tokens + delta, delta, False, (self.current.images or []) + images)
+
+    def _continue_sibling(self, fps: list[str]) -> bool:
+        """Whether the request continues another sample of the last n > 1 turn; if so, its segment is the current."""
+        for k, (segment, reply) in enumerate(self.siblings):
+            answered = [*self.history, assistant_message(reply.content, reply.tool_calls)]
+            if fingerprints(answered) == fps:
+                self.sealed[self.sealed.index(segment)] = self.current  # same place: the segments keep their order
+                self.siblings[k] = (self.current, self.last_reply)
+                self.current, self.answered, self.fps = segment, answered, fps
+                self.ended_with_eos = reply.token_ids[-1:] == [self.tokenizer.eos_token_id]
+                return True
+        return False
 
     def _new_segment(self, messages: list[Message], tools: list | None, large: bool) -> _Plan:
         if large:  # not cached, and not tokenized at all if it cannot fit
@@ -298,9 +313,10 @@ class Session:
                 self.sealed.append(self.current)
             segments, new_ids = [Trajectory() for _ in completions], plan.context
             self.sealed += segments[1:]
-            self.current, self.tools = segments[0], tools  # sample 0's is the one later requests extend
+            self.current, self.tools = segments[0], tools  # sample 0's, unless a request continues another
         else:
             segments, new_ids = [self.current], plan.new_ids
+        self.siblings = list(zip(segments[1:], replies[1:], strict=True))
         for segment, completion in zip(segments, completions, strict=True):
             segment.extend_prompt(new_ids)
             segment.images = list(plan.images) or None
