@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from molt.errors import UserError
 from molt.models.config import TransformerConfig, config_from_hf, config_to_hf
 from molt.models.tokenizer import save_tokenizer
 from molt.models.transformer import Transformer
@@ -107,7 +108,7 @@ class LazyTensors(Mapping):
     """Name -> tensor over one or more safetensors files, read on access."""
 
     def __init__(self, files: list[Path], dtype: torch.dtype):
-        handles = [safe_open(str(f), framework="pt") for f in files]
+        handles = [_open(f) for f in files]
         self.where, self.dtype = {name: handle for handle in handles for name in handle.keys()}, dtype  # noqa: SIM118
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -118,6 +119,13 @@ class LazyTensors(Mapping):
 
     def __len__(self) -> int:
         return len(self.where)
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type: a truncated or foreign file
+        raise UserError(f"{file}: cannot read these weights ({e}); is the file complete (not truncated)?") from None
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -110,6 +110,19 @@ def test_model_path_that_is_not_a_model_folder(tmp_path, molt):
     one_line(molt("train", "--model.path", "weights"), "model.path: 'weights' is not a model folder")
 
 
+def test_an_unwritable_run_dir_or_truncated_weights_are_one_line(tmp_path, molt):
+    (tmp_path / "afile").write_text("")  # a folder that cannot be made (as a read-only one cannot be written)
+    one_line(molt("train", *FAST, "--log.run_dir", "afile/run", shared_cache=True),
+             "config error: log.run_dir: cannot write the run directory afile/run: Not a directory")  # fmt: skip
+    from molt.models import Transformer, build_builtin_tokenizer, preset, save_pretrained
+
+    tokenizer = build_builtin_tokenizer()
+    save_pretrained(Transformer(preset("tiny", vocab_size=len(tokenizer))), tmp_path / "m", tokenizer=tokenizer)
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    one_line(molt("train", *FAST, "--model.path", "m"), "model.safetensors: cannot read these weights", "truncated")
+
+
 def test_too_long_row_names_the_file_line(tmp_path, molt):
     short, long = (
         '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
