@@ -119,13 +119,14 @@ class LoRA(nn.Module):
                     linear.weight.data = originals[name]
 
     def save_peft(self, folder: str | Path, base_model: str = "") -> None:
-        """Write `adapter_config.json` + `adapter_model.safetensors` that `peft.PeftModel.from_pretrained` loads."""
+        """Write `adapter_config.json` + `adapter_model.safetensors` that `peft.PeftModel.from_pretrained` loads;
+        the base model folder is named by its absolute path (`AutoPeftModelForCausalLM` loads it from any folder)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         config = {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": base_model or None,
+            "base_model_name_or_path": str(Path(base_model).resolve()) if base_model else None,
             "r": self.rank,
             "lora_alpha": self.alpha,
             "lora_dropout": 0.0,

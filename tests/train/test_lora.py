@@ -4,6 +4,8 @@ import copy
 import importlib.util
 import json
 import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,7 +106,9 @@ def test_peft_loads_the_adapter_onto_the_transformers_model_with_equal_logits(tm
         base_logits = model(IDS)
     lora = LoRA(model, rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
     _randomize(lora, seed=1)
-    lora.save_peft(tmp_path / "adapter", str(base_folder))
+    lora.save_peft(tmp_path / "adapter", os.path.relpath(base_folder))  # as --model.path may name it
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(Path(base_folder).resolve())  # loadable from any folder
     hf = AutoModelForCausalLM.from_pretrained(base_folder, torch_dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     with torch.no_grad():
