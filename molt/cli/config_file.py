@@ -65,6 +65,23 @@ def _yaml_lines(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
     return where
 
 
+def _undot(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A YAML file's top-level `train.lr: 5e-4` as a key of group `train` (TOML nests dotted keys itself)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        group, _, name = str(key).partition(".")
+        value = {name: value} if name else value
+        if isinstance(out.get(group), dict) and isinstance(value, dict):
+            twice = sorted(set(out[group]) & set(value))
+            where = f"{path}: {group}.{twice[0] if twice else ''}"
+            check(not twice, where, "set twice (in its group and as a dotted key)")
+            out[group] = out[group] | value
+        else:
+            check(group not in out, f"{path}: {group}", "set twice")
+            out[group] = value
+    return out
+
+
 def read_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
     """(mapping, dotted key -> line) of a .toml / .yaml / .yml file."""
     path = Path(path)
@@ -81,7 +98,7 @@ def read_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
         if path.suffix in (".yaml", ".yml"):
             data = yaml.load(text, Loader=_Yaml12Loader) or {}  # noqa: S506 - a safe loader subclass
             check(isinstance(data, dict), str(path), "top level must be a mapping of config groups")
-            return data, _yaml_lines(yaml.compose(text, Loader=_Yaml12Loader))
+            return _undot(data, path), _yaml_lines(yaml.compose(text, Loader=_Yaml12Loader))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)

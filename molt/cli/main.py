@@ -7,6 +7,7 @@ traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import signal
 import socket
@@ -61,7 +62,10 @@ def command(name: str, unused: tuple[str, ...] = (), **defaults: dict):
 
 @command("train")
 def train(cfg: Config) -> object:
-    """Asynchronous RL (default: warm-started tiny model, GRPO on the calculator tool-use task)."""
+    """Asynchronous RL (default: warm-started tiny model, GRPO on the calculator tool-use task).
+
+    `molt train --resume RUN_DIR` continues a run from its latest checkpoint (with its config.yaml; flags change
+    it); `molt train --replay RUN_DIR` trains again on the batches a `--rollout.dump` run wrote."""
     from molt.cli.train import run_train
 
     return run_train(cfg)
@@ -133,7 +137,8 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
     wants_help = "-h" in args or "--help" in args
     try:
         schema = _without(tuple(u for u in unused if "." not in u)) if wants_help else Config
-        return tyro.cli(schema, args=args, default=base, prog=prog, use_underscores=True)
+        about = inspect.cleandoc(COMMANDS[command_name].__doc__ or "") if command_name in COMMANDS else None
+        return tyro.cli(schema, args=args, default=base, prog=prog, description=about, use_underscores=True)
     except UserError as e:
         fail(prog, e)
 
@@ -336,12 +341,15 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"molt {name}", e)
     except KeyboardInterrupt:
         how, code = ("terminated (SIGTERM)", 143) if _TERMINATED else ("interrupted", 130)
-        kept = " (the run directory keeps the checkpoints saved so far)" if name in ("train", "sft") else ""
+        kept = " (the run directory keeps the checkpoints saved so far)" if name == "train" else ""
         print(f"molt {name}: {how}{kept}", file=sys.stderr)
         if any(t.name == "molt-build" and t.is_alive() for t in threading.enumerate()):
             sys.stderr.flush()  # a warm start or model load still runs torch on its thread: exiting the
             os._exit(code)  # interpreter under it aborts the process, so leave at once (nothing else holds state)
         raise SystemExit(code) from None
+    except BrokenPipeError:  # `molt train --help | head`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush would fail again
+        raise SystemExit(1) from None
     except RunFatalError as e:  # the run cannot go on (e.g. a cluster that cannot place or keep its actors)
         if _traceback_wanted():
             traceback.print_exception(e)

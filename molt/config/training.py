@@ -216,7 +216,8 @@ class TrainConfig:
         check_finite(self, "train")
         check(self.lr > 0, "train.lr", "must be > 0")
         check(-(2**63) <= self.seed < 2**63, "train.seed", "must fit in 64 bits (torch's seed)")
-        check(self.lora_rank >= 0 and self.lora_alpha > 0, "train.lora_rank", "lora_rank >= 0, lora_alpha > 0")
+        check(self.lora_rank >= 0, "train.lora_rank", "must be >= 0 (0: no LoRA)")
+        check(self.lora_alpha > 0, "train.lora_alpha", "must be > 0")
         unknown = set(self.lora_targets) - {"q", "k", "v", "o", "gate", "up", "down"}
         check(bool(self.lora_targets) and not unknown, "train.lora_targets", "choose from q,k,v,o,gate,up,down")
         for key in changed(self, "lora_alpha", "lora_targets"):

@@ -23,6 +23,7 @@ from conftest import Ran, one_line, run_molt  # noqa: I001 - tests/conftest.py
 
 from molt import cache_root
 from molt.cli.main import main, parse_config
+from molt.config import ConfigError
 
 FAST = [
     "--model.warmstart_steps", "0", "--rollout.prompts_per_step", "1", "--rollout.n_samples_per_prompt", "4",
@@ -309,3 +310,26 @@ def test_chat_flags_are_refused_where_no_chat_agent_runs(tmp_path, monkeypatch):
     check_user_code(parse_config(["--config", "shared.yaml"]), _flag_keys(["--config", "shared.yaml"]))
     with pytest.raises(ConfigError, match="^chat.no_render_tools: has no effect here"):  # as `molt train` checks
         parse_command(["train", "--rollout.agent", "my_env.py", "--chat.no_render_tools"])
+
+
+def test_help_names_resume_and_a_reader_that_stops_early_is_no_error(tmp_path):
+    cmd = [sys.executable, "-m", "molt.cli.main", "train", "--help"]
+    full = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert full.returncode == 0 and "--resume RUN_DIR" in full.stdout and "--replay RUN_DIR" in full.stdout
+    with subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as head:
+        head.stdout.read(10)  # `molt train --help | head -c 10`: the help's later writes find no reader
+        head.stdout.close()
+        head.wait(timeout=120)
+        assert b"Traceback" not in (error := head.stderr.read()) and b"internal error" not in error
+
+
+def test_yaml_dotted_keys_and_the_lora_alpha_key(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text("train.lr: 5e-4\ntrain:\n  max_steps: 3\n")
+    cfg = parse_config(["--config", str(tmp_path / "run.yaml")])
+    assert (cfg.train.lr, cfg.train.max_steps) == (5e-4, 3)  # as TOML's `train.lr = 5e-4`
+    (tmp_path / "twice.yaml").write_text("train.lr: 5e-4\ntrain:\n  lr: 3.0\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: train.lr: set twice"):
+        parse_config(["--config", str(tmp_path / "twice.yaml")])
+    with pytest.raises(SystemExit):
+        parse_config(["--train.lora_alpha", "0"])
+    assert "train.lora_alpha: must be > 0" in capsys.readouterr().err
