@@ -54,7 +54,8 @@ def _nested(*sources: dict[str, Any]) -> dict[str, Any]:
 def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> Config:
     """A checked `Config` from a Config, a (dotted or nested) dict or a TOML/YAML file, then `overrides`; a mistake
     raises `ConfigError` naming the key (`train.max_stepz: unknown key; did you mean 'train.max_steps'?`), or the
-    agent, reward function or tool-call parser that does not load, as the CLI does."""
+    agent, reward function or tool-call parser that does not load, as the CLI does. A dict naming `ckpt.resume` starts
+    from that run's config.yaml and continues in its folder, as `molt train --resume RUN` does."""
     from molt.cli.config_file import build, load_config_file
     from molt.cli.inputs import check_user_code
     from molt.config import Config, ConfigError
@@ -65,8 +66,14 @@ def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = Non
         config = load_config_file(Config, config, base=Config())
     if isinstance(config, Config):
         config = build(Config, _nested(overrides), base=config) if overrides else config
-    else:
-        config = build(Config, _nested(config or {}, overrides), base=Config())  # one build: checked once
+    else:  # one build: checked once
+        values, base = _nested(config or {}, overrides), Config()
+        if run := values.get("ckpt", {}).get("resume"):  # as `molt train --resume RUN`: the run's own config
+            from molt.cli.main import run_config
+
+            base = load_config_file(Config, run_config(run), base=Config())
+            values = _nested({"log.run_dir": str(Path(run).resolve())}, values)
+        config = build(Config, values, base=base)
     check_user_code(config)
     return config
 

@@ -184,10 +184,15 @@ def _resume_args(args: list[str]) -> list[str]:
     args, run_dir = _alias(args, "--resume", "--ckpt.resume", missing)
     if run_dir is None:
         return args
+    return ["--config", str(run_config(run_dir)), "--log.run_dir", str(Path(run_dir).resolve()), *args]
+
+
+def run_config(run_dir: str) -> Path:
+    """The config.yaml of run directory `run_dir` (a ConfigError naming ckpt.resume if it is none)."""
     check(Path(run_dir).is_dir(), "ckpt.resume", f"run directory {run_dir!r} does not exist")
     check((Path(run_dir) / "config.yaml").exists(), "ckpt.resume",
           f"{run_dir} has no config.yaml, so it is not a Molt run directory")  # fmt: skip
-    return ["--config", f"{run_dir}/config.yaml", "--log.run_dir", str(Path(run_dir).resolve()), *args]
+    return Path(run_dir) / "config.yaml"
 
 
 def _replay_args(args: list[str]) -> list[str]:

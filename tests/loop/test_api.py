@@ -34,6 +34,22 @@ def test_make_config_merges_dicts_files_and_overrides(tmp_path):
         molt.make_config({"train.max_stepz": 3})
 
 
+def test_make_config_resuming_a_run_starts_from_its_config(tmp_path):
+    import yaml
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-2").mkdir(parents=True)
+    (run / "checkpoints" / "step-2" / "trainer_state.pt").write_bytes(b"")  # what the config checks look for
+    (run / "checkpoints" / "latest").write_text("step-2")
+    saved = molt.make_config(TINY).file_form()
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    cfg = molt.make_config({"ckpt.resume": str(run)}, train={"max_steps": 5})  # as `molt train --resume RUN`
+    assert (cfg.rollout.prompts_per_step, cfg.data.task, cfg.train.max_steps) == (2, "arithmetic", 5)
+    assert cfg.log.run_dir == str(run.resolve())
+    with pytest.raises(ConfigError, match="ckpt.resume: run directory '.*nope' does not exist"):
+        molt.make_config({"ckpt.resume": str(tmp_path / "nope")})
+
+
 def test_make_config_refuses_what_is_not_a_config_and_takes_paths_and_numpy_numbers(tmp_path):
     with pytest.raises(ConfigError, match="config: expected a Config, a dict or a TOML/YAML path, got int"):
         molt.make_config(5)
