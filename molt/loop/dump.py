@@ -94,6 +94,13 @@ def shard_steps(folder: Path) -> list[int]:
     return sorted(int(d) for d in digits if d.isdigit())
 
 
+def drop_shards_after(folder: Path, step: int) -> None:
+    """Remove the shards of the steps after `step`: a resumed run trains them again (an interrupted tail would mix
+    with its new batches), as metrics.jsonl drops their rows."""
+    for later in (s for s in shard_steps(folder) if s > step):
+        (folder / shard_name(later)).unlink()
+
+
 def read_shard(
     path: Path, *, step: int, vocab_size: int, trainer_version: int, max_staleness: int, moe: tuple | None = None
 ) -> list[Trajectory]:

@@ -29,7 +29,7 @@ from molt.data.trajectory import Trajectory
 from molt.engine.interface import Engine, SamplingParams, work_since
 from molt.errors import RolloutDrop, RunFatalError
 from molt.loop.accounting import FAILURE_LOG, Accounting, Dropped, Failed, LoopState, RolloutOutcome, Sampled
-from molt.loop.dump import ROLLOUTS, write_shard
+from molt.loop.dump import ROLLOUTS, drop_shards_after, write_shard
 from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling
 from molt.train.interface import Trainer
 
@@ -69,6 +69,8 @@ class RLLoop(Accounting):
         self.group_tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
         self.dump_dir = Path(run_dir) / ROLLOUTS if run_dir and cfg.rollout.dump else None
+        if run_dir:
+            drop_shards_after(Path(run_dir) / ROLLOUTS, self.state.step)
         self.said_no_eval = False
         self.history: list[dict[str, Any]] = []
         self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()

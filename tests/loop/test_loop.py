@@ -38,6 +38,10 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     common = ["--rollout.max_staleness", "0", "--train.min_lr_ratio", "1.0", "--train.lr", "1e-3"]
     full = _run(tmp_path, "full", "--train.max_steps", "4", *common)
     _run(tmp_path, "part", "--train.max_steps", "2", *common)
+    shards = tmp_path / "part" / "rollouts"  # as an attempt killed after step 3 left them (with --rollout.dump)
+    shards.mkdir()
+    for step in (2, 3):
+        (shards / f"step-{step:06d}.jsonl").write_text("{}\n")
     resumed = run_train(
         parse_config(
             [
@@ -54,6 +58,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert [m["train/loss"] for m in resumed.history] == [m["train/loss"] for m in full.history[2:]]
     lines = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "train/loss" in m] == [1, 2, 3, 4]
+    assert sorted(p.name for p in shards.iterdir()) == ["step-000002.jsonl"]  # the steps trained again: dropped
 
 
 def test_pass_at_k_unbiased_estimator():
