@@ -175,9 +175,12 @@ def check_run_dir(cfg: Config) -> int | None:
 
 
 def _state_shape(config: dict) -> dict[str, object]:
-    """What a checkpoint's trainer state depends on (from a file form): adapters, frozen routers, critic, reference."""
+    """What a checkpoint's trainer state depends on (from a file form): the policy it trained (a resume continues it,
+    whatever model.* now says), adapters, frozen routers, critic, reference."""
     train, algo = config["train"], config["algo"]
     return {
+        "model.path": config["model"]["path"] or None,
+        "model.preset": config["model"]["preset"],
         "train.lora_rank": train["lora_rank"],
         "train.lora_targets": list(train["lora_targets"]) if train["lora_rank"] else None,
         "train.lora_alpha": train["lora_alpha"] if train["lora_rank"] else None,  # scales the saved adapters

@@ -142,6 +142,7 @@ def test_resume_refuses_settings_its_checkpoint_state_cannot_hold(tmp_path, caps
         (["--train.lora_rank", "4"], "train.lora_rank is 4 here but 0 in {run}"),
         (["--algo.estimator", "gae"], "adds a critic (algo.estimator gae), which {run} was trained without"),
         (["--algo.kl_coef", "0.1"], "adds a KL reference (algo.kl_coef > 0), which {run} was trained without"),
+        (["--model.preset", "small"], "model.preset is small here but tiny in {run}"),  # the checkpoint's policy
     ):
         err = one_line(run_molt(capsys, "train", "--resume", str(run), "--train.max_steps", "2", *flags))
         assert "ckpt.resume: " + what.format(run=run) in err and f"--model.path {run}" in err
