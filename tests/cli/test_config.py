@@ -188,6 +188,7 @@ def test_ineffective_filter_on_and_is_band_name_their_key(capsys):
     for flags, key in (
         (["--rollout.filters", "--rollout.filter_on", "score"], "rollout.filter_on: has no effect without filters"),
         (["--algo.is_low", "2"], "algo.is_low: the IS band needs 0 <= is_low <= 1 <= is_high"),
+        (["--critic.lr", "1e-4"], "critic.lr: has no effect: no critic runs with algo.estimator grpo"),
     ):
         with pytest.raises(SystemExit):
             parse_config(flags)
