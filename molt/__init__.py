@@ -68,7 +68,8 @@ def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = Non
         config = build(Config, _nested(overrides), base=config) if overrides else config
     else:  # one build: checked once
         values, base = _nested(config or {}, overrides), Config()
-        if run := values.get("ckpt", {}).get("resume"):  # as `molt train --resume RUN`: the run's own config
+        ckpt = values.get("ckpt")
+        if isinstance(ckpt, dict) and (run := ckpt.get("resume")):  # as `molt train --resume RUN`: the run's config
             from molt.cli.main import run_config
 
             base = load_config_file(Config, run_config(run), base=Config())

@@ -6,6 +6,7 @@ traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -353,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(code)  # interpreter under it aborts the process, so leave at once (nothing else holds state)
         raise SystemExit(code) from None
     except BrokenPipeError:  # `molt train --help | head`: the reader left; nothing more to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush would fail again
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # a stdout with no file (captured)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush would fail again
         raise SystemExit(1) from None
     except RunFatalError as e:  # the run cannot go on (e.g. a cluster that cannot place or keep its actors)
         if _traceback_wanted():

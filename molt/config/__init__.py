@@ -112,7 +112,7 @@ class Config:
         overlong_max_len = self.algo.overlong_max_len or ro.max_tokens
         check(self.algo.overlong_buffer <= overlong_max_len, "algo.overlong_buffer", f"({self.algo.overlong_buffer}) "
               f"must be <= algo.overlong_max_len ({overlong_max_len}; 0 = rollout.max_tokens)")  # fmt: skip
-        set_ = [f"critic.{f.name}" for f in dataclasses.fields(CriticConfig)  # a critic's settings need one
-                if getattr(self.critic, f.name) != getattr(CriticConfig(), f.name)]  # fmt: skip
-        check(self.algo.estimator == "gae" or not set_, set_[0] if set_ else "critic", f"has no effect: no critic runs "
-              f"with algo.estimator {self.algo.estimator} (only gae trains one); drop it")  # fmt: skip
+        given = [f"critic.{f.name}" for f in dataclasses.fields(CriticConfig)  # a critic's settings need one
+                 if getattr(self.critic, f.name) != getattr(CriticConfig(), f.name)]  # fmt: skip
+        check(self.algo.estimator == "gae" or not given, given[0] if given else "critic", "has no effect: no critic "
+              f"runs with algo.estimator {self.algo.estimator} (only gae trains one); drop it")  # fmt: skip

@@ -244,7 +244,8 @@ class Session:
         for k, (segment, reply) in enumerate(self.siblings):
             answered = [*self.history, assistant_message(reply.content, reply.tool_calls)]
             if fingerprints(answered) == fps:
-                self.sealed[self.sealed.index(segment)] = self.current  # same place: the segments keep their order
+                at = next(i for i, sealed in enumerate(self.sealed) if sealed is segment)  # (== compares values)
+                self.sealed[at] = self.current  # in the sibling's place: the segments keep their order
                 self.siblings[k] = (self.current, self.last_reply)
                 self.current, self.answered, self.fps = segment, answered, fps
                 self.ended_with_eos = reply.token_ids[-1:] == [self.tokenizer.eos_token_id]
