@@ -390,6 +390,7 @@ def test_anthropic_streamed_tool_use_reassembles_to_the_plain_one():
     expected = [("text", "Sure."), ("tool_use", "calculate", {"expression": "12*345"})]
     assert blocks(final) == blocks(plain) == expected
     assert (final.stop_reason, final.usage.output_tokens) == (plain.stop_reason, plain.usage.output_tokens)
+    assert events[0].type == "message_start" and events[0].message.usage.input_tokens == plain.usage.input_tokens > 0
 
 
 def test_reassemble_calls_helper_matches_plain_tool_calls():

@@ -75,6 +75,7 @@ class TextDelta:
     text: str
     tokens: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_prompt_tokens: int = 0  # the context's (Anthropic's message_start reports them)
 
 
 async def take_all(inbox: asyncio.Queue) -> list:

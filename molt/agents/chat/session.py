@@ -137,9 +137,9 @@ class Session:
                             if request.logprobs:
                                 tokens = list(zip(delta.token_ids, delta.logprobs, strict=True))
                                 tops = delta.top_logprobs if request.top_logprobs else None
-                                yield TextDelta(index, text, tokens, tops)
+                                yield TextDelta(index, text, tokens, tops, len(plan.context))
                             elif text:
-                                yield TextDelta(index, text)
+                                yield TextDelta(index, text, num_prompt_tokens=len(plan.context))
                     completions = task.result()
                 finally:
                     if not task.done():  # the consumer went away: abort, record nothing

@@ -219,12 +219,15 @@ def _tool_use_events(index: int, call) -> Iterator[str]:
 
 
 async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, request: ChatRequest) -> AsyncIterator[str]:
-    """message_start, text deltas as generated, tool_use blocks (input_json_delta pieces), message_delta, message_stop;
-    the events one session event brings go out as one chunk (each chunk costs the client a read)."""
+    """message_start (with the prompt's tokens, once the first event has them), text deltas as generated, tool_use
+    blocks (input_json_delta pieces), message_delta, message_stop; the events one session event brings go out as one
+    chunk (each chunk costs the client a read)."""
     start = _head(model, []) | {"stop_reason": None, "stop_sequence": None}
-    parts = [_event("message_start", {"message": start | {"usage": {"input_tokens": 0, "output_tokens": 0}}})]
-    sent, text_open = "", False
+    parts, sent, text_open = [], "", False
     async for event in events:
+        if start is not None:
+            usage = {"input_tokens": event.num_prompt_tokens, "output_tokens": 0}
+            parts, start = [_event("message_start", {"message": start | {"usage": usage}})], None
         text = event.text if isinstance(event, TextDelta) else event.content[len(sent) :]
         if text:  # the text block opens with the first text
             parts += [_text_delta(text)] if text_open else [TEXT_START, _text_delta(text)]
