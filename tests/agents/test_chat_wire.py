@@ -295,8 +295,12 @@ def test_count_tokens_and_anthropic_tool_choice(served):
         model="molt", max_tokens=4, messages=MESSAGES, tools=[ANTHROPIC_TOOL], tool_choice={"type": "any"}
     )
     assert forced.usage.output_tokens <= 4  # the tool-call opening is prompt, not counted as generated
+    for choice in ({"type": "any"}, {"type": "tool", "name": "calculate"}):  # the opening counted as input
+        ask = {"model": "molt", "messages": MESSAGES, "tools": [ANTHROPIC_TOOL], "tool_choice": choice}
+        counted = client.messages.count_tokens(**ask).input_tokens
+        assert counted == client.messages.create(max_tokens=4, **ask).usage.input_tokens, choice
     segments = served.server.close_session(session.id)
-    assert len(segments) == 2, [TOK.decode(s.tokens) for s in segments]
+    assert len(segments) == 3, len(segments)  # the second `any` request was the first's retry: its cached reply
     assert "<tool_call>" in TOK.decode(segments[-1].tokens)
 
 

@@ -42,7 +42,7 @@ from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, TooDeep, check_depth, lone_surrogate
 from molt.agents.chat.replies import GenerationError, RequestError, SessionClosed
 from molt.agents.chat.session import Session, off_loop
-from molt.agents.chat.tool_parser import PARSERS, get_parser
+from molt.agents.chat.tool_parser import PARSERS, call_prefix, get_parser
 from molt.agents.runner import first_prompt_ids
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import SamplingParams
@@ -380,7 +380,9 @@ class ChatServer:
             chat = await self._decode(request, wire_anthropic, counting=True)
             tools = chat.tools if self.render_tools else None
             ids = await off_loop(chat.size, first_prompt_ids, self.tokenizer, chat.messages, tools)
-            return JSONResponse({"input_tokens": len(ids)})
+            forced = call_prefix(self.parser, chat.force_tool) if chat.force_tool is not None and chat.tools else None
+            opening = self.tokenizer(forced, add_special_tokens=False)["input_ids"] if forced else []
+            return JSONResponse({"input_tokens": len(ids) + len(opening)})  # as `messages` reports them
         except Exception as e:  # noqa: BLE001 - a template that cannot render it is a 422, the rest as elsewhere
             if isinstance(e, TemplateError | TypeError | KeyError | ValueError) and not isinstance(e, TooDeep):
                 e = RequestError(f"the chat template cannot render these messages: {e}")
