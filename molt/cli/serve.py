@@ -16,7 +16,7 @@ import torch
 
 from molt.agents.chat.server import ChatServer
 from molt.cli.build import build_policy
-from molt.config import Config
+from molt.config import Config, check
 from molt.engine.interface import SamplingParams
 from molt.loop.evaluate import chat_options
 from molt.runtime.factory import build_engine
@@ -27,8 +27,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def build_server(cfg: Config) -> ChatServer:
     """Model, engine and a serve-mode ChatServer (not started); `parse_command` checked the config's user code."""
+    chat, context = cfg.chat, cfg.model.architecture().max_position_embeddings
+    check(chat.max_len <= context, "chat.max_len", f"({chat.max_len}) is over the model's context ({context} "
+          "positions: max_position_embeddings)")  # fmt: skip
     tokenizer, model = build_policy(cfg)
-    chat = cfg.chat
     threads = cfg.runtime.threads or torch.get_num_threads()
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True, num_slots=32, max_len=chat.max_len)
     stop = tuple(t for t in {tokenizer.eos_token_id} if t is not None)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from molt.config import Config, ConfigError
-from molt.engine.blocks import KVBudgetError
+from molt.engine.blocks import KVBudgetError, bytes_per_block
 from molt.engine.interface import Engine
 from molt.models.config import TransformerConfig
 from molt.models.transformer import Transformer
@@ -49,6 +49,23 @@ def engine_kwargs(
             kwargs["kv_blocks"] = -(-slots * (max_len + 1) // 16)
             kwargs["block_size"] = 16
     return kwargs
+
+
+def check_slot_memory(model_cfg: TransformerConfig, sizing: dict[str, Any], key: str) -> None:
+    """A ConfigError naming `key` when the slot cache (every slot's positions, reserved up front, fp32) needs more
+    than the memory this machine has available (Linux MemAvailable; unknown elsewhere: not checked)."""
+    try:
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines())  # noqa: SIM115
+        free = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return
+    per_position = bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, 4, 1)
+    need = sizing["num_slots"] * sizing["max_seq_len"] * per_position
+    if need > free:
+        slots, positions = sizing["num_slots"], sizing["max_seq_len"]
+        raise ConfigError(f"{key}: the engine's KV cache of {slots} sequences x {positions} positions needs "
+                          f"{need / 1e9:.1f} GB, more than the {free / 1e9:.1f} GB available here: lower {key}, or "
+                          "use --runtime.kv_cache paged --runtime.kv_gb N (memory follows the tokens)")  # fmt: skip
 
 
 ENGINES: Registry[Callable[..., Engine]] = Registry("runtime.engine")  # builders with `torch_engine`'s signature
@@ -90,6 +107,8 @@ def build_engine(
     `threads`: torch threads of its compute (`runtime.engine_threads` wins for the built-in engine's thread);
     `num_slots` / `max_len` override the rollout's sizing (`molt serve`)."""
     sizing = engine_kwargs(cfg, model.cfg, num_slots=num_slots, max_len=max_len)
+    if cfg.runtime.engine == "torch" and kv_cache_kind(cfg, model.cfg) == "slot" and cfg.runtime.device == "cpu":
+        check_slot_memory(model.cfg, sizing, "chat.max_len" if max_len else "rollout.max_len")
     if cfg.runtime.engine == "torch" and not owned:
         model = copy.deepcopy(model)
     try:

@@ -333,3 +333,15 @@ def test_yaml_dotted_keys_and_the_lora_alpha_key(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_config(["--train.lora_alpha", "0"])
     assert "train.lora_alpha: must be > 0" in capsys.readouterr().err
+
+
+def test_a_context_over_the_model_or_a_kv_cache_over_the_memory_is_one_line(molt):
+    one_line(molt("serve", "--chat.max_len", "200000"),
+             "config error: chat.max_len: (200000) is over the model's context (4096 positions")  # fmt: skip
+    from molt.models import preset
+    from molt.runtime.factory import check_slot_memory
+
+    with pytest.raises(ConfigError, match=r"rollout.max_len: the engine's KV cache of 4096 sequences x 1000001 "):
+        check_slot_memory(
+            preset("tiny", vocab_size=300), {"num_slots": 4096, "max_seq_len": 1_000_001}, "rollout.max_len"
+        )

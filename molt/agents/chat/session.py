@@ -183,8 +183,8 @@ class Session:
         room = self.max_len - num_tokens
         if room <= 0 and self.honor_sampling:
             raise ContextLengthExceeded(
-                f"this model's context is {self.max_len} tokens; the prompt is {at_least}{num_tokens} tokens "
-                "and leaves no room to generate"
+                f"this model's context is {self.max_len} tokens (molt serve --chat.max_len); the prompt is "
+                f"{at_least}{num_tokens} tokens and leaves no room to generate"
             )
         if room <= 0 or (self.max_turns is not None and self.num_turns >= self.max_turns):
             self.truncated = True
