@@ -16,7 +16,7 @@ from pathlib import Path
 
 from molt.models.gguf import convert_gguf, packaged_gguf
 
-DEFAULT_OUT = Path(".cache") / "smollm2-135m-instruct"  # relative to the repo root; .cache/ is git-ignored
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / ".cache" / "smollm2-135m-instruct"  # the repo's (git-ignored)
 
 
 def prepare(out_dir: str | Path = DEFAULT_OUT) -> Path:

@@ -17,7 +17,8 @@ from molt.registry import Registry
 
 BUILTIN_REWARDS: Registry[Callable[[str, dict[str, Any]], float]] = Registry("reward")
 
-NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+MINUS = r"(?:(?<![\w)])-)?"  # a sign, not the hyphen of `10-12` or `x-3`
+NUMBER = re.compile(rf"{MINUS}(?:\d{{1,3}}(?:,\d{{3}})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|{MINUS}\.\d+")
 THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d*)?")  # the only commas a number may hold
 FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 THINK = re.compile(r"\s*<think>.*?</think>\s*\S", re.S)

@@ -30,6 +30,7 @@ from molt.data.tasks import get_task
         ("So 18.", "Janet sells 16 - 3 - 4 = 9 eggs, 9 * 2 = 18 dollars.\n#### 18", 1.0),  # GSM8K reference
         ("answer: \\boxed{50\\%}", "50", 1.0),  # a percent matches the bare number
         ("\\boxed{2, 3}", "23", 0.0),  # a comma outside thousands groups is no number
+        ("pages 10-12", "12", 1.0),  # a hyphen after a digit is no minus sign
         ("\\boxed{1 1/2}", "5.5", 0.0),  # nor a space outside a fraction
         ("\\boxed{\\$18.90}", "18.90", 1.0),  # a LaTeX dollar sign
     ],
