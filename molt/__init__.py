@@ -31,32 +31,12 @@ def cache_root() -> Path:
     return root
 
 
-def _nested(*sources: dict[str, Any]) -> dict[str, Any]:
-    """`{"train.lr": 1e-4, "eval": {"every": 0}}` -> `{"train": {"lr": 1e-4}, "eval": {"every": 0}}`; later
-    sources override earlier ones key by key."""
-    out: dict[str, Any] = {}
-    for key, value in (item for source in sources for item in source.items()):
-        *groups, name = key.split(".")
-        node = out
-        for group in groups:
-            node = node.setdefault(group, {})
-            if not isinstance(node, dict):
-                from molt.config import ConfigError
-
-                raise ConfigError(f"{group}: a config group (a dict of its keys), got {type(node).__name__} {node!r}")
-        if isinstance(value, dict) and isinstance(node.get(name), dict):
-            node[name].update(_nested(value))
-        else:
-            node[name] = _nested(value) if isinstance(value, dict) else value
-    return out
-
-
 def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = None, **overrides: Any) -> Config:
     """A checked `Config` from a Config, a (dotted or nested) dict or a TOML/YAML file, then `overrides`; a mistake
     raises `ConfigError` naming the key (`train.max_stepz: unknown key; did you mean 'train.max_steps'?`), or the
     agent, reward function or tool-call parser that does not load, as the CLI does. A dict naming `ckpt.resume` starts
     from that run's config.yaml and continues in its folder, as `molt train --resume RUN` does."""
-    from molt.cli.config_file import build, load_config_file
+    from molt.cli.config_file import build, load_config_file, nested
     from molt.cli.inputs import check_user_code
     from molt.config import Config, ConfigError
 
@@ -65,15 +45,15 @@ def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = Non
     if isinstance(config, str | os.PathLike):
         config = load_config_file(Config, config, base=Config())
     if isinstance(config, Config):
-        config = build(Config, _nested(overrides), base=config) if overrides else config
+        config = build(Config, nested(overrides), base=config) if overrides else config
     else:  # one build: checked once
-        values, base = _nested(config or {}, overrides), Config()
+        values, base = nested(config or {}, overrides), Config()
         ckpt = values.get("ckpt")
         if isinstance(ckpt, dict) and (run := ckpt.get("resume")):  # as `molt train --resume RUN`: the run's config
             from molt.cli.main import run_config
 
             base = load_config_file(Config, run_config(run), base=Config())
-            values = _nested({"log.run_dir": str(Path(run).resolve())}, values)
+            values = nested({"log.run_dir": str(Path(run).resolve())}, values)
         config = build(Config, values, base=base)
     check_user_code(config)
     return config

@@ -65,21 +65,32 @@ def _yaml_lines(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
     return where
 
 
-def _undot(data: dict[str, Any], path: Path) -> dict[str, Any]:
-    """A YAML file's top-level `train.lr: 5e-4` as a key of group `train` (TOML nests dotted keys itself)."""
+def nested(*sources: dict[str, Any]) -> dict[str, Any]:
+    """`{"train.lr": 1e-4, "eval": {"every": 0}}` -> `{"train": {"lr": 1e-4}, "eval": {"every": 0}}`; later
+    sources override earlier ones key by key."""
     out: dict[str, Any] = {}
-    for key, value in data.items():
-        group, _, name = str(key).partition(".")
-        value = {name: value} if name else value
-        if isinstance(out.get(group), dict) and isinstance(value, dict):
-            twice = sorted(set(out[group]) & set(value))
-            where = f"{path}: {group}.{twice[0] if twice else ''}"
-            check(not twice, where, "set twice (in its group and as a dotted key)")
-            out[group] = out[group] | value
+    for key, value in (item for source in sources for item in source.items()):
+        *groups, name = str(key).split(".")
+        node = out
+        for group in groups:
+            node = node.setdefault(group, {})
+            check(isinstance(node, dict), group, f"a config group (a dict of its keys), got {type(node).__name__} "
+                  f"{node!r}")  # fmt: skip
+        if isinstance(value, dict) and isinstance(node.get(name), dict):
+            node[name].update(nested(value))
         else:
-            check(group not in out, f"{path}: {group}", "set twice")
-            out[group] = value
+            node[name] = nested(value) if isinstance(value, dict) else value
     return out
+
+
+def _undot(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A YAML file's dotted keys (`train.lr: 5e-4`) nested as TOML nests them; a key also set in its group is an
+    error (YAML refuses a key set twice)."""
+    for key in (k for k in data if "." in str(k)):
+        group, name = str(key).split(".", 1)
+        twice = group in data and (not isinstance(data[group], dict) or name.split(".")[0] in data[group])
+        check(not twice, f"{path}: {key}", "set twice (in its group and as a dotted key)")
+    return nested(data)
 
 
 def read_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
