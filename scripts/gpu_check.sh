@@ -10,13 +10,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/molt-gpu-out}
-RAW=/tmp/molt-gpu-raw
-rm -rf "$RAW" && mkdir -p "$OUT" "$RAW"
+RAW=$(mktemp -d /tmp/molt-gpu-raw.XXXXXX)  # this call's own scratch folder
+mkdir -p "$OUT"
 if [ "${1:-}" = "--dry-run" ]; then
   PY=.venv/bin/python
   DEV="--runtime.device cpu --model.preset tiny"
   BENCH="--smoke" TCASES=""
   STEPS=1 SHAPE="--rollout.prompts_per_step 2 --rollout.n_samples_per_prompt 2 --rollout.max_tokens 16"
+  TINY="--runtime.device cpu --model.warmstart_steps 2 --train.max_steps 1 --eval.num_prompts 2"
 else
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
@@ -24,6 +25,7 @@ else
   DEV="--runtime.device cuda --model.preset qwen3-0.6b"
   BENCH="" TCASES="16K rows,32K sample"
   STEPS=3 SHAPE="--rollout.prompts_per_step 32 --rollout.n_samples_per_prompt 8 --rollout.max_tokens 320"
+  TINY="--runtime.device cuda --model.warmstart_steps 100 --train.max_steps 30"
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$RAW/nvidia-smi.txt" 2>&1
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled
@@ -67,8 +69,6 @@ part train_qwen06 150 $PY -m molt.cli.main train $DEV --model.warmstart_steps 0 
   --train.compile off \
   --eval.every 0 --log.run_dir "$RAW/train_qwen06"
 # the engine issue's run: the tiny preset in bf16 learns like fp32 (the default recipe's eval gain)
-if [ "${1:-}" != "--dry-run" ]; then
-  part train_tiny_bf16 90 $PY -m molt.cli.main train --runtime.device cuda --model.dtype bfloat16 \
-    --model.warmstart_steps 100 --train.max_steps 30 --log.run_dir "$RAW/train_tiny_bf16"
-fi
+part train_tiny_bf16 90 $PY -m molt.cli.main train $TINY --model.dtype bfloat16 --log.run_dir "$RAW/train_tiny_bf16"
 echo "results in $OUT: $(ls "$OUT")"
+rm -rf "$RAW"

@@ -6,6 +6,7 @@ import torch
 
 from molt.config import Config, ConfigError, ModelConfig, check
 from molt.models import PRESETS, Transformer, from_pretrained, preset
+from molt.models.config import TransformerConfig
 from molt.models.tokenizer import IMAGE_PLACEHOLDER, build_builtin_tokenizer, load_tokenizer
 from molt.train.precision import resolve_dtype
 
@@ -47,12 +48,19 @@ def build_model(
     dtype = dtype or resolve_dtype(cfg.dtype, device)
     if cfg.path:  # router precision is no HF config key: the run's setting applies
         return from_pretrained(cfg.path, dtype=dtype, device=device, router_fp32=cfg.router_fp32)
+    model = Transformer(architecture(cfg, tokenizer)).init_weights(cfg.init_std, torch.Generator().manual_seed(seed))
+    return model.to(device=device, dtype=dtype)
+
+
+def architecture(cfg: ModelConfig, tokenizer) -> TransformerConfig:
+    """The policy's architecture, no weights read: its folder's config, or the preset sized to the tokenizer."""
+    if cfg.path:
+        return cfg.architecture()
     ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("bos", "eos", "pad")}
     arch = preset(cfg.preset, vocab_size=len(tokenizer), router_fp32=cfg.router_fp32, **ids)
     if arch.vision is not None:
         arch.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
-    model = Transformer(arch).init_weights(cfg.init_std, torch.Generator().manual_seed(seed))
-    return model.to(device=device, dtype=dtype)
+    return arch
 
 
 def build_policy(cfg: Config, model_cfg: ModelConfig | None = None, dtype: torch.dtype | None = None):

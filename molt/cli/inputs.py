@@ -71,17 +71,22 @@ def load_inputs(cfg: Config) -> RunInputs:
     train_rows, eval_rows = dataset_rows(cfg.data)
     if cfg.data.path or cfg.data.eval_path:  # a built-in task's own rows are checked by Config (one drawn row)
         vision = cfg.model.architecture().vision is not None
-        check_row_images(train_rows + eval_rows, vision, cfg.data.path or f"task {cfg.data.task}")
+        check_rows(train_rows + eval_rows, vision, cfg.data.path or f"task {cfg.data.task}", not ro.agent)
     reward = reward_function(cfg)
     return RunInputs(train_rows, eval_rows, reward, agent_factory(ro.agent, reward, cfg.data.task, ro.max_turns))
 
 
-def check_row_images(rows: list[dict], vision: bool, source: str) -> None:
-    """Every image in the rows' prompts opens and verifies (no pixels decoded: cheap, yet it reads each file once),
-    and none is given to a text-only model: else a DataError naming the row (file:line) and the image."""
+def check_rows(rows: list[dict], vision: bool, source: str, needs_prompt: bool) -> None:
+    """Every row's RL prompt (its messages before the trailing assistant turns) is not empty where the built-in Env
+    renders it (`needs_prompt`), every image in it opens and verifies (no pixels decoded: cheap, yet it reads each
+    file once), and none is given to a text-only model: else a DataError naming the row (file:line)."""
     for i, row in enumerate(rows):
-        images = message_images(prompt_messages(row["messages"]))
+        prompt = prompt_messages(row["messages"])
         where = row_location(row, f"{source} row {i}")
+        if needs_prompt and not prompt:
+            raise DataError(f"{where}: no prompt: the row's messages are all assistant turns, which are an SFT "
+                            "demonstration, not part of the RL prompt; add the user turn before them")  # fmt: skip
+        images = message_images(prompt)
         if images and not vision:
             raise DataError(f"{where}: the row has {len(images)} image(s) but the model has no vision tower")
         for k, image in enumerate(images):

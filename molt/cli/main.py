@@ -209,13 +209,14 @@ def _replay_args(args: list[str]) -> list[str]:
 
 
 def _run_of(target: str) -> Path | None:
-    """The run directory `target` is (or is a checkpoint of), if any."""
+    """The run directory `target` is (or is a checkpoint of), if any: `molt train`'s (checkpoints/STEP) or
+    `molt sft`'s (checkpoint/)."""
     path = Path(target)
-    if (path / "config.yaml").exists() and (path / "checkpoints").is_dir():
+    if (path / "config.yaml").exists() and any((path / name).is_dir() for name in ("checkpoints", "checkpoint")):
         return path
-    if path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").exists():
-        return path.parent.parent
-    return None
+    run = path.parent.parent if path.parent.name == "checkpoints" else None
+    run = path.parent if path.name == "checkpoint" else run
+    return run if run is not None and (run / "config.yaml").exists() else None
 
 
 def _eval_args(target: str, args: list[str]) -> list[str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from molt.cli.build import build_policy
+from molt.cli.build import architecture, build_model, build_tokenizer
 from molt.config import Config
 from molt.log import RunDir, check_new_run_dir, plot_metrics
 from molt.models import save_pretrained
@@ -40,14 +40,14 @@ def run_sft(cfg: Config) -> SftResult:
     if cfg.log.run_dir:
         check_new_run_dir(cfg.log.run_dir)
     train_rows, eval_rows = sft_rows(cfg)  # a bad data file: an error before the run directory and the model
+    tokenizer, source = build_tokenizer(cfg.model), cfg.data.path or f"task {cfg.data.task}"
+    row_len, mb, arch = cfg.data.max_len, cfg.train.micro_batch_tokens, architecture(cfg.model, tokenizer)
+    ids, masks, pixels = tokenize_rows(tokenizer, train_rows, row_len, source, arch)  # a too-long row: here too
+    eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, row_len, source, arch)
     run = RunDir(cfg.log.run_dir, "sft", cfg)
     precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
-    tokenizer, model = build_policy(cfg, dtype=precision.params)
+    model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device, precision.params)
     scaler = precision.scaler()
-    source = cfg.data.path or f"task {cfg.data.task}"
-    row_len, mb = cfg.data.max_len, cfg.train.micro_batch_tokens
-    ids, masks, pixels = tokenize_rows(tokenizer, train_rows, row_len, source, model.cfg)
-    eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, row_len, source, model.cfg)
     eval_batches = pack(eval_ids, eval_masks, row_len, mb, eval_pixels) if eval_ids else []
     eval_batches = [b.to(cfg.runtime.device) for b in eval_batches]
     run.print(f"model {model.num_params() / 1e6:.2f}M params, {len(ids)} train / {len(eval_ids)} eval samples")

@@ -27,6 +27,7 @@ from molt.cli.warm_start import wants_warm_start, warm_start
 from molt.config import Config, ConfigError, check
 from molt.config.rl import check_rollout_algo
 from molt.config.run import latest_checkpoint
+from molt.config.training import check_rl_batch
 from molt.engine.torch_engine import on_fresh_thread
 from molt.log import RunDir, check_new_run_dir, plot_metrics
 from molt.loop.checkpoint import checkpoint_step, load_training_state, save_checkpoint
@@ -73,7 +74,8 @@ class Progress:
 
     def __call__(self, m: dict[str, Any]) -> None:
         self.run.log(m)
-        info = {"reward": f"{m['train/reward_mean']:.3f}", "tok/s": f"{m['rollout/tokens_per_s']:.0f}"}
+        reward = m.get("rollout/reward_mean", m["train/reward_mean"])  # every rollout's, not just the trained ones
+        info = {"reward": f"{reward:.3f}", "tok/s": f"{m['rollout/tokens_per_s']:.0f}"}
         if "eval/reward_mean" in m:
             info["eval"] = f"{m['eval/reward_mean']:.3f}"
         if self.bar is not None:
@@ -194,7 +196,8 @@ def _state_shape(config: dict) -> dict[str, object]:
 
 def _summary(run: RunDir, result: TrainResult) -> None:
     """The closing lines: eval reward before -> after, throughput, plot and checkpoint paths."""
-    plot = plot_metrics(run.path, ["train/reward_mean", "eval/reward_mean", "train/logprob_diff"])
+    keys = ["rollout/reward_mean", "train/reward_mean", "eval/reward_mean", "train/logprob_diff"]
+    plot = plot_metrics(run.path, keys)
     last = result.history[-1] if result.history else {}
     ran = [r["eval/reward_mean"] for r in (result.eval_before, result.eval_after) if "eval/reward_mean" in r]
     evals = "eval reward " + " -> ".join(f"{reward:.3f}" for reward in ran) if ran else "eval off"  # 1: resumed
@@ -208,10 +211,12 @@ def _summary(run: RunDir, result: TrainResult) -> None:
 async def train_async(cfg: Config) -> TrainResult:
     """`molt train` as a coroutine, for callers that already run an event loop (`await molt.train_async(cfg)`)."""
     check_rollout_algo(cfg.rollout, cfg.algo)  # training's: `molt eval` / `serve` may sample with top-p freely
+    check_rl_batch(cfg.train)  # before the warm start
     resumed = check_run_dir(cfg)
+    tokenizer = build_tokenizer(cfg.model)  # one the model cannot take: an error before the run directory
     for key, folder in (("algo.teacher", cfg.algo.teacher), ("critic.path", cfg.critic.path)):
-        if folder:  # before the run directory: their token ids must be the policy's
-            check_same_tokenizer(build_tokenizer(cfg.model), folder, key)
+        if folder:  # their token ids must be the policy's
+            check_same_tokenizer(tokenizer, folder, key)
     if cfg.rollout.replay:  # its shards cover the steps to train, before any data or model is read
         replay_folder(cfg, resumed or 0)
     torch.manual_seed(cfg.train.seed)

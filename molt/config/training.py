@@ -230,3 +230,9 @@ class TrainConfig:
         check(self.logprob_chunk_tokens > 0, "train.logprob_chunk_tokens", "must be > 0")
         check(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
         check(all(0 <= b < 1 for b in self.betas), "train.betas", "each beta must be in [0, 1)")
+
+
+def check_rl_batch(train: TrainConfig) -> None:
+    """RL training refuses `train.batch_size` (no silent no-op): it is `molt sft`'s batch."""
+    check(train.batch_size == TrainConfig.batch_size, "train.batch_size", "has no effect here: it is molt sft's "
+          "batch; an RL step trains rollout.prompts_per_step x rollout.n_samples_per_prompt samples")  # fmt: skip

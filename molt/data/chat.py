@@ -9,6 +9,7 @@ from typing import Any
 from molt.data.formats import DataError
 
 ROLES = {"system", "user", "assistant", "tool"}
+PART_TYPES = ("text", "image", "image_url", "input_image")  # content parts the chat templates render
 
 
 def check_messages(messages: Any, where: str, key: str = "messages") -> list[dict[str, Any]]:
@@ -24,4 +25,15 @@ def check_messages(messages: Any, where: str, key: str = "messages") -> list[dic
             raise DataError(f"{where}: {key}[{i}] needs a 'content': a string or a list of parts")
         if msg["role"] == "user" and not (content.strip() if isinstance(content, str) else content):
             raise DataError(f"{where}: {key}[{i}].content is empty: a user turn needs text (or parts)")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            _check_part(part, f"{where}: {key}[{i}].content[{j}]")
     return messages
+
+
+def _check_part(part: Any, where: str) -> None:
+    """A content part the template renders, else a DataError (an unknown part would render as nothing)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in PART_TYPES:
+        raise DataError(f'{where}: a content part is a dict with "type" in {list(PART_TYPES)}, got {part!r:.80}')
+    if kind == "text" and not isinstance(part.get("text"), str):
+        raise DataError(f'{where}: a text part needs a "text" string')

@@ -56,6 +56,8 @@ class EngineCore:
         self.model, self.tokenizer, self.version, self.max_seq_len = model, tokenizer, version, max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
         if kv_blocks is not None:  # the paged KV cache (paged.py); otherwise the slot cache
+            if compile:
+                raise ValueError("compile=True is the slot cache's decode step; the paged cache replays CUDA graphs")
             if kv_blocks * block_size < max_seq_len:  # a lone sequence must always fit, or preemption could not help
                 raise KVBudgetError(f"{kv_blocks} KV blocks of {block_size} positions hold less than one sequence "
                                     f"of {max_seq_len} positions")  # fmt: skip

@@ -101,14 +101,17 @@ class VLLMEngine(Engine):
         self.compute_threads = compute_threads or torch.get_num_threads()
 
     @classmethod
-    def from_model(cls, model, tokenizer=None, *, num_slots: int = 64, **kwargs: Any) -> VLLMEngine:
-        """An engine over a Molt model: saved to a temporary HF folder (removed on `close`) that vLLM
-        loads; the KV cache is sized for `num_slots` sequences of `max_model_len` tokens."""
+    def from_model(
+        cls, model, tokenizer=None, *, num_slots: int = 64, dtype: torch.dtype = torch.float32, **kwargs: Any
+    ) -> VLLMEngine:
+        """An engine over a Molt model, computing in `dtype`: saved to a temporary HF folder (removed on `close`)
+        that vLLM loads; the KV cache is sized for `num_slots` sequences of `max_model_len` tokens."""
         folder = Path(tempfile.mkdtemp(prefix="molt-vllm-"))
         save_pretrained(model, folder, tokenizer=tokenizer)
         c, max_len = model.cfg, kwargs.setdefault("max_model_len", 4096)
-        kv_bytes = num_slots * max_len * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
-        defaults = dict(dtype="float32", max_num_seqs=num_slots, kv_cache_memory_bytes=max(kv_bytes, 16 << 20))
+        kv_bytes = num_slots * max_len * c.num_layers * 2 * c.num_kv_heads * c.head_dim * dtype.itemsize
+        name = str(dtype).removeprefix("torch.")
+        defaults = dict(dtype=name, max_num_seqs=num_slots, kv_cache_memory_bytes=max(kv_bytes, 16 << 20))
         kwargs = defaults | dict(enforce_eager=not torch.cuda.is_available()) | kwargs  # CPU: no torch.compile
         engine = cls(str(folder), tokenizer=tokenizer, **kwargs)
         engine._owned_folder = folder

@@ -74,6 +74,7 @@ class RLLoop(Accounting):
         self.said_no_eval = False
         self.history: list[dict[str, Any]] = []
         self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()
+        self.step_rewards: list[float] = []  # of the rollouts sampled since the last step, filtered or not
         self.engine_stats: dict[str, float] = {}
         self.chat = chat_runner(cfg, engine, tokenizer)  # the server starts on first use
         self.workers = workers  # rollout.agent_workers processes, started by the command
@@ -153,6 +154,7 @@ class RLLoop(Accounting):
                 return Failed(e)
         self.state.rollouts += 1
         self.rollout_tokens += sum(s.num_action_tokens for s in segments)
+        self.step_rewards += [segments[0].reward] if segments else []  # a rollout's segments share its reward
         return Sampled(segments)
 
     def _keep(self, group: list[Trajectory]) -> bool:
@@ -234,17 +236,27 @@ class RLLoop(Accounting):
 
     def _loop_metrics(self, t0: float) -> dict[str, Any]:
         counts = {f"drop/{k}": v for k, v in self.state.drops.items()} | self._engine_metrics()
-        return counts | {
-            "step": self.state.step,
-            "version": self.trainer.version,
-            "rollout/tokens_per_s": self.rollout_tokens / max(time.perf_counter() - self.rollout_t0, 1e-9),
-            "rollout/rollouts": self.state.rollouts,
-            "rollout/failures": self.state.failures,
-            "rollout/buffer_groups": self.buffer.qsize(),
-            "time/step_s": time.perf_counter() - t0,
-            "time/elapsed_s": time.perf_counter() - self.run_t0,  # wall since `run` began (this session)
-            "time/sync_s": self.sync_s,
-        }
+        return (
+            counts
+            | self._reward_metrics()
+            | {
+                "step": self.state.step,
+                "version": self.trainer.version,
+                "rollout/tokens_per_s": self.rollout_tokens / max(time.perf_counter() - self.rollout_t0, 1e-9),
+                "rollout/rollouts": self.state.rollouts,
+                "rollout/failures": self.state.failures,
+                "rollout/buffer_groups": self.buffer.qsize(),
+                "time/step_s": time.perf_counter() - t0,
+                "time/elapsed_s": time.perf_counter() - self.run_t0,  # wall since `run` began (this session)
+                "time/sync_s": self.sync_s,
+            }
+        )
+
+    def _reward_metrics(self) -> dict[str, float]:
+        """The policy's mean reward over the rollouts sampled since the last step, before the group filters pick
+        what trains (`train/reward_mean` is the trained samples')."""
+        rewards, self.step_rewards = self.step_rewards, []
+        return {"rollout/reward_mean": sum(rewards) / len(rewards)} if rewards else {}
 
     def _engine_metrics(self) -> dict[str, float]:
         """Engine work since the last step (`work_since`), for engines that count it in this process; Ray

@@ -23,11 +23,13 @@ from molt.train.precision import resolve_dtype
 
 
 def kv_cache_kind(cfg: Config, model_cfg: TransformerConfig) -> str:
-    """`slot` or `paged`: `runtime.kv_cache`, with `auto` resolved by device and model."""
+    """`slot` or `paged`: `runtime.kv_cache`, with `auto` resolved by device, model and `engine_compile` (the
+    compiled decode step is the slot cache's)."""
     if cfg.runtime.kv_cache != "auto":
         return cfg.runtime.kv_cache
     dense_text = not model_cfg.num_moe_layers() and model_cfg.vision is None
-    return "paged" if cfg.runtime.device.startswith("cuda") and dense_text else "slot"
+    paged = cfg.runtime.device.startswith("cuda") and dense_text and not cfg.runtime.engine_compile
+    return "paged" if paged else "slot"
 
 
 def engine_kwargs(
@@ -83,12 +85,14 @@ def torch_engine(cfg: Config, model: Transformer, tokenizer, *, version: int, th
 
 @ENGINES.register("vllm")
 def vllm_engine(cfg: Config, model: Transformer, tokenizer, *, version: int, threads: int, sizing: dict) -> Engine:
-    """vLLM over a saved copy of `model`; the trainer step of this process runs with `threads` torch threads."""
+    """vLLM over a saved copy of `model`, in the run's compute dtype; the trainer step of this process runs with
+    `threads` torch threads."""
     from molt.engine.vllm import VLLMEngine
 
     slots, max_len = sizing["num_slots"], sizing["max_seq_len"]
+    dtype = resolve_dtype(cfg.model.dtype, cfg.runtime.device)
     return VLLMEngine.from_model(
-        model, tokenizer, num_slots=slots, max_model_len=max_len, version=version, compute_threads=threads
+        model, tokenizer, num_slots=slots, max_model_len=max_len, dtype=dtype, version=version, compute_threads=threads
     )
 
 

@@ -75,7 +75,8 @@ class TrainerRank:
         torch.distributed.barrier()
         dcp.save(self._state_dicts(), checkpoint_id=str(Path(folder) / "dcp"))
         critic = t.critic.schedule.state_dict() if t.critic is not None else None
-        return {"schedule": t.schedule.state_dict(), "kl_coef": t.kl_control.coef, "critic_schedule": critic}
+        state = {"schedule": t.schedule.state_dict(), "kl_coef": t.kl_control.coef, "critic_schedule": critic}
+        return state | {"scalers": t.scaler_states()}
 
     def load(self, folder: str, state: dict) -> None:
         """Load a sharded checkpoint written by any number of ranks (DCP reshards on load)."""
@@ -91,7 +92,8 @@ class TrainerRank:
         trainer.schedule.load_state_dict(state["schedule"])
         if trainer.critic is not None:
             trainer.critic.schedule.load_state_dict(state["critic_schedule"])
-        trainer.load_extra_state({"kl_coef": state.get("kl_coef")})  # last: it applies this config's settings
+        extra = {"kl_coef": state.get("kl_coef"), "scalers": state.get("scalers")}
+        trainer.load_extra_state(extra)  # last: it applies this config's settings
         trainer.version, trainer.num_skipped_steps = state["version"], state.get("num_skipped_steps", 0)
 
     def _parts(self) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer | None, str]]:

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from molt import algo
-from molt.config import Config, ConfigError, TrainConfig
+from molt.config import Config, TrainConfig
+from molt.config.training import check_rl_batch
 from molt.data.trajectory import Trajectory
 from molt.models import Transformer, save_pretrained
 from molt.train import parallel, routing
@@ -67,11 +68,7 @@ class Trainer:
 
     def __init__(self, model: Transformer, cfg: Config, fsdp: bool = False):
         """`fsdp` (a `TrainerRank`): every model it builds is FSDP2-sharded before the optimizers are built."""
-        if cfg.train.batch_size != TrainConfig.__dataclass_fields__["batch_size"].default:  # no silent no-ops
-            raise ConfigError(
-                "train.batch_size: has no effect here: it is molt sft's batch; an RL step trains "
-                "rollout.prompts_per_step x rollout.n_samples_per_prompt samples"
-            )
+        check_rl_batch(cfg.train)
         self.precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
         self.model, self.cfg = model.to(self.precision.params), cfg
         prepare_layers(model, cfg.train, cfg.runtime.device)  # a critic copied from it inherits the wrapping
@@ -109,8 +106,8 @@ class Trainer:
 
     def extra_state(self) -> dict:
         """Checkpoint entries beside the optimizer's: the critic, the LoRA adapters and their targets' base weights
-        (the HF folder holds merged ones)."""
-        state = {"kl_coef": self.kl_control.coef}
+        (the HF folder holds merged ones), float16's loss scales."""
+        state = {"kl_coef": self.kl_control.coef, "scalers": self.scaler_states()}
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
         if self.lora is not None:
@@ -125,12 +122,23 @@ class Trainer:
             self.objective = dataclasses.replace(self.objective, kl_loss_coef=state["kl_coef"])
         if self.critic is not None and state.get("critic") is not None:
             self.critic.load_state_dict(state["critic"])
+        for key, scaler in self._scalers().items():  # a resumed float16 run keeps its loss scale
+            if key in (state.get("scalers") or {}):
+                scaler.load_state_dict(state["scalers"][key])
         if self.lora is not None and state.get("lora") is not None:
             self.lora.load_state_dict(state["lora"]["adapters"])
             self.lora.load_base_weights(state["lora"]["base"])
         resume_optimizer(self.opt, self.schedule, self.cfg.train)
         if self.critic is not None:
             resume_optimizer(self.critic.opt, self.critic.schedule, self.critic.train_cfg)
+
+    def _scalers(self) -> dict[str, torch.amp.GradScaler]:
+        scalers = {"policy": self.scaler, "critic": self.critic.scaler if self.critic is not None else None}
+        return {key: scaler for key, scaler in scalers.items() if scaler is not None}
+
+    def scaler_states(self) -> dict[str, dict]:
+        """The float16 loss scalers' states, by model (none in bfloat16 or float32)."""
+        return {key: scaler.state_dict() for key, scaler in self._scalers().items()}
 
     sharded = False  # checkpoints are this process's state dicts (`RayTrainer` writes sharded ones)
 

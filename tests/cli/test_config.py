@@ -197,9 +197,11 @@ def test_ineffective_filter_on_and_is_band_name_their_key(capsys):
 
 def test_runtime_settings_that_cannot_act_here_are_refused_naming_their_key(capsys):
     for flags, message in (
-        (["--runtime.kv_gb", "1"], "runtime.kv_gb: sizes the paged cache"),
+        (["--runtime.kv_gb", "1"], "runtime.kv_gb: sets the paged cache"),
         (["--runtime.no_cuda_graphs"], "runtime.cuda_graphs: acts on CUDA only"),
         (["--runtime.kv_memory_fraction", "0.9"], "runtime.kv_memory_fraction: acts on CUDA only"),
+        (["--runtime.kv_cache", "paged", "--runtime.engine_compile"], "runtime.engine_compile: compiles the slot"),
+        (["--runtime.kv_cache", "slot", "--runtime.kv_gb", "1"], "runtime.kv_gb: sets the paged cache"),
         (["--runtime.engine_restarts", "-1"], "runtime.engine_restarts: must be >= 0"),
         (["--runtime.backend", "ray", "--runtime.num_cpus", "-3"], "runtime.num_cpus: must be >= 0"),
         (["--runtime.backend", "ray", "--runtime.engines", "2", "--runtime.num_cpus", "2"], "= 3, or the actors"),

@@ -86,3 +86,17 @@ def test_each_sample_gets_its_own_row_and_results_keep_dates_and_decimals(tmp_pa
     assert [(r["row"]["answer"], r["row"]["day"]) for r in results] == [(f"{i}.50", f"2026-01-0{i + 1}") for i in
                                                                          range(3)]  # fmt: skip
     assert [s["reward"] for r in results for s in r["samples"]] == [1.0] * 9
+
+
+def test_eval_of_a_run_reads_its_config_for_train_and_sft_layouts(tmp_path):
+    """`molt eval RUN` or one of its checkpoints: `molt train`'s checkpoints/STEP and `molt sft`'s checkpoint/ both
+    take the run's config.yaml (its data), never the built-in task's defaults."""
+    from molt.cli.main import _eval_args
+
+    for run, checkpoint in (("train", "checkpoints/step-2"), ("sft", "checkpoint")):
+        (tmp_path / run / checkpoint).mkdir(parents=True)
+        (tmp_path / run / "config.yaml").write_text("data:\n  path: rows.jsonl\n")
+        for target in (tmp_path / run, tmp_path / run / checkpoint):
+            assert _eval_args(str(target), [])[:2] == ["--config", str(tmp_path / run / "config.yaml")], target
+    (tmp_path / "model").mkdir()
+    assert _eval_args(str(tmp_path / "model"), []) == ["--model.path", str(tmp_path / "model")]

@@ -130,8 +130,9 @@ def test_too_long_row_names_the_file_line(tmp_path, molt):
         ('{"messages": [{"role": "user", "content": "%s"}, {"role": "assistant", "content": "yo"}]}' % ("x" * 300)),
     )
     (tmp_path / "chats.jsonl").write_text("\n".join([short] * 2 + [long]) + "\n")
-    result = molt("sft", "--data.path", "chats.jsonl", "--data.no_shuffle", "--data.num_eval", "0")
-    one_line(result, "chats.jsonl:3:", "data.max_len")
+    flags = ("--data.path", "chats.jsonl", "--data.no_shuffle", "--data.num_eval", "0", "--log.run_dir", "run")
+    one_line(molt("sft", *flags), "chats.jsonl:3:", "data.max_len")
+    assert not (tmp_path / "run").exists()  # found before the run directory is written
 
 
 def test_any_max_steps_works_with_the_default_warmup():
@@ -222,6 +223,9 @@ def test_teacher_and_critic_folders_are_checked_at_start_up(tmp_path, molt):
     one_line(
         result, f"config error: critic.path: small's model has {len(policy) - 8} vocabulary rows for {len(policy)}"
     )
+    result = molt("train", *FAST, "--train.batch_size", "4")  # before the warm start (this cache is empty)
+    one_line(result, "config error: train.batch_size: has no effect here: it is molt sft's batch")
+    one_line(molt("train", *FAST, "--model.path", "small"), f"the tokenizer has {len(policy)} tokens, more than")
     assert not (tmp_path / "runs").exists()
 
 

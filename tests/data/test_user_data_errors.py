@@ -64,3 +64,27 @@ def test_row_images_are_checked_at_start_up(tmp_path):
         inputs([])
     with pytest.raises(ConfigError, match="data.task: 'shape_colour' rows hold images; model.preset 'tiny' has no"):
         molt.make_config({"data.task": "shape_colour"})
+
+
+def test_rows_that_would_render_an_empty_or_partial_prompt_are_errors_naming_the_line(tmp_path):
+    """A content part the template does not render (it would become no text at all) and an RL prompt with no turn
+    before the trailing assistant ones are data errors at start-up, not a silently empty prompt or failed rollouts."""
+    from molt.data.formats import DataError
+
+    def inputs(messages):
+        good = {"messages": [{"role": "user", "content": [{"type": "text", "text": "1+1?"}]}], "answer": "2"}
+        rows = [good, {"messages": messages, "answer": "2"}, good]
+        (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return load_inputs(parse_config(["--data.path", str(tmp_path / "rows.jsonl"), "--rollout.reward", "math"]))
+
+    for content, message in [
+        (["What is 1+1?"], r'content\[0\]: a content part is a dict with "type" in'),
+        ([{"text": "What is 1+1?"}], r'content\[0\]: a content part is a dict with "type" in'),
+        ([{"type": "input_text", "text": "1+1?"}], r'content\[0\]: a content part is a dict with "type" in'),
+        ([{"type": "text", "content": "1+1?"}], r'content\[0\]: a text part needs a "text" string'),
+    ]:
+        with pytest.raises(DataError, match=r"rows\.jsonl:2: messages\[0\]\." + message):
+            inputs([{"role": "user", "content": content}])
+    with pytest.raises(DataError, match=r"rows\.jsonl:2: no prompt: the row's messages are all assistant turns"):
+        inputs([{"role": "assistant", "content": "2"}])
+    assert len(inputs([{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]).train_rows) == 3

@@ -264,6 +264,8 @@ def test_sizing_and_refusals(models, tmp_path):
         TorchEngine(molt, kv_memory_fraction=0.5)
     with pytest.raises(ValueError, match="hold less than one sequence of 64 positions"):
         TorchEngine(molt, max_seq_len=64, kv_blocks=3)
+    with pytest.raises(ValueError, match="the slot cache's decode step"):  # never a compile silently ignored
+        TorchEngine(molt, max_seq_len=64, kv_blocks=64, compile=True)
     with pytest.raises(ValueError, match="dense text models"):
         TorchEngine(random_hf_in_molt("qwen3-moe", tmp_path), kv_blocks=64)
 

@@ -86,6 +86,9 @@ def test_filters_decide_on_the_partial_credit_reward_not_the_score(tmp_path):
     )
     assert loop.drop_line() == ""  # counted once, then reset for the next progress line
     assert loop.step_dropped_groups == 1  # the step's `rollout/dropped_groups` keeps it whenever lines are printed
+    # the step's `rollout/reward_mean` is the policy's reward: every rollout, the filtered group's too
+    assert loop._reward_metrics() == {"rollout/reward_mean": (0.2 + 0.5 + 0.5 + 0.9) / 4}
+    assert loop._reward_metrics() == {}  # none sampled since
 
 
 def test_default_filters_keep_all_equal_groups_for_estimators_without_a_group_baseline(tmp_path):

@@ -76,6 +76,7 @@ def test_run_outputs_metrics_tensorboard_and_plot(tmp_path):
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([m["train/loss"] for m in result.history])
+    assert "rollout/reward_mean" in result.history[0]  # every rollout's reward, the filtered ones' too
     required = ["train/reward_mean", "train/staleness_mean", "train/staleness_max", "train/logprob_diff",
                 "train/is_filter_frac", "rollout/tokens_per_s", "train/tokens_per_s", "time/step_s"]  # fmt: skip
     assert all(key in m for m in result.history for key in required)

@@ -22,6 +22,8 @@ def test_auto_is_slot_on_cpu_and_paged_on_cuda_for_dense_text_models():
     assert engine_kwargs(cuda, PRESETS["tiny"])["graphs"] is True  # decode from captured CUDA graphs
     cuda.runtime.cuda_graphs = False
     assert engine_kwargs(cuda, PRESETS["tiny"])["graphs"] is False
+    cuda.runtime.engine_compile = True  # the compiled decode step is the slot cache's: compile is never ignored
+    assert kv_cache_kind(cuda, PRESETS["tiny"]) == "slot" and engine_kwargs(cuda, PRESETS["tiny"])["compile"]
     paged = parse_config(["--runtime.kv_cache", "paged", "--runtime.kv_gb", "0.5"])
     assert engine_kwargs(paged, PRESETS["tiny"])["kv_bytes"] == 500_000_000
     assert engine_kwargs(paged, PRESETS["tiny"])["graphs"] is False  # CPU: no capture

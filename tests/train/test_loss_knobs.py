@@ -123,3 +123,18 @@ def test_settings_that_cannot_act_as_asked_are_refused_saying_what_to_do(tmp_pat
         cfg = _cfg(*distill, "--rollout.filters", *filters)
         with pytest.raises(ConfigError, match="rollout.filters: .* never uses: it would drop groups that carry signal"):
             check_rollout_algo(cfg.rollout, cfg.algo)
+
+
+def test_a_resumed_float16_run_keeps_its_loss_scales(tmp_path):
+    """float16 mixed precision: the policy's and the critic's dynamic loss scales are checkpointed, so a resumed run
+    does not restart from the initial scale (and skip steps finding it again)."""
+    flags = ("--model.dtype", "float16", "--algo.estimator", "gae")
+    trainer = Trainer(_model(), _cfg(*flags))
+    trainer.step(_trajs(trainer.model))  # both scalers in use
+    for scaler, scale in ((trainer.scaler, 1024.0), (trainer.critic.scaler, 32.0)):
+        scaler.update(new_scale=scale)  # as if it had found infs
+    folder = save_checkpoint(tmp_path, trainer, LoopState(step=1, drops={}), None)
+    resumed = Trainer(from_pretrained(folder), _cfg(*flags))
+    assert resumed.scaler.get_scale() != 1024.0
+    load_training_state(folder, resumed)
+    assert (resumed.scaler.get_scale(), resumed.critic.scaler.get_scale()) == (1024.0, 32.0)
