@@ -153,8 +153,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def build(cls: type, data: dict[str, Any], base: Any = None, prefix: str = "", skip: frozenset[str] = frozenset()):
-    """Instance of dataclass `cls` from nested `data`, starting from `base` (or the defaults); the dotted keys in
-    `skip` (set again by flags) are left out, so their file values are neither used nor checked."""
+    """Instance of dataclass `cls` from nested `data`, starting from `base` (or the defaults); the dotted keys and
+    groups in `skip` (set again by flags, or not read by the command) are left out, so their file values are neither
+    used nor checked."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if prefix or f.name != "config"]  # the root's: --config's value
     values = {}
@@ -169,10 +170,12 @@ def build(cls: type, data: dict[str, Any], base: Any = None, prefix: str = "", s
             hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys: {names}"
             raise ConfigError(f"{dotted}: unknown key{hint}")
         tp = hints[key]
+        if dotted in skip:
+            continue
         if dataclasses.is_dataclass(tp):
             check(isinstance(value, dict), dotted, f"expected a table of {tp.__name__} fields, got {value!r}")
             values[key] = build(tp, value, getattr(base, key, None), f"{dotted}.", skip)
-        elif dotted not in skip:
+        else:
             values[key] = coerce(value, tp, dotted)
     return dataclasses.replace(base, **values) if base is not None else cls(**values)
 

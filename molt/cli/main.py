@@ -93,7 +93,18 @@ def eval_(cfg: Config) -> object:
 
 @command(
     "serve",
-    unused=("data", "algo", "critic", "eval", "ckpt", "log", BACKEND, *WARM_START, *_all_but("rollout", *SAMPLING)),
+    unused=(
+        "data",
+        "algo",
+        "critic",
+        "eval",
+        "ckpt",
+        "log",
+        BACKEND,
+        *WARM_START,
+        *_all_but("rollout", *SAMPLING),
+        *_all_but("train", "seed"),
+    ),
     chat={"port": 8000},
 )
 def serve(cfg: Config) -> object:
@@ -129,8 +140,8 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
 
     args, path = _bool_words(args), _config_path(args)
     defaults = build(Config, DEFAULTS.get(command_name, {}))
-    base = _file_config(path, defaults, _flag_keys(args)) if path else defaults
     unused = UNUSED.get(command_name, ())
+    base = _file_config(path, defaults, _flag_keys(args), frozenset(unused)) if path else defaults
     for key in sorted(_flag_keys(args)):  # before the groups' own checks, which may name other flags
         if (group := key.split(".")[0]) in unused or key in unused:
             what = f"the {group} settings" if group in unused else "this setting"
@@ -144,17 +155,18 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
         fail(prog, e)
 
 
-def _file_config(path: str, defaults: Config, flags: frozenset[str]) -> Config:
-    """The file's config, which the flags then change and the result is checked; when the file alone does not pass
-    the checks, without the values the flags replace (a bad value a flag mends, e.g.)."""
+def _file_config(path: str, defaults: Config, flags: frozenset[str], unused: frozenset[str]) -> Config:
+    """The file's config but the settings the command does not read (`unused`: e.g. a run's teacher, for `molt
+    eval RUN`), which the flags then change and the result is checked; when the file alone does not pass the checks,
+    without the values the flags replace (a bad value a flag mends, e.g.)."""
     from molt.cli.config_file import load_config_file
 
     try:
-        return load_config_file(Config, path, base=defaults)
+        return load_config_file(Config, path, base=defaults, skip=unused)
     except ConfigError:
         if not flags:
             raise
-        return load_config_file(Config, path, base=defaults, skip=flags)
+        return load_config_file(Config, path, base=defaults, skip=flags | unused)
 
 
 def _without(groups: tuple[str, ...]) -> type:

@@ -164,7 +164,8 @@ def check_run_dir(cfg: Config) -> int | None:
     saved = Path(cfg.ckpt.resume) / "config.yaml"
     if saved.exists():
         was, now = _state_shape(yaml.safe_load(saved.read_text())), _state_shape(cfg.file_form())
-        for what in (k for k in now if now[k] != was[k]):
+        moved = {k for k in ("model.path", "critic.path") if was[k] and now[k] and not Path(str(was[k])).exists()}
+        for what in (k for k in now if now[k] != was[k] and k not in moved):  # a moved folder: its new place
             differs = f"{what} is {now[what]} here but {was[what]} in {cfg.ckpt.resume}"
             if isinstance(now[what], bool):  # a model (or frozen routers) the run trained without, or with
                 trained = "without" if now[what] else "with"

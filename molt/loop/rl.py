@@ -82,10 +82,12 @@ class RLLoop(Accounting):
 
     # ---- rollout ---------------------------------------------------------------------------------
     def _may_start(self) -> bool:
-        """A group started now is trained at step `state.step + scheduled // P`; its tokens are sampled at
-        version >= engine.version, so it may start only if that difference is <= max_staleness."""
+        """A group started now is trained at step `state.step + scheduled // P` (0-based); its tokens are sampled
+        at version >= engine.version, so it may start only if that difference is <= max_staleness, and only for a
+        step the run will train."""
         lands_at = self.state.step + self.scheduled // self.groups_per_step
-        return self.fatal is not None or lands_at - self.engine.version <= self.cfg.rollout.max_staleness
+        fresh = lands_at - self.engine.version <= self.cfg.rollout.max_staleness
+        return self.fatal is not None or (fresh and lands_at < self.cfg.train.max_steps)
 
     async def _notify(self) -> None:
         async with self.version_changed:
@@ -126,11 +128,10 @@ class RLLoop(Accounting):
                 if self._keep(group):
                     await self.buffer.put(group)
         except asyncio.CancelledError:
-            raise
+            raise  # stays in `running`: a checkpoint written after the loop stopped restarts it on resume
         except BaseException as e:  # noqa: BLE001 - surfaced by the rollout coroutine
             self.fatal = e
-        finally:
-            self.running.discard(group_index)
+        self.running.discard(group_index)
         await self._notify()
 
     async def _rollout(self, row: dict, sampling: SamplingParams, limits: EpisodeLimits, **kw) -> list[Trajectory]:

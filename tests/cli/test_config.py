@@ -238,7 +238,7 @@ def test_sft_names_the_refused_flag_before_other_checks_and_run_stops_are_not_bu
         group = flag[2:].split(".")[0]
         assert f"{flag[2:]}: `molt {command}` does not use the {group} settings" in capsys.readouterr().err
     for command, flag in [("eval", "--runtime.backend"), ("eval", "--rollout.dump"), ("eval", "--train.lr"),
-                          ("serve", "--rollout.max_turns")]:  # fmt: skip
+                          ("serve", "--rollout.max_turns"), ("serve", "--train.lr")]:  # fmt: skip
         with pytest.raises(SystemExit):  # RL-only settings of groups the command reads in part
             main([command, "model", flag, "1"])
         assert f"{flag[2:]}: `molt {command}` does not use this setting" in capsys.readouterr().err

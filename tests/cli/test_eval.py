@@ -100,3 +100,20 @@ def test_eval_of_a_run_reads_its_config_for_train_and_sft_layouts(tmp_path):
             assert _eval_args(str(target), [])[:2] == ["--config", str(tmp_path / run / "config.yaml")], target
     (tmp_path / "model").mkdir()
     assert _eval_args(str(tmp_path / "model"), []) == ["--model.path", str(tmp_path / "model")]
+
+
+def test_eval_of_a_run_whose_teacher_and_critic_folders_are_gone(tmp_path):
+    """`molt eval RUN` reads the run's data, rollout and eval settings, not its algo or critic ones: a teacher or
+    critic folder deleted since the run does not stop it (it checks none of what eval does not use)."""
+    from molt.cli.main import parse_command
+
+    tokenizer = build_builtin_tokenizer()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-1"
+    save_pretrained(Transformer(preset("tiny", vocab_size=len(tokenizer))), checkpoint, tokenizer=tokenizer)
+    (checkpoint.parent / "latest").write_text("step-1")
+    gone = str(tmp_path / "gone")
+    (tmp_path / "run" / "config.yaml").write_text(
+        f"algo:\n  estimator: on_policy_distill\n  teacher: {gone}\ncritic:\n  path: {gone}\neval:\n  n_samples: 3\n"
+    )
+    cfg = parse_command(["eval", str(tmp_path / "run")])
+    assert cfg.eval.n_samples == 3 and cfg.algo.teacher == "" and cfg.critic.path == ""

@@ -35,8 +35,16 @@ def test_no_trained_token_is_older_than_max_staleness(tmp_path, staleness, mode)
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    common = ["--rollout.max_staleness", "0", "--train.min_lr_ratio", "1.0", "--train.lr", "1e-3"]
+    """From the checkpoint a finished run writes, a resumed run trains the same groups and gets the same losses as
+    the run that never stopped (on-policy, so the samples are the same). A partial-credit reward (the share of digits
+    in the reply) gives the resumed steps gradients: the comparison has something to compare."""
+    (tmp_path / "rows.jsonl").write_text("".join(f'{{"prompt": "{i}*7=", "answer": "{i * 7}"}}\n' for i in range(40)))
+    share = "sum(c.isdigit() for c in completion) / max(len(completion), 1)"
+    (tmp_path / "digits.py").write_text(f"def digits(completion, row):\n    return {share}\n")
+    data = ["--data.path", str(tmp_path / "rows.jsonl"), "--rollout.reward", f"{tmp_path / 'digits.py'}:digits"]
+    common = ["--rollout.max_staleness", "0", "--train.min_lr_ratio", "1.0", "--train.lr", "1e-3", *data]
     full = _run(tmp_path, "full", "--train.max_steps", "4", *common)
+    assert all(m["train/grad_norm"] > 0 for m in full.history[2:])
     _run(tmp_path, "part", "--train.max_steps", "2", *common)
     shards = tmp_path / "part" / "rollouts"  # as an attempt killed after step 3 left them (with --rollout.dump)
     shards.mkdir()
@@ -55,7 +63,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
         )
     )
     assert [m["step"] for m in resumed.history] == [3, 4]
-    assert [m["train/loss"] for m in resumed.history] == [m["train/loss"] for m in full.history[2:]]
+    for key in ("train/loss", "train/grad_norm", "train/reward_mean"):  # the same groups (in flight at the end:
+        expect = pytest.approx([m[key] for m in full.history[2:]], rel=1e-5, abs=1e-6)  # restarted), up to the order
+        assert [m[key] for m in resumed.history] == expect, key  # groups finished in, which sums may follow
     lines = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "train/loss" in m] == [1, 2, 3, 4]
     assert sorted(p.name for p in shards.iterdir()) == ["step-000002.jsonl"]  # the steps trained again: dropped

@@ -5,6 +5,7 @@ removed at the next save."""
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -152,3 +153,23 @@ def test_resume_refuses_settings_its_checkpoint_state_cannot_hold(tmp_path, caps
         run_molt(capsys, "train", "--resume", str(lora), "--train.max_steps", "2", "--train.lora_alpha", "64")
     )
     assert f"ckpt.resume: train.lora_alpha is 64.0 here but 16.0 in {lora}" in err
+
+
+def test_resume_after_the_model_folder_moved_takes_its_new_place(tmp_path, capsys):
+    """The checkpoint holds the policy: a base model folder moved since the run resumes from `--model.path NEW`
+    (the old place no longer exists); while it still exists, another folder is refused as before."""
+    from molt.models import Transformer, build_builtin_tokenizer, preset, save_pretrained
+
+    tokenizer = build_builtin_tokenizer()
+    save_pretrained(Transformer(preset("tiny", vocab_size=len(tokenizer))), tmp_path / "base", tokenizer=tokenizer)
+    run = tmp_path / "run"
+    main(["train", *TINY, "--train.max_steps", "1", "--model.path", str(tmp_path / "base"), "--log.run_dir", str(run)])
+    shutil.copytree(tmp_path / "base", tmp_path / "copy")
+    err = one_line(run_molt(capsys, "train", "--resume", str(run), "--train.max_steps", "2", "--model.path",
+                            str(tmp_path / "copy")))  # fmt: skip
+    assert "model.path is " in err and "keep the run's setting" in err
+    (tmp_path / "base").rename(tmp_path / "moved")
+    err = one_line(run_molt(capsys, "train", "--resume", str(run), "--train.max_steps", "2"))
+    assert "model.path: " in err and "does not exist" in err
+    main(["train", "--resume", str(run), "--train.max_steps", "2", "--model.path", str(tmp_path / "moved")])
+    assert (run / "checkpoints" / "step-2").is_dir()
