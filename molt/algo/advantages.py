@@ -72,8 +72,7 @@ def compute_advantages(
     advantages_bt, returns_bt, metrics = estimator(inputs, params)
     if info["whiten"] if params.whiten is None else params.whiten:
         advantages_bt = masked_whiten(advantages_bt, inputs.mask_bt)
-    metrics["advantage_mean"] = masked_mean(advantages_bt, inputs.mask_bt)
-    metrics["advantage_std"] = masked_mean((advantages_bt - metrics["advantage_mean"]) ** 2, inputs.mask_bt).sqrt()
+    metrics |= advantage_stats(advantages_bt, inputs.mask_bt)
     metrics["return_mean"] = masked_mean(returns_bt, inputs.mask_bt)
     return advantages_bt, returns_bt, {k: v.detach() for k, v in metrics.items()}
 
@@ -185,4 +184,11 @@ def add_teacher_kl(advantages_bt: Tensor, kl_bt: Tensor, mask_bt: Tensor, coef: 
     `kl_t = log pi(a_t) - log teacher(a_t)` (k1 of the reverse KL to the teacher; use after whitening)."""
     mask = mask_bt.bool()
     mixed_bt = torch.where(mask, advantages_bt - coef * kl_bt.to(advantages_bt.dtype), 0.0)
-    return mixed_bt, {"distill_kl": masked_mean(kl_bt, mask).detach()}
+    stats = {k: v.detach() for k, v in advantage_stats(mixed_bt, mask_bt).items()}  # of the advantage trained
+    return mixed_bt, {"distill_kl": masked_mean(kl_bt, mask).detach(), **stats}
+
+
+def advantage_stats(advantages_bt: Tensor, mask_bt: Tensor) -> Metrics:
+    """`advantage_mean` and `advantage_std` over the action tokens."""
+    mean = masked_mean(advantages_bt, mask_bt)
+    return {"advantage_mean": mean, "advantage_std": masked_mean((advantages_bt - mean) ** 2, mask_bt).sqrt()}

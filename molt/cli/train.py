@@ -163,7 +163,12 @@ def check_run_dir(cfg: Config) -> int | None:
         check_new_run_dir(cfg.log.run_dir)
     saved = Path(cfg.ckpt.resume) / "config.yaml"
     if saved.exists():
-        was, now = _state_shape(yaml.safe_load(saved.read_text())), _state_shape(cfg.file_form())
+        old = yaml.safe_load(saved.read_text())
+        was, now = _state_shape(old), _state_shape(cfg.file_form())
+        adaptive = cfg.algo.kl_target and old["algo"]["kl_target"]  # its coefficient is training state
+        check(not adaptive or cfg.algo.kl_coef == old["algo"]["kl_coef"], "algo.kl_coef", "the adaptive KL "
+              f"coefficient (algo.kl_target) continues from {cfg.ckpt.resume}'s checkpoint; --algo.kl_coef sets "
+              "only a new run's starting value: drop it (or --algo.kl_target 0 for a fixed coefficient)")  # fmt: skip
         moved = {k for k in ("model.path", "critic.path") if was[k] and now[k] and not Path(str(was[k])).exists()}
         for what in (k for k in now if now[k] != was[k] and k not in moved):  # a moved folder: its new place
             differs = f"{what} is {now[what]} here but {was[what]} in {cfg.ckpt.resume}"

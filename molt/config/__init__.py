@@ -66,7 +66,7 @@ class Config:
         return data
 
     def _check_policy_kind(self) -> None:
-        """Settings that need an MoE, a VLM or a dense text policy, against the model's architecture."""
+        """Settings that need an MoE, a VLM or a dense text policy, or fit its context, against its architecture."""
         arch, preset = self.model.architecture(), self.model.preset
         if not self.model.path and not arch.num_experts:  # a dense folder is refused when its trainer is built
             for key, on in [
@@ -75,6 +75,11 @@ class Config:
                 ("train.freeze_router", self.train.freeze_router),
             ]:
                 check(not on, key, f"needs a mixture-of-experts model; model.preset {preset!r} is dense")
+        for key, length in (("data.max_len", self.data.max_len), ("rollout.max_len", self.rollout.max_len)):
+            check(length <= arch.max_position_embeddings, key, f"({length}) is over the model's context "
+                  f"({arch.max_position_embeddings} positions: max_position_embeddings)")  # fmt: skip
+        check(not (self.train.freeze_router and self.train.lora_rank), "train.freeze_router", "LoRA trains only its "
+              "adapters (never the router): the router stays frozen without it")  # fmt: skip
         mlp_only = set(self.train.lora_targets) <= {"gate", "up", "down"}  # MoE experts are not nn.Linear: no adapters
         all_moe = arch.num_moe_layers() == arch.num_layers
         check(not (self.train.lora_rank and mlp_only and all_moe), "train.lora_targets",

@@ -187,8 +187,10 @@ class AlgoConfig:
 
         check_finite(self, "algo", allow_inf=("is_high",))  # is_high inf: no upper bound
         check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "gamma and lam must be in [0, 1]")
-        check((self.gamma, self.lam) == (1.0, 1.0) or self.estimator in ("gae", "reinforce"), "algo.gamma",
-              f"gamma/lam apply to the gae and reinforce estimators, not {self.estimator!r}")  # fmt: skip
+        check(self.gamma == 1.0 or self.estimator in ("gae", "reinforce"), "algo.gamma",
+              f"applies to the gae and reinforce estimators, not {self.estimator!r}")  # fmt: skip
+        check(self.lam == 1.0 or self.estimator == "gae", "algo.lam", f"GAE's lambda applies to algo.estimator gae, "
+              f"not {self.estimator!r} (reinforce is gae with V = 0 and lambda 1)")  # fmt: skip
         check(self.estimator != "on_policy_distill" or bool(self.teacher), "algo.teacher", "--algo.estimator "
               "on_policy_distill needs --algo.teacher PATH (the teacher's HF model folder)")  # fmt: skip
         self.teacher = self.teacher and check_model_folder(self.teacher, "algo.teacher")

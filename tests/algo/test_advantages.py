@@ -200,6 +200,7 @@ def test_teacher_kl_is_subtracted_from_another_estimators_advantage_on_action_to
     mixed, metrics = add_teacher_kl(adv, kl, mask, coef=2.0)
     assert torch.equal(mixed, torch.tensor([[0.0, 0.0, 1.5], [0.0, -5.0, 0.0]]))
     assert metrics["distill_kl"].item() == pytest.approx((0.5 - 0.25 + 2.0) / 3)
+    assert metrics["advantage_mean"].item() == pytest.approx((0.0 + 1.5 - 5.0) / 3)  # of the advantage trained
 
 
 def test_registry_says_which_estimators_use_a_group_baseline_and_reward_mean_counts_rollouts_once():

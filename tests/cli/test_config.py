@@ -36,9 +36,9 @@ def test_file_then_flags_override(tmp_path):
 
 def test_a_flag_changes_a_valid_file_and_mends_a_bad_one(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text("[rollout]\nmax_len = 8192\n[train]\nmicro_batch_tokens = 8192\n")
+    path.write_text("[rollout]\nmax_len = 3000\n[train]\nmicro_batch_tokens = 3000\n")
     cfg = parse_config(["--config", str(path), "--train.micro_batch_tokens", "16384"])  # not checked with its default
-    assert (cfg.train.micro_batch_tokens, cfg.rollout.max_len) == (16384, 8192)
+    assert (cfg.train.micro_batch_tokens, cfg.rollout.max_len) == (16384, 3000)
     path.write_text("[train]\nlr = -1.0\nmax_steps = 7\n")
     cfg = parse_config(["--config", str(path), "--train.lr", "1e-4"])
     assert (cfg.train.lr, cfg.train.max_steps) == (1e-4, 7)
@@ -137,8 +137,8 @@ def test_help_lists_commands_and_fields(capsys):
 
 def test_impossible_rl_combination(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text("[rollout]\nmax_len = 8192\n")
-    with pytest.raises(ConfigError, match=r"train\.micro_batch_tokens: \(4096\) must be >= rollout\.max_len \(8192\)"):
+    path.write_text("[rollout]\nmax_len = 2048\n[train]\nmicro_batch_tokens = 1024\n")
+    with pytest.raises(ConfigError, match=r"train\.micro_batch_tokens: \(1024\) must be >= rollout\.max_len \(2048\)"):
         load_config_file(Config, path)
     path.write_text('[algo]\nestimator = "grpoo"\n')
     with pytest.raises(ConfigError, match=r"run\.toml:2: algo\.estimator: unknown; choose one of"):
@@ -206,6 +206,8 @@ def test_runtime_settings_that_cannot_act_here_are_refused_naming_their_key(caps
         (["--runtime.backend", "ray", "--runtime.num_cpus", "-3"], "runtime.num_cpus: must be >= 0"),
         (["--runtime.backend", "ray", "--runtime.engines", "2", "--runtime.num_cpus", "2"], "= 3, or the actors"),
         (["--model.preset", "tiny-moe", "--runtime.kv_cache", "paged"], "runtime.kv_cache: paged serves dense"),
+        (["--data.max_len", "5000"], "data.max_len: (5000) is over the model's context (4096 positions"),
+        (["--rollout.max_len", "5000"], "rollout.max_len: (5000) is over the model's context"),
         (["--model.preset", "tiny-vlm", "--runtime.backend", "ray"], "runtime.backend: Ray engine replicas do not"),
     ):
         with pytest.raises(SystemExit):

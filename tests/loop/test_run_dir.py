@@ -153,6 +153,12 @@ def test_resume_refuses_settings_its_checkpoint_state_cannot_hold(tmp_path, caps
         run_molt(capsys, "train", "--resume", str(lora), "--train.max_steps", "2", "--train.lora_alpha", "64")
     )
     assert f"ckpt.resume: train.lora_alpha is 64.0 here but 16.0 in {lora}" in err
+    adaptive = tmp_path / "adaptive"  # its coefficient is checkpointed state: a new start value would not act
+    kl = ("--algo.kl_coef", "0.1", "--algo.kl_target", "0.5")
+    main(["train", *TINY, "--train.max_steps", "1", *kl, "--log.run_dir", str(adaptive)])
+    resume = ("train", "--resume", str(adaptive), "--train.max_steps", "2")
+    err = one_line(run_molt(capsys, *resume, "--algo.kl_coef", "0.5"))
+    assert "algo.kl_coef: the adaptive KL coefficient (algo.kl_target) continues from" in err
 
 
 def test_resume_after_the_model_folder_moved_takes_its_new_place(tmp_path, capsys):

@@ -147,7 +147,13 @@ CASES: dict[str, list[Case]] = {
         _acts("--algo.moe_aux_coef", "0.1", context=MOE),
     ],
     "algo.gamma": [_rejected("gae and reinforce", "--algo.gamma", "0.9"), _acts("--algo.gamma", "0.9", context=GAE)],
-    "algo.lam": [_rejected("gae and reinforce", "--algo.lam", "0.5"), _acts("--algo.lam", "0.5", context=GAE)],
+    "algo.lam": [
+        _rejected("applies to algo.estimator gae", "--algo.lam", "0.5"),
+        _rejected(
+            "reinforce is gae with V = 0 and lambda 1", "--algo.lam", "0.5", context=("--algo.estimator", "reinforce")
+        ),
+        _acts("--algo.lam", "0.5", context=GAE),
+    ],
     "algo.teacher": [_acts(*TEACHER)],
     "algo.teacher_coef": [
         _rejected("there is no teacher", "--algo.teacher_coef", "3"),
@@ -163,6 +169,7 @@ CASES: dict[str, list[Case]] = {
     "train.grad_clip": [_acts("--train.grad_clip", "1e-3")],
     "train.freeze_router": [
         _rejected(DENSE_ONLY, "--train.freeze_router"),
+        _rejected("LoRA trains only its adapters", "--train.freeze_router", context=(*MOE, *LORA)),
         _acts("--train.freeze_router", context=MOE),
     ],
     "train.precision": [
