@@ -33,6 +33,7 @@ class LoopState:
     rollouts: int = 0
     failures: int = 0
     buffer: list[list[dict]] = field(default_factory=list)  # groups not yet trained (serialised)
+    elapsed_s: float = 0.0  # the loop's wall clock at the checkpoint (`time/elapsed_s` goes on from it)
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ class ReplayLoop(RLLoop):
     async def run(self, on_step=lambda m: None) -> list[dict[str, Any]]:
         """Train on the dumped batches until `train.max_steps`; returns per-step metrics."""
         self.state.buffer = []  # a resumed live run's buffered groups: the dump has what trained instead
-        self.run_t0 = time.perf_counter()
+        self.run_t0 = time.perf_counter() - self.state.elapsed_s
         try:
             await self.train(on_step)
         finally:

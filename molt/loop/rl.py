@@ -74,6 +74,7 @@ class RLLoop(Accounting):
         self.said_no_eval = False
         self.history: list[dict[str, Any]] = []
         self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()
+        self.run_t0 = time.perf_counter() - self.state.elapsed_s  # `run` starts it again: the eval before is no step
         self.step_rewards: list[float] = []  # of the rollouts sampled since the last step, filtered or not
         self.engine_stats: dict[str, float] = {}
         self.chat = chat_runner(cfg, engine, tokenizer)  # the server starts on first use
@@ -248,7 +249,7 @@ class RLLoop(Accounting):
                 "rollout/failures": self.state.failures,
                 "rollout/buffer_groups": self.buffer.qsize(),
                 "time/step_s": time.perf_counter() - t0,
-                "time/elapsed_s": time.perf_counter() - self.run_t0,  # wall since `run` began (this session)
+                "time/elapsed_s": time.perf_counter() - self.run_t0,  # the loop's wall clock, over resumes too
                 "time/sync_s": self.sync_s,
             }
         )
@@ -300,7 +301,7 @@ class RLLoop(Accounting):
         for group in self.state.buffer:
             await self.buffer.put([Trajectory.from_dict(t) for t in group])
         self.state.buffer = []
-        self.run_t0 = time.perf_counter()
+        self.run_t0 = time.perf_counter() - self.state.elapsed_s
         self.engine_stats = self._engine_snapshot()  # the eval before does not count
         producer = asyncio.create_task(self.rollout(), name="rollout")
         trainer = asyncio.create_task(self.train(on_step), name="train")
@@ -328,4 +329,5 @@ class RLLoop(Accounting):
             restart_groups=sorted(self.running) + list(self.state.restart_groups),
             drops=dict(self.state.drops),
             buffer=[[t.to_dict() for t in g] for g in buffered],
+            elapsed_s=time.perf_counter() - self.run_t0,
         )

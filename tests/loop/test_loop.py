@@ -68,6 +68,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
         assert [m[key] for m in resumed.history] == expect, key  # groups finished in, which sums may follow
     lines = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "train/loss" in m] == [1, 2, 3, 4]
+    elapsed = [m["time/elapsed_s"] for m in lines if "train/loss" in m]
+    assert elapsed == sorted(elapsed)  # the loop's wall clock goes on from the checkpoint's
     assert sorted(p.name for p in shards.iterdir()) == ["step-000002.jsonl"]  # the steps trained again: dropped
 
 
