@@ -119,5 +119,6 @@ class Config:
               f"must be <= algo.overlong_max_len ({overlong_max_len}; 0 = rollout.max_tokens)")  # fmt: skip
         given = [f"critic.{f.name}" for f in dataclasses.fields(CriticConfig)  # a critic's settings need one
                  if getattr(self.critic, f.name) != getattr(CriticConfig(), f.name)]  # fmt: skip
+        others = f" (and {', '.join(given[1:])}, from the flags or the config file)" if len(given) > 1 else ""
         check(self.algo.estimator == "gae" or not given, given[0] if given else "critic", "has no effect: no critic "
-              f"runs with algo.estimator {self.algo.estimator} (only gae trains one); drop it")  # fmt: skip
+              f"runs with algo.estimator {self.algo.estimator} (only gae trains one); drop it{others}")  # fmt: skip
