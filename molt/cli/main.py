@@ -28,7 +28,18 @@ from molt.errors import RunFatalError, UserError
 COMMANDS: dict[str, Callable[[Config], object]] = {}
 DEFAULTS: dict[str, dict] = {}
 UNUSED: dict[str, tuple[str, ...]] = {}  # command -> config groups (and keys) whose flags it refuses
-BACKEND = "runtime.backend"  # only `molt train` runs on Ray; the other commands run in their own process
+RAY = (
+    "backend",
+    "address",
+    "engines",
+    "trainer_ranks",
+    "cpus_per_actor",
+    "gpus_per_actor",
+    "num_cpus",
+    "sync_chunk_mb",
+)
+RAY += ("engine_restarts", "collective_timeout_s")  # only `molt train` runs on Ray; the others in their own process
+BACKEND = tuple(f"runtime.{k}" for k in RAY)
 
 
 def _all_but(group: str, *used: str) -> tuple[str, ...]:
@@ -44,7 +55,7 @@ ENGINE = ("engine_threads", "engine_compile", "engine", "kv_cache", "kv_memory_f
 SAMPLING = ("temperature", "top_p", "top_k")  # rollout settings `molt serve` reads (max_tokens is chat's)
 EPISODE = ("agent", "reward", "reward_weights", "top_p", "top_k", "max_tokens", "max_turns", "max_len")
 EPISODE += ("step_timeout_s", "agent_workers")  # rollout settings `molt eval` reads (temperature is eval's)
-SFT_UNUSED = ("algo", "critic", "rollout", "eval", "ckpt", "chat", BACKEND, *WARM_START)
+SFT_UNUSED = ("algo", "critic", "rollout", "eval", "ckpt", "chat", *BACKEND, *WARM_START)
 SFT_UNUSED += tuple(f"train.{k}" for k in RL_TRAINER) + tuple(f"runtime.{k}" for k in ENGINE)
 
 
@@ -82,7 +93,15 @@ def sft(cfg: Config) -> object:
 
 @command(
     "eval",
-    unused=("algo", "critic", "ckpt", BACKEND, *WARM_START, *_all_but("rollout", *EPISODE), *_all_but("train", "seed")),
+    unused=(
+        "algo",
+        "critic",
+        "ckpt",
+        *BACKEND,
+        *WARM_START,
+        *_all_but("rollout", *EPISODE),
+        *_all_but("train", "seed"),
+    ),
 )
 def eval_(cfg: Config) -> object:
     """Score a checkpoint, run directory or model folder on held-out rows: `molt eval TARGET` (pass@k, per-row)."""
@@ -100,7 +119,7 @@ def eval_(cfg: Config) -> object:
         "eval",
         "ckpt",
         "log",
-        BACKEND,
+        *BACKEND,
         *WARM_START,
         *_all_but("rollout", *SAMPLING),
         *_all_but("train", "seed"),
@@ -156,17 +175,18 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
 
 
 def _file_config(path: str, defaults: Config, flags: frozenset[str], unused: frozenset[str]) -> Config:
-    """The file's config but the settings the command does not read (`unused`: e.g. a run's teacher, for `molt
-    eval RUN`), which the flags then change and the result is checked; when the file alone does not pass the checks,
-    without the values the flags replace (a bad value a flag mends, e.g.)."""
+    """The file's config, which the flags then change and the result is checked. When the file alone does not pass
+    the checks: without the settings the command does not read (`unused`: e.g. a run's teacher folder, since
+    deleted, for `molt eval RUN`), then also without the values the flags replace (a bad value a flag mends)."""
     from molt.cli.config_file import load_config_file
 
-    try:
-        return load_config_file(Config, path, base=defaults, skip=unused)
-    except ConfigError:
-        if not flags:
-            raise
-        return load_config_file(Config, path, base=defaults, skip=flags | unused)
+    attempts = dict.fromkeys([frozenset(), unused, unused | flags])  # in order, each one once
+    for skip in attempts:
+        try:
+            return load_config_file(Config, path, base=defaults, skip=skip)
+        except ConfigError as e:
+            error = e  # the last: about a value neither unused nor replaced
+    raise error
 
 
 def _without(groups: tuple[str, ...]) -> type:

@@ -27,9 +27,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def build_server(cfg: Config) -> ChatServer:
     """Model, engine and a serve-mode ChatServer (not started); `parse_command` checked the config's user code."""
-    chat, context = cfg.chat, cfg.model.architecture().max_position_embeddings
+    chat, context = cfg.chat, cfg.model.architecture().context_length()
     check(chat.max_len <= context, "chat.max_len", f"({chat.max_len}) is over the model's context ({context} "
-          "positions: max_position_embeddings)")  # fmt: skip
+          "positions: max_position_embeddings, with RoPE scaling)")  # fmt: skip
     tokenizer, model = build_policy(cfg)
     threads = cfg.runtime.threads or torch.get_num_threads()
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True, num_slots=32, max_len=chat.max_len)

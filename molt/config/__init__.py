@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from molt.config.base import ConfigError as ConfigError  # re-exported, as is check_device
-from molt.config.base import check
+from molt.config.base import changed, check
 from molt.config.rl import AlgoConfig, CriticConfig, RolloutConfig
 from molt.config.run import ChatConfig, CkptConfig, EvalConfig, LogConfig, RuntimeConfig, warn_slow_dtype
 from molt.config.run import check_device as check_device
@@ -75,11 +75,17 @@ class Config:
                 ("train.freeze_router", self.train.freeze_router),
             ]:
                 check(not on, key, f"needs a mixture-of-experts model; model.preset {preset!r} is dense")
-        for key, length in (("data.max_len", self.data.max_len), ("rollout.max_len", self.rollout.max_len)):
-            check(length <= arch.max_position_embeddings, key, f"({length}) is over the model's context "
-                  f"({arch.max_position_embeddings} positions: max_position_embeddings)")  # fmt: skip
-        check(not (self.train.freeze_router and self.train.lora_rank), "train.freeze_router", "LoRA trains only its "
-              "adapters (never the router): the router stays frozen without it")  # fmt: skip
+        for group in (g for g in ("data", "rollout") if changed(getattr(self, g), "max_len")):  # defaults are small
+            length, key = getattr(self, group).max_len, f"{group}.max_len"
+            check(length <= arch.context_length(), key, f"({length}) is over the model's context "
+                  f"({arch.context_length()} positions: max_position_embeddings, with RoPE scaling)")  # fmt: skip
+        warm = not self.model.path and self.model.warmstart_steps > 0  # a preset's warm start trains the router
+        check(not (self.train.freeze_router and self.train.lora_rank) or warm, "train.freeze_router", "LoRA trains "
+              "only its adapters (never the router): the router stays frozen without it")  # fmt: skip
+        dense_text = not arch.num_moe_layers() and arch.vision is None  # the slot cache: no paged-cache settings
+        for key in changed(self.runtime, "kv_gb", "kv_memory_fraction", "cuda_graphs"):
+            check(dense_text, f"runtime.{key}", "sets the paged cache, which serves dense text models; this MoE or "
+                  "VLM policy keeps the slot cache")  # fmt: skip
         mlp_only = set(self.train.lora_targets) <= {"gate", "up", "down"}  # MoE experts are not nn.Linear: no adapters
         all_moe = arch.num_moe_layers() == arch.num_layers
         check(not (self.train.lora_rank and mlp_only and all_moe), "train.lora_targets",

@@ -180,7 +180,7 @@ class RuntimeConfig:
         for key in changed(self, "kv_gb", "kv_memory_fraction", "cuda_graphs"):
             check(paged, f"runtime.{key}", "sets the paged cache; the slot cache (runtime.kv_cache slot, auto on "
                   "CPU or with engine_compile) is sized by the sequences in flight: add --runtime.kv_cache "
-                  "paged")  # fmt: skip
+                  "paged (without engine_compile)")  # fmt: skip
         check(self.backend == "ray" or (self.engines, self.trainer_ranks, self.address) == (1, 1, ""),
               "runtime.backend", "runtime.engines/trainer_ranks/address need --runtime.backend ray")  # fmt: skip
         check(self.device.split(":")[0] in ("cpu", "cuda", "mps"), "runtime.device", f"unknown device {self.device!r}")

@@ -93,6 +93,13 @@ class TransformerConfig:
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
+    def context_length(self) -> int:
+        """Positions the model is made for: max_position_embeddings, or a RoPE scaling's extended context (its
+        original context x factor, e.g. YaRN)."""
+        scaling = self.rope_scaling or {}
+        original = int(scaling.get("original_max_position_embeddings") or self.max_position_embeddings)
+        return max(self.max_position_embeddings, int(original * float(scaling.get("factor") or 1.0)))
+
 
 # the MoE fields, named as in config.json (space-separated)
 MOE_KEYS = "num_experts num_experts_per_tok moe_intermediate_size norm_topk_prob decoder_sparse_step mlp_only_layers"

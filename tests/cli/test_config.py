@@ -299,3 +299,13 @@ def test_bad_values_and_config_files_are_one_line_naming_the_key(tmp_path, capsy
     monkeypatch.setenv("MOLT_CACHE", str(tmp_path / "file"))
     with pytest.raises(ConfigError, match="MOLT_CACHE=.*: not a folder"):
         molt.cache_root()
+
+
+def test_the_context_bound_follows_rope_scaling():
+    from molt.models.config import TransformerConfig
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert TransformerConfig(max_position_embeddings=32768, rope_scaling=yarn).context_length() == 131072
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert TransformerConfig(max_position_embeddings=131072, rope_scaling=llama3).context_length() == 131072
+    assert TransformerConfig(max_position_embeddings=4096).context_length() == 4096

@@ -109,7 +109,8 @@ def test_eval_of_a_run_whose_teacher_and_critic_folders_are_gone(tmp_path):
 
     tokenizer = build_builtin_tokenizer()
     checkpoint = tmp_path / "run" / "checkpoints" / "step-1"
-    save_pretrained(Transformer(preset("tiny", vocab_size=len(tokenizer))), checkpoint, tokenizer=tokenizer)
+    arch = preset("tiny", vocab_size=len(tokenizer), max_position_embeddings=8192)
+    save_pretrained(Transformer(arch), checkpoint, tokenizer=tokenizer)
     (checkpoint.parent / "latest").write_text("step-1")
     gone = str(tmp_path / "gone")
     (tmp_path / "run" / "config.yaml").write_text(
@@ -117,3 +118,9 @@ def test_eval_of_a_run_whose_teacher_and_critic_folders_are_gone(tmp_path):
     )
     cfg = parse_command(["eval", str(tmp_path / "run")])
     assert cfg.eval.n_samples == 3 and cfg.algo.teacher == "" and cfg.critic.path == ""
+    # a Ray run's config, of a long-context run: a file that passes is read whole (engine sizing included)
+    ray = "runtime:\n  backend: ray\n  engines: 2\n  trainer_ranks: 2\n"
+    long = "rollout:\n  max_len: 6000\n  max_in_flight: 8\ntrain:\n  micro_batch_tokens: 8192\n"
+    (tmp_path / "run" / "config.yaml").write_text(f"model:\n  path: {checkpoint}\n{ray}{long}")  # its base model
+    cfg = parse_command(["eval", str(tmp_path / "run")])
+    assert (cfg.rollout.max_len, cfg.rollout.max_in_flight, cfg.runtime.engines) == (6000, 8, 2)

@@ -169,7 +169,9 @@ CASES: dict[str, list[Case]] = {
     "train.grad_clip": [_acts("--train.grad_clip", "1e-3")],
     "train.freeze_router": [
         _rejected(DENSE_ONLY, "--train.freeze_router"),
-        _rejected("LoRA trains only its adapters", "--train.freeze_router", context=(*MOE, *LORA)),
+        _rejected(
+            "LoRA trains only its", "--train.freeze_router", context=(*MOE, *LORA, "--model.warmstart_steps", "0")
+        ),
         _acts("--train.freeze_router", context=MOE),
     ],
     "train.precision": [
