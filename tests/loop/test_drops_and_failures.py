@@ -124,3 +124,23 @@ def test_a_step_skipped_for_a_non_finite_gradient_is_a_warning_naming_it(tmp_pat
         asyncio.run(loop.train(lambda m: None))
     (line,) = [r.getMessage() for r in caplog.records]
     assert line == "step 1 skipped: the gradient norm is nan, so the optimizer did not step (1 skipped so far)"
+
+
+def test_a_group_cancelled_when_the_loop_stops_is_restarted_by_the_checkpoint(tmp_path):
+    """A group still sampling when the run ends (e.g. one started in place of a filtered group) is cancelled; the
+    checkpoint written after that lists it to run again on resume, rather than skipping its prompt."""
+
+    class Hanging(StubLoop):
+        async def _rollout(self, row, sampling, limits, **ids):
+            await asyncio.Event().wait()  # never done: still sampling when the loop stops
+
+    async def run():
+        loop = Hanging(_config(tmp_path))
+        loop.running.add(5)  # as `rollout` starts it
+        task = asyncio.create_task(loop._group(5))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return loop.snapshot()
+
+    assert asyncio.run(run()).restart_groups == [5]

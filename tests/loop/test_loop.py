@@ -63,9 +63,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
         )
     )
     assert [m["step"] for m in resumed.history] == [3, 4]
-    for key in ("train/loss", "train/grad_norm", "train/reward_mean"):  # the same groups (in flight at the end:
-        expect = pytest.approx([m[key] for m in full.history[2:]], rel=1e-5, abs=1e-6)  # restarted), up to the order
-        assert [m[key] for m in resumed.history] == expect, key  # groups finished in, which sums may follow
+    for key in ("train/loss", "train/grad_norm", "train/reward_mean"):  # the same groups (none started for a step
+        expect = pytest.approx([m[key] for m in full.history[2:]], rel=1e-5, abs=1e-6)  # past the end), up to the
+        assert [m[key] for m in resumed.history] == expect, key  # order groups finished in, which sums may follow
     lines = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "train/loss" in m] == [1, 2, 3, 4]
     elapsed = [m["time/elapsed_s"] for m in lines if "train/loss" in m]
