@@ -17,7 +17,7 @@ if [ "${1:-}" = "--dry-run" ]; then
   DEV="--runtime.device cpu --model.preset tiny"
   BENCH="--smoke" TCASES=""
   STEPS=1 SHAPE="--rollout.prompts_per_step 2 --rollout.n_samples_per_prompt 2 --rollout.max_tokens 16"
-  TINY="--runtime.device cpu --model.warmstart_steps 2 --train.max_steps 1 --eval.num_prompts 2"
+  TINY="--runtime.device cpu --model.warmstart_steps 2 --train.max_steps 1 --eval.num_prompts 2 --rollout.filters"
 else
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
