@@ -27,6 +27,8 @@ def check_messages(messages: Any, where: str, key: str = "messages") -> list[dic
             raise DataError(f"{where}: {key}[{i}].content is empty: a user turn needs text (or parts)")
         for j, part in enumerate(content if isinstance(content, list) else []):
             _check_part(part, f"{where}: {key}[{i}].content[{j}]")
+        if "weight" in msg and (msg["role"] != "assistant" or msg["weight"] not in (0, 1)):
+            raise DataError(f"{where}: {key}[{i}].weight: 0 (not trained) or 1, on assistant turns only")
     return messages
 
 

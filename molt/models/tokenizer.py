@@ -256,7 +256,7 @@ def _assistant_char_spans(
         start = len(prompt)  # the generated text ends just after its last end-of-turn token, else with the turn
         found = [(turn.rfind(stop, start), stop) for stop in stops]
         end = max((pos + len(stop) for pos, stop in found if pos >= 0), default=len(turn))
-        if end > start:
+        if end > start and message.get("weight", 1) != 0:  # OpenAI's fine-tuning format: weight 0 is not trained
             spans.append((start, end))
     return full, spans
 

@@ -85,6 +85,9 @@ def test_rows_that_would_render_an_empty_or_partial_prompt_are_errors_naming_the
     ]:
         with pytest.raises(DataError, match=r"rows\.jsonl:2: messages\[0\]\." + message):
             inputs([{"role": "user", "content": content}])
+    weighted = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2", "weight": 2}]
+    with pytest.raises(DataError, match=r"rows\.jsonl:2: messages\[1\]\.weight: 0 \(not trained\) or 1"):
+        inputs(weighted)
     with pytest.raises(DataError, match=r"rows\.jsonl:2: no prompt: the row's messages are all assistant turns"):
         inputs([{"role": "assistant", "content": "2"}])
     assert len(inputs([{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]).train_rows) == 3

@@ -171,6 +171,15 @@ def test_assistant_mask_custom_end_of_turn(tok):
     assert masked_spans(tok, ids, mask) == ["b<|im_end|>\n"]
 
 
+def test_an_assistant_turn_of_weight_0_is_not_trained(tok):
+    """OpenAI's chat fine-tuning format: `"weight": 0` on an assistant message keeps it as context only."""
+    bad = {"role": "assistant", "content": "bad", "weight": 0}
+    good = {"role": "assistant", "content": "good", "weight": 1}
+    messages = [{"role": "user", "content": "a"}, bad, {"role": "user", "content": "again"}, good]
+    ids, mask = assistant_mask(tok, messages)
+    assert masked_spans(tok, ids, mask) == ["good<|im_end|>"]
+
+
 def test_assistant_mask_splits_tokens_that_merge_across_span_edges(tok):
     """A tokenizer that merges "\\n" + "O" across the prompt/answer edge is tokenized piece-wise there."""
     spec = json.loads(tok.backend_tokenizer.to_str())
