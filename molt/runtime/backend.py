@@ -26,14 +26,16 @@ class RayRuntime(Runtime):
     def __init__(self, cfg: Config, model):
         rt = cfg.runtime
         self.cfg, self.started = cfg, cluster.connect(rt)
-        self.placement = cluster.Placement(rt, rt.engines + rt.trainer_ranks)
+        self.placement: cluster.Placement | None = None
         self.engines: list[RemoteEngine] = []
+        self.ranks: list = []
         self.router: Router | None = None
         self.engine_stats: dict[int, dict] = {}  # each replica's counters as of the previous step's metrics
-        self.model_ref = ray.put(model)
-        options = [self.placement.options(rt.engines + r, f"molt-rank-{r}") for r in range(rt.trainer_ranks)]
-        self.ranks = [spawn_rank(cfg, self.model_ref, r, rt.trainer_ranks, o) for r, o in enumerate(options)]
-        try:
+        try:  # a failure here (placement, a rank) ends the connection this run started, as a finished run does
+            self.placement = cluster.Placement(rt, rt.engines + rt.trainer_ranks, local=self.started and not rt.address)
+            self.model_ref = ray.put(model)
+            options = [self.placement.options(rt.engines + r, f"molt-rank-{r}") for r in range(rt.trainer_ranks)]
+            self.ranks = [spawn_rank(cfg, self.model_ref, r, rt.trainer_ranks, o) for r, o in enumerate(options)]
             self.trainer = RayTrainer(cfg, self.ranks)
         except BaseException:
             self.shutdown()
@@ -80,6 +82,7 @@ class RayRuntime(Runtime):
     def shutdown(self) -> None:
         """Kill this run's actors and placement group; end the Ray connection if this run started it."""
         cluster.kill([e.actor for e in self.engines] + self.ranks)
-        self.placement.remove()
+        if self.placement is not None:
+            self.placement.remove()
         if self.started:
             ray.shutdown()

@@ -52,16 +52,20 @@ def connect(rt: RuntimeConfig) -> bool:
 class Placement:
     """One placement group with a bundle per actor (engines first, then trainer ranks)."""
 
-    def __init__(self, rt: RuntimeConfig, num_actors: int):
+    def __init__(self, rt: RuntimeConfig, num_actors: int, local: bool = False):
+        """`local`: the cluster this run started, which cannot grow: a request over its resources fails at once
+        (a remote cluster may autoscale: up to 120 s, one second at a time so that Ctrl-C and SIGTERM act)."""
         bundle = {"CPU": rt.cpus_per_actor} | ({"GPU": rt.gpus_per_actor} if rt.gpus_per_actor else {})
+        have = ray.cluster_resources()
+        cannot = f"runtime: the cluster cannot place {num_actors} actors of {bundle} (resources: {have}); lower " \
+                 "runtime.engines/trainer_ranks or *_per_actor"  # fmt: skip
+        if local and any(have.get(k, 0) < v * num_actors for k, v in bundle.items()):
+            raise ActorFailedError(cannot)
         self.group = placement_group([dict(bundle) for _ in range(num_actors)], strategy="PACK")
         self.resources = dict(num_cpus=rt.cpus_per_actor, num_gpus=rt.gpus_per_actor)
-        if not self.group.wait(timeout_seconds=120):
+        if not any(self.group.wait(timeout_seconds=1) for _ in range(120)):
             remove_placement_group(self.group)
-            raise ActorFailedError(
-                f"runtime: the cluster cannot place {num_actors} actors of {bundle} (resources: "
-                f"{ray.cluster_resources()}); lower runtime.engines/trainer_ranks or *_per_actor"
-            )
+            raise ActorFailedError(cannot)
 
     def options(self, index: int, name: str, **kw: Any) -> dict[str, Any]:
         """Ray actor options pinning an actor to bundle `index`."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,8 @@ import torch
 from molt.config import Config
 from molt.engine.interface import Completion, Engine, SamplingParams, SyncMode, Weights
 from molt.runtime.cluster import ActorFailedError
+
+log = logging.getLogger("molt.runtime")
 
 
 @dataclass
@@ -147,6 +150,7 @@ class RemoteEngine(Engine):
         async with self._lock:
             if epoch != self._epoch:
                 return  # another caller already waited for the restart
+            log.warning("engine replica %d died (%s); waiting for its restart", self.index, type(error).__name__)
             deadline = time.monotonic() + 600
             while True:
                 try:
@@ -163,6 +167,7 @@ class RemoteEngine(Engine):
                     raise ActorFailedError(f"{msg}:\n{error}") from e
             self._epoch += 1
             self.num_restarts += 1
+            log.warning("engine replica %d restarted; its requests are sent again", self.index)
 
     async def generate_group(
         self,

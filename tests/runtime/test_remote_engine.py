@@ -41,3 +41,21 @@ def test_chunked_sync_then_missing_names_then_dead_replica_stops_the_run(ray_clu
 
     asyncio.run(scenario())
     assert torch.equal(model.norm.weight, small_model().norm.weight)  # the driver's copy is untouched
+
+
+def test_a_placement_the_local_cluster_cannot_hold_fails_at_once(ray_cluster, monkeypatch):
+    """This machine's cluster does not grow: asking it for GPUs it lacks (or more CPUs) is an error before any
+    placement group is requested, not after two minutes of waiting in a call that Ctrl-C could not interrupt."""
+    from molt.runtime import cluster
+    from molt.runtime.cluster import Placement
+
+    def never(*args, **kwargs):
+        raise AssertionError("requested a placement group the cluster cannot hold")
+
+    monkeypatch.setattr(cluster, "placement_group", never)
+    gpus = parse_config(["--runtime.backend", "ray", "--runtime.gpus_per_actor", "1"]).runtime
+    with pytest.raises(ActorFailedError, match=r"cannot place 2 actors of \{'CPU': 1.0, 'GPU': 1.0\}"):
+        Placement(gpus, 2, local=True)
+    cpus = parse_config(["--runtime.backend", "ray", "--runtime.cpus_per_actor", "5"]).runtime
+    with pytest.raises(ActorFailedError, match="cannot place 2 actors"):
+        Placement(cpus, 2, local=True)  # 10 of the fixture's 8 CPUs

@@ -13,6 +13,8 @@ from molt.cli.main import parse_config
          "runtime.trainer_ranks: (3) must be <= rollout.prompts_per_step"),
         (["--runtime.backend", "ray", "--runtime.engines", "0"], "runtime.engines: engines and trainer_ranks"),
         (["--runtime.collective_timeout_s", "0"], "runtime.collective_timeout_s: must be > 0"),
+        (["--runtime.backend", "ray", "--runtime.cpus_per_actor", "0"], "runtime.cpus_per_actor: an actor needs some"),
+        (["--runtime.backend", "ray", "--runtime.address", "garbage"], "runtime.address: 'garbage' is not HOST:PORT"),
         (["--runtime.engine_compile", "--runtime.engine", "vllm"], "runtime.engine_compile: is for runtime.engine"),
         (["--runtime.backend", "ray", "--runtime.engine", "vllm"],  # refused, never silently the torch engine
          "runtime.engine: vllm runs with --runtime.backend local only"),
