@@ -38,7 +38,7 @@ RAY = (
     "num_cpus",
     "sync_chunk_mb",
 )
-RAY += ("engine_restarts", "collective_timeout_s")  # only `molt train` runs on Ray; the others in their own process
+RAY += ("engine_restarts", "collective_timeout_s", "engine_timeout_s")  # only `molt train` runs on Ray (others: here)
 BACKEND = tuple(f"runtime.{k}" for k in RAY)
 
 

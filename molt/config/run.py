@@ -144,10 +144,14 @@ class RuntimeConfig:
     """Ray: restarts of a dead engine replica (its in-flight requests are re-sent); past that the run stops."""
     collective_timeout_s: int = 600
     """Ray: seconds a trainer-rank collective (gloo / NCCL) may wait before the step fails with an error."""
+    engine_timeout_s: float = 300.0
+    """Ray: seconds an engine replica may leave a ping unanswered; then it is hung (not dead): it is killed, so it
+    restarts as a dead one does (runtime.engine_restarts) and its requests are sent again. 0: never pinged."""
 
     def __post_init__(self) -> None:
         check(self.threads >= 0 and self.engine_threads >= 0, "runtime.threads", "thread counts must be >= 0")
         check(self.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0")
+        check(self.engine_timeout_s >= 0, "runtime.engine_timeout_s", "must be >= 0 (0: off)")
         check(0 < self.kv_memory_fraction < 1, "runtime.kv_memory_fraction", "must be in (0, 1)")
         check(self.kv_gb >= 0, "runtime.kv_gb", "must be >= 0")
         torch_engine = self.engine == "torch"

@@ -29,6 +29,7 @@ class RayRuntime(Runtime):
         self.placement: cluster.Placement | None = None
         self.engines: list[RemoteEngine] = []
         self.ranks: list = []
+        self.watchers: list[asyncio.Future] = []  # one `RemoteEngine.watch` per replica
         self.router: Router | None = None
         self.engine_stats: dict[int, dict] = {}  # each replica's counters as of the previous step's metrics
         try:  # a failure here (placement, a rank) ends the connection this run started, as a finished run does
@@ -49,6 +50,8 @@ class RayRuntime(Runtime):
             options = self.placement.options(i, f"molt-engine-{i}", max_restarts=rt.engine_restarts)
             self.engines.append(RemoteEngine.spawn(i, options, args, version, rt.sync_chunk_mb << 20))
         cluster.get([e.actor.ready.remote() for e in self.engines], "engine start")
+        if rt.engine_timeout_s:  # a hung replica is restarted like a dead one
+            self.watchers = [asyncio.ensure_future(e.watch(rt.engine_timeout_s)) for e in self.engines]
         self.router = Router(self.engines)
         return self.router
 
@@ -75,6 +78,8 @@ class RayRuntime(Runtime):
 
     async def close(self) -> None:
         """Close the replicas, then kill every actor of the run."""
+        for watcher in self.watchers:
+            watcher.cancel()
         if self.router is not None:
             await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
         self.shutdown()

@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
+import socket
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -95,6 +98,10 @@ class EngineActor:
     async def ready(self) -> int:
         return self.engine.version
 
+    async def process(self) -> tuple[str, int]:
+        """(host name, process id) of this replica."""
+        return socket.gethostname(), os.getpid()
+
     async def generate_group(self, prompt, sampling, request_id, session_id) -> list[Completion]:
         return await self.engine.generate_group(prompt, sampling, request_id=request_id, session_id=session_id)
 
@@ -135,6 +142,32 @@ class RemoteEngine(Engine):
     def spawn(cls, index: int, options: dict, args: tuple, version: int, chunk_bytes: int) -> RemoteEngine:
         actor = ray.remote(EngineActor).options(max_concurrency=10_000, **options).remote(*args)
         return cls(actor, index, version, chunk_bytes)
+
+    async def watch(self, timeout_s: float) -> None:
+        """Ping the replica every `timeout_s / 4` s until cancelled; one that leaves a ping unanswered for `timeout_s`
+        is hung (a dead one raises instead): it is killed, so that it restarts and `_retry` re-sends its requests."""
+        process = await self.actor.process.remote()  # where to send a SIGKILL
+        while True:
+            await asyncio.sleep(timeout_s / 4)
+            ping = self.actor.process.remote()
+            try:
+                process = await asyncio.wait_for(asyncio.ensure_future(ping), timeout_s)
+            except TimeoutError:
+                if ray.wait([ping], timeout=0)[0]:
+                    continue  # answered: this process's own loop was what stalled
+                log.warning("engine replica %d did not answer for %.0f s: hung; restarting it", self.index, timeout_s)
+                self._kill(process)
+            except ray.exceptions.RayError:
+                pass  # dead or restarting: the calls on it recover it (`_retry`)
+
+    def _kill(self, process: tuple[str, int] | None) -> None:
+        """End a hung replica as a crash would (SIGKILL: Ray restarts it); on another host, `ray.kill` (no restart:
+        the run then stops with the replica named, instead of waiting for ever)."""
+        if process is not None and process[0] == socket.gethostname():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process[1], signal.SIGKILL)
+        else:
+            ray.kill(self.actor)
 
     async def _retry(self, call):
         """Await `call()` on the actor; on its death recover once per death and call again."""

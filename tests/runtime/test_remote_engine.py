@@ -59,3 +59,31 @@ def test_a_placement_the_local_cluster_cannot_hold_fails_at_once(ray_cluster, mo
     cpus = parse_config(["--runtime.backend", "ray", "--runtime.cpus_per_actor", "5"]).runtime
     with pytest.raises(ActorFailedError, match="cannot place 2 actors"):
         Placement(cpus, 2, local=True)  # 10 of the fixture's 8 CPUs
+
+
+def test_a_hung_replica_is_restarted_and_its_requests_sent_again(ray_cluster):
+    """A replica that stops answering (SIGSTOP: alive, not dead) would stall the run for ever; the watcher kills it
+    after `runtime.engine_timeout_s`, Ray restarts it, and the request waiting on it is sent again and answered."""
+    import os
+    import signal
+
+    from molt.runtime.engines import RemoteEngine
+
+    ray = ray_cluster
+    cfg = parse_config(["--rollout.max_len", "63", "--rollout.max_in_flight", "2"])
+    args = (cfg, ray.put(small_model()), None, 0)
+    engine = RemoteEngine.spawn(0, {"num_cpus": 1, "max_restarts": 1}, args, version=0, chunk_bytes=1 << 14)
+    sampling = SamplingParams(max_tokens=4, seed=1)
+
+    async def scenario():
+        expected = await engine.generate([1, 2, 3], sampling)
+        watcher = asyncio.ensure_future(engine.watch(2.0))
+        await asyncio.sleep(1.0)  # it has learnt where the replica runs
+        _, pid = await engine.actor.process.remote()
+        os.kill(pid, signal.SIGSTOP)
+        again = await engine.generate([1, 2, 3], sampling)  # waits on the stopped replica until it is restarted
+        watcher.cancel()
+        assert engine.num_restarts == 1 and again.token_ids == expected.token_ids
+
+    asyncio.run(scenario())
+    ray.kill(engine.actor, no_restart=True)
