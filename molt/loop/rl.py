@@ -238,21 +238,18 @@ class RLLoop(Accounting):
 
     def _loop_metrics(self, t0: float) -> dict[str, Any]:
         counts = {f"drop/{k}": v for k, v in self.state.drops.items()} | self._engine_metrics()
-        return (
-            counts
-            | self._reward_metrics()
-            | {
-                "step": self.state.step,
-                "version": self.trainer.version,
-                "rollout/tokens_per_s": self.rollout_tokens / max(time.perf_counter() - self.rollout_t0, 1e-9),
-                "rollout/rollouts": self.state.rollouts,
-                "rollout/failures": self.state.failures,
-                "rollout/buffer_groups": self.buffer.qsize(),
-                "time/step_s": time.perf_counter() - t0,
-                "time/elapsed_s": time.perf_counter() - self.run_t0,  # the loop's wall clock, over resumes too
-                "time/sync_s": self.sync_s,
-            }
-        )
+        counts |= self._reward_metrics()
+        return counts | {
+            "step": self.state.step,
+            "version": self.trainer.version,
+            "rollout/tokens_per_s": self.rollout_tokens / max(time.perf_counter() - self.rollout_t0, 1e-9),
+            "rollout/rollouts": self.state.rollouts,
+            "rollout/failures": self.state.failures,
+            "rollout/buffer_groups": self.buffer.qsize(),
+            "time/step_s": time.perf_counter() - t0,
+            "time/elapsed_s": time.perf_counter() - self.run_t0,  # the loop's wall clock, over resumes too
+            "time/sync_s": self.sync_s,
+        }
 
     def _reward_metrics(self) -> dict[str, float]:
         """The policy's mean reward over the rollouts sampled since the last step, before the group filters pick
