@@ -146,19 +146,18 @@ class RemoteEngine(Engine):
     async def watch(self, timeout_s: float) -> None:
         """Ping the replica every `timeout_s / 4` s until cancelled; one that leaves a ping unanswered for `timeout_s`
         is hung (a dead one raises instead): it is killed, so that it restarts and `_retry` re-sends its requests."""
-        process = await self.actor.process.remote()  # where to send a SIGKILL
+        process = None  # where it runs: (host, pid), for a SIGKILL
         while True:
-            await asyncio.sleep(timeout_s / 4)
             ping = self.actor.process.remote()
             try:
                 process = await asyncio.wait_for(asyncio.ensure_future(ping), timeout_s)
             except TimeoutError:
-                if ray.wait([ping], timeout=0)[0]:
-                    continue  # answered: this process's own loop was what stalled
-                log.warning("engine replica %d did not answer for %.0f s: hung; restarting it", self.index, timeout_s)
-                self._kill(process)
+                if not ray.wait([ping], timeout=0)[0]:  # else answered: this process's own loop was what stalled
+                    log.warning("engine replica %d did not answer for %.0f s: hung; killed", self.index, timeout_s)
+                    self._kill(process)
             except ray.exceptions.RayError:
                 pass  # dead or restarting: the calls on it recover it (`_retry`)
+            await asyncio.sleep(timeout_s / 4)
 
     def _kill(self, process: tuple[str, int] | None) -> None:
         """End a hung replica as a crash would (SIGKILL: Ray restarts it); on another host, `ray.kill` (no restart:
