@@ -82,10 +82,12 @@ class Config:
         warm = not self.model.path and self.model.warmstart_steps > 0  # a preset's warm start trains the router
         check(not (self.train.freeze_router and self.train.lora_rank) or warm, "train.freeze_router", "LoRA trains "
               "only its adapters (never the router): the router stays frozen without it")  # fmt: skip
-        dense_text = not arch.num_moe_layers() and arch.vision is None  # the slot cache: no paged-cache settings
-        for key in changed(self.runtime, "kv_gb", "kv_memory_fraction", "cuda_graphs"):
-            check(dense_text, f"runtime.{key}", "sets the paged cache, which serves dense text models; this MoE or "
-                  "VLM policy keeps the slot cache")  # fmt: skip
+        slot = self.runtime.kv_cache_kind(arch) == "slot"  # the engine factory's choice: its settings are refused
+        why = ("sets the paged cache; this run's engine keeps the slot cache (runtime.kv_cache slot; auto on CPU, with "
+               "engine_compile or for an MoE or VLM policy), sized by the sequences in flight: add --runtime.kv_cache "
+               "paged (dense text models, no engine_compile)")  # fmt: skip
+        if slot and (keys := changed(self.runtime, "kv_gb", "kv_memory_fraction", "cuda_graphs")):
+            raise ConfigError(f"runtime.{keys[0]}: {why}")
         mlp_only = set(self.train.lora_targets) <= {"gate", "up", "down"}  # MoE experts are not nn.Linear: no adapters
         all_moe = arch.num_moe_layers() == arch.num_layers
         check(not (self.train.lora_rank and mlp_only and all_moe), "train.lora_targets",

@@ -148,6 +148,14 @@ class RuntimeConfig:
     """Ray: seconds an engine replica may leave a ping unanswered; then it is hung (not dead): it is killed, so it
     restarts as a dead one does (runtime.engine_restarts) and its requests are sent again. 0: never pinged."""
 
+    def kv_cache_kind(self, model_cfg) -> str:
+        """`slot` or `paged` for policy architecture `model_cfg`: `kv_cache`, with `auto` resolved by device, model
+        and `engine_compile` (the compiled decode step is the slot cache's); the engine factory builds this one."""
+        if self.kv_cache != "auto":
+            return self.kv_cache
+        dense_text = not model_cfg.num_moe_layers() and model_cfg.vision is None
+        return "paged" if self.device.startswith("cuda") and dense_text and not self.engine_compile else "slot"
+
     def __post_init__(self) -> None:
         check(self.threads >= 0 and self.engine_threads >= 0, "runtime.threads", "thread counts must be >= 0")
         check(self.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0")
@@ -185,11 +193,6 @@ class RuntimeConfig:
         for key in changed(self, "kv_memory_fraction", "cuda_graphs"):
             hint = " (on CPU, --runtime.kv_gb sizes a paged cache)" if key == "kv_memory_fraction" else ""
             check(cuda, f"runtime.{key}", "acts on CUDA only" + hint)
-        paged = self.kv_cache == "paged" or (self.kv_cache == "auto" and cuda and not self.engine_compile)
-        for key in changed(self, "kv_gb", "kv_memory_fraction", "cuda_graphs"):
-            check(paged, f"runtime.{key}", "sets the paged cache; the slot cache (runtime.kv_cache slot, auto on "
-                  "CPU or with engine_compile) is sized by the sequences in flight: add --runtime.kv_cache "
-                  "paged (without engine_compile)")  # fmt: skip
         check(self.backend == "ray" or (self.engines, self.trainer_ranks, self.address) == (1, 1, ""),
               "runtime.backend", "runtime.engines/trainer_ranks/address need --runtime.backend ray (a config file, "
               "such as a resumed Ray run's config.yaml, may set them)")  # fmt: skip

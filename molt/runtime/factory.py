@@ -22,16 +22,6 @@ from molt.registry import Registry
 from molt.train.precision import resolve_dtype
 
 
-def kv_cache_kind(cfg: Config, model_cfg: TransformerConfig) -> str:
-    """`slot` or `paged`: `runtime.kv_cache`, with `auto` resolved by device, model and `engine_compile` (the
-    compiled decode step is the slot cache's)."""
-    if cfg.runtime.kv_cache != "auto":
-        return cfg.runtime.kv_cache
-    dense_text = not model_cfg.num_moe_layers() and model_cfg.vision is None
-    paged = cfg.runtime.device.startswith("cuda") and dense_text and not cfg.runtime.engine_compile
-    return "paged" if paged else "slot"
-
-
 def engine_kwargs(
     cfg: Config, model_cfg: TransformerConfig, *, num_slots: int | None = None, max_len: int | None = None
 ) -> dict[str, Any]:
@@ -41,7 +31,7 @@ def engine_kwargs(
     slots = num_slots or cfg.rollout.episodes_in_flight * 2
     max_len = max_len or cfg.rollout.max_len
     kwargs: dict[str, Any] = dict(num_slots=slots, max_seq_len=max_len + 1, compile=rt.engine_compile)
-    if kv_cache_kind(cfg, model_cfg) == "paged":
+    if cfg.runtime.kv_cache_kind(model_cfg) == "paged":
         kwargs["graphs"] = rt.cuda_graphs and rt.device.startswith("cuda")
         if rt.kv_gb > 0:
             kwargs["kv_bytes"] = int(rt.kv_gb * 1e9)
@@ -111,7 +101,7 @@ def build_engine(
     `threads`: torch threads of its compute (`runtime.engine_threads` wins for the built-in engine's thread);
     `num_slots` / `max_len` override the rollout's sizing (`molt serve`)."""
     sizing = engine_kwargs(cfg, model.cfg, num_slots=num_slots, max_len=max_len)
-    if cfg.runtime.engine == "torch" and kv_cache_kind(cfg, model.cfg) == "slot" and cfg.runtime.device == "cpu":
+    if cfg.runtime.engine == "torch" and cfg.runtime.kv_cache_kind(model.cfg) == "slot" and cfg.runtime.device == "cpu":
         check_slot_memory(model.cfg, sizing, "chat.max_len" if max_len else "rollout.max_len")
     if cfg.runtime.engine == "torch" and not owned:
         model = copy.deepcopy(model)

@@ -7,23 +7,23 @@ from test_loop import FAST  # noqa: I001 - tests/loop/test_loop.py
 from molt.cli.main import parse_config
 from molt.cli.train import run_train
 from molt.models import PRESETS
-from molt.runtime.factory import engine_kwargs, kv_cache_kind
+from molt.runtime.factory import engine_kwargs
 
 
 def test_auto_is_slot_on_cpu_and_paged_on_cuda_for_dense_text_models():
     cfg = parse_config([])
-    assert kv_cache_kind(cfg, PRESETS["tiny"]) == "slot"
+    assert cfg.runtime.kv_cache_kind(PRESETS["tiny"]) == "slot"
     cuda = copy.copy(cfg)
     cuda.runtime = copy.copy(cfg.runtime)
     cuda.runtime.device = "cuda"  # set after validation: this machine may have no GPU
-    assert kv_cache_kind(cuda, PRESETS["tiny"]) == "paged"
-    assert kv_cache_kind(cuda, PRESETS["tiny-moe"]) == kv_cache_kind(cuda, PRESETS["tiny-vlm"]) == "slot"
+    assert cuda.runtime.kv_cache_kind(PRESETS["tiny"]) == "paged"
+    assert cuda.runtime.kv_cache_kind(PRESETS["tiny-moe"]) == cuda.runtime.kv_cache_kind(PRESETS["tiny-vlm"]) == "slot"
     assert engine_kwargs(cuda, PRESETS["tiny"])["kv_memory_fraction"] == 0.4
     assert engine_kwargs(cuda, PRESETS["tiny"])["graphs"] is True  # decode from captured CUDA graphs
     cuda.runtime.cuda_graphs = False
     assert engine_kwargs(cuda, PRESETS["tiny"])["graphs"] is False
     cuda.runtime.engine_compile = True  # the compiled decode step is the slot cache's: compile is never ignored
-    assert kv_cache_kind(cuda, PRESETS["tiny"]) == "slot" and engine_kwargs(cuda, PRESETS["tiny"])["compile"]
+    assert cuda.runtime.kv_cache_kind(PRESETS["tiny"]) == "slot" and engine_kwargs(cuda, PRESETS["tiny"])["compile"]
     paged = parse_config(["--runtime.kv_cache", "paged", "--runtime.kv_gb", "0.5"])
     assert engine_kwargs(paged, PRESETS["tiny"])["kv_bytes"] == 500_000_000
     assert engine_kwargs(paged, PRESETS["tiny"])["graphs"] is False  # CPU: no capture
