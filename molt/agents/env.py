@@ -76,7 +76,7 @@ def load_agent(spec: str, bases: tuple[type, ...] = (Env,)) -> type:
     """Agent class from `file.py`, `file.py:Name`, `pkg.module` or `pkg.module:Name`.
 
     Without `:Name` the module must define exactly one subclass of `bases` (or a class named `Agent`)."""
-    target = spec.split(":")[0]
+    target, colon, name = spec.partition(":")
     if target.endswith(".py") and not Path(target).exists():
         raise FileNotFoundError(f"--rollout.agent: agent file {target!r} does not exist")
     try:
@@ -85,8 +85,7 @@ def load_agent(spec: str, bases: tuple[type, ...] = (Env,)) -> type:
         if target.endswith(".py"):  # the file imports a missing module: its own error
             raise
         raise ModuleNotFoundError(f"--rollout.agent: cannot import agent module {spec!r}: {e}") from None
-    if ":" in spec:
-        name = spec.split(":", 1)[1]
+    if colon:
         if not hasattr(module, name):
             raise AttributeError(f"--rollout.agent: {spec!r} has no attribute {name!r}")
         return getattr(module, name)

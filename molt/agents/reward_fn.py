@@ -149,10 +149,8 @@ class RewardFunction:
         self.log = RewardLog()
 
     async def _call(self, part: RewardPart, completion: str, row: dict[str, Any]) -> Any:
-        if part.inline:
+        if part.inline or inspect.iscoroutinefunction(part.fn):
             value = part.fn(completion, row)
-        elif inspect.iscoroutinefunction(part.fn):
-            value = await part.fn(completion, row)
         else:
             value = await in_daemon_thread(part.fn, completion, row, name="molt-reward")
         return await value if inspect.isawaitable(value) else value

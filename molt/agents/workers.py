@@ -275,8 +275,7 @@ class AgentWorkers:
                 await asyncio.to_thread(worker.process.wait, 10)
             except subprocess.TimeoutExpired:
                 worker.process.kill()
-            if worker.reading is not None:
-                worker.reading.cancel()
+            worker.reading.cancel()
 
 
 # ---- worker process ------------------------------------------------------------------------------------------
@@ -301,14 +300,10 @@ class RemoteEngine(Engine):
     async def abort(self, request_id: str) -> bool:
         return await self.peer.call("abort", request_id)
 
-    async def update_weights(self, weights, version, mode="interrupt") -> None:
+    async def update_weights(self, *args, **kwargs) -> None:
         raise NotImplementedError("an agent worker's engine only generates; weights are synced in the main process")
 
-    async def pause(self) -> None:
-        raise NotImplementedError("an agent worker's engine only generates")
-
-    async def resume(self) -> None:
-        raise NotImplementedError("an agent worker's engine only generates")
+    pause = resume = update_weights
 
     def num_pending(self) -> int:
         return len(self.peer.waiting)

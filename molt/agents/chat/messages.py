@@ -55,10 +55,8 @@ def text_content(content: Any) -> str | list[dict[str, Any]]:
 MAX_DEPTH = 64  # JSON nesting a request may use (tool schemas, arguments); deeper is refused (400)
 
 
-class TooDeep(ValueError):
+class TooDeep(InvalidRequest):
     """A request value nests deeper than MAX_DEPTH (its rendering would exhaust the interpreter's stack)."""
-
-    status = 400
 
 
 def check_depth(value: Any, where: str = "request body", max_depth: int = MAX_DEPTH) -> None:

@@ -89,10 +89,7 @@ def coalesced(deltas: list[TokenDelta]) -> list[TokenDelta]:
         return deltas
     merged: dict[int, TokenDelta] = {}
     for d in deltas:
-        if (m := merged.get(d.sample_index)) is None:
-            tops = None if d.top_logprobs is None else list(d.top_logprobs)
-            merged[d.sample_index] = TokenDelta(d.sample_index, list(d.token_ids), list(d.logprobs), tops)
-            continue
+        m = merged.setdefault(d.sample_index, TokenDelta(d.sample_index, [], [], []))
         m.token_ids += d.token_ids
         m.logprobs += d.logprobs
         m.top_logprobs = None if m.top_logprobs is None or d.top_logprobs is None else m.top_logprobs + d.top_logprobs

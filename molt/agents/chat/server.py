@@ -360,7 +360,7 @@ class ChatServer:
 
     def _failure(self, error: Exception, session_id: str | None) -> tuple[int, str]:
         """(HTTP status, message) of an exception; Molt's own bugs are logged with a request id."""
-        if isinstance(error, HTTPError | RequestError | SessionClosed | TooDeep):
+        if isinstance(error, HTTPError | RequestError | SessionClosed):
             return error.status, str(error)
         if isinstance(error, RecursionError):
             return 400, "the request nests too deeply"
