@@ -61,8 +61,7 @@ class ScoredEnv(Env):
         result = check_result(await self.inner.step(action), f"{type(self.inner).__name__}.step")
         self.turns += 1
         self.agent_reward += result.reward
-        final = result.terminated or result.truncated or result.observation is None or self.turns >= self.max_turns
-        if not final:
+        if not (result.terminated or result.truncated or result.observation is None or self.turns >= self.max_turns):
             return dataclasses.replace(result, reward=0.0, score=None)
         return await _rescored(self.reward, result, action, self.row, self.agent_reward)
 

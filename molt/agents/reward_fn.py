@@ -96,8 +96,7 @@ def load_part(spec: str) -> RewardPart:
     path = Path(spec.partition(":")[0])
     if path.suffix == ".py" and not path.exists():
         raise ValueError(f"rollout.reward: reward file {str(path)!r} does not exist")
-    mtime = path.stat().st_mtime if path.suffix == ".py" else 0.0
-    fn = _user_function(spec, mtime)
+    fn = _user_function(spec, path.stat().st_mtime if path.suffix == ".py" else 0.0)
     return RewardPart(getattr(fn, "__name__", spec), fn, inline=False)
 
 
@@ -163,8 +162,7 @@ class RewardFunction:
             value = await self._call(part, completion, row)
             if isinstance(value, dict) and not value:
                 raise ValueError(f"reward {part.name!r} returned an empty dict; expected a number or named numbers")
-            items = value.items() if isinstance(value, dict) else [(part.name, value)]
-            for key, v in items:
+            for key, v in value.items() if isinstance(value, dict) else [(part.name, value)]:
                 number = real_number(v, f"reward {part.name!r} returned {key}")  # bool counts: True scores 1
                 if key in named:
                     raise ValueError(f"reward name {key!r} is returned twice (rollout.reward {self.spec!r})")

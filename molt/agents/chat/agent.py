@@ -77,8 +77,7 @@ def load_agent_class(spec: str) -> type:
     Env) or `async run` (a ChatAgent) and takes no constructor arguments. Any problem is a ConfigError
     naming `rollout.agent` (and the file's line when importing it failed). Imported once per file version."""
     path = Path(spec.split(":")[0])
-    mtime = path.stat().st_mtime if path.suffix == ".py" and path.exists() else 0.0
-    return _checked_agent_class(spec, mtime)
+    return _checked_agent_class(spec, path.stat().st_mtime if path.suffix == ".py" and path.exists() else 0.0)
 
 
 @functools.cache

@@ -337,8 +337,7 @@ class Session:
         if request.stop:
             text, found = trim_at_stop(text, request.stop)
             stop = found or stop  # the stop string that cut the text (the engine's may be a later one)
-        parse = request.parse_tools and request.tools
-        content, calls = self.parser(text, request.tools) if parse else (text, [])
+        content, calls = self.parser(text, request.tools) if request.parse_tools and request.tools else (text, [])
         finish = "tool_calls" if calls else completion.finish_reason
         reply = TurnReply(content, calls, finish, len(plan.context), len(ids), stop, ids, list(completion.logprobs))
         reply.top_logprobs = completion.top_logprobs

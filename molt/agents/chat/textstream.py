@@ -86,7 +86,5 @@ class TextStream:
 
     def _held(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        if not self.stops:
-            return 0
         return max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
                     if text.endswith(s[:k])), default=0)  # fmt: skip
