@@ -1,12 +1,11 @@
 """SDK clients bound to one session, sharing one HTTP client per runner (`ctx.openai()`, `ctx.anthropic()`).
 
-Building an SDK client from nothing loads the system CA bundle (20-90 ms of CPU on the event loop the
-rollouts share), opens new connections and detects the platform in a worker thread, so `ClientPool` keeps
-one HTTP client per SDK and hands out session-bound SDK clients on it, copies of a prototype. With the server
-on the same event loop (the runner's case) requests go into it in-process (`loopback.py`) and name their session
-in a header (`x-molt-session`; a `/s/{session}` path still wins); without it, over a keep-alive loopback pool.
-Closing a session client leaves the shared one open; the runner closes it. Imports the SDKs only when asked for
-their client."""
+Building an SDK client from nothing loads the system CA bundle (20-90 ms of CPU on the event loop the rollouts share),
+opens new connections and detects the platform in a worker thread, so `ClientPool` keeps one HTTP client per SDK and
+hands out session-bound SDK clients on it, copies of a prototype. With the server on the same event loop (the runner's
+case) requests go into it in-process (`loopback.py`) and name their session in a header (`x-molt-session`; a
+`/s/{session}` path still wins); without it, over a keep-alive loopback pool. Closing a session client leaves the shared
+one open; the runner closes it. Imports the SDKs only when asked for their client."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def _session_client_class(sdk: str) -> type:
 
 
 def sdk_httpx(sdk: str) -> tuple[type, Any]:
-    """The SDK's own default httpx client class (its timeouts) and the httpx module it is built on (httpx or
-    httpx2)."""
+    """The SDK's own default httpx client class (its timeouts) and the httpx module it is built on (httpx or httpx2)."""
     pool_cls = importlib.import_module(sdk).DefaultAsyncHttpxClient
     return pool_cls, importlib.import_module(pool_cls.__mro__[1].__module__.split(".")[0])
 

@@ -1,11 +1,10 @@
 """The wire-independent chat request both decoders produce, and message fingerprints.
 
-Messages are canonical dicts the chat template renders: `role` (system/user/assistant/tool),
-`content` (a string, or a list of parts when not all text), and for assistant turns `tool_calls` in
-OpenAI form with `arguments` decoded to an object. A *fingerprint* is what decides whether a
-request extends the session's conversation: role, content and calls (name + arguments, compared
-as JSON values, so re-serialised arguments or `None` vs `""` content still match); call ids are
-left out, because templates do not render them."""
+Messages are canonical dicts the chat template renders: `role` (system/user/assistant/tool), `content` (a string, or a
+list of parts when not all text), and for assistant turns `tool_calls` in OpenAI form with `arguments` decoded to an
+object. A *fingerprint* is what decides whether a request extends the session's conversation: role, content and calls
+(name + arguments, compared as JSON values, so re-serialised arguments or `None` vs `""` content still match); call ids
+are left out, because templates do not render them."""
 
 from __future__ import annotations
 

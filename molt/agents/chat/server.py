@@ -1,19 +1,18 @@
 """The chat server: OpenAI- and Anthropic-compatible HTTP endpoints over the session capture.
 
-FastAPI app served by uvicorn on the caller's own asyncio loop (signals stay with the host program), on
-127.0.0.1 and a free port unless told otherwise. Routes: `POST /s/{session}/v1/chat/completions`,
-`POST /s/{session}/v1/messages` (and its `count_tokens`), `GET /s/{session}/v1/models[/{model}]`,
-`GET /v1/models[/{model}]`, `GET /health`; with `serve_sampling` set (`molt serve`) also `POST /v1/chat/completions` and
-`POST /v1/messages`, each in an implicit one-request session.
+FastAPI app served by uvicorn on the caller's own asyncio loop (signals stay with the host program), on 127.0.0.1 and a
+free port unless told otherwise. Routes: `POST /s/{session}/v1/chat/completions`, `POST /s/{session}/v1/messages` (and
+its `count_tokens`), `GET /s/{session}/v1/models[/{model}]`, `GET /v1/models[/{model}]`, `GET /health`; with
+`serve_sampling` set (`molt serve`) also `POST /v1/chat/completions` and `POST /v1/messages`, each in an implicit
+one-request session.
 
-Errors come in the wire's own format, never a 500 for what a client sent: 401 (API key), 404 (unknown or
-finished session, unknown `model`), 413 (body over `max_body_bytes`), 400 (not JSON, nested deeper than
-`MAX_DEPTH`, no `model`, a lone surrogate in a string, unsupported options, serve mode's
-`context_length_exceeded`), 422 (schema mismatch, or a template that cannot render it), 503 (the engine
-failed). Anything else is a 500 naming a request id, logged with its traceback. A client that goes away
-mid-stream aborts the generation and nothing is recorded. A chat template that ignores `tools` (so requests'
-tools never reach the prompt) is warned about once: at start-up in serve mode, else at the first tools.
-`direct_route` gives in-process clients (`loopback.py`) the completion handler itself, skipping FastAPI's
+Errors come in the wire's own format, never a 500 for what a client sent: 401 (API key), 404 (unknown or finished
+session, unknown `model`), 413 (body over `max_body_bytes`), 400 (not JSON, nested deeper than `MAX_DEPTH`, no `model`,
+a lone surrogate in a string, unsupported options, serve mode's `context_length_exceeded`), 422 (schema mismatch, or a
+template that cannot render it), 503 (the engine failed). Anything else is a 500 naming a request id, logged with its
+traceback. A client that goes away mid-stream aborts the generation and nothing is recorded. A chat template that
+ignores `tools` (so requests' tools never reach the prompt) is warned about once: at start-up in serve mode, else at the
+first tools. `direct_route` gives in-process clients (`loopback.py`) the completion handler itself, skipping FastAPI's
 routing and middleware: the same function, validation and responses as over HTTP."""
 
 from __future__ import annotations

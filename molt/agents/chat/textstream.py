@@ -1,14 +1,13 @@
 """Incremental detokenization of one streamed sample: the text that is safe to send so far.
 
-Sent text is always a prefix of the reply's final text: a trailing partial UTF-8 character (U+FFFD) is held
-back, and so is any suffix that could start a stop string; once a stop string appears, the text ends before it
-(stop strings are never sent, as OpenAI and Anthropic do).
+Sent text is always a prefix of the reply's final text: a trailing partial UTF-8 character (U+FFFD) is held back, and so
+is any suffix that could start a stop string; once a stop string appears, the text ends before it (stop strings are
+never sent, as OpenAI and Anthropic do).
 
-Each push decodes only the tokens since the last checkpoint plus the WINDOW before it (a full decode per delta
-makes a long stream quadratic): the text is `head` + the window's decoding while that still starts with
-`known`, the window's decoding at the checkpoint (else a full decode). Detokenizers act locally (byte-level;
-metaspace strips a leading space only at a decode's start, which the window's decodes share), so this is the
-full decode's text."""
+Each push decodes only the tokens since the last checkpoint plus the WINDOW before it (a full decode per delta makes a
+long stream quadratic): the text is `head` + the window's decoding while that still starts with `known`, the window's
+decoding at the checkpoint (else a full decode). Detokenizers act locally (byte-level; metaspace strips a leading space
+only at a decode's start, which the window's decodes share), so this is the full decode's text."""
 
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
 """Tool-call parsers: the policy's raw action text -> (content, tool calls), one per chat-template family.
 
-A parser is a registered function `parse(text, tools) -> (content, calls)`. Calls are parsed only when
-the request offered `tools`, and only into functions it offered; anything malformed (bad JSON, JSON no
-wire can send back such as NaN or a lone surrogate, a name that is not an offered function, an unclosed
-tag) comes back as plain text with no calls, never as an error. The
-trajectory always keeps the raw generated ids: parsing only shapes the reply to the agent.
+A parser is a registered function `parse(text, tools) -> (content, calls)`. Calls are parsed only when the request
+offered `tools`, and only into functions it offered; anything malformed (bad JSON, JSON no wire can send back such as
+NaN or a lone surrogate, a name that is not an offered function, an unclosed tag) comes back as plain text with no
+calls, never as an error. The trajectory always keeps the raw generated ids: parsing only shapes the reply to the agent.
 
 * `hermes` (Qwen2.5/Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
-* `molt` (the built-in ChatML template): hermes, plus the compact form `<tool_call>TEXT</tool_call>`
-  when the request offers exactly one function with exactly one parameter and TEXT does not start
-  with `{`: TEXT is that argument (the built-in calculator task's demonstrations call
-  `<tool_call>347*29</tool_call>`).
+* `molt` (the built-in ChatML template): hermes, plus the compact form `<tool_call>TEXT</tool_call>` when the request
+  offers exactly one function with exactly one parameter and TEXT does not start with `{`: TEXT is that argument (the
+  built-in calculator task's demonstrations call `<tool_call>347*29</tool_call>`).
 * `none`: never parses calls."""
 
 from __future__ import annotations

@@ -1,19 +1,18 @@
 """OpenAI Chat Completions wire: request schema -> `ChatRequest`, `TurnReply` -> response / SSE chunks.
 
-Decoding: `developer` becomes `system`; content is a string or text and `image_url` parts (base64 data URIs only,
-for a VLM policy: a URL or path is a 400, never fetched or read; audio is refused with 422); tool-call arguments are
-decoded from JSON. `n` samples share the prompt; `seed` and `top_k` (vLLM's extra) apply in serve mode;
-`tool_choice` required / named opens the reply with a tool call of the request's tools; `response_format` other than
-`text`, `top_logprobs` without `logprobs`, and the options of `UNSUPPORTED` set to anything but their no-op values
-are refused (400).
-Encoding: one choice per sample with `content` and parsed `tool_calls`; `logprobs` are the engine's (by
-default log_softmax(logits / T) over the whole vocabulary: the number the trainer's ratio uses), one per generated
-token, as captured (a trimmed stop string's tokens and the end-of-turn token included), and
-`top_logprobs` the k most likely tokens under that same distribution (each token's `bytes` are its own: a
-byte-level token may hold part of a character, whose `token` escapes those bytes); `usage` counts the whole
-context as prompt. Streaming sends role, content deltas as the engine generates (with their `logprobs`), then each tool
-call (id and name, then its arguments in pieces, as OpenAI does), finish, usage when
-`stream_options.include_usage`, and `[DONE]`."""
+Decoding: `developer` becomes `system`; content is a string or text and `image_url` parts (base64 data URIs only, for a
+VLM policy: a URL or path is a 400, never fetched or read; audio is refused with 422); tool-call arguments are decoded
+from JSON. `n` samples share the prompt; `seed` and `top_k` (vLLM's extra) apply in serve mode; `tool_choice` required /
+named opens the reply with a tool call of the request's tools; `response_format` other than `text`, `top_logprobs`
+without `logprobs`, and the options of `UNSUPPORTED` set to anything but their no-op values are refused (400).
+
+Encoding: one choice per sample with `content` and parsed `tool_calls`; `logprobs` are the engine's (by default
+log_softmax(logits / T) over the whole vocabulary: the number the trainer's ratio uses), one per generated token, as
+captured (a trimmed stop string's tokens and the end-of-turn token included), and `top_logprobs` the k most likely
+tokens under that same distribution (each token's `bytes` are its own: a byte-level token may hold part of a character,
+whose `token` escapes those bytes); `usage` counts the whole context as prompt. Streaming sends role, content deltas as
+the engine generates (with their `logprobs`), then each tool call (id and name, then its arguments in pieces, as OpenAI
+does), finish, usage when `stream_options.include_usage`, and `[DONE]`."""
 
 from __future__ import annotations
 
