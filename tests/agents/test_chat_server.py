@@ -187,6 +187,7 @@ def test_requests_the_apis_refuse_are_400s_naming_the_field(served):
         "no tools": {"tool_choice": "required"},
         "logit_bias": {"logit_bias": {"5": 10}},
         "presence_penalty": {"presence_penalty": 1},
+        "image_url.url": {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
     }
     anthropic_refused = {
         "nope": {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "tool", "name": "nope"}},
@@ -201,6 +202,9 @@ def test_requests_the_apis_refuse_are_400s_naming_the_field(served):
     for name, options in anthropic_refused.items():
         with pytest.raises(anthropic.BadRequestError, match=name):
             an.messages.create(**{"model": "molt", "max_tokens": 8, "messages": messages} | options)
+        if name not in ("thinking", "output_config"):  # count_tokens refuses the same request the same way
+            with pytest.raises(anthropic.BadRequestError, match=name):
+                an.messages.count_tokens(**{"model": "molt", "messages": messages} | options)
     url, auth = server.session_url(session), {"authorization": f"Bearer {KEY}"}
     missing = [
         ("/v1/chat/completions", {"messages": messages}, "model"),

@@ -38,10 +38,10 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from molt.agents.chat import wire_anthropic, wire_openai
 from molt.agents.chat.ids import new_id
-from molt.agents.chat.messages import ChatRequest, TooDeep, check_depth, lone_surrogate
+from molt.agents.chat.messages import ChatRequest, check_depth, lone_surrogate
 from molt.agents.chat.replies import GenerationError, RequestError, SessionClosed
-from molt.agents.chat.session import Session, off_loop
-from molt.agents.chat.tool_parser import PARSERS, call_prefix, get_parser
+from molt.agents.chat.session import Session, forced_prefix, off_loop
+from molt.agents.chat.tool_parser import PARSERS, get_parser
 from molt.agents.runner import first_prompt_ids
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import SamplingParams
@@ -379,11 +379,11 @@ class ChatServer:
             chat = await self._decode(request, wire_anthropic, counting=True)
             tools = chat.tools if self.render_tools else None
             ids = await off_loop(chat.size, first_prompt_ids, self.tokenizer, chat.messages, tools)
-            forced = call_prefix(self.parser, chat.force_tool) if chat.force_tool is not None and chat.tools else None
+            forced = forced_prefix(self.parser, chat) if chat.force_tool is not None else None
             opening = self.tokenizer(forced, add_special_tokens=False)["input_ids"] if forced else []
             return JSONResponse({"input_tokens": len(ids) + len(opening)})  # as `messages` reports them
         except Exception as e:  # noqa: BLE001 - a template that cannot render it is a 422, the rest as elsewhere
-            if isinstance(e, TemplateError | TypeError | KeyError | ValueError) and not isinstance(e, TooDeep):
+            if isinstance(e, TemplateError | TypeError | KeyError | ValueError) and not isinstance(e, RequestError):
                 e = RequestError(f"the chat template cannot render these messages: {e}")
             return self._error(wire_anthropic, e, session_id)
 

@@ -68,6 +68,18 @@ class _Plan:
     prefix: str = ""  # a forced tool-call opening at the end of `context` (tool_choice required/named)
 
 
+def forced_prefix(parser: Parser, request: ChatRequest) -> str:
+    """The tool-call opening a tool_choice required / named request forces (InvalidRequest where it cannot)."""
+    if not request.tools:
+        raise InvalidRequest("tool_choice requires a tool call, but the request offers no tools")
+    names = [t.get("function", {}).get("name") for t in request.tools]
+    if request.force_tool and request.force_tool not in names:
+        raise InvalidRequest(f"tool_choice names {request.force_tool!r}, not one of the request's tools {names}")
+    if (prefix := call_prefix(parser, request.force_tool)) is None:
+        raise InvalidRequest("tool_choice required/named needs a tool-call format (chat.tool_parser hermes/molt)")
+    return prefix
+
+
 class Session:
     """One rollout's conversation state: sealed segments, the current one, and the last reply."""
 
@@ -271,14 +283,7 @@ class Session:
 
     def _force_call(self, plan: _Plan, request: ChatRequest) -> _Plan:
         """tool_choice required / named: the tool-call opening goes after the generation prompt (as prompt)."""
-        if not request.tools:
-            raise InvalidRequest("tool_choice requires a tool call, but the request offers no tools")
-        names = [t.get("function", {}).get("name") for t in request.tools]
-        if request.force_tool and request.force_tool not in names:
-            raise InvalidRequest(f"tool_choice names {request.force_tool!r}, not one of the request's tools {names}")
-        prefix = call_prefix(self.parser, request.force_tool)
-        if prefix is None:
-            raise InvalidRequest("tool_choice required/named needs a tool-call format (chat.tool_parser hermes/molt)")
+        prefix = forced_prefix(self.parser, request)
         ids = self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
         return dataclasses.replace(plan, context=plan.context + ids, new_ids=plan.new_ids + ids, prefix=prefix)
 

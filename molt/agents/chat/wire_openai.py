@@ -61,7 +61,7 @@ class ContentPart(WireModel):
     def canonical(self) -> dict[str, Any]:
         if self.type == "image_url":
             if self.image_url is None:
-                raise ValueError("an image_url part needs image_url.url")
+                raise InvalidRequest("an image_url part needs image_url.url")
             if not self.image_url.url.startswith("data:"):
                 raise InvalidRequest(NOT_FETCHED)
             return {"type": "image", "image": self.image_url.url}
