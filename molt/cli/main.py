@@ -28,18 +28,6 @@ from molt.errors import RunFatalError, UserError
 COMMANDS: dict[str, Callable[[Config], object]] = {}
 DEFAULTS: dict[str, dict] = {}
 UNUSED: dict[str, tuple[str, ...]] = {}  # command -> config groups (and keys) whose flags it refuses
-RAY = (
-    "backend",
-    "address",
-    "engines",
-    "trainer_ranks",
-    "cpus_per_actor",
-    "gpus_per_actor",
-    "num_cpus",
-    "sync_chunk_mb",
-)
-RAY += ("engine_restarts", "collective_timeout_s", "engine_timeout_s")  # only `molt train` runs on Ray (others: here)
-BACKEND = tuple(f"runtime.{k}" for k in RAY)
 
 
 def _all_but(group: str, *used: str) -> tuple[str, ...]:
@@ -52,11 +40,15 @@ WARM_START = ("model.warmstart_steps", "model.warmstart_lr")  # `molt train`'s p
 RL_TRAINER = ("check_tokens", "share_prefix", "logprob_chunk_tokens", "activation_checkpointing", "compile")
 RL_TRAINER += ("compile_backend",)  # `train` settings of the RL trainer that `molt sft` does not read
 ENGINE = ("engine_threads", "engine_compile", "engine", "kv_cache", "kv_memory_fraction", "kv_gb", "cuda_graphs")
+BACKEND = _all_but("runtime", "device", "threads", *ENGINE)  # backend and Ray's: only `molt train` runs on Ray
 SAMPLING = ("temperature", "top_p", "top_k")  # rollout settings `molt serve` reads (max_tokens is chat's)
 EPISODE = ("agent", "reward", "reward_weights", "top_p", "top_k", "max_tokens", "max_turns", "max_len")
 EPISODE += ("step_timeout_s", "agent_workers")  # rollout settings `molt eval` reads (temperature is eval's)
-SFT_UNUSED = ("algo", "critic", "rollout", "eval", "ckpt", "chat", *BACKEND, *WARM_START)
-SFT_UNUSED += tuple(f"train.{k}" for k in RL_TRAINER) + tuple(f"runtime.{k}" for k in ENGINE)
+NO_RL = ("algo", "critic", "ckpt", *BACKEND, *WARM_START)  # what `molt sft`, `eval` and `serve` do not read
+SFT_UNUSED = (*NO_RL, "rollout", "eval", "chat", *(f"runtime.{k}" for k in ENGINE))
+SFT_UNUSED += tuple(f"train.{k}" for k in RL_TRAINER)
+EVAL_UNUSED = (*NO_RL, *_all_but("rollout", *EPISODE), *_all_but("train", "seed"))
+SERVE_UNUSED = (*NO_RL, "data", "eval", "log", *_all_but("rollout", *SAMPLING), *_all_but("train", "seed"))
 
 
 def command(name: str, unused: tuple[str, ...] = (), **defaults: dict):
@@ -91,18 +83,7 @@ def sft(cfg: Config) -> object:
     return run_sft(cfg)
 
 
-@command(
-    "eval",
-    unused=(
-        "algo",
-        "critic",
-        "ckpt",
-        *BACKEND,
-        *WARM_START,
-        *_all_but("rollout", *EPISODE),
-        *_all_but("train", "seed"),
-    ),
-)
+@command("eval", unused=EVAL_UNUSED)
 def eval_(cfg: Config) -> object:
     """Score a checkpoint, run directory or model folder on held-out rows: `molt eval TARGET` (pass@k, per-row)."""
     from molt.cli.eval import run_eval
@@ -110,22 +91,7 @@ def eval_(cfg: Config) -> object:
     return run_eval(cfg)
 
 
-@command(
-    "serve",
-    unused=(
-        "data",
-        "algo",
-        "critic",
-        "eval",
-        "ckpt",
-        "log",
-        *BACKEND,
-        *WARM_START,
-        *_all_but("rollout", *SAMPLING),
-        *_all_but("train", "seed"),
-    ),
-    chat={"port": 8000},
-)
+@command("serve", unused=SERVE_UNUSED, chat={"port": 8000})
 def serve(cfg: Config) -> object:
     """OpenAI/Anthropic-compatible chat server over a checkpoint: `molt serve CHECKPOINT` (= --model.path)."""
     from molt.cli.serve import run_serve

@@ -1,4 +1,4 @@
-"""The configuration's error (`ConfigError`, naming the offending key) and the two helpers every group checks by."""
+"""The configuration's error (`ConfigError`, naming the offending key) and the helpers every group checks by."""
 
 from __future__ import annotations
 
@@ -21,3 +21,13 @@ def changed(group: object, *keys: str) -> list[str]:
     """The fields among `keys` of config dataclass `group` set away from their declared defaults."""
     fields = type(group).__dataclass_fields__
     return [k for k in keys if getattr(group, k) != fields[k].default]
+
+
+def check_bounds(group: object, **bounds: str) -> None:
+    """`check` each field of config dataclass `group` against its bound in turn: `every=">= 0 (0 = never)"` raises
+    `eval.every: must be >= 0 (0 = never)` for an EvalConfig whose `every` is below 0."""
+    prefix = type(group).__name__.removesuffix("Config").lower()
+    for key, bound in bounds.items():
+        op, limit = bound.split()[:2]
+        value = getattr(group, key)
+        check(value > float(limit) if op == ">" else value >= float(limit), f"{prefix}.{key}", f"must be {bound}")

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from molt.config.base import ConfigError, changed, check
+from molt.config.base import ConfigError, changed, check, check_bounds
 from molt.config.training import check_finite, check_model_folder
 
 
@@ -73,9 +73,7 @@ class RolloutConfig:
     also takes the run's config.yaml). No engine is built; token and version checks stay on."""
 
     def __post_init__(self) -> None:
-        check(self.prompts_per_step > 0, "rollout.prompts_per_step", "must be > 0")
-        check(self.n_samples_per_prompt > 0, "rollout.n_samples_per_prompt", "must be > 0")
-        check(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
+        check_bounds(self, prompts_per_step="> 0", n_samples_per_prompt="> 0", max_staleness=">= 0")
         check(self.temperature >= 1e-4, "rollout.temperature", "must be >= 1e-4 for RL (log-probs need sampling; the "
               "engine's smallest, below which logits / T overflow fp32)")  # fmt: skip
         check_finite(self, "rollout", allow_inf=("step_timeout_s",))
@@ -83,11 +81,9 @@ class RolloutConfig:
         check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
         check(self.max_tokens > 0 and self.max_turns > 0, "rollout.max_tokens", "max_tokens and max_turns must be > 0")
         check(0 <= self.max_failure_frac <= 1, "rollout.max_failure_frac", "must be in [0, 1]")
-        check(self.max_in_flight >= 0, "rollout.max_in_flight", "must be >= 0")
-        check(self.agent_workers >= 0, "rollout.agent_workers", "must be >= 0")
+        check_bounds(self, max_in_flight=">= 0", agent_workers=">= 0")
         check(bool(self.reward) or not self.reward_weights, "rollout.reward_weights", "needs rollout.reward")
-        check(self.step_timeout_s > 0, "rollout.step_timeout_s", "must be > 0")
-        check(self.max_len > 1, "rollout.max_len", "must be > 1 (prompt tokens + room to generate)")
+        check_bounds(self, step_timeout_s="> 0", max_len="> 1 (prompt tokens + room to generate)")
         check(not self.replay or os.path.isdir(self.replay), "rollout.replay", f"folder {self.replay!r} does not exist")
         from molt.algo.filtering import GROUP_FILTERS
 
@@ -200,13 +196,11 @@ class AlgoConfig:
                               ("loss_agg", algo.AGGREGATIONS), ("kl_estimator", algo.KL_ESTIMATORS)):  # fmt: skip
             check(getattr(self, key) in registry, f"algo.{key}", f"unknown; choose one of {registry.names()}")
         check(self.is_level == "none" or self.is_level in algo.IS_LEVELS, "algo.is_level", "token, seq, geo or none")
-        check(self.moe_aux_coef >= 0, "algo.moe_aux_coef", "must be >= 0")
-        check(self.kl_coef >= 0, "algo.kl_coef", "must be >= 0 (0 = no KL term, no reference model)")
+        check_bounds(self, moe_aux_coef=">= 0", kl_coef=">= 0 (0 = no KL term, no reference model)")
         check(self.kl_target >= 0 and self.kl_horizon > 0, "algo.kl_target", "kl_target >= 0, kl_horizon > 0")
         check(self.reward_clip >= 0, "algo.reward_clip", "must be >= 0 (0 = off)")
         check(min(self.overlong_buffer, self.overlong_max_len) >= 0, "algo.overlong_buffer", "must be >= 0")
-        check(self.overlong_coef > 0, "algo.overlong_coef", "must be > 0")
-        check(self.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0 (0 = no entropy bonus)")
+        check_bounds(self, overlong_coef="> 0", entropy_coef=">= 0 (0 = no entropy bonus)")
         check(0 <= self.is_low <= 1 <= self.is_high, "algo.is_low", "the IS band needs 0 <= is_low <= 1 <= is_high")
         modes = algo.IS_LEVELS.info(self.is_level)["modes"] if self.is_level != "none" else (self.is_mode,)
         check(self.is_mode in modes, "algo.is_mode", f"--algo.is_level {self.is_level} takes only mode "

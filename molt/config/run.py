@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from molt.config.base import changed, check
+from molt.config.base import changed, check, check_bounds
 from molt.config.training import check_finite
 
 
@@ -32,9 +32,7 @@ class EvalConfig:
     """`molt eval`: per-row results file (JSON lines). Default: <run_dir>/results.jsonl."""
 
     def __post_init__(self) -> None:
-        check(self.every >= 0, "eval.every", "must be >= 0 (0 = never)")
-        check(self.num_prompts > 0, "eval.num_prompts", "must be > 0")
-        check(self.n_samples > 0, "eval.n_samples", "must be > 0")
+        check_bounds(self, every=">= 0 (0 = never)", num_prompts="> 0", n_samples="> 0")
         check_finite(self, "eval")
         check(self.temperature == 0 or self.temperature >= 1e-4, "eval.temperature",
               "must be 0 (greedy) or >= 1e-4 (the engine's smallest: below it logits / T overflow fp32)")  # fmt: skip
@@ -158,8 +156,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         check(self.threads >= 0 and self.engine_threads >= 0, "runtime.threads", "thread counts must be >= 0")
-        check(self.collective_timeout_s > 0, "runtime.collective_timeout_s", "must be > 0")
-        check(self.engine_timeout_s >= 0, "runtime.engine_timeout_s", "must be >= 0 (0: off)")
+        check_bounds(self, collective_timeout_s="> 0", engine_timeout_s=">= 0 (0: off)")
         check(0 < self.kv_memory_fraction < 1, "runtime.kv_memory_fraction", "must be in (0, 1)")
         check(self.kv_gb >= 0, "runtime.kv_gb", "must be >= 0")
         torch_engine = self.engine == "torch"
@@ -180,9 +177,7 @@ class RuntimeConfig:
         host, _, port = self.address.removeprefix("ray://").rpartition(":")
         check(self.address in ("", "auto") or (bool(host) and port.isdigit()), "runtime.address", f"{self.address!r} "
               "is not HOST:PORT (e.g. 10.0.0.1:6379, as `ray start --head` prints) or auto (RAY_ADDRESS)")  # fmt: skip
-        check(self.sync_chunk_mb > 0, "runtime.sync_chunk_mb", "must be > 0")
-        check(self.engine_restarts >= 0, "runtime.engine_restarts", "must be >= 0")
-        check(self.num_cpus >= 0, "runtime.num_cpus", "must be >= 0 (0 = enough for every actor)")
+        check_bounds(self, sync_chunk_mb="> 0", engine_restarts=">= 0", num_cpus=">= 0 (0 = enough for every actor)")
         check(not (self.num_cpus and self.address), "runtime.num_cpus", "sizes a local cluster; not with address")
         need = (self.engines + self.trainer_ranks) * self.cpus_per_actor
         check(not self.num_cpus or self.num_cpus >= need, "runtime.num_cpus", f"({self.num_cpus}) must be >= "

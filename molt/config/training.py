@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from molt.config.base import ConfigError, changed, check
+from molt.config.base import ConfigError, changed, check, check_bounds
 from molt.errors import UserError
 
 
@@ -50,9 +50,7 @@ class ModelConfig:
         check(self.preset in PRESETS or bool(self.path), "model.preset",
               f"unknown preset; use one of {sorted(PRESETS)}")  # fmt: skip
         check_finite(self, "model")
-        check(self.init_std > 0, "model.init_std", "must be > 0")
-        check(self.warmstart_lr > 0, "model.warmstart_lr", "must be > 0")
-        check(self.warmstart_steps >= 0, "model.warmstart_steps", "must be >= 0 (0 = no warm start)")
+        check_bounds(self, init_std="> 0", warmstart_lr="> 0", warmstart_steps=">= 0 (0 = no warm start)")
         self.path = self.path and check_model_folder(self.path, "model.path")  # a run directory: its latest checkpoint
         if self.tokenizer:
             check(os.path.isdir(self.tokenizer), "model.tokenizer", f"folder {self.tokenizer!r} does not exist")
@@ -135,9 +133,7 @@ class DataConfig:
     """Seed of the built-in task generator and of the dataset shuffle."""
 
     def __post_init__(self) -> None:
-        check(self.num_train > 0, "data.num_train", "must be > 0")
-        check(self.num_eval >= 0, "data.num_eval", "must be >= 0")
-        check(self.max_len > 1, "data.max_len", "must be > 1")
+        check_bounds(self, num_train="> 0", num_eval=">= 0", max_len="> 1")
         from molt.data.formats import detect_format
         from molt.data.rows import parse_columns
         from molt.data.tasks import TASKS
@@ -217,19 +213,14 @@ class TrainConfig:
         check_finite(self, "train")
         check(self.lr > 0, "train.lr", "must be > 0")
         check(-(2**63) <= self.seed < 2**63, "train.seed", "must fit in 64 bits (torch's seed)")
-        check(self.lora_rank >= 0, "train.lora_rank", "must be >= 0 (0: no LoRA)")
-        check(self.lora_alpha > 0, "train.lora_alpha", "must be > 0")
+        check_bounds(self, lora_rank=">= 0 (0: no LoRA)", lora_alpha="> 0")
         unknown = set(self.lora_targets) - {"q", "k", "v", "o", "gate", "up", "down"}
         check(bool(self.lora_targets) and not unknown, "train.lora_targets", "choose from q,k,v,o,gate,up,down")
         for key in changed(self, "lora_alpha", "lora_targets"):
             check(self.lora_rank > 0, f"train.{key}", "has no effect here: LoRA is off (--train.lora_rank 0)")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
-        check(self.max_steps > 0, "train.max_steps", "must be > 0")
-        check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-        check(self.batch_size > 0, "train.batch_size", "must be > 0")
-        check(self.micro_batch_tokens > 0, "train.micro_batch_tokens", "must be > 0")
-        check(self.logprob_chunk_tokens > 0, "train.logprob_chunk_tokens", "must be > 0")
-        check(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
+        check_bounds(self, max_steps="> 0", warmup_steps=">= 0", batch_size="> 0", micro_batch_tokens="> 0")
+        check_bounds(self, logprob_chunk_tokens="> 0", grad_clip=">= 0")
         check(all(0 <= b < 1 for b in self.betas), "train.betas", "each beta must be in [0, 1)")
 
 
