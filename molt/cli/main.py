@@ -363,11 +363,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     except Exception as e:  # not the user's doing: a bug in Molt, shown in full
         traceback.print_exception(e)
-        print(f"molt {name}: internal error: {type(e).__name__}: {e}", file=sys.stderr)
-        print(
-            "  this is a bug in Molt (not in your config, data or agent); please report it with the traceback above",
-            file=sys.stderr,
-        )
+        print(f"molt {name}: internal error: {type(e).__name__}: {e}\n  this is a bug in Molt (not in your config, "
+              "data or agent); please report it with the traceback above", file=sys.stderr)  # fmt: skip
         raise SystemExit(1) from None
     finally:
         if on_term is not None:

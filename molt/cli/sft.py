@@ -48,8 +48,7 @@ def run_sft(cfg: Config) -> SftResult:
     precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
     model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device, precision.params)
     scaler = precision.scaler()
-    eval_batches = pack(eval_ids, eval_masks, row_len, mb, eval_pixels) if eval_ids else []
-    eval_batches = [b.to(cfg.runtime.device) for b in eval_batches]
+    eval_batches = [b.to(cfg.runtime.device) for b in pack(eval_ids, eval_masks, row_len, mb, eval_pixels)]
     run.print(f"model {model.num_params() / 1e6:.2f}M params, {len(ids)} train / {len(eval_ids)} eval samples")
     tr = cfg.train
     freeze_routers(model, cfg)  # `train.freeze_router`: before the optimizer, which takes requires_grad params
@@ -63,9 +62,8 @@ def run_sft(cfg: Config) -> SftResult:
         batches = pack([ids[i] for i in picked], [masks[i] for i in picked], row_len, mb, [pixels[i] for i in picked])
         batches = [b.to(cfg.runtime.device) for b in batches]
         metrics = train_step(model, opt, schedule, batches, cfg.train.grad_clip, precision, scaler)
-        tokens = sum(b.num_tokens for b in batches)
         dt = time.perf_counter() - t0
-        metrics |= {"step": step, "train/tokens_per_s": tokens / dt, "time/step_s": dt}
+        metrics |= {"step": step, "train/tokens_per_s": sum(b.num_tokens for b in batches) / dt, "time/step_s": dt}
         run.log(metrics)
         if step % cfg.log.every == 0 or step == cfg.train.max_steps:
             run.print(

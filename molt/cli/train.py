@@ -51,13 +51,8 @@ class TrainResult:
 
 def _policy(cfg: Config, train_rows: list[dict], warm: bool):
     """(tokenizer, trainer model): resumed, loaded, or warm-started preset."""
-    if cfg.ckpt.resume:
-        folder = latest_checkpoint(cfg.ckpt.resume)
-        model_cfg = dataclasses.replace(cfg.model, path=str(folder), tokenizer="")
-    elif warm:
-        model_cfg = dataclasses.replace(cfg.model, path=warm_start(cfg, train_rows), tokenizer="")
-    else:
-        model_cfg = cfg.model
+    folder = latest_checkpoint(cfg.ckpt.resume) if cfg.ckpt.resume else warm_start(cfg, train_rows) if warm else None
+    model_cfg = dataclasses.replace(cfg.model, path=str(folder), tokenizer="") if folder else cfg.model
     return build_policy(cfg, model_cfg, Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device).params)
 
 

@@ -125,8 +125,7 @@ class Config:
         overlong_max_len = self.algo.overlong_max_len or ro.max_tokens
         check(self.algo.overlong_buffer <= overlong_max_len, "algo.overlong_buffer", f"({self.algo.overlong_buffer}) "
               f"must be <= algo.overlong_max_len ({overlong_max_len}; 0 = rollout.max_tokens)")  # fmt: skip
-        given = [f"critic.{f.name}" for f in dataclasses.fields(CriticConfig)  # a critic's settings need one
-                 if getattr(self.critic, f.name) != getattr(CriticConfig(), f.name)]  # fmt: skip
+        given = [f"critic.{k}" for k in changed(self.critic, *CriticConfig.__dataclass_fields__)]  # they need one
         others = f" (and {', '.join(given[1:])}, from the flags or the config file)" if len(given) > 1 else ""
         check(self.algo.estimator == "gae" or not given, given[0] if given else "critic", "has no effect: no critic "
               f"runs with algo.estimator {self.algo.estimator} (only gae trains one); drop it{others}")  # fmt: skip

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from molt.config.base import ConfigError, changed, check, check_bounds
@@ -69,8 +70,6 @@ def check_finite(group: object, prefix: str, allow_inf: tuple[str, ...] = ()) ->
 def check_model_folder(path: str, key: str) -> str:
     """The model folder `path` names: itself, a `molt train` run directory's latest checkpoint or a `molt sft` run
     directory's checkpoint; else a ConfigError naming `key`."""
-    from pathlib import Path
-
     folder = Path(path)
     check(folder.exists(), key, f"{path!r} does not exist")
     check(folder.is_dir(), key, f"{path!r} is a file; give a Hugging Face model folder (config.json + *.safetensors)")
@@ -89,8 +88,6 @@ def check_model_folder(path: str, key: str) -> str:
 
 def _loadable(folder: str, key: str) -> str:
     """`folder`, once its config.json names a supported architecture and it has safetensors weights."""
-    from pathlib import Path
-
     from molt.models.hf_io import load_config, weight_files
 
     try:
