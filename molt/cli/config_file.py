@@ -101,15 +101,14 @@ def read_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
         raise ConfigError(f"--config: {str(path)!r} {what}")
     try:
         text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
-    try:
         if path.suffix == ".toml":
             return tomllib.loads(text), _toml_lines(text)
         if path.suffix in (".yaml", ".yml"):
             data = yaml.load(text, Loader=_Yaml12Loader) or {}  # noqa: S506 - a safe loader subclass
             check(isinstance(data, dict), str(path), "top level must be a mapping of config groups")
             return _undot(data, path), _yaml_lines(yaml.compose(text, Loader=_Yaml12Loader))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
