@@ -137,8 +137,6 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             check(len(value) == len(args), key, f"expected {len(args)} values, got {len(value)}")
             return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
         return origin(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
-    if tp is type(None) and value is None:
-        return None
     number = numbers.Integral if tp is int else numbers.Real if tp is float else None  # numpy scalars too, no bool
     if number and isinstance(value, number) and not isinstance(value, bool):
         return tp(value)

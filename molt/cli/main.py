@@ -56,9 +56,7 @@ def command(name: str, unused: tuple[str, ...] = (), **defaults: dict):
     of an `unused` config group (or dotted key) is refused (a config file shared with other commands may set them)."""
 
     def wrap(fn):
-        COMMANDS[name] = fn
-        DEFAULTS[name] = defaults
-        UNUSED[name] = unused
+        COMMANDS[name], DEFAULTS[name], UNUSED[name] = fn, defaults, unused
         return fn
 
     return wrap

@@ -161,9 +161,8 @@ class RuntimeConfig:
         check(self.kv_gb >= 0, "runtime.kv_gb", "must be >= 0")
         torch_engine = self.engine == "torch"
         check(not self.engine_compile or torch_engine, "runtime.engine_compile", "is for runtime.engine torch")
-        compiled_paged = self.engine_compile and self.kv_cache == "paged"
-        check(not compiled_paged, "runtime.engine_compile", "compiles the slot cache's decode step; the paged "
-              "cache replays CUDA graphs instead (runtime.cuda_graphs)")  # fmt: skip
+        check(not (self.engine_compile and self.kv_cache == "paged"), "runtime.engine_compile", "compiles the slot "
+              "cache's decode step; the paged cache replays CUDA graphs instead (runtime.cuda_graphs)")  # fmt: skip
         check(self.backend != "ray" or torch_engine, "runtime.engine", "vllm runs with --runtime.backend local only: "
               "Ray engine replicas run the built-in engine (--runtime.engine torch), so drop one of the two "
               "flags")  # fmt: skip
