@@ -163,21 +163,20 @@ def _without(groups: tuple[str, ...]) -> type:
 
 def _alias(args: list[str], short: str, flag: str, missing: str) -> tuple[list[str], str | None]:
     """`args` with `short` spelled `flag`, and the flag's value when no `--config` is given (None otherwise);
-    a ConfigError saying `missing` when the flag has no value."""
+    a ConfigError naming the flag's key and saying `missing` when the flag has no value."""
     args = [flag if a == short else a for a in args]
     if flag not in args or _config_path(args) is not None:
         return args, None
     at = args.index(flag) + 1
     value = args[at] if at < len(args) else ""
-    if not value or value.startswith("--"):
-        raise ConfigError(missing)
+    check(bool(value) and not value.startswith("--"), flag[2:], missing)
     return args, value
 
 
 def _resume_args(args: list[str]) -> list[str]:
     """`--resume DIR` = `--ckpt.resume DIR` with the run's own config.yaml as the config file, continuing in DIR
     (wherever the run was first written; a later `--log.run_dir` still wins)."""
-    missing = "ckpt.resume: --resume needs a run directory, e.g. --resume runs/train-<time>"
+    missing = "--resume needs a run directory, e.g. --resume runs/train-<time>"
     args, run_dir = _alias(args, "--resume", "--ckpt.resume", missing)
     if run_dir is None:
         return args
@@ -195,7 +194,7 @@ def run_config(run_dir: str) -> Path:
 def _replay_args(args: list[str]) -> list[str]:
     """`--replay DIR` = `--rollout.replay DIR`, with the dumped run's config.yaml (when DIR is a run or its
     rollouts folder) as the config file: its seed, model and algorithm; not its run_dir or resume."""
-    missing = "rollout.replay: --replay needs a run directory (or its rollouts folder) with a dump"
+    missing = "--replay needs a run directory (or its rollouts folder) with a dump"
     args, target = _alias(args, "--replay", "--rollout.replay", missing)
     folders = (Path(target), Path(target).parent) if target else ()
     run = next((p for p in folders if (p / "config.yaml").exists()), None)
