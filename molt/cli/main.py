@@ -275,8 +275,7 @@ def _bool_words(args: list[str]) -> list[str]:
             continue
         if not eq:
             out.pop()
-        group, key = flag.split(".", 1)
-        out.append(flag if BOOL_WORDS[word.lower()] else f"{group}.no_{key}")
+        out.append(flag if BOOL_WORDS[word.lower()] else flag.replace(".", ".no_", 1))
     return out
 
 
