@@ -98,7 +98,6 @@ class BlockManager:
         self._stale: set[int] = set()  # sequences holding KV of replaced weights (and their forks): never registered
         self._copies: list[BlockCopy] = []
 
-    # ---- queries -------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
         """Blocks a new sequence can take now: free ones plus cached (evictable) ones."""
         return len(self._free) + len(self._cached)
@@ -142,7 +141,6 @@ class BlockManager:
         copies, self._copies = self._copies, []
         return copies
 
-    # ---- allocation ----------------------------------------------------------------------------
     def allocate(self, seq_id: int, prompt_ids: Sequence[int]) -> int:
         """Give a new sequence blocks for its prompt; returns the number of leading positions already cached.
 
@@ -255,7 +253,6 @@ class BlockManager:
         if src_seq in self._stale:
             self._stale.add(dst_seq)
 
-    # ---- release -------------------------------------------------------------------------------
     def free(self, seq_id: int) -> None:
         """Drop the sequence's references, last block first; unreferenced registered blocks stay cached."""
         for block in reversed(self._tables.pop(seq_id)):
@@ -279,7 +276,6 @@ class BlockManager:
         self._digest_of.clear()
         self._block_of.clear()
 
-    # ---- invariants ----------------------------------------------------------------------------
     def check(self) -> None:
         """Assert the invariants (used by tests): pools partition the blocks, refcounts match the tables,
         shared blocks are full, registrations are consistent and match the tokens they cover, stale sequences

@@ -55,7 +55,6 @@ class SlotCacheManager:
         self._cached: dict[int, _CachedPrefix] = {}
         self._moves: list[Move] = []
 
-    # ---- queries -------------------------------------------------------------------------------
     def slot_of(self, seq_id: int, default: int | None = None) -> int:
         """The sequence's slot; `default` (when given) for one that holds none."""
         return self._slot_of[seq_id] if default is None else self._slot_of.get(seq_id, default)
@@ -75,7 +74,6 @@ class SlotCacheManager:
         moves, self._moves = self._moves, []
         return moves
 
-    # ---- allocation ----------------------------------------------------------------------------
     def allocate(self, seq_id: int, prompt: Sequence[int] = ()) -> tuple[int, int] | None:
         """(slot, number of prompt positions already in it) for a new sequence, or None when full.
 
@@ -178,7 +176,6 @@ class SlotCacheManager:
         """Mark every active slot empty (the engine recomputes their KV under new weights)."""
         self._length[: self.num_active] = [0] * self.num_active
 
-    # ---- relocation ----------------------------------------------------------------------------
     def _move(self, src: int, dst: int) -> None:
         """Relocate the content (owner, length) of slot `src` into `dst`, leaving `src` empty."""
         self._moves.append(Move(src, dst, self._length[src]))

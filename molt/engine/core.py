@@ -77,7 +77,6 @@ class EngineCore:
         counters = ("steps", "decode_steps", "decode_only_steps", "prefill_tokens", "decode_tokens", "step_errors")
         self.stats = dict.fromkeys(counters, 0) | dict(busy_s=0.0, decode_s=0.0)
 
-    # ---- requests and commands -----------------------------------------------------------------
     def add(self, group: Group, on_tokens: Callable[[list[TokenDelta]], None] | None = None) -> None:
         """Queue a request; `on_tokens` (streaming) gets a `TokenDelta` per sample after each step that sampled its
         next token, always before `group.on_done`."""
@@ -110,7 +109,6 @@ class EngineCore:
         self.manager.clear_prefixes()
         self.scheduler.forget_computed_prompts()
 
-    # ---- the step ------------------------------------------------------------------------------
     def step_safely(self, admit: bool = True) -> None:
         """One step; a failure fails the requests that were running, never the engine."""
         t0, decode_only = time.perf_counter(), False
@@ -220,7 +218,6 @@ class EngineCore:
             banned=banned,
         )
 
-    # ---- after sampling ------------------------------------------------------------------------
     def _append(self, seq: Seq, token: int, logprob: float) -> tuple[str, int | str | None] | None:
         """Record a sampled token; returns (finish reason, stop reason) when `seq` ends with it."""
         tokens, sp = seq.tokens, seq.group.sampling

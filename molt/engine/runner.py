@@ -201,9 +201,6 @@ class ModelRunner:
         elif compile:
             self.compiled = CompiledDecode(self)
 
-    def cache_bytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
     @torch.inference_mode()
     def forward(
         self,
