@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from molt.engine.paged_attention import paged_decode
-from molt.engine.runner import writing_attend
+from molt.engine.runner import Prepared, writing_attend
 from molt.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -44,23 +44,6 @@ def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16, up to the first bucket >= `max_batch`."""
     candidates = [1, 2, 4, 8, *range(16, max_batch + 16, 16)]
     return [b for b in candidates if b < max_batch] + [next(b for b in candidates if b >= max_batch)]
-
-
-class GraphStep:
-    """Cache backend of a graphed decode step: row n writes its new key/value at flat cache row `write_n[n]`
-    (+ head x block_size) and attends over its first `lens_n[n]` positions through `table_nm[n]`."""
-
-    def __init__(self, runner: PagedRunner, table_nm, lens_n, write_n):
-        self.runner, self.table_nm, self.lens_n, self.write_n = runner, table_nm, lens_n, write_n
-
-    def prepare(self, position_ids_bt: torch.Tensor):
-        r = self.runner
-        scale = r.head_dim**-0.5
-
-        def attention(k_cache, v_cache, q_nhd) -> torch.Tensor:
-            return paged_decode(q_nhd, k_cache, v_cache, self.table_nm, self.lens_n, scale)
-
-        return writing_attend(r.k, r.v, self.write_n, r.block_size, attention)
 
 
 class GraphDecode:
@@ -89,21 +72,19 @@ class GraphDecode:
     def fits(self, num_rows: int) -> bool:
         return 0 < num_rows <= self.buckets[-1]
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        """Logits [bucket, V] of the rows in the static buffers (their new keys/values written to the cache)."""
-        r = self.runner
-        ids, pos = self.ids[:bucket], self.pos[:bucket]
-        backend = GraphStep(r, self.table[:bucket], self.lens[:bucket], self.write[:bucket])
-        hidden_nh = r.model(ids[None], pos[None], cache=backend, return_hidden=True)[0]
-        return r.model.lm_head(hidden_nh)
-
     def _run(self, bucket: int) -> torch.Tensor:
-        """The packed input rows into the typed static buffers (device-side, part of the graph), then `_forward`."""
-        rows = self.inputs[:bucket]
+        """Logits [bucket, V] of the packed input rows: unpacked into the typed static buffers (device-side, part of
+        the graph); row n writes its new key/value at flat cache row `write[n]` (+ head x block_size) and attends
+        over its first `lens[n]` positions through `table[n]`."""
+        r, rows, scale = self.runner, self.inputs[:bucket], self.runner.head_dim**-0.5
         for column, buffer in enumerate((self.ids, self.pos, self.lens, self.write)):
             buffer[:bucket].copy_(rows[:, column])
         self.table[:bucket].copy_(rows[:, 4:])
-        return self._forward(bucket)
+        table, lens = self.table[:bucket], self.lens[:bucket]
+        attention = lambda k_cache, v_cache, q_nhd: paged_decode(q_nhd, k_cache, v_cache, table, lens, scale)  # noqa: E731
+        backend = Prepared(writing_attend(r.k, r.v, self.write[:bucket], r.block_size, attention))
+        hidden_nh = r.model(self.ids[None, :bucket], self.pos[None, :bucket], cache=backend, return_hidden=True)[0]
+        return r.model.lm_head(hidden_nh)
 
     @torch.inference_mode()
     def capture_all(self) -> None:

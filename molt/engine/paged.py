@@ -36,7 +36,7 @@ from molt.engine.blocks import (
 )
 from molt.engine.cpu.packed import LinearPacks
 from molt.engine.graphs import GraphDecode
-from molt.engine.runner import gathered_attention, joined_attention, sampled_logits, writing_attend
+from molt.engine.runner import Prepared, gathered_attention, joined_attention, sampled_logits, writing_attend
 from molt.engine.scheduler import Group, Plan, Scheduler, Sequence
 from molt.engine.transfer import to_device
 from molt.models.transformer import Transformer
@@ -253,30 +253,6 @@ class PagedScheduler(Scheduler):
         super().restart_all()
 
 
-class PagedStep:
-    """Cache backend for one packed row over the paged cache: `rows` are (slot, start position, length), the
-    decode rows (length 1) first, then the prefill chunks."""
-
-    def __init__(self, runner: PagedRunner, rows: list[tuple[int, int, int]], num_decode: int):
-        self.runner, self.rows, self.num_decode = runner, rows, num_decode
-
-    def prepare(self, position_ids_bt: torch.Tensor):
-        r, device, bs = self.runner, position_ids_bt.device, self.runner.block_size
-        tables = {slot: r.manager.table_at(slot) for slot, _, _ in self.rows}
-        # each new key/value is one row of the flat cache [blocks * kv_heads * block_size, head_dim] (first_n: head 0's)
-        first_n = [
-            tables[slot][p // bs] * r.kv_heads * bs + p % bs for slot, s, n in self.rows for p in range(s, s + n)
-        ]
-        groups = [g for g in (self.rows[: self.num_decode], self.rows[self.num_decode :]) if g]
-        attentions = [
-            gathered_attention(g, tables, bs, r.kv_heads, bs * max(-(-(s + n) // bs) for _, s, n in g), device)
-            for g in groups
-        ]
-        bounds = list(itertools.accumulate((sum(n for _, _, n in g) for g in groups), initial=0))
-        spans = list(zip(attentions, bounds, bounds[1:], strict=False))
-        return writing_attend(r.k, r.v, to_device(first_n, torch.long, device), bs, joined_attention(spans))
-
-
 class PagedRunner:
     """Runs one packed decode + prefill forward of `model` against the paged cache; applies block copies."""
 
@@ -325,8 +301,24 @@ class PagedRunner:
         ids_1n = to_device([ids], torch.long, self.device)
         pos_1n = to_device([positions], torch.long, self.device)
         with self.packs.active():
-            hidden_nh = self.model(ids_1n, pos_1n, cache=PagedStep(self, rows, len(decode)), return_hidden=True)[0]
+            hidden_nh = self.model(ids_1n, pos_1n, cache=self._backend(rows, len(decode)), return_hidden=True)[0]
             return sampled_logits(self.model, hidden_nh, len(decode), chunks, sampled_chunks)
+
+    def _backend(self, rows: list[tuple[int, int, int]], num_decode: int) -> Prepared:
+        """Cache backend of one packed row: `rows` are (slot, start position, length), the decode rows (length 1)
+        first, then the prefill chunks."""
+        device, bs = self.device, self.block_size
+        tables = {slot: self.manager.table_at(slot) for slot, _, _ in rows}
+        # each new key/value is one row of the flat cache [blocks * kv_heads * block_size, head_dim] (first_n: head 0's)
+        first_n = [tables[slot][p // bs] * self.kv_heads * bs + p % bs for slot, s, n in rows for p in range(s, s + n)]
+        groups = [g for g in (rows[:num_decode], rows[num_decode:]) if g]
+        attentions = [
+            gathered_attention(g, tables, bs, self.kv_heads, bs * max(-(-(s + n) // bs) for _, s, n in g), device)
+            for g in groups
+        ]
+        bounds = list(itertools.accumulate((sum(n for _, _, n in g) for g in groups), initial=0))
+        attention = joined_attention(list(zip(attentions, bounds, bounds[1:], strict=False)))
+        return Prepared(writing_attend(self.k, self.v, to_device(first_n, torch.long, device), bs, attention))
 
     @torch.inference_mode()
     def apply_moves(self, copies: list[BlockCopy]) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +75,16 @@ def writing_attend(k: torch.Tensor, v: torch.Tensor, write_n: torch.Tensor, head
         return attention(k_cache, v_cache, q_nhd).transpose(0, 1)[None]
 
     return attend
+
+
+@dataclass
+class Prepared:
+    """A cache backend whose `attend` was built before the forward (from none of its position ids)."""
+
+    attend: Callable
+
+    def prepare(self, position_ids_bt: torch.Tensor) -> Callable:
+        return self.attend
 
 
 def joined_attention(spans: list[tuple[Callable, int, int]]):
