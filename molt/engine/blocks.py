@@ -156,16 +156,17 @@ class BlockManager:
         num_new = self.blocks_needed(len(tokens)) - len(hits)
         if num_new > self.num_free_blocks() - sum(self._ref[b] == 0 for b in hits):
             raise OutOfBlocks(f"sequence {seq_id} needs {num_new} blocks, {self.num_free_blocks()} free")
-        for block in hits:
-            self._cached.pop(block, None)
-            self._ref[block] += 1
-        table = hits + [self._take_block() for _ in range(num_new)]
-        self._register_seq(seq_id, table, tokens, digests, len(hits) * self.block_size)
+        self._start_seq(seq_id, hits, num_new, tokens, digests, len(hits) * self.block_size)
         return len(hits) * self.block_size
 
-    def _register_seq(self, seq_id: int, table: list[int], tokens: list[int], digests: list[bytes], computed: int):
-        self._tables[seq_id], self._tokens[seq_id], self._digests[seq_id] = table, tokens, digests
-        self._num_computed[seq_id] = computed
+    def _start_seq(self, seq_id: int, shared: list[int], num_new: int, tokens, digests, computed: int) -> list[int]:
+        """The new sequence's table: `shared` blocks by reference (taken out of the cached pool), then `num_new`."""
+        for block in shared:
+            self._cached.pop(block, None)
+            self._ref[block] += 1
+        table = self._tables[seq_id] = shared + [self._take_block() for _ in range(num_new)]
+        self._tokens[seq_id], self._digests[seq_id], self._num_computed[seq_id] = tokens, digests, computed
+        return table
 
     def _match_prefix(self, tokens: list[int]) -> tuple[list[bytes], list[int]]:
         """Chain digests of the shareable full blocks and the registered blocks they hit (leading run)."""
@@ -243,13 +244,10 @@ class BlockManager:
         if num_new > self.num_free_blocks():
             raise OutOfBlocks(f"fork {src_seq} -> {dst_seq} needs {num_new} blocks, {self.num_free_blocks()} free")
         src_table = self._tables[src_seq]
-        table = src_table[:num_shared]
-        for block in table:
-            self._ref[block] += 1
-        table += [self._take_block() for _ in range(num_new)]
+        digests = self._digests[src_seq][:num_shared]
+        table = self._start_seq(dst_seq, src_table[:num_shared], num_new, tokens[:num_tokens], digests, computed)
         if computed % self.block_size:
             self._copies.append(BlockCopy(src_table[num_shared], table[num_shared], computed % self.block_size))
-        self._register_seq(dst_seq, table, tokens[:num_tokens], self._digests[src_seq][:num_shared], computed)
         if src_seq in self._stale:
             self._stale.add(dst_seq)
 
