@@ -239,8 +239,7 @@ class EngineCore:
     def _finish(self, seq: Seq, reason: str, stop_reason: int | str | None = None) -> None:
         if self.runner.routes is not None:  # read before the slot is freed (MoE routing capture)
             self.runner.apply_moves(self.manager.take_moves())  # a finish this step may have moved it
-            slot = self.manager.slot_of(seq.seq_id)
-            seq.routing = self.runner.read_routing(slot, seq.num_computed, len(seq.tokens))
+            seq.routing = self.runner.read_routing(self.manager.slot_of(seq.seq_id), seq.num_computed, len(seq.tokens))
         self.scheduler.finish(seq, reason, stop_reason)
         if seq.group.done:
             self._complete(seq.group)

@@ -69,9 +69,6 @@ class GraphDecode:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [top, V], every bucket's output (captured graphs only)
 
-    def fits(self, num_rows: int) -> bool:
-        return 0 < num_rows <= self.buckets[-1]
-
     def _run(self, bucket: int) -> torch.Tensor:
         """Logits [bucket, V] of the packed input rows: unpacked into the typed static buffers (device-side, part of
         the graph); row n writes its new key/value at flat cache row `write[n]` (+ head x block_size) and attends

@@ -293,7 +293,7 @@ class PagedRunner:
     def forward(self, decode, chunks, sampled_chunks, image_embeds_nh=None) -> torch.Tensor:
         """Logits [D + S, V], as `ModelRunner.forward` (same arguments; no images). Decode-only steps run the
         captured graph of their batch bucket (`graphs.py`)."""
-        if self.graphs is not None and not chunks and self.graphs.fits(len(decode)):
+        if self.graphs is not None and not chunks:  # every decode row has a slot: a bucket fits them
             return self.graphs.step(decode)
         ids = [token for _, token, _ in decode] + [t for _, c, _ in chunks for t in c]
         positions = [pos for _, _, pos in decode] + [p for _, c, s in chunks for p in range(s, s + len(c))]

@@ -86,7 +86,6 @@ class TorchEngine(Engine):
         self.model, self.tokenizer, self.kv_on_update = model, tokenizer, kv_on_update
         self.vision, self.image_token_id = model.cfg.vision, model.cfg.image_token_id
         self.max_seq_len = max_seq_len or min(model.cfg.max_position_embeddings, 2048)
-        eos = eos_ids(model.cfg.eos_token_id, tokenizer) if eos_token_ids is None else eos_token_ids
         self.core = EngineCore(
             model,
             tokenizer=tokenizer,
@@ -94,7 +93,7 @@ class TorchEngine(Engine):
             max_seq_len=self.max_seq_len,
             max_num_batched_tokens=max_num_batched_tokens,
             prefix_cache=prefix_cache,
-            eos_token_ids=eos,
+            eos_token_ids=eos_ids(model.cfg.eos_token_id, tokenizer) if eos_token_ids is None else eos_token_ids,
             version=version,
             record_routing=record_routing,
             compile=compile,

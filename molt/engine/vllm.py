@@ -198,8 +198,7 @@ class VLLMEngine(Engine):
         )
 
     async def abort(self, request_id: str) -> bool:
-        prefix = f"{request_id}-"
-        ids = [v for k, v in self._running.items() if k.startswith(prefix)]
+        ids = [v for k, v in self._running.items() if k.startswith(f"{request_id}-")]
         if ids:
             self._aborted.add(request_id)
             await self._engine.abort(ids)
