@@ -1,13 +1,12 @@
 """The engine core: one synchronous step of continuous batching, plus the state it advances.
 
-A step: schedule, apply pending cache moves, run ONE packed forward over every decoding row's
-token and the scheduled prefill chunks, copy shared prompt prefixes to sibling samples, sample
-all rows at once, then append / stop / finish in Python.
+A step: schedule, apply pending cache moves, run ONE packed forward over every decoding row's token and the scheduled
+prefill chunks, copy shared prompt prefixes to sibling samples, sample all rows at once, then append / stop / finish in
+Python.
 
-Single-threaded and free of asyncio: `TorchEngine` calls it from its worker thread. Requests
-enter as scheduler `Group`s and leave through each group's `on_done` callback (a list of
-`Completion`s, or the exception that failed them). Knows models, caches and sampling; nothing
-of agents or trainers."""
+Single-threaded and free of asyncio: `TorchEngine` calls it from its worker thread. Requests enter as scheduler `Group`s
+and leave through each group's `on_done` callback (a list of `Completion`s, or the exception that failed them). Knows
+models, caches and sampling; nothing of agents or trainers."""
 
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
 """Decode steps of the paged engine as captured CUDA graphs: no per-step Python or kernel-launch overhead.
 
-A decode-only step of B rows replays the graph of the smallest batch bucket >= B, captured at start-up over
-static buffers (ids, positions, block tables padded to the longest, lengths, write rows). A step fills them with
-ONE host -> device copy of a (pinned) host buffer written by a few numpy ops from the manager's per-slot table
-mirror (`PagedSlots.tables_sm`), so no Python runs per row or block. Padding rows read and write a scratch
-block that no sequence owns.
+A decode-only step of B rows replays the graph of the smallest batch bucket >= B, captured at start-up over static
+buffers (ids, positions, block tables padded to the longest, lengths, write rows). A step fills them with ONE host ->
+device copy of a (pinned) host buffer written by a few numpy ops from the manager's per-slot table mirror
+(`PagedSlots.tables_sm`), so no Python runs per row or block. Padding rows read and write a scratch block that no
+sequence owns.
 
-All buckets share one memory pool and one logits buffer (captured largest first); weights load in place and
-the cache never moves, so a weight sync needs no recapture. Off CUDA the same path runs eagerly
-(`capture=False`), which the tests check on CPU. Knows the paged runner's cache layout; nothing of requests,
-sampling or scheduling."""
+All buckets share one memory pool and one logits buffer (captured largest first); weights load in place and the cache
+never moves, so a weight sync needs no recapture. Off CUDA the same path runs eagerly (`capture=False`), which the tests
+check on CPU. Knows the paged runner's cache layout; nothing of requests, sampling or scheduling."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """The one async rollout-engine interface: request/response types and the abstract `Engine`.
 
-Everything above the engine (agent runners, the loop, the chat server) talks to this and only
-this. It is token-first: prompts are token ids and completions are the exact ids the engine
-sampled, each with its log-prob and the weight version that sampled it. Knows nothing of models,
-caches, agents or trainers."""
+Everything above the engine (agent runners, the loop, the chat server) talks to this and only this. It is token-first:
+prompts are token ids and completions are the exact ids the engine sampled, each with its log-prob and the weight
+version that sampled it. Knows nothing of models, caches, agents or trainers."""
 
 from __future__ import annotations
 
@@ -247,10 +246,9 @@ class Engine(abc.ABC):
         session_id: str | None = None,
         images: Sequence[torch.Tensor] | None = None,
     ) -> list[Completion]:
-        """`generate_group`, calling `on_tokens` (on the caller's event loop) as samples grow; every delta
-        arrives before the call returns, and a sample's deltas concatenate to its completion's ids.
-        Cancelling the call aborts the request. Default, for engines that cannot stream: one delta per sample
-        once the whole group is done."""
+        """`generate_group`, calling `on_tokens` (on the caller's event loop) as samples grow; every delta arrives
+        before the call returns, and a sample's deltas concatenate to its completion's ids. Cancelling the call aborts
+        the request. Default, for engines that cannot stream: one delta per sample once the whole group is done."""
         kw = {"images": images} if images else {}
         completions = await self.generate_group(
             prompt_token_ids, sampling, request_id=request_id, session_id=session_id, **kw

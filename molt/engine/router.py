@@ -1,11 +1,10 @@
 """A router over engine replicas: least-loaded placement with session affinity, behind the same interface.
 
-A request without a session goes to the replica with the fewest sequences in flight (counted by
-the router at submission, so concurrent submissions spread at once; ties go to the lowest index).
-A request with a `session_id` (one agent episode) goes where that session went before, so the
-replica's prefix cache still holds the episode's earlier turns. Sessions are remembered
-least-recently-used up to `max_sessions`. Weight updates, pause and resume fan out to every
-replica. Knows only the `Engine` interface: replicas may be torch engines, vLLM or other routers."""
+A request without a session goes to the replica with the fewest sequences in flight (counted by the router at
+submission, so concurrent submissions spread at once; ties go to the lowest index). A request with a `session_id` (one
+agent episode) goes where that session went before, so the replica's prefix cache still holds the episode's earlier
+turns. Sessions are remembered least-recently-used up to `max_sessions`. Weight updates, pause and resume fan out to
+every replica. Knows only the `Engine` interface: replicas may be torch engines, vLLM or other routers."""
 
 from __future__ import annotations
 

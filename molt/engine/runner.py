@@ -271,10 +271,9 @@ class ModelRunner:
     def apply_moves(self, moves: list[Move]) -> None:
         """Apply the cache manager's relocations (in order) as one gather and one scatter per tensor.
 
-        Each move copies positions [0, length) and makes exactly those valid in `dst`, so composing the
-        list gives every changed row an (original row, valid length); rows are then copied from the
-        pre-move cache at once. Positions past a row's valid length may take other rows' content: they
-        are never read before being computed."""
+        Each move copies positions [0, length) and makes exactly those valid in `dst`, so composing the list gives every
+        changed row an (original row, valid length); rows are then copied from the pre-move cache at once. Positions
+        past a row's valid length may take other rows' content: they are never read before being computed."""
         origin: dict[int, tuple[int, int]] = {}
         for move in moves:
             src, n = origin.get(move.src, (move.src, move.length))

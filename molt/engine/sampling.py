@@ -1,11 +1,10 @@
 """Batched token sampling from logits: greedy, temperature, top-k, top-p, bans; with log-probs.
 
-One call samples every row of a step with a handful of tensor ops, whatever mix of per-row parameters. The
-uniform number that picks a row's token is a hash of (the sample's seed, the token's position), then
-inverse-CDF sampling: a seeded request gives the same tokens whichever requests share its batch, and no
-per-request generator state exists. Log-probs (`SamplingParams`: "scaled" or "processed") are computed in fp32
-from the logits, as the trainer does, with one device -> host copy per call. Knows nothing of models, caches
-or requests."""
+One call samples every row of a step with a handful of tensor ops, whatever mix of per-row parameters. The uniform
+number that picks a row's token is a hash of (the sample's seed, the token's position), then inverse-CDF sampling: a
+seeded request gives the same tokens whichever requests share its batch, and no per-request generator state exists.
+Log-probs (`SamplingParams`: "scaled" or "processed") are computed in fp32 from the logits, as the trainer does, with
+one device -> host copy per call. Knows nothing of models, caches or requests."""
 
 from __future__ import annotations
 
