@@ -271,8 +271,7 @@ class PagedRunner:
         # with graphs, one block past the manager's: the scratch block that padding rows read and write
         scratch = manager.blocks.num_blocks
         shape = (cfg.num_layers, scratch + graphs, cfg.num_kv_heads, self.block_size, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k, self.v = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
         self.packs = LinearPacks(model)  # Molt's GEMM kernel for the linear layers on CPU in fp32, as ModelRunner
         self.graphs = GraphDecode(self, manager.num_slots, scratch, capture=on_cuda) if graphs else None
 

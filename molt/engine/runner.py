@@ -198,8 +198,7 @@ class ModelRunner:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.kv_heads, self.head_dim = cfg.num_kv_heads, cfg.head_dim
         shape = (cfg.num_layers, num_slots + 1, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k, self.v = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
         self.routes = None  # MoE: [num_slots + 1, max_seq_len, MoE layers, k] expert ids
         if record_routing and cfg.num_moe_layers():
             shape = (num_slots + 1, max_seq_len, cfg.num_moe_layers(), cfg.num_experts_per_tok)

@@ -121,7 +121,5 @@ def decode_attention(
     """[B, H, D] attention of each row's query heads over `k_cache`/`v_cache` [slots, kv_heads, T, D] at slot
     `slots_b[b]`, positions 0..`lens_b[b]`-1, then over its own `new_k_bkd[b]` if given; query head h reads kv
     head h // (H / kv_heads); scaled by D ** -0.5. Needs `load()`."""
-    scale = q_bhd.shape[-1] ** -0.5
-    return torch.ops.molt_kernels.decode_attention(
-        q_bhd, k_cache, v_cache, slots_b, lens_b, new_k_bkd, new_v_bkd, scale
-    )
+    args = (q_bhd, k_cache, v_cache, slots_b, lens_b, new_k_bkd, new_v_bkd)
+    return torch.ops.molt_kernels.decode_attention(*args, q_bhd.shape[-1] ** -0.5)
