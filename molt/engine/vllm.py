@@ -92,7 +92,7 @@ class VLLMEngine(Engine):
             args |= dict(enable_chunked_prefill=False, max_num_batched_tokens=max(2048, max_model_len))
         self._engine = vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(**(args | engine_args)))
         self.version, self.max_model_len = version, max_model_len
-        self._running: dict[str, str] = {}  # sample id -> its current vLLM request id
+        self._running: dict[tuple[str, int], str] = {}  # (request id, sample) -> its current vLLM request id
         self._aborted: set[str] = set()  # request ids aborted by the caller (not by a weight swap)
         self._open = asyncio.Event()
         self._open.set()
@@ -144,13 +144,13 @@ class VLLMEngine(Engine):
 
     async def _sample(self, prompt: list[int], sp: SamplingParams, request_id: str, index: int) -> Completion:
         """One sample; resubmitted as a continuation whenever an `interrupt` weight swap aborts it."""
-        sample_id = f"{request_id}-{index}"
+        sample_id = request_id, index
         stop_ids = frozenset(sp.stop_token_ids).union(() if sp.ignore_eos else self.eos_token_ids)
         tokens, logprobs, versions = [], [], []
         finish, stop_reason, part = None, None, 0
         while finish is None:
             await self._open.wait()
-            vllm_id, version = f"{sample_id}.{part}", self.version
+            vllm_id, version = f"{request_id}-{index}.{part}", self.version
             budget = min(sp.max_tokens, self.max_model_len - len(prompt)) - len(tokens)
             params = self._params(sp, stop_ids, budget, max(sp.min_tokens - len(tokens), 0), index, part)
             if budget <= 0:
@@ -198,7 +198,7 @@ class VLLMEngine(Engine):
         )
 
     async def abort(self, request_id: str) -> bool:
-        ids = [v for k, v in self._running.items() if k.startswith(f"{request_id}-")]
+        ids = [v for (rid, _), v in self._running.items() if rid == request_id]
         if ids:
             self._aborted.add(request_id)
             await self._engine.abort(ids)
