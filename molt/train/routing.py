@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from molt import algo
 from molt.config import AlgoConfig, Config, ConfigError
@@ -46,30 +47,24 @@ def routing_stats(routing: Routing, packed: PackedBatch, sums: dict) -> torch.Te
 
 
 def logprob_diffs(
-    sums: dict,
-    packed: PackedBatch,
-    cfg: AlgoConfig,
-    logp_bt: torch.Tensor,
-    rollout_logp_bt: torch.Tensor,
-    mask_bt: torch.Tensor,
-    other_logp: Callable[[Routing], torch.Tensor],
+    sums: dict, packed: PackedBatch, cfg: AlgoConfig, batch: algo.PolicyBatch, other_logp: Callable[[Routing], Tensor]
 ) -> None:
     """Add this micro-batch's |trainer - rollout| log-prob sums with replayed and live routing to `sums`.
 
-    `logp_bt` is the loss's forward (replayed experts if `algo.routing_replay`, else live); with
+    `batch.logp_bt` is the loss's forward (replayed experts if `algo.routing_replay`, else live); with
     `algo.moe_diff_both`, `other_logp(routing)` ([b, T] log-probs) runs once more, without grad, in
     the other mode. Nothing without recorded routing (both modes would route live)."""
     if packed.routing is None:
         return
     modes = ("replay", "live") if cfg.routing_replay else ("live", "replay")
-    logps = [logp_bt]
+    logps = [batch.logp_bt.detach()]
     if cfg.moe_diff_both:
         with torch.no_grad():
             logps.append(other_logp(forward_routing(packed, not cfg.routing_replay)))
     for mode, mode_logp_bt in zip(modes, logps, strict=False):
-        diff = float(((mode_logp_bt - rollout_logp_bt).abs() * mask_bt).sum())
+        diff = float(((mode_logp_bt - batch.rollout_logp_bt).abs() * batch.mask_bt).sum())
         sums[f"moe_diff_{mode}"] = sums.get(f"moe_diff_{mode}", 0.0) + diff
-    sums["moe_diff_tokens"] = sums.get("moe_diff_tokens", 0.0) + float(mask_bt.sum())
+    sums["moe_diff_tokens"] = sums.get("moe_diff_tokens", 0.0) + float(batch.mask_bt.sum())
 
 
 def routing_metrics(sums: dict) -> dict[str, float]:

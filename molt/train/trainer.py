@@ -317,7 +317,7 @@ class Trainer:
         _add(sums, entropy=entropy_bt.detach() * mask_bt, tokens=mask_bt)
         if moe_routing is not None:  # MoE: |diff| with replayed and live routing (the other mode: a no-grad forward)
             other_logp = lambda r: self._logprobs(mb, packed, r, reference=False)[0]  # noqa: E731
-            routing.logprob_diffs(sums, packed, self.cfg.algo, logp_bt.detach(), rollout_logp_bt, mask_bt, other_logp)
+            routing.logprob_diffs(sums, packed, self.cfg.algo, batch, other_logp)
         n = float(mask_bt.sum())
         for key, value in metrics.items():
             sums[f"w_{key}"] = sums.get(f"w_{key}", 0.0) + float(value) * n
