@@ -92,8 +92,7 @@ class TrainerRank:
         trainer.schedule.load_state_dict(state["schedule"])
         if trainer.critic is not None:
             trainer.critic.schedule.load_state_dict(state["critic_schedule"])
-        extra = {"kl_coef": state.get("kl_coef"), "scalers": state.get("scalers")}
-        trainer.load_extra_state(extra)  # last: it applies this config's settings
+        trainer.load_extra_state(state)  # last: it applies this config's settings (critic, LoRA: in the shards)
         trainer.version, trainer.num_skipped_steps = state["version"], state.get("num_skipped_steps", 0)
 
     def _parts(self) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer | None, str]]:
