@@ -96,18 +96,12 @@ def attach_routing(packs: list[PackedBatch], routings: list, shape_lk: tuple[int
 
 def freeze_routers(model: Transformer, cfg: Config) -> set[str]:
     """Check the MoE flags against the model; freeze (requires_grad off) and return the router names if asked."""
-    algo_cfg = cfg.algo
-    if not model.cfg.num_moe_layers():
-        for flag, on in [
-            ("algo.routing_replay", algo_cfg.routing_replay),
-            ("algo.moe_aux_coef", algo_cfg.moe_aux_coef > 0),
-            ("train.freeze_router", cfg.train.freeze_router),
-        ]:
-            if on:
-                raise ConfigError(f"{flag}: the model has no mixture-of-experts layers (num_experts = 0)")
-    if not cfg.train.freeze_router:
-        return set()
-    names = set(model.router_names())
+    a, moe = cfg.algo, model.cfg.num_moe_layers()
+    for flag, on in [("algo.routing_replay", a.routing_replay), ("algo.moe_aux_coef", a.moe_aux_coef > 0),
+                     ("train.freeze_router", cfg.train.freeze_router)]:  # fmt: skip
+        if on and not moe:
+            raise ConfigError(f"{flag}: the model has no mixture-of-experts layers (num_experts = 0)")
+    names = set(model.router_names()) if cfg.train.freeze_router else set()
     for name, param in model.named_parameters():
         if name in names:
             param.requires_grad_(False)
