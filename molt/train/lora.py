@@ -53,9 +53,8 @@ class LoRA(nn.Module):
             what = f"train.lora_targets {','.join(unmatched)}: no such nn.Linear in the model's layers"
             if not self.linears:
                 raise ConfigError(what)
-            log.warning(
-                "%s (MoE experts are not adapted); adapting %s", what, ",".join(sorted(set(targets) - set(unmatched)))
-            )
+            adapted = ",".join(sorted(set(targets) - set(unmatched)))
+            log.warning("%s (MoE experts are not adapted); adapting %s", what, adapted)
         model.requires_grad_(False)
         self.adapters = nn.ModuleDict({_key(n): Adapter(m, rank) for n, m in self.linears.items()})
         self.enabled = True
