@@ -31,6 +31,7 @@ from molt.config.training import check_rl_batch
 from molt.engine.torch_engine import on_fresh_thread
 from molt.log import RunDir, check_new_run_dir, plot_metrics
 from molt.loop.checkpoint import checkpoint_step, load_training_state, save_checkpoint
+from molt.loop.dump import rollouts_folder
 from molt.loop.replay import ReplayLoop, replay_folder
 from molt.loop.rl import RLLoop
 from molt.runtime.base import Runtime, start_runtime
@@ -219,7 +220,9 @@ async def train_async(cfg: Config) -> TrainResult:
         if folder:  # their token ids must be the policy's
             check_same_tokenizer(tokenizer, folder, key)
     if cfg.rollout.replay:  # its shards cover the steps to train, before any data or model is read
-        replay_folder(cfg, resumed or 0)
+        folder, own = replay_folder(cfg, resumed or 0), cfg.ckpt.resume  # only a resumed run's folder can hold them
+        check(not own or folder.resolve() != rollouts_folder(own).resolve(), "rollout.replay", f"{folder} is this "
+              "run's own dump, which resuming trims to the checkpoint's step: replay a copy of it")  # fmt: skip
     torch.manual_seed(cfg.train.seed)
     threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
     torch.set_num_threads(1)  # this thread runs asyncio only; model compute runs on the engine's thread

@@ -111,6 +111,17 @@ def test_a_dump_shorter_than_max_steps_is_refused_before_any_model(dumped, tmp_p
         _replay(run, tmp_path / "replay", "--train.max_steps", str(STEPS + 1))
 
 
+def test_a_resumed_run_may_not_replay_its_own_dump(dumped, tmp_path):
+    run, _ = dumped
+    shutil.copytree(run, tmp_path / "run")
+    shutil.copy(tmp_path / "run" / "rollouts" / shard_name(3), tmp_path / "run" / "rollouts" / shard_name(4))
+    shards = sorted((tmp_path / "run" / "rollouts").iterdir())  # steps 1-4; resuming at 3 would drop step 4's
+    flags = ["--resume", str(tmp_path / "run"), "--rollout.replay", str(tmp_path / "run"), "--train.max_steps", "4"]
+    with pytest.raises(ConfigError, match="rollout.replay: .* this run's own dump"):
+        run_train(parse_command(["train", *flags]))
+    assert sorted((tmp_path / "run" / "rollouts").iterdir()) == shards  # nothing trimmed
+
+
 def test_shard_round_trip_keeps_routing_images_and_floats_exactly(tmp_path):
     pixels = torch.arange(48, dtype=torch.uint8).reshape(3, 4, 4)
     info = {"t": torch.tensor(2.5), "a": np.arange(3), (1, 2): [np.float32(0.5)], "r": range(2)}  # never fails
