@@ -13,6 +13,8 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from molt.config import Config, ConfigError
 from molt.engine.blocks import KVBudgetError, bytes_per_block
 from molt.engine.interface import Engine
@@ -43,15 +45,17 @@ def engine_kwargs(
     return kwargs
 
 
-def check_slot_memory(model_cfg: TransformerConfig, sizing: dict[str, Any], key: str) -> None:
-    """A ConfigError naming `key` when the slot cache (every slot's positions, reserved up front, fp32) needs more
-    than the memory this machine has available (Linux MemAvailable; unknown elsewhere: not checked)."""
+def check_slot_memory(
+    model_cfg: TransformerConfig, sizing: dict[str, Any], key: str, dtype: torch.dtype = torch.float32
+) -> None:
+    """A ConfigError naming `key` when the slot cache (every slot's positions, reserved up front, in `dtype`) needs
+    more than the memory this machine has available (Linux MemAvailable; unknown elsewhere: not checked)."""
     try:
         meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines())  # noqa: SIM115
         free = int(meminfo["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return
-    per_position = bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, 4, 1)
+    per_position = bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, dtype.itemsize, 1)
     need = sizing["num_slots"] * sizing["max_seq_len"] * per_position
     if need > free:
         slots, positions = sizing["num_slots"], sizing["max_seq_len"]
@@ -102,7 +106,8 @@ def build_engine(
     `num_slots` / `max_len` override the rollout's sizing (`molt serve`)."""
     sizing = engine_kwargs(cfg, model.cfg, num_slots=num_slots, max_len=max_len)
     if cfg.runtime.engine == "torch" and cfg.runtime.kv_cache_kind(model.cfg) == "slot" and cfg.runtime.device == "cpu":
-        check_slot_memory(model.cfg, sizing, "chat.max_len" if max_len else "rollout.max_len")
+        dtype = resolve_dtype(cfg.model.dtype, "cpu")
+        check_slot_memory(model.cfg, sizing, "chat.max_len" if max_len else "rollout.max_len", dtype)
     if cfg.runtime.engine == "torch" and not owned:
         model = copy.deepcopy(model)
     try:

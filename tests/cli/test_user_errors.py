@@ -10,6 +10,7 @@ do not rebuild the CPU kernels (nothing is warm-started: `--model.warmstart_step
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -345,7 +346,9 @@ def test_a_context_over_the_model_or_a_kv_cache_over_the_memory_is_one_line(molt
     from molt.models import preset
     from molt.runtime.factory import check_slot_memory
 
-    with pytest.raises(ConfigError, match=r"rollout.max_len: the engine's KV cache of 4096 sequences x 1000001 "):
-        check_slot_memory(
-            preset("tiny", vocab_size=300), {"num_slots": 4096, "max_seq_len": 1_000_001}, "rollout.max_len"
-        )
+    sizing, needs = {"num_slots": 4096, "max_seq_len": 1_000_001}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(ConfigError, match=r"rollout.max_len: the engine's KV cache of 4096 sequences") as e:
+            check_slot_memory(preset("tiny", vocab_size=300), sizing, "rollout.max_len", dtype)
+        needs[dtype] = float(re.search(r"needs ([\d.]+) GB", str(e.value))[1])
+    assert needs[torch.bfloat16] == pytest.approx(needs[torch.float32] / 2, rel=1e-3)  # the cache is in its dtype
