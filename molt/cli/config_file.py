@@ -185,4 +185,6 @@ def load_config_file(cls: type, path: str | Path, base: Any = None, skip: frozen
     except ConfigError as e:
         key = re.sub(r"(\[\d+\])+$", "", str(e).split(":", 1)[0])  # a tuple entry's line is its key's
         line = lines.get(key) or lines.get(key.rsplit(".", 1)[0])
-        raise ConfigError(f"{path}{f':{line}' if line else ''}: {e}") from None
+        error = ConfigError(f"{path}{f':{line}' if line else ''}: {e}")
+        error.key = key
+        raise error from None

@@ -140,17 +140,23 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
 
 def _file_config(path: str, defaults: Config, flags: frozenset[str], unused: frozenset[str]) -> Config:
     """The file's config, which the flags then change and the result is checked. When the file alone does not pass
-    the checks: without the settings the command does not read (`unused`: e.g. a run's teacher folder, since
-    deleted, for `molt eval RUN`), then also without the values the flags replace (a bad value a flag mends)."""
+    the checks: without each key an error names that the command does not read (`unused`: e.g. a run's teacher
+    folder, since deleted, for `molt eval RUN`) or a flag replaces, then without all of those (a bad value a flag
+    mends that another key's check names); else the error about a value neither unused nor replaced."""
     from molt.cli.config_file import load_config_file
 
-    attempts = dict.fromkeys([frozenset(), unused, unused | flags])  # in order, each one once
-    for skip in attempts:
+    skip, skippable = frozenset(), unused | flags
+    while True:
         try:
             return load_config_file(Config, path, base=defaults, skip=skip)
         except ConfigError as e:
-            error = e  # the last: about a value neither unused nor replaced
-    raise error
+            key = getattr(e, "key", "")
+            if key not in skip and {key, key.split(".")[0]} & skippable:
+                skip |= {key}
+            elif not skippable <= skip:
+                skip |= skippable
+            else:
+                raise
 
 
 def _without(groups: tuple[str, ...]) -> type:

@@ -124,3 +124,7 @@ def test_eval_of_a_run_whose_teacher_and_critic_folders_are_gone(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text(f"model:\n  path: {checkpoint}\n{ray}{long}")  # its base model
     cfg = parse_command(["eval", str(tmp_path / "run")])
     assert (cfg.rollout.max_len, cfg.rollout.max_in_flight, cfg.runtime.engines) == (6000, 8, 2)
+    # both: only the gone folder is left out (not the run's micro-batch, which its max_len is checked against)
+    (tmp_path / "run" / "config.yaml").write_text(f"model:\n  path: {checkpoint}\n{long}algo:\n  teacher: {gone}\n")
+    cfg = parse_command(["eval", str(tmp_path / "run")])
+    assert (cfg.rollout.max_len, cfg.algo.teacher) == (6000, "")
