@@ -70,6 +70,11 @@ def compute_advantages(
     if inputs.rewards_b is not None and not bool(torch.isfinite(inputs.rewards_b).all()):
         raise ValueError("non-finite rewards; drop them first (filtering.filter_groups with 'nonfinite')")
     advantages_bt, returns_bt, metrics = estimator(inputs, params)
+    metrics = {k: torch.as_tensor(v) for k, v in metrics.items()}
+    shapes = [tuple(x.shape) for x in (advantages_bt, returns_bt)] + [(k, tuple(v.shape)) for k, v in metrics.items()]
+    if shapes != [tuple(inputs.mask_bt.shape)] * 2 + [(k, ()) for k in metrics]:
+        raise ValueError(f"estimator {name!r} returned shapes {shapes}: need (advantages [B, T], returns [B, T], "
+                         f"scalar metrics) with [B, T] = {tuple(inputs.mask_bt.shape)}")  # fmt: skip
     if info["whiten"] if params.whiten is None else params.whiten:
         advantages_bt = masked_whiten(advantages_bt, inputs.mask_bt)
     metrics |= advantage_stats(advantages_bt, inputs.mask_bt)
@@ -94,7 +99,9 @@ def _grouped_rewards(inputs: AdvantageInputs) -> tuple[RolloutGroups, Tensor, Me
 def _group_estimator(name: str, whiten: bool, advantage_r: GroupAdvantage) -> None:
     """Register an outcome estimator from `advantage_r(rewards_r, groups, params) -> [R]`."""
 
-    @ESTIMATORS.register(name, whiten=whiten, needs=("rewards_b", "group_ids_b"), uses_kl=False, group_baseline=True)
+    @ESTIMATORS.register(
+        name, whiten=whiten, needs=("rewards_b", "group_ids_b"), uses_kl=False, group_baseline=True, reads=()
+    )
     def estimate(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
         groups, rewards_r, metrics = _grouped_rewards(inputs)
         per_sample_b1 = advantage_r(rewards_r, groups, params)[groups.sample_to_rollout_b].unsqueeze(1)
@@ -149,7 +156,9 @@ def _token_rewards(inputs: AdvantageInputs, params: AdvantageParams) -> Tensor:
     return torch.where(mask, rewards_bt, 0.0)
 
 
-@ESTIMATORS.register("reinforce", whiten=True, needs=("rewards_b",), uses_kl=True, group_baseline=False)
+@ESTIMATORS.register(
+    "reinforce", whiten=True, needs=("rewards_b",), uses_kl=True, group_baseline=False, reads=("gamma",)
+)
 def reinforce(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
     """REINFORCE++: discounted return of the token rewards over action tokens (`gae` with V = 0 and lambda = 1,
     observation tokens transparent); whitened by default."""
@@ -157,7 +166,9 @@ def reinforce(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor,
     return gae(dataclasses.replace(inputs, values_bt=zeros_bt), dataclasses.replace(params, lam=1.0))
 
 
-@ESTIMATORS.register("gae", whiten=True, needs=("rewards_b", "values_bt"), uses_kl=True, group_baseline=False)
+@ESTIMATORS.register(
+    "gae", whiten=True, needs=("rewards_b", "values_bt"), uses_kl=True, group_baseline=False, reads=("gamma", "lam")
+)
 def gae(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
     """GAE(gamma, lambda) over action tokens, masked positions transparent; terminal after the last."""
     mask = inputs.mask_bt.bool()
@@ -171,7 +182,7 @@ def gae(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tenso
     return advantages_bt, returns_bt, {"reward_mean": rollout_mean(inputs.rewards_b, inputs.rollout_ids_b)}
 
 
-@ESTIMATORS.register("on_policy_distill", whiten=False, needs=("kl_bt",), uses_kl=True, group_baseline=False)
+@ESTIMATORS.register("on_policy_distill", whiten=False, needs=("kl_bt",), uses_kl=True, group_baseline=False, reads=())
 def on_policy_distill(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
     """Per-token reverse KL to the teacher as the advantage: A_t = -kl_coef * kl_t (no reward)."""
     mask = inputs.mask_bt.bool()

@@ -63,7 +63,8 @@ class FixedKLController:
 @KL_CONTROLLERS.register("adaptive")
 @dataclass
 class AdaptiveKLController:
-    """beta <- beta * (1 + clip(kl / target - 1, +-0.2) * num_samples / horizon) (Ziegler et al. 2019)."""
+    """beta <- beta * (1 + clip(kl / target - 1, +-0.2) * min(num_samples / horizon, 1)) (Ziegler et al. 2019; the
+    cap keeps beta positive, moving it at most 20% a step)."""
 
     coef: float
     target: float
@@ -80,9 +81,9 @@ class AdaptiveKLController:
 
 
 def adaptive_kl_coef(coef: float, kl: float, target: float, num_samples: int, horizon: int) -> float:
-    """One adaptive step: coef * (1 + clip(kl / target - 1, -0.2, 0.2) * num_samples / horizon)."""
+    """One adaptive step: coef * (1 + clip(kl / target - 1, -0.2, 0.2) * min(num_samples / horizon, 1))."""
     error = min(max(kl / target - 1.0, -0.2), 0.2)
-    return coef * (1.0 + error * num_samples / horizon)
+    return coef * (1.0 + error * min(num_samples / horizon, 1.0))
 
 
 def make_kl_controller(name: str, **kwargs: float) -> FixedKLController | AdaptiveKLController:

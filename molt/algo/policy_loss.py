@@ -74,7 +74,7 @@ def _clipped_surrogate(
     return torch.where(valid_bt, -surrogate_bt, 0.0), metrics
 
 
-@POLICY_LOSSES.register("ppo")
+@POLICY_LOSSES.register("ppo", pg_at_ratio_one=True)
 def ppo(
     logp_bt: Tensor, old_logp_bt: Tensor, advantages_bt: Tensor, mask_bt: Tensor, params: SurrogateParams
 ) -> tuple[Tensor, Metrics]:
@@ -84,7 +84,7 @@ def ppo(
     return loss_bt, metrics | clip_metrics
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", pg_at_ratio_one=True)
 def gspo(
     logp_bt: Tensor, old_logp_bt: Tensor, advantages_bt: Tensor, mask_bt: Tensor, params: SurrogateParams
 ) -> tuple[Tensor, Metrics]:
@@ -100,7 +100,7 @@ def gspo(
     return loss_bt, metrics | clip_metrics
 
 
-@POLICY_LOSSES.register("cispo")
+@POLICY_LOSSES.register("cispo", pg_at_ratio_one=True)
 def cispo(
     logp_bt: Tensor, old_logp_bt: Tensor, advantages_bt: Tensor, mask_bt: Tensor, params: SurrogateParams
 ) -> tuple[Tensor, Metrics]:
@@ -117,7 +117,7 @@ def cispo(
     return torch.where(valid_bt, -weight_bt * advantages_bt * logp_valid_bt, 0.0), metrics
 
 
-@POLICY_LOSSES.register("pg")
+@POLICY_LOSSES.register("pg", pg_at_ratio_one=True)
 def policy_gradient(
     logp_bt: Tensor, old_logp_bt: Tensor, advantages_bt: Tensor, mask_bt: Tensor, params: SurrogateParams
 ) -> tuple[Tensor, Metrics]:

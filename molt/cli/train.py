@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import yaml
 
+from molt.algo import ESTIMATORS
 from molt.cli.build import build_policy, build_tokenizer, check_same_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.cli.warm_start import wants_warm_start, warm_start
@@ -190,7 +191,7 @@ def _state_shape(config: dict) -> dict[str, object]:
         "train.lora_alpha": train["lora_alpha"] if train["lora_rank"] else None,  # scales the saved adapters
         "train.freeze_router": train["freeze_router"],  # frozen routers are not in the optimizer's groups
         "runtime.backend": config["runtime"]["backend"],  # ray writes sharded (DCP) checkpoints
-        "a critic (algo.estimator gae)": algo["estimator"] == "gae",
+        "a critic (algo.estimator gae)": "values_bt" in ESTIMATORS.info(algo["estimator"])["needs"],
         "critic.path": config["critic"]["path"] or None,  # the checkpoint's critic continues, whatever it came from
         "a KL reference (algo.kl_coef > 0)": algo["kl_coef"] > 0,
     }

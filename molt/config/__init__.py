@@ -65,6 +65,12 @@ class Config:
             data["rollout"][key] = ",".join("".join(part) for part in files)
         return data
 
+    def overlong_max_len(self) -> int:
+        """Generated tokens (all turns) at which the overlong penalty is full: `algo.overlong_max_len`, or the most an
+        episode can generate (`rollout.max_tokens` a turn for `max_turns` turns, at most `rollout.max_len`)."""
+        ro = self.rollout
+        return self.algo.overlong_max_len or min(ro.max_tokens * ro.max_turns, ro.max_len)
+
     def _check_policy_kind(self) -> None:
         """Settings that need an MoE, a VLM or a dense text policy, or fit its context, against its architecture."""
         arch, preset = self.model.architecture(), self.model.preset
@@ -122,10 +128,15 @@ class Config:
         compiles = tr.compile == "on" or (tr.compile == "auto" and cuda)
         check(compiles or tr.compile_backend == "inductor", "train.compile_backend", "has no effect here: "
               "train.compile is off (auto compiles on CUDA only); add --train.compile on")  # fmt: skip
-        overlong_max_len = self.algo.overlong_max_len or ro.max_tokens
-        check(self.algo.overlong_buffer <= overlong_max_len, "algo.overlong_buffer", f"({self.algo.overlong_buffer}) "
-              f"must be <= algo.overlong_max_len ({overlong_max_len}; 0 = rollout.max_tokens)")  # fmt: skip
+        samples = ro.prompts_per_step * ro.n_samples_per_prompt
+        check(not self.algo.kl_target or self.algo.kl_horizon >= samples, "algo.kl_horizon", f"({self.algo.kl_horizon})"
+              f" must be >= the samples a step trains ({samples}): the adaptive KL moves its coefficient by at most "
+              "20% x samples / kl_horizon a step, capped at 20%")  # fmt: skip
+        check(self.algo.overlong_buffer <= self.overlong_max_len(), "algo.overlong_buffer", f"("
+              f"{self.algo.overlong_buffer}) must be <= algo.overlong_max_len ({self.overlong_max_len()}; 0 = "
+              "rollout.max_tokens x max_turns, at most rollout.max_len)")  # fmt: skip
         given = [f"critic.{k}" for k in changed(self.critic, *CriticConfig.__dataclass_fields__)]  # they need one
         others = f" (and {', '.join(given[1:])}, from the flags or the config file)" if len(given) > 1 else ""
-        check(self.algo.estimator == "gae" or not given, given[0] if given else "critic", "has no effect: no critic "
-              f"runs with algo.estimator {self.algo.estimator} (only gae trains one); drop it{others}")  # fmt: skip
+        check(self.algo.needs("values_bt") or not given, given[0] if given else "critic", "has no effect: no critic "
+              f"runs with algo.estimator {self.algo.estimator} (only one that needs values_bt, as gae, trains one); "
+              f"drop it{others}")  # fmt: skip

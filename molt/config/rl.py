@@ -143,10 +143,11 @@ class AlgoConfig:
     """KL estimator for the loss: k1, k2, k3."""
     kl_target: float = 0.0
     """Adaptive KL (Ziegler et al. 2019): the KL to the reference (train/kl) the coefficient steers to. It starts at
-    `kl_coef`; after each step beta *= 1 + clip(train/kl / kl_target - 1, +-0.2) * samples / kl_horizon
+    `kl_coef`; after each step beta *= 1 + clip(train/kl / kl_target - 1, +-0.2) * min(samples / kl_horizon, 1)
     (logged as train/kl_coef). 0 = a fixed coefficient."""
     kl_horizon: int = 10000
-    """Adaptive KL horizon in samples: the larger, the slower the coefficient moves (needs kl_target)."""
+    """Adaptive KL horizon in samples (at least a step's): the larger, the slower the coefficient moves (needs
+    kl_target)."""
     reward_clip: float = 0.0
     """Clip each rollout's reward (after the overlong penalty) to [-reward_clip, reward_clip] before the estimator
     and the critic's returns (0 = off). Group filters still read the unshaped reward."""
@@ -154,7 +155,8 @@ class AlgoConfig:
     """DAPO soft overlong penalty (0 = off): a rollout that generated more than overlong_max_len - overlong_buffer
     tokens (all turns together) loses reward linearly, overlong_coef at overlong_max_len and beyond."""
     overlong_max_len: int = 0
-    """Generated tokens (all turns) at which the overlong penalty is full (0 = rollout.max_tokens, one turn)."""
+    """Generated tokens (all turns) at which the overlong penalty is full (0 = the episode's budget: rollout.max_tokens
+    x max_turns, at most rollout.max_len)."""
     overlong_coef: float = 1.0
     """Reward the overlong penalty takes away at overlong_max_len (needs overlong_buffer)."""
     entropy_coef: float = 0.0
@@ -182,19 +184,18 @@ class AlgoConfig:
         from molt import algo
 
         check_finite(self, "algo", allow_inf=("is_high",))  # is_high inf: no upper bound
-        check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "gamma and lam must be in [0, 1]")
-        check(self.gamma == 1.0 or self.estimator in ("gae", "reinforce"), "algo.gamma",
-              f"applies to the gae and reinforce estimators, not {self.estimator!r}")  # fmt: skip
-        check(self.lam == 1.0 or self.estimator == "gae", "algo.lam", f"GAE's lambda applies to algo.estimator gae, "
-              f"not {self.estimator!r} (reinforce is gae with V = 0 and lambda 1)")  # fmt: skip
-        check(self.estimator != "on_policy_distill" or bool(self.teacher), "algo.teacher", "--algo.estimator "
-              "on_policy_distill needs --algo.teacher PATH (the teacher's HF model folder)")  # fmt: skip
-        self.teacher = self.teacher and check_model_folder(self.teacher, "algo.teacher")
-        check(not self.teacher or self.teacher_coef > 0, "algo.teacher_coef", "must be > 0 with algo.teacher")
-
         for key, registry in (("estimator", algo.ESTIMATORS), ("policy_loss", algo.POLICY_LOSSES),
                               ("loss_agg", algo.AGGREGATIONS), ("kl_estimator", algo.KL_ESTIMATORS)):  # fmt: skip
             check(getattr(self, key) in registry, f"algo.{key}", f"unknown; choose one of {registry.names()}")
+        check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "gamma and lam must be in [0, 1]")
+        for key, note in (("gamma", ""), ("lam", "; reinforce is gae with V = 0 and lambda 1")):
+            readers = [n for n in algo.ESTIMATORS.names() if key in algo.ESTIMATORS.info(n).get("reads", (key,))]
+            check(getattr(self, key) == 1.0 or self.estimator in readers, f"algo.{key}", "applies to the estimators "
+                  f"that read it ({', '.join(readers)}), not {self.estimator!r}{note}")  # fmt: skip
+        check(not self.needs("kl_bt") or bool(self.teacher), "algo.teacher", f"--algo.estimator {self.estimator} "
+              "needs --algo.teacher PATH (the teacher's HF model folder)")  # fmt: skip
+        self.teacher = self.teacher and check_model_folder(self.teacher, "algo.teacher")
+        check(not self.teacher or self.teacher_coef > 0, "algo.teacher_coef", "must be > 0 with algo.teacher")
         check(self.is_level == "none" or self.is_level in algo.IS_LEVELS, "algo.is_level", "token, seq, geo or none")
         check_bounds(self, moe_aux_coef=">= 0", kl_coef=">= 0 (0 = no KL term, no reference model)")
         check(self.kl_target >= 0 and self.kl_horizon > 0, "algo.kl_target", "kl_target >= 0, kl_horizon > 0")
@@ -229,7 +230,10 @@ class AlgoConfig:
             "the ratio is exactly 1: the PPO clip never binds and every surrogate has the same gradient (stale "
             "tokens are corrected by --algo.is_level/is_mode/is_low/is_high)"
         )
-        inert(one_step, "policy_loss", "clip_low", "clip_high", "dual_clip")
+        from molt import algo
+
+        if algo.POLICY_LOSSES.info(self.policy_loss).get("pg_at_ratio_one"):  # a loss of your own may differ there
+            inert(one_step, "policy_loss", "clip_low", "clip_high", "dual_clip")
         if self.is_level == "none":
             inert("--algo.is_level none turns the IS correction off", "is_mode", "is_low", "is_high")
         elif self.is_mode == "trunc":
@@ -242,11 +246,16 @@ class AlgoConfig:
             inert("there is no teacher (--algo.teacher)", "teacher_coef")
         if not self.overlong_buffer:
             inert("the overlong penalty is off (--algo.overlong_buffer 0)", "overlong_max_len", "overlong_coef")
-        from molt import algo
-
         if algo.AGGREGATIONS.info(self.loss_agg).get("needs_norm_len"):
             out.append(("loss_agg", "it divides by a constant norm_len that only Python callers set (ObjectiveParams)"))
         return out
+
+    def needs(self, field: str) -> bool:
+        """Whether the estimator reads `AdvantageInputs.<field>` (its registered `needs`): `values_bt` makes the run
+        train a critic, `kl_bt` gives it the per-token reverse KL to the teacher."""
+        from molt.algo import ESTIMATORS
+
+        return field in ESTIMATORS.info(self.estimator)["needs"]
 
     def objective(self):
         """The algo library's ObjectiveParams for these settings."""
@@ -288,14 +297,26 @@ class CriticConfig:
 
 
 def check_rollout_algo(rollout: RolloutConfig, algo: AlgoConfig) -> None:
-    """Checks across the rollout and algo groups: truncated sampling (top-p / top-k) needs the IS correction, and
-    an estimator that reads no reward (on_policy_distill) takes no reward filter."""
+    """Checks across the rollout and algo groups: truncated sampling (top-p / top-k) needs the IS correction, an
+    estimator that reads no reward (on_policy_distill) takes no reward filter, and one sample per prompt must leave
+    a signal (no all-equal filter, which drops every group of one; an estimator whose group of one is not 0)."""
     for key, truncates in (("top_p", rollout.top_p < 1), ("top_k", rollout.top_k > 0)):
         check(algo.is_level != "none" or not truncates, f"rollout.{key}", "samples from a truncated distribution "
               "the trainer's full-vocabulary log-probs do not see: enable the IS correction (--algo.is_level token, "
               "seq or geo), which corrects for it, or sample without it")  # fmt: skip
-    from molt.algo import ESTIMATORS
+    import torch
 
+    from molt.algo import ESTIMATORS, AdvantageInputs, compute_advantages
+
+    if rollout.n_samples_per_prompt == 1:
+        if ESTIMATORS.info(algo.estimator)["group_baseline"]:  # two groups of one, rewards 1 and 0
+            probe = AdvantageInputs(torch.ones(2, 1), torch.tensor([1.0, 0.0]), torch.tensor([0, 1]))
+            check(bool(compute_advantages(algo.estimator, probe)[0].any()), "rollout.n_samples_per_prompt", "1 "
+                  f"gives every rollout advantage 0 with --algo.estimator {algo.estimator}, which compares it with the "
+                  "others of its prompt: sample 2 or more (rloo and reinforce learn from one)")  # fmt: skip
+        check("all-equal" not in rollout.group_filters(algo.estimator), "rollout.n_samples_per_prompt", "1 makes "
+              "every group all-equal, which the all-equal filter drops (rollout.filters auto, with a group estimator): "
+              "sample 2 or more, or set --rollout.filters nonfinite")  # fmt: skip
     if "rewards_b" not in ESTIMATORS.info(algo.estimator)["needs"]:
         for name in (f for f in rollout.group_filters(algo.estimator) if f in ("all-equal", "score-range")):
             raise ConfigError(

@@ -79,11 +79,11 @@ class Trainer:
         self.objective = a.objective()
         kl = dict(coef=a.kl_coef, target=a.kl_target, horizon=a.kl_horizon) if a.kl_target else dict(coef=a.kl_coef)
         self.kl_control = algo.make_kl_controller("adaptive" if a.kl_target else "fixed", **kl)
-        overlong_max_len = a.overlong_max_len or cfg.rollout.max_tokens
-        self.shaping = algo.RewardShapingParams(a.reward_clip, a.overlong_buffer, overlong_max_len, a.overlong_coef)
+        overlong = (a.overlong_buffer, cfg.overlong_max_len(), a.overlong_coef)
+        self.shaping = algo.RewardShapingParams(a.reward_clip, *overlong)
         mixed = self.precision.compute if self.precision.mixed else None
         shard = functools.partial(parallel.parallelize, compute_dtype=mixed) if fsdp else None
-        self.critic = Critic(model, cfg, self.precision, shard) if a.estimator == "gae" else None
+        self.critic = Critic(model, cfg, self.precision, shard) if a.needs("values_bt") else None
         self.teacher = load_teacher(a.teacher, model, cfg.runtime.device, self.precision.compute) if a.teacher else None
         self.lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
         # the KL reference is the initial policy: with LoRA, the frozen base itself (adapters off), no copy
@@ -180,7 +180,7 @@ class Trainer:
         """Per-token advantages of every trajectory (over the whole step batch), from the rewards and, where the run
         has them, the critic's `values` and the reverse KL to the teacher (`teacher_kl`)."""
         algo_cfg = self.cfg.algo
-        distill = algo_cfg.estimator == "on_policy_distill"
+        distill = algo_cfg.needs("kl_bt")
         rewards_b, shaping_metrics = self.rewards(trajs)
         inputs = algo.AdvantageInputs(
             mask_bt=padded([t.loss_mask for t in trajs]),
@@ -206,7 +206,7 @@ class Trainer:
 
     def _advantage_params(self, whiten: bool | None = None) -> algo.AdvantageParams:
         a = self.cfg.algo
-        coef = a.teacher_coef if a.estimator == "on_policy_distill" else 0.0  # its advantage: -coef * kl
+        coef = a.teacher_coef if a.needs("kl_bt") else 0.0  # its advantage: -coef * kl
         return algo.AdvantageParams(a.gamma, a.lam, coef, whiten=a.whiten if whiten is None else whiten)
 
     def step(self, trajs: list[Trajectory], shard: list[int] | None = None) -> dict[str, float]:

@@ -1,5 +1,7 @@
 """Registries: lookup by name, duplicate protection, and the full set of variant names."""
 
+import re
+
 import pytest
 
 from molt.algo import (
@@ -40,6 +42,23 @@ def test_a_variant_without_its_familys_info_is_rejected_when_registered():
     with pytest.raises(ValueError, match=r"advantage estimator 'mine': register it with whiten=\.\.\., needs="):
         ESTIMATORS.register("mine")(lambda inputs, params: None)
     assert "mine" not in ESTIMATORS
+
+
+def test_an_estimator_returning_the_wrong_shapes_is_named():
+    import torch
+
+    from molt.algo import AdvantageInputs, compute_advantages
+
+    ESTIMATORS.register("per_sample", whiten=False, needs=("rewards_b",), uses_kl=False, group_baseline=False)(
+        lambda inputs, params: (inputs.rewards_b, inputs.rewards_b, {"n": 2.0})  # [B], not [B, T]
+    )
+    try:
+        inputs = AdvantageInputs(torch.ones(2, 3), rewards_b=torch.tensor([1.0, 0.0]))
+        shapes = re.escape("estimator 'per_sample' returned shapes [(2,), (2,), ('n', ())]")
+        with pytest.raises(ValueError, match=shapes):
+            compute_advantages("per_sample", inputs)
+    finally:
+        del ESTIMATORS._fns["per_sample"], ESTIMATORS._info["per_sample"]
 
 
 def test_unknown_name_lists_the_choices():

@@ -72,9 +72,11 @@ def test_controller_errors():
 
 
 def test_adaptive_coef_pure_function_hand_numbers():
-    """beta * (1 + clip(kl / target - 1, +-0.2) * n / horizon): the error is clipped at 0.2 both ways."""
+    """beta * (1 + clip(kl / target - 1, +-0.2) * min(n / horizon, 1)): the error is clipped at 0.2 both ways."""
     from molt.algo import adaptive_kl_coef
 
     assert adaptive_kl_coef(0.1, kl=1.1, target=1.0, num_samples=50, horizon=100) == pytest.approx(0.1 * 1.05)
     assert adaptive_kl_coef(0.1, kl=9.0, target=1.0, num_samples=50, horizon=100) == pytest.approx(0.1 * 1.1)
     assert adaptive_kl_coef(0.1, kl=0.0, target=1.0, num_samples=50, horizon=100) == pytest.approx(0.1 * 0.9)
+    # more samples than the horizon (segments of long rollouts): capped at 20% a step, so beta stays positive
+    assert adaptive_kl_coef(0.1, kl=0.0, target=1.0, num_samples=800, horizon=100) == pytest.approx(0.1 * 0.8)

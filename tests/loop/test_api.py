@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from conftest import one_line, run_molt  # noqa: I001 - tests/conftest.py
 
 import molt
@@ -77,6 +78,38 @@ def test_train_from_inside_a_running_event_loop(tmp_path):
         assert [m["step"] for m in result.history] == [1, 2]
         assert [m["step"] for m in read_metrics(tmp_path / name)] == [1, 2]
         assert (tmp_path / name / "checkpoints" / "step-2" / "model.safetensors").exists()
+
+
+@pytest.fixture
+def own_variants():
+    """A GAE variant and a loss registered in your own code, as docs/algorithms.md says; removed afterwards."""
+    from molt import algo
+
+    @algo.ESTIMATORS.register("my_gae", whiten=True, needs=("rewards_b", "values_bt"), uses_kl=True,
+                              group_baseline=False)  # fmt: skip
+    def my_gae(inputs, params):
+        return algo.ESTIMATORS.get("gae")(inputs, params)
+
+    @algo.POLICY_LOSSES.register("neg_twice")
+    def neg_twice(logp_bt, old_logp_bt, advantages_bt, mask_bt, params):
+        """-w(A) * A * logp with w = 2 for A < 0: not the policy gradient at ratio 1."""
+        weighted_bt = advantages_bt * torch.where(advantages_bt < 0, 2.0, 1.0)
+        return algo.POLICY_LOSSES.get("pg")(logp_bt, old_logp_bt, weighted_bt, mask_bt, params)
+
+    yield
+    for registry, name in ((algo.ESTIMATORS, "my_gae"), (algo.POLICY_LOSSES, "neg_twice")):
+        del registry._fns[name], registry._info[name]
+
+
+def test_your_own_estimator_and_loss_are_wired_by_their_registry_info(tmp_path, own_variants):
+    """An estimator that needs values_bt gets a critic (and may read gamma); a loss of your own is not refused as
+    one of the built-in surrogates that share one gradient at ratio 1."""
+    algo = {"estimator": "my_gae", "gamma": 0.9, "policy_loss": "neg_twice", "clip_high": 0.3}
+    result = molt.train(TINY, algo=algo, critic={"lr": 1e-3}, log={"run_dir": str(tmp_path)})
+    assert [m["step"] for m in result.history] == [1, 2]
+    assert all("critic/value_loss" in m for m in result.history)
+    with pytest.raises(ConfigError, match="algo.policy_loss: has no effect here"):
+        molt.make_config(TINY, algo={"policy_loss": "pg"})
 
 
 def test_ctrl_c_stops_a_blocking_train_inside_a_running_event_loop(tmp_path, monkeypatch):

@@ -33,7 +33,8 @@ def _assert_same_weights(remote: RayTrainer, local: Trainer) -> None:
 def test_critic_reference_and_adaptive_kl_match_one_process_and_resume_on_one_rank(ray_cluster, tmp_path):
     ray = ray_cluster
     flags = ("--algo.estimator", "gae", "--critic.lr", "3e-3", "--algo.kl_coef", "0.1", "--algo.kl_target", "0.001",
-             "--algo.kl_horizon", "10", "--train.lr", "1e-3", "--rollout.prompts_per_step", "4")  # fmt: skip
+             "--algo.kl_horizon", "10", "--train.lr", "1e-3", "--rollout.prompts_per_step", "4",
+             "--rollout.n_samples_per_prompt", "2")  # fmt: skip
     cfg = _cfg(*flags, "--runtime.trainer_ranks", "2")
     model = small_model()
     batches = [batch(model, seed=s) for s in range(3)]

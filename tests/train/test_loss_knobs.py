@@ -15,6 +15,7 @@ from molt.train.optim import lr_factor
 from molt.train.trainer import Trainer
 
 ADAPTIVE = ("--algo.kl_coef", "0.5", "--algo.kl_target", "1e-4", "--algo.kl_horizon", "24", "--train.lr", "1e-2")
+ADAPTIVE += ("--rollout.prompts_per_step", "3", "--rollout.n_samples_per_prompt", "4")  # the 12 samples of _trajs
 
 
 def test_adaptive_kl_coefficient_follows_the_measured_kl_each_step_and_resumes():
@@ -35,10 +36,11 @@ def test_adaptive_kl_coefficient_follows_the_measured_kl_each_step_and_resumes()
 
 def test_advantages_see_the_clipped_and_overlong_penalised_reward():
     """GRPO on shaped rewards equals GRPO on rewards shaped by hand: penalty on each rollout's generated tokens
-    (max_tokens 32, buffer 30: -(n - 2) / 30 * 0.5 for n generated tokens), then clipping to +-0.4."""
+    (max_len 32, buffer 30: -(n - 2) / 30 * 0.5 for n generated tokens), then clipping to +-0.4."""
     model = _model()
     trajs = _trajs(model)
-    flags = ("--algo.overlong_buffer", "30", "--algo.overlong_coef", "0.5", "--algo.reward_clip", "0.4")
+    flags = ("--algo.overlong_buffer", "30", "--algo.overlong_max_len", "32", "--algo.overlong_coef", "0.5")
+    flags += ("--algo.reward_clip", "0.4")
     shaped = Trainer(copy.deepcopy(model), _cfg(*flags))
     by_hand = copy.deepcopy(trajs)
     for traj in by_hand:
@@ -51,6 +53,8 @@ def test_advantages_see_the_clipped_and_overlong_penalised_reward():
     expect, _ = Trainer(copy.deepcopy(model), _cfg()).advantages(by_hand)
     assert [a for row in advantages for a in row] == pytest.approx([a for row in expect for a in row], abs=1e-6)
     assert "train/reward_clip_frac" in shaped.step(trajs)
+    by_default = _cfg("--algo.overlong_buffer", "30", "--rollout.max_tokens", "60", "--rollout.max_len", "200")
+    assert by_default.overlong_max_len() == 200  # the episode's budget: 4 turns x 60 tokens, at most max_len
 
 
 def test_a_resume_trains_with_the_optimizer_and_kl_settings_it_is_given(tmp_path):
@@ -122,6 +126,16 @@ def test_settings_that_cannot_act_as_asked_are_refused_saying_what_to_do(tmp_pat
     for filters in (("all-equal",), ("nonfinite", "score-range"), ("nonfinite", "all-equal")):
         cfg = _cfg(*distill, "--rollout.filters", *filters)
         with pytest.raises(ConfigError, match="rollout.filters: .* never uses: it would drop groups that carry signal"):
+            check_rollout_algo(cfg.rollout, cfg.algo)
+    one = ("--rollout.n_samples_per_prompt", "1")  # a group of one: no baseline to compare with
+    for estimator, filters, refusal in (("grpo", "nonfinite", "advantage 0"), ("dr_grpo", "nonfinite", "advantage 0"),
+                                        ("rloo", "auto", "the all-equal filter drops"), ("rloo", "nonfinite", None),
+                                        ("reinforce", "auto", None)):  # fmt: skip
+        cfg = _cfg(*one, "--algo.estimator", estimator, "--rollout.filters", filters)
+        if refusal is None:
+            check_rollout_algo(cfg.rollout, cfg.algo)
+            continue
+        with pytest.raises(ConfigError, match=f"rollout.n_samples_per_prompt: 1 .*{refusal}"):
             check_rollout_algo(cfg.rollout, cfg.algo)
 
 

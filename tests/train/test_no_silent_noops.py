@@ -49,6 +49,10 @@ def _acts(*change: str, context: tuple[str, ...] = ()) -> Case:
     return context, change, ACTS
 
 
+ONE_TURN = ("--rollout.max_turns", "1")  # the overlong penalty's default budget: one turn's 32 tokens
+STEP_12 = ("--rollout.prompts_per_step", "3", "--rollout.n_samples_per_prompt", "4")  # the batch's 12 samples
+
+
 def _rejected(match: str, *change: str, context: tuple[str, ...] = ()) -> Case:
     return context, change, match
 
@@ -121,21 +125,21 @@ CASES: dict[str, list[Case]] = {
     ],
     "algo.kl_target": [
         _rejected("the KL loss is off", "--algo.kl_target", "0.01"),
-        _acts("--algo.kl_target", "0.01", "--algo.kl_horizon", "12", context=KL),  # 12 samples: it moves at once
+        _acts("--algo.kl_target", "0.01", "--algo.kl_horizon", "12", context=(*KL, *STEP_12)),  # it moves at once
     ],
     "algo.kl_horizon": [
         _rejected("the KL coefficient is fixed", "--algo.kl_horizon", "12"),
-        _acts("--algo.kl_horizon", "12", context=(*KL, "--algo.kl_target", "0.01")),
+        _acts("--algo.kl_horizon", "12", context=(*KL, *STEP_12, "--algo.kl_target", "0.01")),
     ],
     "algo.reward_clip": [_acts("--algo.reward_clip", "0.5")],
-    "algo.overlong_buffer": [_acts("--algo.overlong_buffer", "30")],
+    "algo.overlong_buffer": [_acts("--algo.overlong_buffer", "30", context=ONE_TURN)],
     "algo.overlong_max_len": [
         _rejected("the overlong penalty is off", "--algo.overlong_max_len", "12"),
         _acts("--algo.overlong_max_len", "12", context=("--algo.overlong_buffer", "8")),
     ],
     "algo.overlong_coef": [
         _rejected("the overlong penalty is off", "--algo.overlong_coef", "3"),
-        _acts("--algo.overlong_coef", "3", context=("--algo.overlong_buffer", "30")),
+        _acts("--algo.overlong_coef", "3", context=(*ONE_TURN, "--algo.overlong_buffer", "30")),
     ],
     "algo.entropy_coef": [_acts("--algo.entropy_coef", "0.05")],
     "algo.routing_replay": [
@@ -146,9 +150,12 @@ CASES: dict[str, list[Case]] = {
         _rejected(DENSE_ONLY, "--algo.moe_aux_coef", "0.1"),
         _acts("--algo.moe_aux_coef", "0.1", context=MOE),
     ],
-    "algo.gamma": [_rejected("gae and reinforce", "--algo.gamma", "0.9"), _acts("--algo.gamma", "0.9", context=GAE)],
+    "algo.gamma": [
+        _rejected(r"read it \(gae, reinforce\)", "--algo.gamma", "0.9"),
+        _acts("--algo.gamma", "0.9", context=GAE),
+    ],
     "algo.lam": [
-        _rejected("applies to algo.estimator gae", "--algo.lam", "0.5"),
+        _rejected(r"applies to the estimators that read it \(gae\)", "--algo.lam", "0.5"),
         _rejected(
             "reinforce is gae with V = 0 and lambda 1", "--algo.lam", "0.5", context=("--algo.estimator", "reinforce")
         ),
