@@ -31,11 +31,29 @@ from molt.algo.policy_loss import POLICY_LOSSES, SurrogateParams, value_loss
 from molt.algo.routing import expert_load, load_balance_loss, load_imbalance, routing_agreement
 from molt.registry import Registry
 
+FAMILIES = (ESTIMATORS, POLICY_LOSSES, AGGREGATIONS, KL_ESTIMATORS, KL_CONTROLLERS, IS_LEVELS, IS_MODES, GROUP_FILTERS)
+
+
+def own_variants() -> list[tuple[str, str, object, dict]]:
+    """(registry kind, name, variant, info) of each variant registered by code outside Molt (your own estimator,
+    loss, ...): what another process of the run (a Ray trainer rank) registers too, with `register_own`."""
+    return [(r.kind, name, r.get(name), r.info(name)) for r in FAMILIES for name in r
+            if not getattr(r.get(name), "__module__", "").startswith("molt.")]  # fmt: skip
+
+
+def register_own(variants: list[tuple[str, str, object, dict]]) -> None:
+    """Register another process's `own_variants()` here (those not registered yet, e.g. by importing their module)."""
+    registries = {r.kind: r for r in FAMILIES}
+    for kind, name, variant, info in variants:
+        if name not in registries[kind]:
+            registries[kind].add(name, variant, **info)
+
+
 __all__ = ["AGGREGATIONS", "ESTIMATORS", "GROUP_FILTERS", "IS_LEVELS", "IS_MODES", "KL_CONTROLLERS", "KL_ESTIMATORS",
-           "POLICY_LOSSES", "AdaptiveKLController", "AdvantageInputs", "AdvantageParams", "FilterParams",
+           "POLICY_LOSSES", "FAMILIES", "AdaptiveKLController", "AdvantageInputs", "AdvantageParams", "FilterParams",
            "FixedKLController", "ISCorrectionParams", "ObjectiveParams", "PolicyBatch", "Registry",
            "RewardShapingParams", "StepDenominators", "SurrogateParams", "adaptive_kl_coef", "add_teacher_kl",
            "aggregate", "clip_rewards", "compute_advantages", "expert_load", "filter_groups", "is_correction",
            "kl_estimate", "load_balance_loss", "load_imbalance", "make_kl_controller", "mask_truncated",
-           "overlong_penalty", "policy_objective", "rollout_totals", "routing_agreement", "shape_rewards",
-           "step_denominators", "value_loss"]  # fmt: skip
+           "overlong_penalty", "own_variants", "policy_objective", "register_own", "rollout_totals",
+           "routing_agreement", "shape_rewards", "step_denominators", "value_loss"]  # fmt: skip

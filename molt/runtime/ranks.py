@@ -9,6 +9,7 @@ and torch.distributed.checkpoint; nothing of engines or the loop."""
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,9 @@ import ray
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
+from ray import cloudpickle
 
+from molt import algo
 from molt.config import Config
 from molt.data.trajectory import Trajectory
 from molt.runtime.cluster import get
@@ -27,7 +30,8 @@ from molt.train import parallel
 class TrainerRank:
     """One rank: a `Trainer` whose models are FSDP2-sharded (wrapped with `ray.remote` by `RayTrainer`)."""
 
-    def __init__(self, cfg: Config, model, rank: int, world_size: int):
+    def __init__(self, cfg: Config, model, rank: int, world_size: int, own_variants: list | tuple = ()):
+        algo.register_own(own_variants)  # the driver's own estimators, losses, ... (registered before molt.train)
         torch.set_num_threads(cfg.runtime.threads or 1)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.model = model.to(cfg.runtime.device)
@@ -133,8 +137,12 @@ def _export(cfg, full: dict[str, torch.Tensor], folder: str, tokenizer) -> None:
 
 
 def spawn_rank(cfg: Config, model_ref, rank: int, world_size: int, options: dict):
-    """A `TrainerRank` actor (not yet in its process group: `RayTrainer` sets the group up)."""
-    return ray.remote(TrainerRank).options(**options).remote(cfg, model_ref, rank, world_size)
+    """A `TrainerRank` actor (not yet in its process group: `RayTrainer` sets the group up), given the variants the
+    driver registered from your own code, sent by value (the actor's process need not import their module)."""
+    variants = algo.own_variants()
+    for module in {variant.__module__ for _, _, variant, _ in variants} - {"__main__"}:
+        cloudpickle.register_pickle_by_value(sys.modules[module])
+    return ray.remote(TrainerRank).options(**options).remote(cfg, model_ref, rank, world_size, variants)
 
 
 class RayTrainer:

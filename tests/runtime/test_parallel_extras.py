@@ -93,3 +93,28 @@ def test_lora_with_a_teacher_and_the_adapters_off_reference_match_one_process_an
     finally:
         for r in ranks:
             ray.kill(r)
+
+
+@pytest.mark.slow
+def test_an_estimator_of_your_own_reaches_the_ranks(ray_cluster):
+    """Registered in the driver before training (as docs/algorithms.md says), it is registered on every rank too,
+    sent by value: the rank's process does not import the module that defined it."""
+    from molt import algo
+
+    @algo.ESTIMATORS.register("half_rloo", whiten=False, needs=("rewards_b", "group_ids_b"), uses_kl=False,
+                              group_baseline=True)  # fmt: skip
+    def half_rloo(inputs, params):
+        advantages_bt, returns_bt, metrics = algo.ESTIMATORS.get("rloo")(inputs, params)
+        return advantages_bt / 2, returns_bt / 2, metrics
+
+    try:
+        cfg = _cfg("--algo.estimator", "half_rloo", "--rollout.prompts_per_step", "4")
+        model = small_model()
+        trajs = batch(model, seed=0)
+        (rank,) = _ranks(ray_cluster, cfg, model, 1)
+        try:
+            _assert_same_metrics(RayTrainer(cfg, [rank]).step(trajs), Trainer(copy.deepcopy(model), cfg).step(trajs))
+        finally:
+            ray_cluster.kill(rank)
+    finally:
+        del algo.ESTIMATORS._fns["half_rloo"], algo.ESTIMATORS._info["half_rloo"]
