@@ -192,6 +192,14 @@ def test_first_chunk_arrives_before_the_generation_ends():
                 await asyncio.sleep(0.05)  # the server sees the disconnect
                 assert server.close_session(session.id) == [] and engine.aborted == aborted + 1, path
                 aborted += 1
+                session = server.open_session(GREEDY, max_len=256)  # one that stops reading, never closing
+                client = client.with_options(base_url=f"{server.url}/s/{session.id}/v1")
+                engine.gate = asyncio.Event()
+                stream = await client.chat.completions.create(model="molt", messages=MESSAGES, stream=True)
+                assert [c async for c in _until_content(stream)]
+                engine.gate.set()  # the reply ends on the server; the next request on the session is answered
+                reply = await asyncio.wait_for(client.chat.completions.create(model="molt", messages=MESSAGES), 30)
+                assert reply.choices[0].message.content == "hello world" and server.close_session(session.id), path
         finally:
             for pool in pools.values():
                 await pool.close()

@@ -101,14 +101,35 @@ def _one_body(body: bytes):
 
 
 async def _direct(httpx, handler, scope: dict[str, Any], body: bytes):
-    """`handler`'s response to the request as an httpx response; a streamed body is read as the client reads,
-    and closing it early closes the handler's stream (which aborts the generation, as a disconnect does)."""
+    """`handler`'s response to the request as an httpx response. A streamed body runs on as a server's would, whether
+    or not the client reads it (a client that stops reading without closing must not stall the session); closing it
+    early closes the handler's stream, which aborts the generation, as a disconnect does."""
     response = await handler(Request(scope, _one_body(body)))
     headers = response.raw_headers
     if not isinstance(response, StreamingResponse):
         return httpx.Response(response.status_code, headers=headers, stream=httpx.ByteStream(response.body))
-    chunks = response.body_iterator
-    return httpx.Response(response.status_code, headers=headers, stream=_body_class(httpx)(chunks, chunks.aclose))
+    chunks, stream = asyncio.Queue(), response.body_iterator
+
+    async def pump() -> None:
+        try:
+            async for chunk in stream:
+                chunks.put_nowait(chunk)
+        finally:
+            chunks.put_nowait(_END)
+
+    async def read():
+        while (chunk := await chunks.get()) is not _END:
+            yield chunk
+        await task  # the handler's error, if its stream failed
+
+    async def close() -> None:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        await stream.aclose()
+
+    task = asyncio.ensure_future(pump())
+    return httpx.Response(response.status_code, headers=headers, stream=_body_class(httpx)(read(), close))
 
 
 @functools.cache
