@@ -126,15 +126,30 @@ def test_anthropic_tool_use_plain_and_streaming(served):
 
 
 def test_idempotent_retry_does_not_duplicate_tokens(served):
+    """A retry (an SDK's x-stainless-retry-count > 0, or a client that counts none) gets the cached reply; an SDK's
+    first try of an identical request (best-of-k by repeated calls) samples anew."""
     server, engine = served
     session = server.open()
     client = _openai(server, session)
     messages = [{"role": "user", "content": "hi"}]
     first = client.chat.completions.create(model="molt", messages=messages)
-    retry = client.chat.completions.create(model="molt", messages=messages)
-    assert retry.choices[0].message.content == first.choices[0].message.content and len(engine.emitted) == 1
+    retry = client.chat.completions.create(
+        model="molt", messages=messages, extra_headers={"x-stainless-retry-count": "1"}
+    )
+    url = server.session_url(session) + "/v1/chat/completions"
+    raw = httpx.post(url, json={"model": "molt", "messages": messages}, headers={"authorization": f"Bearer {KEY}"})
+    assert (
+        retry.choices[0].message.content
+        == first.choices[0].message.content
+        == raw.json()["choices"][0]["message"]["content"]
+    )
+    assert len(engine.emitted) == 1
     (segment,) = server.server.close_session(session.id)
     assert masked_ids(segment) == engine.emitted[0] and segment.num_turns == 1
+    session = server.open()
+    for _ in range(2):
+        _openai(server, session).chat.completions.create(model="molt", messages=messages)
+    assert len(engine.emitted) == 3 and len(server.server.close_session(session.id)) == 2
 
 
 def test_error_codes(served):

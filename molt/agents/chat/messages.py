@@ -39,6 +39,7 @@ class ChatRequest:
     top_logprobs: int = 0  # with logprobs: the k most likely tokens per generated token
     force_tool: str | None = None  # tool_choice required/any: "" (some tool), named: the function's name
     size: int = 0  # the request body's bytes (large ones are rendered off the event loop)
+    first_try: bool = False  # the client says it is no retry (an SDK's x-stainless-retry-count 0): never a cached reply
 
 
 def text_content(content: Any) -> str | list[dict[str, Any]]:

@@ -285,6 +285,7 @@ class ChatServer:
         if chat.tools:
             self._warn_if_tools_ignored()
         chat.size = int(request.headers.get("content-length") or 0)
+        chat.first_try = request.headers.get("x-stainless-retry-count") == "0"  # the OpenAI and Anthropic SDKs' count
         chat.extra["decode_token"] = self._decode_token
         return chat
 

@@ -125,8 +125,10 @@ class Session:
         async with self.lock:
             if self.closed:
                 raise SessionClosed(f"session {self.id[:6]}... is finished")
-            # a retry gets the cached reply (only a request as long as the last can be one)
-            retry = len(request.messages) == len(self.history) and request_key(request) == self._last_key()
+            # a retry gets the cached reply: a request equal to the last (so as long), unless the client says it
+            # is its first try (an identical request from an SDK asks for a new sample)
+            retry = not request.first_try and len(request.messages) == len(self.history)
+            retry = retry and request_key(request) == self._last_key()
             prepared = self.last_reply if retry else await self._prepare(request)
             if isinstance(prepared, TurnReply):  # that, or the empty "length" reply
                 yield prepared
