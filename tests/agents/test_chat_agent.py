@@ -12,7 +12,7 @@ from openai import AsyncOpenAI, NotFoundError
 
 from molt.agents.chat import ChatAgent, ChatRunner, ChatServer, Result, load_agent_class
 from molt.agents.chat.loopback import _scope
-from molt.agents.runner import EpisodeLimits
+from molt.agents.runner import ContextBudgetDrop, EpisodeLimits
 from molt.engine import SamplingParams, TorchEngine
 from molt.models import Transformer, preset
 
@@ -103,6 +103,9 @@ def test_agent_failures_are_clear_errors():
         _run(ChatRunner(ScriptedEngine(), TOK), Graded(Result(reward="high")))
     segments = _run(ChatRunner(ScriptedEngine(), TOK), Graded(Result(reward=torch.tensor(1), score=True)))
     assert (type(segments[0].reward), segments[0].reward, segments[0].score) == (float, 1.0, 1.0)
+    with pytest.raises(ContextBudgetDrop, match="no request fit the context budget") as over:  # a prompt over max_len
+        _run(ChatRunner(ScriptedEngine(), TOK), Graded(Result(reward=1.0)), EpisodeLimits(max_turns=4, max_len=8))
+    assert over.value.drop_reason == "prompt_over_context"  # dropped and counted, as with the built-in Env
 
 
 class AnthropicAgent(ChatAgent):

@@ -22,7 +22,7 @@ from typing import Any
 from molt.agents.chat.clients import ClientPool
 from molt.agents.chat.server import ChatServer
 from molt.agents.env import Env, Messages, Result, load_agent, prompt_messages
-from molt.agents.runner import EpisodeLimits, check_result, run_episode
+from molt.agents.runner import ContextBudgetDrop, EpisodeLimits, check_result, run_episode
 from molt.agents.watchdog import watch_loop, within
 from molt.config import ConfigError
 from molt.data.trajectory import Trajectory
@@ -208,7 +208,8 @@ def _stamp(agent: ChatAgent, result: Result, segments: list[Trajectory], truncat
     """`segments` stamped with the checked `result`'s reward, score and info, the ids and segment indices."""
     name = type(agent).__name__
     if not segments and truncated:
-        raise RuntimeError(f"{name}.run: no request fit the context budget (rollout.max_len); nothing was generated")
+        msg = f"{name}.run: no request fit the context budget (rollout.max_len); nothing was generated"
+        raise ContextBudgetDrop(msg)  # dropped and counted (drop/prompt_over_context), as with the built-in Env
     if not segments:
         raise RuntimeError(f"{name}.run made no completion request on its session (nothing to train)")
     score = result.score if result.score is not None else result.reward
