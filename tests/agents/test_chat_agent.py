@@ -39,10 +39,10 @@ class CompactingAgent(ChatAgent):
 LIMITS = EpisodeLimits(max_turns=4, max_len=512)
 
 
-def _run(runner, agent, limits=LIMITS, after=None):
+def _run(runner, agent, limits=LIMITS, after=None, row=ROW):
     async def main():
         try:
-            segments = await runner.run(agent, ROW, SAMPLING, limits, rollout_id=9, group_id=2)
+            segments = await runner.run(agent, row, SAMPLING, limits, rollout_id=9, group_id=2)
             if after is not None:
                 await after()
             return segments
@@ -92,6 +92,12 @@ class Graded(ChatAgent):
         return self.result
 
 
+class LabelIs(ChatAgent):
+    async def run(self, ctx):
+        await ctx.openai().chat.completions.create(model=ctx.model, messages=ctx.messages)
+        return Result(reward=float(ctx.label == "4140"))
+
+
 def test_agent_failures_are_clear_errors():
     with pytest.raises(RuntimeError, match="made no completion request"):
         _run(ChatRunner(ScriptedEngine(), TOK), Silent())
@@ -103,6 +109,8 @@ def test_agent_failures_are_clear_errors():
         _run(ChatRunner(ScriptedEngine(), TOK), Graded(Result(reward="high")))
     segments = _run(ChatRunner(ScriptedEngine(), TOK), Graded(Result(reward=torch.tensor(1), score=True)))
     assert (type(segments[0].reward), segments[0].reward, segments[0].score) == (float, 1.0, 1.0)
+    labelled = _run(ChatRunner(ScriptedEngine(), TOK), LabelIs(), row={"messages": ROW["messages"], "answer": "4140"})
+    assert labelled[0].reward == 1.0  # ctx.label: the row's answer (the README's {"prompt", "answer"} rows)
     with pytest.raises(ContextBudgetDrop, match="no request fit the context budget") as over:  # a prompt over max_len
         _run(ChatRunner(ScriptedEngine(), TOK), Graded(Result(reward=1.0)), EpisodeLimits(max_turns=4, max_len=8))
     assert over.value.drop_reason == "prompt_over_context"  # dropped and counted, as with the built-in Env

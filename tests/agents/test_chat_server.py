@@ -203,6 +203,10 @@ def test_requests_the_apis_refuse_are_400s_naming_the_field(served):
         "logit_bias": {"logit_bias": {"5": 10}},
         "presence_penalty": {"presence_penalty": 1},
         "image_url.url": {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "parallel_tool_calls=false is not supported by Molt's server; omit it or send true": {
+            "tools": [CALC_TOOL],
+            "parallel_tool_calls": False,
+        },
     }
     anthropic_refused = {
         "nope": {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "tool", "name": "nope"}},

@@ -43,7 +43,7 @@ class ChatContext:
     model: str
     messages: Messages  # the row's prompt as OpenAI chat messages (images: `image_url` parts with data URIs)
     tools: list[dict[str, Any]] | None  # OpenAI function schemas from the row
-    label: Any
+    label: Any  # the row's reference answer: its `answer` column, else `label` (as the built-in rewards read it)
     row: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)  # the rollout's settings (the server applies them)
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
@@ -162,7 +162,7 @@ class ChatRunner:
             model=server.model_name,
             messages=wire_messages(prompt_messages(row["messages"])),  # a trailing assistant turn: an SFT answer
             tools=row.get("tools"),
-            label=row.get("label"),
+            label=row.get("answer", row.get("label")),
             row=row,
             sampling={"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens},
             limits=limits,

@@ -75,7 +75,9 @@ def refuse_unsupported(body: Any, defaults: dict[str, tuple]) -> None:
     that ask for nothing) that `body` sets otherwise: such a setting is refused, never silently ignored."""
     for name, allowed in defaults.items():
         if isinstance(body, dict) and body.get(name) not in (None, *allowed):
-            raise InvalidRequest(f"{name} is not supported by Molt's server")
+            asked = f"{name}={json.dumps(body[name])[:40]}"
+            raise InvalidRequest(f"{asked} is not supported by Molt's server; omit it" + "".join(
+                f" or send {json.dumps(value)}" for value in allowed[:1]))  # fmt: skip
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
