@@ -83,6 +83,10 @@ class RolloutConfig:
         check(0 <= self.max_failure_frac <= 1, "rollout.max_failure_frac", "must be in [0, 1]")
         check_bounds(self, max_in_flight=">= 0", agent_workers=">= 0")
         check(bool(self.reward) or not self.reward_weights, "rollout.reward_weights", "needs rollout.reward")
+        for key in ("agent", "reward"):  # the workers are fresh interpreters: they do not run the caller's script
+            check(not self.agent_workers or "__main__:" not in getattr(self, key), f"rollout.{key}", "'__main__:NAME' "
+                  "is defined in your script, which rollout.agent_workers processes do not run: put it in a file "
+                  f"(--rollout.{key} my_{key}.py) or set rollout.agent_workers 0")  # fmt: skip
         check_bounds(self, step_timeout_s="> 0", max_len="> 1 (prompt tokens + room to generate)")
         check(not self.replay or os.path.isdir(self.replay), "rollout.replay", f"folder {self.replay!r} does not exist")
         from molt.algo.filtering import GROUP_FILTERS

@@ -58,6 +58,8 @@ def test_make_config_refuses_what_is_not_a_config_and_takes_paths_and_numpy_numb
         molt.make_config({"config": str(tmp_path / "missing.toml")})
     with pytest.raises(ConfigError, match=r"rollout.reward: expected str, got function .*pass '__main__:NAME'"):
         molt.make_config(rollout={"reward": test_make_config_merges_dicts_files_and_overrides})
+    with pytest.raises(ConfigError, match=r"rollout.agent: '__main__:NAME' .*agent_workers processes do not run"):
+        molt.make_config(rollout={"agent": "__main__:Agent", "agent_workers": 1})
     cfg = molt.make_config({"train.max_steps": np.int64(3), "train.lr": np.float32(0.5), "log.run_dir": tmp_path})
     assert (cfg.train.max_steps, cfg.train.lr, cfg.log.run_dir) == (3, 0.5, str(tmp_path))
     assert type(cfg.train.max_steps) is int and type(cfg.train.lr) is float
