@@ -75,7 +75,7 @@ class RLLoop(Accounting):
         self.history: list[dict[str, Any]] = []
         self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()
         self.run_t0 = time.perf_counter() - self.state.elapsed_s  # `run` starts it again: the eval before is no step
-        self.step_rewards: list[float] = []  # of the rollouts sampled since the last step, filtered or not
+        self.step_rollouts: list[Trajectory] = []  # the first segment of each rollout sampled since the last step
         self.engine_stats: dict[str, float] = {}
         self.chat = chat_runner(cfg, engine, tokenizer)  # the server starts on first use
         self.workers = workers  # rollout.agent_workers processes, started by the command
@@ -156,7 +156,7 @@ class RLLoop(Accounting):
                 return Failed(e)
         self.state.rollouts += 1
         self.rollout_tokens += sum(s.num_action_tokens for s in segments)
-        self.step_rewards += [segments[0].reward] if segments else []  # a rollout's segments share its reward
+        self.step_rollouts += segments[:1]  # a rollout's segments share its reward and info
         return Sampled(segments)
 
     def _keep(self, group: list[Trajectory]) -> bool:
@@ -253,9 +253,15 @@ class RLLoop(Accounting):
 
     def _reward_metrics(self) -> dict[str, float]:
         """The policy's mean reward over the rollouts sampled since the last step, before the group filters pick
-        what trains (`train/reward_mean` is the trained samples')."""
-        rewards, self.step_rewards = self.step_rewards, []
-        return {"rollout/reward_mean": sum(rewards) / len(rewards)} if rewards else {}
+        what trains (`train/reward_mean` is the trained samples'), and the mean of each finite number (or bool) its
+        agent put in `Result.info`, as `rollout/info/<key>`."""
+        firsts, self.step_rollouts = self.step_rollouts, []
+        values: dict[str, list[float]] = {"rollout/reward_mean": [t.reward for t in firsts]}
+        for traj in firsts:
+            for key, value in traj.info.items():
+                if isinstance(value, int | float) and math.isfinite(value):
+                    values.setdefault(f"rollout/info/{key}", []).append(float(value))
+        return {key: sum(v) / len(v) for key, v in values.items() if v}
 
     def _engine_metrics(self) -> dict[str, float]:
         """Engine work since the last step (`work_since`), for engines that count it in this process; Ray

@@ -33,7 +33,8 @@ class StubLoop(RLLoop):
         if k in self.failing:
             raise ValueError(f"tool backend hiccup on sample {k}")
         ids = {"group_id": ids["group_id"], "rollout_id": ids["rollout_id"]}
-        return [Trajectory(reward=self.reward(k), score=self.score(k), **ids)]
+        info = {"turns": k, "solved": k == 3, "note": "text", "nan": math.nan}  # Result.info, as an agent's
+        return [Trajectory(reward=self.reward(k), score=self.score(k), info=info, **ids)]
 
 
 def _config(tmp_path, *flags):
@@ -87,7 +88,9 @@ def test_filters_decide_on_the_partial_credit_reward_not_the_score(tmp_path):
     assert loop.drop_line() == ""  # counted once, then reset for the next progress line
     assert loop.step_dropped_groups == 1  # the step's `rollout/dropped_groups` keeps it whenever lines are printed
     # the step's `rollout/reward_mean` is the policy's reward: every rollout, the filtered group's too
-    assert loop._reward_metrics() == {"rollout/reward_mean": (0.2 + 0.5 + 0.5 + 0.9) / 4}
+    # with the mean of each finite number or bool of its agent's Result.info
+    info = {"rollout/info/turns": 1.5, "rollout/info/solved": 0.25}
+    assert loop._reward_metrics() == {"rollout/reward_mean": (0.2 + 0.5 + 0.5 + 0.9) / 4} | info
     assert loop._reward_metrics() == {}  # none sampled since
 
 
