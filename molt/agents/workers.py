@@ -301,7 +301,7 @@ class RemoteEngine(Engine):
         return await self.peer.call("abort", request_id)
 
     async def update_weights(self, *args, **kwargs) -> None:
-        raise NotImplementedError("an agent worker's engine only generates; weights are synced in the main process")
+        raise NotImplementedError("an agent worker's engine only generates: the main process syncs (and pauses) it")
 
     pause = resume = update_weights
 

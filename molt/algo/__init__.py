@@ -34,11 +34,13 @@ from molt.registry import Registry
 FAMILIES = (ESTIMATORS, POLICY_LOSSES, AGGREGATIONS, KL_ESTIMATORS, KL_CONTROLLERS, IS_LEVELS, IS_MODES, GROUP_FILTERS)
 
 
+MOLT_NAMES = {r.kind: set(r) for r in FAMILIES}  # what Molt registers itself (at import)
+
+
 def own_variants() -> list[tuple[str, str, object, dict]]:
-    """(registry kind, name, variant, info) of each variant registered by code outside Molt (your own estimator,
-    loss, ...): what another process of the run (a Ray trainer rank) registers too, with `register_own`."""
-    return [(r.kind, name, r.get(name), r.info(name)) for r in FAMILIES for name in r
-            if not getattr(r.get(name), "__module__", "").startswith("molt.")]  # fmt: skip
+    """(registry kind, name, variant, info) of each variant registered since Molt's own (your estimator, loss, ...):
+    what another process of the run (a Ray trainer rank) registers too, with `register_own`."""
+    return [(r.kind, name, r.get(name), r.info(name)) for r in FAMILIES for name in r if name not in MOLT_NAMES[r.kind]]
 
 
 def register_own(variants: list[tuple[str, str, object, dict]]) -> None:

@@ -221,7 +221,8 @@ async def train_async(cfg: Config) -> TrainResult:
         if folder:  # their token ids must be the policy's
             check_same_tokenizer(tokenizer, folder, key)
     if cfg.rollout.replay:  # its shards cover the steps to train, before any data or model is read
-        folder, own = replay_folder(cfg, resumed or 0), cfg.ckpt.resume  # only a resumed run's folder can hold them
+        folder = replay_folder(cfg, resumed or 0)
+        own = cfg.ckpt.resume and (cfg.log.run_dir or cfg.ckpt.resume)  # the folder a resume trims (a new one is empty)
         check(not own or folder.resolve() != rollouts_folder(own).resolve(), "rollout.replay", f"{folder} is this "
               "run's own dump, which resuming trims to the checkpoint's step: replay a copy of it")  # fmt: skip
     torch.manual_seed(cfg.train.seed)

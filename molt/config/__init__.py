@@ -65,11 +65,10 @@ class Config:
             data["rollout"][key] = ",".join("".join(part) for part in files)
         return data
 
-    def overlong_max_len(self) -> int:
-        """Generated tokens (all turns) at which the overlong penalty is full: `algo.overlong_max_len`, or the most an
-        episode can generate (`rollout.max_tokens` a turn for `max_turns` turns, at most `rollout.max_len`)."""
-        ro = self.rollout
-        return self.algo.overlong_max_len or min(ro.max_tokens * ro.max_turns, ro.max_len)
+    def overlong_budget(self) -> int:
+        """Generated tokens at which the overlong penalty is full: `algo.overlong_max_len`, else (one turn, which
+        the config checks) `rollout.max_tokens`."""
+        return self.algo.overlong_max_len or self.rollout.max_tokens
 
     def _check_policy_kind(self) -> None:
         """Settings that need an MoE, a VLM or a dense text policy, or fit its context, against its architecture."""
@@ -132,9 +131,13 @@ class Config:
         check(not self.algo.kl_target or self.algo.kl_horizon >= samples, "algo.kl_horizon", f"({self.algo.kl_horizon})"
               f" must be >= the samples a step trains ({samples}): the adaptive KL moves its coefficient by at most "
               "20% x samples / kl_horizon a step, capped at 20%")  # fmt: skip
-        check(self.algo.overlong_buffer <= self.overlong_max_len(), "algo.overlong_buffer", f"("
-              f"{self.algo.overlong_buffer}) must be <= algo.overlong_max_len ({self.overlong_max_len()}; 0 = "
-              "rollout.max_tokens x max_turns, at most rollout.max_len)")  # fmt: skip
+        check(not self.algo.overlong_buffer or self.algo.overlong_max_len or ro.max_turns == 1, "algo.overlong_max_len",
+              "set it with algo.overlong_buffer when rollout.max_turns > 1: the penalty counts the tokens a rollout "
+              "generates in all its turns, and its default is one turn's rollout.max_tokens (or set "
+              "--rollout.max_turns 1 for a single-turn task)")  # fmt: skip
+        check(self.algo.overlong_buffer <= self.overlong_budget(), "algo.overlong_buffer", f"("
+              f"{self.algo.overlong_buffer}) must be <= algo.overlong_max_len ({self.overlong_budget()}; 0 = "
+              "rollout.max_tokens)")  # fmt: skip
         given = [f"critic.{k}" for k in changed(self.critic, *CriticConfig.__dataclass_fields__)]  # they need one
         others = f" (and {', '.join(given[1:])}, from the flags or the config file)" if len(given) > 1 else ""
         check(self.algo.needs("values_bt") or not given, given[0] if given else "critic", "has no effect: no critic "

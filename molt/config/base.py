@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 from molt.errors import UserError
 
 
@@ -29,5 +31,7 @@ def check_bounds(group: object, **bounds: str) -> None:
     prefix = type(group).__name__.removesuffix("Config").lower()
     for key, bound in bounds.items():
         op, limit = bound.split()[:2]
-        value = getattr(group, key)
-        check(value > float(limit) if op == ">" else value >= float(limit), f"{prefix}.{key}", f"must be {bound}")
+        check(_BOUNDS[op](getattr(group, key), float(limit)), f"{prefix}.{key}", f"must be {bound}")
+
+
+_BOUNDS = {">": operator.gt, ">=": operator.ge}  # `check_bounds`' comparisons (another is a KeyError)

@@ -159,8 +159,8 @@ class AlgoConfig:
     """DAPO soft overlong penalty (0 = off): a rollout that generated more than overlong_max_len - overlong_buffer
     tokens (all turns together) loses reward linearly, overlong_coef at overlong_max_len and beyond."""
     overlong_max_len: int = 0
-    """Generated tokens (all turns) at which the overlong penalty is full (0 = the episode's budget: rollout.max_tokens
-    x max_turns, at most rollout.max_len)."""
+    """Generated tokens (all turns) at which the overlong penalty is full (0 = rollout.max_tokens; needed with
+    rollout.max_turns > 1)."""
     overlong_coef: float = 1.0
     """Reward the overlong penalty takes away at overlong_max_len (needs overlong_buffer)."""
     entropy_coef: float = 0.0
@@ -313,14 +313,15 @@ def check_rollout_algo(rollout: RolloutConfig, algo: AlgoConfig) -> None:
     from molt.algo import ESTIMATORS, AdvantageInputs, compute_advantages
 
     if rollout.n_samples_per_prompt == 1:
-        if ESTIMATORS.info(algo.estimator)["group_baseline"]:  # two groups of one, rewards 1 and 0
+        info = ESTIMATORS.info(algo.estimator)
+        if info["group_baseline"] and {*info["needs"]} <= {"rewards_b", "group_ids_b"}:  # two groups of one: 1, 0
             probe = AdvantageInputs(torch.ones(2, 1), torch.tensor([1.0, 0.0]), torch.tensor([0, 1]))
             check(bool(compute_advantages(algo.estimator, probe)[0].any()), "rollout.n_samples_per_prompt", "1 "
                   f"gives every rollout advantage 0 with --algo.estimator {algo.estimator}, which compares it with the "
                   "others of its prompt: sample 2 or more (rloo and reinforce learn from one)")  # fmt: skip
         check("all-equal" not in rollout.group_filters(algo.estimator), "rollout.n_samples_per_prompt", "1 makes "
-              "every group all-equal, which the all-equal filter drops (rollout.filters auto, with a group estimator): "
-              "sample 2 or more, or set --rollout.filters nonfinite")  # fmt: skip
+              "every group all-equal, which the all-equal filter of rollout.filters drops (auto has it for a group "
+              "estimator): sample 2 or more, or set --rollout.filters nonfinite")  # fmt: skip
     if "rewards_b" not in ESTIMATORS.info(algo.estimator)["needs"]:
         for name in (f for f in rollout.group_filters(algo.estimator) if f in ("all-equal", "score-range")):
             raise ConfigError(

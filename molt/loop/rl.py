@@ -10,6 +10,7 @@ read `reward` (or `score`: `rollout.filter_on`); `rollout.dump` writes each trai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -22,7 +23,7 @@ import torch
 
 from molt import algo
 from molt.agents.chat.agent import local_rollout
-from molt.agents.runner import EpisodeLimits
+from molt.agents.runner import EpisodeLimits, real_number
 from molt.agents.workers import AgentWorkers
 from molt.config import Config
 from molt.data.trajectory import Trajectory
@@ -259,8 +260,8 @@ class RLLoop(Accounting):
         values: dict[str, list[float]] = {"rollout/reward_mean": [t.reward for t in firsts]}
         for traj in firsts:
             for key, value in traj.info.items():
-                if isinstance(value, int | float) and math.isfinite(value):
-                    values.setdefault(f"rollout/info/{key}", []).append(float(value))
+                with contextlib.suppress(TypeError, ValueError, OverflowError):  # finite numbers (and bools) only
+                    values.setdefault(f"rollout/info/{key}", []).append(real_number(value, key))
         return {key: sum(v) / len(v) for key, v in values.items() if v}
 
     def _engine_metrics(self) -> dict[str, float]:

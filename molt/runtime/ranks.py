@@ -8,8 +8,10 @@ and torch.distributed.checkpoint; nothing of engines or the loop."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,12 +138,21 @@ def _export(cfg, full: dict[str, torch.Tensor], folder: str, tokenizer) -> None:
     save_pretrained(export, folder, tokenizer)
 
 
+def _your_module(module) -> bool:
+    """Whether `module` is your own code (a file outside Molt, the standard library and installed packages), which a
+    rank's process may not import: its functions are sent by value (cloudpickle sends `__main__`'s so anyway)."""
+    file, elsewhere = getattr(module, "__file__", None), [sysconfig.get_paths()[k] for k in ("stdlib", "purelib")]
+    outside = file and not os.path.realpath(file).startswith(tuple(os.path.realpath(p) for p in elsewhere))
+    return bool(outside) and module.__name__.split(".")[0] not in ("molt", "__main__")
+
+
 def spawn_rank(cfg: Config, model_ref, rank: int, world_size: int, options: dict):
     """A `TrainerRank` actor (not yet in its process group: `RayTrainer` sets the group up), given the variants the
     driver registered from your own code, sent by value (the actor's process need not import their module)."""
     variants = algo.own_variants()
-    for module in {variant.__module__ for _, _, variant, _ in variants} - {"__main__"}:
-        cloudpickle.register_pickle_by_value(sys.modules[module])
+    for module in {sys.modules.get(getattr(v, "__module__", None) or "") for _, _, v, _ in variants} - {None}:
+        if _your_module(module):
+            cloudpickle.register_pickle_by_value(module)
     return ray.remote(TrainerRank).options(**options).remote(cfg, model_ref, rank, world_size, variants)
 
 

@@ -53,9 +53,16 @@ def head_chunk(
     return logp_c, entropy_c
 
 
-def token_logprobs(*args, **kwargs) -> torch.Tensor:
-    """log p(target) at every packed position [R, W]: the first of `token_logprobs_entropy(*args, **kwargs)`."""
-    return token_logprobs_entropy(*args, **kwargs)[0]
+def token_logprobs(
+    model: Transformer,
+    packed: PackedBatch,
+    temperature: float,
+    routing=None,
+    trained_only: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """log p(target) at every packed position [R, W]; see `token_logprobs_entropy`."""
+    return token_logprobs_entropy(model, packed, temperature, routing, trained_only, chunk_tokens)[0]
 
 
 def token_logprobs_entropy(

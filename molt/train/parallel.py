@@ -57,10 +57,10 @@ def _multi_rank() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def all_reduce_sum(x: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-    """Sum `x` (or reduce it with `op`) over the trainer ranks, in place (a no-op without a process group)."""
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the trainer ranks (a no-op without a process group)."""
     if _multi_rank():
-        dist.all_reduce(x, op=op)
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x
 
 
@@ -104,7 +104,10 @@ def gather_samples(shard: list[int], num_samples: int, *per_sample: list | None)
 
 
 def all_reduce_max(value: int) -> int:
-    return int(all_reduce_sum(torch.tensor([value], dtype=torch.int64), dist.ReduceOp.MAX))
+    t = torch.tensor([value], dtype=torch.int64)
+    if _multi_rank():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
 
 
 def split_by_tokens(trajs: list[Trajectory], num_ranks: int) -> list[list[int]]:

@@ -79,7 +79,7 @@ class Trainer:
         self.objective = a.objective()
         kl = dict(coef=a.kl_coef, target=a.kl_target, horizon=a.kl_horizon) if a.kl_target else dict(coef=a.kl_coef)
         self.kl_control = algo.make_kl_controller("adaptive" if a.kl_target else "fixed", **kl)
-        overlong = (a.overlong_buffer, cfg.overlong_max_len(), a.overlong_coef)
+        overlong = (a.overlong_buffer, cfg.overlong_budget(), a.overlong_coef)
         self.shaping = algo.RewardShapingParams(a.reward_clip, *overlong)
         mixed = self.precision.compute if self.precision.mixed else None
         shard = functools.partial(parallel.parallelize, compute_dtype=mixed) if fsdp else None

@@ -11,6 +11,8 @@ import logging
 import math
 from types import SimpleNamespace
 
+import numpy as np
+
 from molt.cli.main import parse_config
 from molt.data.trajectory import Trajectory
 from molt.loop.rl import FAILURE_LOG, RLLoop
@@ -33,7 +35,7 @@ class StubLoop(RLLoop):
         if k in self.failing:
             raise ValueError(f"tool backend hiccup on sample {k}")
         ids = {"group_id": ids["group_id"], "rollout_id": ids["rollout_id"]}
-        info = {"turns": k, "solved": k == 3, "note": "text", "nan": math.nan}  # Result.info, as an agent's
+        info = {"turns": np.int64(k), "solved": k == 3, "note": "text", "nan": math.nan, "huge": 10**400}
         return [Trajectory(reward=self.reward(k), score=self.score(k), info=info, **ids)]
 
 

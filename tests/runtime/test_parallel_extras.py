@@ -107,8 +107,10 @@ def test_an_estimator_of_your_own_reaches_the_ranks(ray_cluster):
         advantages_bt, returns_bt, metrics = algo.ESTIMATORS.get("rloo")(inputs, params)
         return advantages_bt / 2, returns_bt / 2, metrics
 
+    algo.POLICY_LOSSES.add("pg_again", algo.POLICY_LOSSES.get("pg"))  # a built-in under a name of yours: sent too
     try:
-        cfg = _cfg("--algo.estimator", "half_rloo", "--rollout.prompts_per_step", "4")
+        assert [name for _, name, _, _ in algo.own_variants()] == ["half_rloo", "pg_again"]
+        cfg = _cfg("--algo.estimator", "half_rloo", "--algo.policy_loss", "pg_again", "--rollout.prompts_per_step", "4")
         model = small_model()
         trajs = batch(model, seed=0)
         (rank,) = _ranks(ray_cluster, cfg, model, 1)
@@ -118,3 +120,4 @@ def test_an_estimator_of_your_own_reaches_the_ranks(ray_cluster):
             ray_cluster.kill(rank)
     finally:
         del algo.ESTIMATORS._fns["half_rloo"], algo.ESTIMATORS._info["half_rloo"]
+        del algo.POLICY_LOSSES._fns["pg_again"], algo.POLICY_LOSSES._info["pg_again"]

@@ -5,6 +5,7 @@ import copy
 import pytest
 from test_trainer import _cfg, _model, _trajs  # noqa: I001 - tests/train/test_trainer.py
 
+import molt
 from molt.algo import adaptive_kl_coef
 from molt.config import ConfigError
 from molt.config.rl import check_rollout_algo
@@ -53,8 +54,9 @@ def test_advantages_see_the_clipped_and_overlong_penalised_reward():
     expect, _ = Trainer(copy.deepcopy(model), _cfg()).advantages(by_hand)
     assert [a for row in advantages for a in row] == pytest.approx([a for row in expect for a in row], abs=1e-6)
     assert "train/reward_clip_frac" in shaped.step(trajs)
-    by_default = _cfg("--algo.overlong_buffer", "30", "--rollout.max_tokens", "60", "--rollout.max_len", "200")
-    assert by_default.overlong_max_len() == 200  # the episode's budget: 4 turns x 60 tokens, at most max_len
+    with pytest.raises(ConfigError, match="algo.overlong_max_len: set it with algo.overlong_buffer when rollout"):
+        molt.make_config({"algo.overlong_buffer": 30})  # 4 turns: one turn's max_tokens is no budget for them all
+    assert _cfg("--algo.overlong_buffer", "30", "--rollout.max_turns", "1").overlong_budget() == 32
 
 
 def test_a_resume_trains_with_the_optimizer_and_kl_settings_it_is_given(tmp_path):
@@ -129,8 +131,8 @@ def test_settings_that_cannot_act_as_asked_are_refused_saying_what_to_do(tmp_pat
             check_rollout_algo(cfg.rollout, cfg.algo)
     one = ("--rollout.n_samples_per_prompt", "1")  # a group of one: no baseline to compare with
     for estimator, filters, refusal in (("grpo", "nonfinite", "advantage 0"), ("dr_grpo", "nonfinite", "advantage 0"),
-                                        ("rloo", "auto", "the all-equal filter drops"), ("rloo", "nonfinite", None),
-                                        ("reinforce", "auto", None)):  # fmt: skip
+                                        ("rloo", "auto", "all-equal filter of rollout.filters drops"),
+                                        ("rloo", "nonfinite", None), ("reinforce", "auto", None)):  # fmt: skip
         cfg = _cfg(*one, "--algo.estimator", estimator, "--rollout.filters", filters)
         if refusal is None:
             check_rollout_algo(cfg.rollout, cfg.algo)

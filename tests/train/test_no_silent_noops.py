@@ -135,7 +135,7 @@ CASES: dict[str, list[Case]] = {
     "algo.overlong_buffer": [_acts("--algo.overlong_buffer", "30", context=ONE_TURN)],
     "algo.overlong_max_len": [
         _rejected("the overlong penalty is off", "--algo.overlong_max_len", "12"),
-        _acts("--algo.overlong_max_len", "12", context=("--algo.overlong_buffer", "8")),
+        _acts("--algo.overlong_max_len", "12", context=(*ONE_TURN, "--algo.overlong_buffer", "8")),
     ],
     "algo.overlong_coef": [
         _rejected("the overlong penalty is off", "--algo.overlong_coef", "3"),

@@ -162,7 +162,7 @@ class ChatRunner:
             model=server.model_name,
             messages=wire_messages(prompt_messages(row["messages"])),  # a trailing assistant turn: an SFT answer
             tools=row.get("tools"),
-            label=row.get("answer", row.get("label")),
+            label=next((row[k] for k in ("answer", "label") if row.get(k) is not None), None),
             row=row,
             sampling={"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens},
             limits=limits,

@@ -129,6 +129,7 @@ async def _direct(httpx, handler, scope: dict[str, Any], body: bytes):
         await stream.aclose()
 
     task = asyncio.ensure_future(pump())
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())  # a body nobody reads: no warning
     return httpx.Response(response.status_code, headers=headers, stream=_body_class(httpx)(read(), close))
 
 
