@@ -3,7 +3,8 @@
 Every row leaves with a validated chat `messages` list (the prompt the agent is reset with); all its
 other columns stay in the row for the reward function or agent (`answer`, `label`, tests, images).
 A `prompt` string becomes one user turn (with the row's `images`/`image` column as image parts
-before the text); `data.system_prompt` is put first in any prompt without a system message."""
+before the text); with `messages`, the column fills their empty `{"type": "image"}` parts (TRL's vision format);
+`data.system_prompt` is put first in any prompt without a system message."""
 
 from __future__ import annotations
 
@@ -46,10 +47,10 @@ def _images(row: Row) -> list[Any]:
 
 def _prompt_messages(row: Row, where: str) -> list[dict[str, Any]]:
     if row.get("messages") is not None:
-        return list(check_messages(row["messages"], where))
+        return _place_images(list(check_messages(row["messages"], where)), _images(row), where)
     prompt = row.get("prompt")
     if isinstance(prompt, list):  # conversational prompts (as TRL writes them)
-        return list(check_messages(prompt, where, key="prompt"))
+        return _place_images(list(check_messages(prompt, where, key="prompt")), _images(row), where)
     if isinstance(prompt, str) and prompt.strip():
         images = _images(row)
         if not images:
@@ -62,6 +63,21 @@ def _prompt_messages(row: Row, where: str) -> list[dict[str, Any]]:
         f"{where}: no prompt: a row needs a 'messages' list or a 'prompt' string (columns: {sorted(row)}; "
         "map another column with --data.columns prompt=COLUMN)"
     )
+
+
+def _place_images(messages: list[dict[str, Any]], images: list[Any], where: str) -> list[dict[str, Any]]:
+    """TRL's vision format: the `{"type": "image"}` parts that hold no image take the `images` column's, in order
+    (copies; a DataError when the counts differ, so no image is dropped)."""
+    messages = [m | {"content": [dict(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
+                for m in messages]  # fmt: skip
+    parts = [p for m in messages for p in m["content"] if isinstance(m.get("content"), list) and isinstance(p, dict)]
+    empty = [p for p in parts if p.get("type") == "image" and p.get("image") is None]
+    if len(empty) != len(images):
+        raise DataError(f"{where}: the images column holds {len(images)} image(s) for the {len(empty)} image part(s) "
+                        'without one ({"type": "image"}) in the messages: each needs its own')  # fmt: skip
+    for part, image in zip(empty, images, strict=True):
+        part["image"] = image
+    return messages
 
 
 def prompt_row(raw: Any, where: str, columns: dict[str, str], system_prompt: str = "") -> Row:

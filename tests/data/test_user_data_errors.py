@@ -9,6 +9,7 @@ import molt
 from molt.cli.inputs import load_inputs
 from molt.cli.main import parse_config
 from molt.config import ConfigError
+from molt.data.rows import prompt_row
 from molt.models.vision import message_images
 
 
@@ -64,6 +65,14 @@ def test_row_images_are_checked_at_start_up(tmp_path):
         inputs([])
     with pytest.raises(ConfigError, match="data.task: 'shape_colour' rows hold images; model.preset 'tiny' has no"):
         molt.make_config({"data.task": "shape_colour"})
+    # TRL's vision format: {"type": "image"} parts in the messages, filled from the images column in order
+    red = str(tmp_path / "red.png")
+    trl = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]}
+    placed = prompt_row(trl | {"images": [red], "label": "red"}, "row 0", {})
+    assert message_images(placed["messages"]) == [red] and trl["messages"][0]["content"][0] == {"type": "image"}
+    for images, parts in (([red, red], 1), ([], 1)):  # an image without a part, a part without an image
+        with pytest.raises(DataError, match=f"row 0: the images column holds {len(images)} image.s. for the {parts}"):
+            prompt_row(trl | {"images": images}, "row 0", {})
 
 
 def test_rows_that_would_render_an_empty_or_partial_prompt_are_errors_naming_the_line(tmp_path):
