@@ -29,6 +29,26 @@ class ImageError(ValueError):
     """An image that cannot be used (missing file, undecodable bytes, unknown kind)."""
 
 
+def _image_bytes(image: Any, where: str) -> bytes:
+    """The encoded bytes of a file path, raw bytes, a `data:` URI or an HF `{"bytes"/"path"}` dict (URLs refused)."""
+    if isinstance(image, dict):
+        image = image.get("bytes") or image.get("path")
+    if isinstance(image, str) and image.startswith("data:"):
+        try:
+            return base64.b64decode(image.split(",", 1)[1], validate=True)
+        except (IndexError, binascii.Error):
+            raise ImageError(f"{where}: malformed base64 data URI") from None
+    if isinstance(image, str) and image.startswith(("http://", "https://")):
+        raise ImageError(f"{where}: image URLs are not fetched ({image[:80]!r}); give a file path, bytes or a data URI")
+    if isinstance(image, (str, Path)):
+        if not Path(image).is_file():
+            raise ImageError(f"{where}: image file {str(image)!r} does not exist")
+        return Path(image).read_bytes()
+    if not isinstance(image, (bytes, bytearray)):
+        raise ImageError(f"{where}: expected a PIL image, path, bytes or data URI, got {type(image).__name__}")
+    return bytes(image)
+
+
 def load_image(image: Any, where: str = "image", verify: bool = False):
     """A PIL image from a PIL image, file path, raw bytes, a `data:` URI or an HF `{"bytes"/"path"}` dict; `verify`:
     only check that it decodes (PIL's `verify`, no pixels). URLs are not fetched; images over PIL's
@@ -37,21 +57,7 @@ def load_image(image: Any, where: str = "image", verify: bool = False):
 
     if isinstance(image, Image.Image):
         return image
-    if isinstance(image, dict):
-        image = image.get("bytes") or image.get("path")
-    if isinstance(image, str) and image.startswith("data:"):
-        try:
-            image = base64.b64decode(image.split(",", 1)[1], validate=True)
-        except (IndexError, binascii.Error):
-            raise ImageError(f"{where}: malformed base64 data URI") from None
-    if isinstance(image, str) and image.startswith(("http://", "https://")):
-        raise ImageError(f"{where}: image URLs are not fetched ({image[:80]!r}); give a file path, bytes or a data URI")
-    if isinstance(image, (str, Path)):
-        if not Path(image).is_file():
-            raise ImageError(f"{where}: image file {str(image)!r} does not exist")
-        image = Path(image).read_bytes()
-    if not isinstance(image, (bytes, bytearray)):
-        raise ImageError(f"{where}: expected a PIL image, path, bytes or data URI, got {type(image).__name__}")
+    image = _image_bytes(image, where)
     try:
         loaded = Image.open(io.BytesIO(image))
         if loaded.width * loaded.height > (limit := Image.MAX_IMAGE_PIXELS or float("inf")):
@@ -66,25 +72,47 @@ def load_image(image: Any, where: str = "image", verify: bool = False):
         raise ImageError(f"{where}: cannot decode image bytes ({len(image)} bytes): {e}") from None
 
 
+def rgb_image(image: Any, where: str = "image"):
+    """`image` as 8-bit RGB as a viewer shows it: EXIF orientation applied, 16-bit grey scaled (not clipped) to 8
+    bits, transparent pixels over white (as `transformers`' `convert_to_rgb`)."""
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    image = ImageOps.exif_transpose(load_image(image, where))
+    if image.mode in ("I", "I;16", "I;16B", "I;16L"):
+        grey = np.asarray(image, dtype=np.float64)
+        image = Image.fromarray((grey / (257.0 if grey.max() > 255 else 1.0)).round().astype(np.uint8), "L")
+    if "A" in image.getbands() or "transparency" in image.info:
+        image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
+    return image.convert("RGB")
+
+
 def image_data_uri(image: Any, where: str = "image") -> str:
-    """`image` (anything `load_image` takes) as a base64 PNG `data:` URI, the image form both chat wires accept
-    (a data URI passes unchanged; the RGB pixels `to_pixels` makes are the same either way)."""
+    """`image` (anything `load_image` takes) as a base64 `data:` URI, the image form both chat wires accept: a data
+    URI passes unchanged, encoded bytes keep their format (a JPEG stays a JPEG), a PIL image becomes a PNG; the
+    pixels `to_pixels` makes are the same either way."""
+    from PIL import Image
+
     if isinstance(image, str) and image.startswith("data:"):
         return image
-    buffer = io.BytesIO()
-    load_image(image, where).convert("RGB").save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    if isinstance(image, Image.Image):
+        buffer = io.BytesIO()
+        rgb_image(image, where).save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    data = _image_bytes(image, where)
+    mime = Image.MIME.get(load_image(data, where, verify=True).format or "", "application/octet-stream")
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
 def to_pixels(image: Any, size: int, where: str = "image") -> torch.Tensor:
-    """uint8 [3, size, size] RGB pixels of `image` (resized bilinearly); already-made pixels pass through."""
+    """uint8 [3, size, size] RGB pixels of `image` (as `rgb_image`, resized bilinearly); made pixels pass through."""
     if isinstance(image, torch.Tensor):
         if image.dtype != torch.uint8 or tuple(image.shape) != (3, size, size):
             raise ImageError(f"{where}: pixel tensor must be uint8 [3, {size}, {size}], got {tuple(image.shape)}")
         return image
     from PIL import Image
 
-    rgb = load_image(image, where).convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
+    rgb = rgb_image(image, where).resize((size, size), Image.Resampling.BILINEAR)
     return torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(size, size, 3).permute(2, 0, 1).clone()
 
 

@@ -35,6 +35,30 @@ def test_every_image_kind_gives_the_same_pixels(tmp_path):
     assert len({pixel_hash(p) for p in pixels}) == 1
 
 
+def test_images_are_seen_as_a_viewer_shows_them_and_keep_their_encoding_in_uris(tmp_path):
+    """EXIF orientation applied, 16-bit grey scaled to 8 bits (not clipped to white), transparency over white; a
+    JPEG file's data URI is that JPEG (a PNG of the pixels would be many times larger)."""
+    import numpy as np
+
+    grey = Image.fromarray(np.full((4, 4), 40000, dtype=np.uint16))  # 16-bit: 40000 / 65535 -> 156
+    assert set(to_pixels(png_bytes(grey), 4).flatten().tolist()) == {156}
+    clear = Image.new("RGBA", (4, 4), (0, 0, 0, 0))
+    assert set(to_pixels(clear, 4).flatten().tolist()) == {255}
+    wide = Image.new("RGB", (8, 4), "red")
+    wide.paste((0, 0, 255), (0, 0, 4, 4))  # left half blue; stored sideways with EXIF orientation 6 (rotate 90)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    wide.rotate(90, expand=True).save(tmp_path / "turned.jpg", exif=exif, quality=100)
+    upright = to_pixels(str(tmp_path / "turned.jpg"), 8)
+    assert upright.shape == (3, 8, 8) and upright[2, 4, 0] > 200 and upright[0, 4, 7] > 200  # blue left, red right
+    uri = image_data_uri(str(tmp_path / "turned.jpg"))
+    assert (
+        uri.startswith("data:image/jpeg;base64,")
+        and base64.b64decode(uri.split(",")[1]) == (tmp_path / "turned.jpg").read_bytes()
+    )
+    assert torch.equal(to_pixels(uri, 8), upright)
+
+
 def test_bad_images_are_clear_errors(tmp_path):
     with pytest.raises(ImageError, match="cannot decode image bytes"):
         to_pixels(b"\x89PNG not really", 16)

@@ -259,14 +259,15 @@ class ChatServer:
         return session
 
     async def _read_json(self, request: Request) -> Any:
-        declared = request.headers.get("content-length")
+        declared, over = request.headers.get("content-length"), f"request body over {self.max_body_bytes} bytes"
+        over += " (the server's chat.max_body_bytes)"
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            raise HTTPError(413 if declared.isdigit() else 400, f"request body over {self.max_body_bytes} bytes")
+            raise HTTPError(413 if declared.isdigit() else 400, over)
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > self.max_body_bytes:
-                raise HTTPError(413, f"request body over {self.max_body_bytes} bytes")
+                raise HTTPError(413, over)
         try:
             return json.loads(bytes(body), parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:
