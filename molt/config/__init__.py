@@ -101,6 +101,11 @@ class Config:
               "paged serves dense text models; MoE and VLM policies keep the slot cache (slot, or auto)")  # fmt: skip
         check(self.runtime.backend != "ray" or arch.vision is None, "runtime.backend",
               "Ray engine replicas do not take images yet; run VLM policies with --runtime.backend local")  # fmt: skip
+        vllm = self.runtime.engine == "vllm"  # it takes token ids only: no images, no routing record
+        check(not vllm or arch.vision is None, "runtime.engine", "vllm does not take images yet; run VLM policies "
+              "with --runtime.engine torch")  # fmt: skip
+        check(not vllm or not self.algo.routing_replay, "algo.routing_replay", "needs the experts the engine chose, "
+              "which the vllm engine does not record; use --runtime.engine torch")  # fmt: skip
         text_only = not self.model.path and arch.vision is None
         if text_only and not self.data.path and _task_has_images(self.data.task):
             vlm = "has no vision tower (use a VLM preset, e.g. tiny-vlm)"

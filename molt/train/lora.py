@@ -55,6 +55,8 @@ class LoRA(nn.Module):
                 raise ConfigError(what)
             adapted = ",".join(sorted(set(targets) - set(unmatched)))
             log.warning("%s (MoE experts are not adapted); adapting %s", what, adapted)
+        if getattr(model, "vision", None) is not None:  # a VLM: the LM's linears only (docs/vlm.md)
+            log.warning("LoRA adapts the language model's layers; the vision tower and its projector stay frozen")
         model.requires_grad_(False)
         self.adapters = nn.ModuleDict({_key(n): Adapter(m, rank) for n, m in self.linears.items()})
         self.enabled = True

@@ -195,7 +195,15 @@ def test_ineffective_filter_on_and_is_band_name_their_key(capsys):
         assert key in capsys.readouterr().err
 
 
-def test_runtime_settings_that_cannot_act_here_are_refused_naming_their_key(capsys):
+def test_runtime_settings_that_cannot_act_here_are_refused_naming_their_key(capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec  # vLLM passes as installed: its own refusals are the config's
+
+    def installed(name, *args):
+        return object() if name == "vllm" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", installed)
     for flags, message in (
         (["--runtime.kv_gb", "1"], "runtime.kv_gb: sets the paged cache"),
         (["--runtime.no_cuda_graphs"], "runtime.cuda_graphs: acts on CUDA only"),
@@ -209,6 +217,8 @@ def test_runtime_settings_that_cannot_act_here_are_refused_naming_their_key(caps
         (["--data.max_len", "5000"], "data.max_len: (5000) is over the model's context (4096 positions"),
         (["--rollout.max_len", "5000"], "rollout.max_len: (5000) is over the model's context"),
         (["--model.preset", "tiny-vlm", "--runtime.backend", "ray"], "runtime.backend: Ray engine replicas do not"),
+        (["--model.preset", "tiny-vlm", "--runtime.engine", "vllm"], "runtime.engine: vllm does not take images"),
+        (["--model.preset", "tiny-moe", "--algo.routing_replay", "--runtime.engine", "vllm"], "the vllm engine does"),
     ):
         with pytest.raises(SystemExit):
             parse_config(flags)
