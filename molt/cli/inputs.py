@@ -8,6 +8,7 @@ these checks before anything is built. Each problem is one ConfigError line."""
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from molt.data.formats import DataError
 from molt.data.rows import row_location
 from molt.engine.interface import Engine
 from molt.loop.evaluate import chat_options
+from molt.models.tokenizer import IMAGE_PLACEHOLDER
 from molt.models.vision import ImageError, load_image, message_images
 
 
@@ -89,6 +91,9 @@ def check_rows(rows: list[dict], vision: bool, source: str, needs_prompt: bool) 
         images = message_images(prompt)
         if images and not vision:
             raise DataError(f"{where}: the row has {len(images)} image(s) but the model has no vision tower")
+        if vision and IMAGE_PLACEHOLDER in json.dumps(prompt, default=str):  # it would render as one more image
+            raise DataError(f"{where}: the text holds {IMAGE_PLACEHOLDER} literally, the token that stands for an "
+                            "image part: remove it from the text (images go in image parts)")  # fmt: skip
         for k, image in enumerate(images):
             try:
                 load_image(image, f"{where}: image {k}", verify=True)

@@ -63,6 +63,12 @@ def test_row_images_are_checked_at_start_up(tmp_path):
             inputs(images, *vlm)
     with pytest.raises(DataError, match=r"rows\.jsonl:\d: the row has 1 image\(s\) but the model has no vision tower"):
         inputs([])
+    from molt.cli.inputs import check_rows
+
+    literal = {"messages": [{"role": "user", "content": "What does <|image|> mean?"}]}  # would render as an image
+    with pytest.raises(DataError, match=r"rows\.jsonl row 0: the text holds <\|image\|> literally"):
+        check_rows([literal], True, "rows.jsonl", True)
+    check_rows([literal], False, "rows.jsonl", True)  # text to a text-only model
     with pytest.raises(ConfigError, match="data.task: 'shape_colour' rows hold images; model.preset 'tiny' has no"):
         molt.make_config({"data.task": "shape_colour"})
     # TRL's vision format: {"type": "image"} parts in the messages, filled from the images column in order
