@@ -78,6 +78,7 @@ class Config:
                 ("algo.routing_replay", self.algo.routing_replay),
                 ("algo.moe_aux_coef", self.algo.moe_aux_coef > 0),
                 ("train.freeze_router", self.train.freeze_router),
+                ("model.router_fp32", not self.model.router_fp32),
             ]:
                 check(not on, key, f"needs a mixture-of-experts model; model.preset {preset!r} is dense")
         for group in (g for g in ("data", "rollout") if changed(getattr(self, g), "max_len")):  # defaults are small

@@ -36,7 +36,8 @@ class ModelConfig:
     warmstart_lr: float = 2e-3
     """Learning rate of the warm-start SFT."""
     router_fp32: bool = True
-    """MoE models: router matmul, softmax and the expert combine in fp32 whatever the parameter dtype."""
+    """MoE models: router matmul, softmax and the expert combine in fp32 whatever the parameter dtype (not saved in
+    checkpoints, as no HF key holds it: give it again to runs, eval and serve of the checkpoint)."""
 
     def architecture(self):
         """The policy's `TransformerConfig`: its folder's config.json, or the preset (no weights read)."""

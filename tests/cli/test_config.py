@@ -218,6 +218,7 @@ def test_runtime_settings_that_cannot_act_here_are_refused_naming_their_key(caps
         (["--rollout.max_len", "5000"], "rollout.max_len: (5000) is over the model's context"),
         (["--model.preset", "tiny-vlm", "--runtime.backend", "ray"], "runtime.backend: Ray engine replicas do not"),
         (["--model.preset", "tiny-vlm", "--runtime.engine", "vllm"], "runtime.engine: vllm does not take images"),
+        (["--model.no_router_fp32"], "model.router_fp32: needs a mixture-of-experts model"),
         (["--model.preset", "tiny-moe", "--algo.routing_replay", "--runtime.engine", "vllm"], "the vllm engine does"),
     ):
         with pytest.raises(SystemExit):
