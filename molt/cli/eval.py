@@ -55,10 +55,12 @@ async def _eval_async(cfg: Config, rows: list[dict], inputs: RunInputs, threads:
 
 
 def _plain(value: Any) -> Any:
-    """A row value that JSON cannot hold, as results.jsonl writes it: a date or time as ISO text, a Decimal as its
-    digits, anything else (an image, bytes) as a short tag."""
+    """A row (or info) value that JSON cannot hold, as results.jsonl writes it: a date or time as ISO text, a Decimal
+    as its digits, a numpy or tensor scalar as its number, anything else (an image, bytes) as a short tag."""
     if isinstance(value, decimal.Decimal):
         return str(value)
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
     return value.isoformat() if hasattr(value, "isoformat") else f"<{type(value).__name__}>"
 
 

@@ -76,10 +76,11 @@ def _sample_record(tokenizer, traj, error: BaseException | None) -> dict[str, An
     if traj is None:
         return {"text": None, "reward": 0.0, "score": 0.0, "correct": False, "error": describe_error(error)}
     named = {k[len("reward/") :]: v for k, v in traj.info.items() if k.startswith("reward/")}
+    info = {k: v for k, v in traj.info.items() if not k.startswith("reward/")}  # the rest of the agent's Result.info
     record = {"text": last_completion_text(tokenizer, traj), "reward": traj.reward, "score": traj.score}
     truncated = traj.truncated or traj.finish_reason == "length"  # the episode, or its last completion, was cut
     record |= {"correct": traj.score >= 1.0, "turns": traj.num_turns, "truncated": truncated}
-    return record | ({"rewards": named} if named else {})
+    return record | ({"rewards": named} if named else {}) | ({"info": info} if info else {})
 
 
 async def evaluate(

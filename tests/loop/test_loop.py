@@ -110,13 +110,15 @@ def test_eval_failures_score_0_everywhere_and_are_logged_with_their_traceback(tm
     async def rollout(row, sampling, limits, rollout_id, group_id):
         if row["fail"]:
             raise ValueError(f"bad row {group_id}")
-        return [Trajectory(reward=1.0, score=1.0, info={"reward/exact": 1.0}, finish_reason="length")]
+        info = {"reward/exact": 1.0, "tool_calls": 2}  # a named reward, and the rest of the agent's Result.info
+        return [Trajectory(reward=1.0, score=1.0, info=info, finish_reason="length")]
 
     results, log = [], tmp_path / "rollout_failures.log"
     rows = [{"fail": False}, {"fail": True}]
     metrics = asyncio.run(evaluate(None, rollout, rows=rows, sampling=SamplingParams(), limits=None, n=2, seed=0,
                                    results=results, failure_log=log))  # fmt: skip
     assert metrics["eval/failures"] == 2 and metrics["eval/reward_mean"] == metrics["eval/reward/exact"] == 0.5
+    assert results[0]["samples"][0]["info"] == {"tool_calls": 2} and results[0]["samples"][0]["rewards"] == {"exact": 1}
     assert results[0]["samples"][0]["truncated"] and results[1]["samples"][0]["error"].startswith(
         "ValueError: bad row 1 ["
     )
