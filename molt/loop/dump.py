@@ -42,11 +42,14 @@ def shard_name(step: int) -> str:
 
 def _plain(value: Any) -> Any:
     """`value` (what `info` may hold) as JSON, so a bad info value never stops the run: containers walked with
-    non-JSON keys as str, tensors and numpy arrays and scalars as lists or numbers, anything else as its repr."""
+    non-JSON keys as str, tensors and numpy arrays and scalars as lists or numbers, anything else (NaN, inf too) as
+    its repr."""
     if isinstance(value, dict):
         return {k if isinstance(k, str | int | float | bool | None) else str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(float(value))  # "nan", "inf": strict JSON readers have no NaN or Infinity
     if isinstance(value, str | int | float | bool | None):
         return value
     try:

@@ -125,6 +125,7 @@ def test_a_resumed_run_may_not_replay_its_own_dump(dumped, tmp_path):
 def test_shard_round_trip_keeps_routing_images_and_floats_exactly(tmp_path):
     pixels = torch.arange(48, dtype=torch.uint8).reshape(3, 4, 4)
     info = {"t": torch.tensor(2.5), "a": np.arange(3), (1, 2): [np.float32(0.5)], "r": range(2)}  # never fails
+    info["nan"] = [float("nan"), np.float64("inf")]  # as text: strict JSON has no NaN
     traj = Trajectory(reward=0.1 + 0.2, score=1.0, group_id=3, rollout_id=7, info=info)
     traj.extend_prompt([1, 2, 3])
     traj.extend_action([4, 5], [-0.123456789012345678, -1e-30], [2, 2])
@@ -137,7 +138,8 @@ def test_shard_round_trip_keeps_routing_images_and_floats_exactly(tmp_path):
         assert getattr(back, f) == getattr(traj, f), f
     assert back.routing.dtype == torch.int16 and torch.equal(back.routing, traj.routing)
     assert torch.equal(back.images[0]["pixels"], pixels) and back.images[0]["hash"] == traj.images[0]["hash"]
-    assert back.info == {"t": 2.5, "a": [0, 1, 2], "(1, 2)": [0.5], "r": "range(0, 2)"}
+    assert back.info == {"t": 2.5, "a": [0, 1, 2], "(1, 2)": [0.5], "r": "range(0, 2)", "nan": ["nan", "inf"]}
+    json.loads(path.read_text().splitlines()[0], parse_constant=lambda c: pytest.fail(f"{c} in the shard"))
     with pytest.raises(DumpError, match=re.escape(f"{path}:1: field 'versions'") + ".*older than"):
         read_shard(path, step=3, vocab_size=8, trainer_version=3, max_staleness=0)
     with pytest.raises(DumpError, match=re.escape(f"{path}:1: field 'step'")):
