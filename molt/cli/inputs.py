@@ -8,7 +8,6 @@ these checks before anything is built. Each problem is one ConfigError line."""
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -91,7 +90,10 @@ def check_rows(rows: list[dict], vision: bool, source: str, needs_prompt: bool) 
         images = message_images(prompt)
         if images and not vision:
             raise DataError(f"{where}: the row has {len(images)} image(s) but the model has no vision tower")
-        if vision and IMAGE_PLACEHOLDER in json.dumps(prompt, default=str):  # it would render as one more image
+        contents = [m.get("content") for m in prompt]  # the text alone: no image is serialised to look for it
+        texts = [c for c in contents if isinstance(c, str)]
+        texts += [p.get("text") or "" for c in contents if isinstance(c, list) for p in c if isinstance(p, dict)]
+        if vision and any(IMAGE_PLACEHOLDER in text for text in texts):  # it would render as one more image
             raise DataError(f"{where}: the text holds {IMAGE_PLACEHOLDER} literally, the token that stands for an "
                             "image part: remove it from the text (images go in image parts)")  # fmt: skip
         for k, image in enumerate(images):
