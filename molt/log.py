@@ -6,7 +6,9 @@ stays an optional dependency (`pip install molt[wandb]`)."""
 
 from __future__ import annotations
 
+import decimal
 import json
+import math
 import os
 import secrets
 import sys
@@ -28,6 +30,28 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
 
 def atomic_write_text(path: Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def json_safe(value: Any) -> Any:
+    """`value` as JSON that strict readers take, never failing: containers walked (other keys as str), non-finite
+    floats as "nan"/"inf", arrays and tensors as lists or numbers, a Decimal as its digits, a date or time as ISO
+    text, anything else (an image, bytes, an object) as its repr, or a `<type>` tag where that is long or has an
+    address."""
+    if isinstance(value, dict):
+        return {k if isinstance(k, str | int | float | bool | None) else str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(float(value))
+    if isinstance(value, str | int | float | bool | None):
+        return value
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    try:
+        return json_safe(value.isoformat() if hasattr(value, "isoformat") else value.tolist())
+    except Exception:  # noqa: BLE001 - no (working) tolist
+        text = repr(value)
+        return text if len(text) <= 100 and " at 0x" not in text else f"<{type(value).__name__}>"
 
 
 def default_run_dir(command: str) -> Path:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import decimal
 import json
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.config import Config, check
 from molt.engine.torch_engine import on_fresh_thread
 from molt.errors import UserError
-from molt.log import RunDir, atomic_write_text
+from molt.log import RunDir, atomic_write_text, json_safe
 from molt.loop.accounting import FAILURE_LOG
 from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling
 from molt.runtime.factory import build_engine
@@ -54,16 +53,6 @@ async def _eval_async(cfg: Config, rows: list[dict], inputs: RunInputs, threads:
         await engine.close()
 
 
-def _plain(value: Any) -> Any:
-    """A row (or info) value that JSON cannot hold, as results.jsonl writes it: a date or time as ISO text, a Decimal
-    as its digits, a numpy or tensor scalar as its number, anything else (an image, bytes) as a short tag."""
-    if isinstance(value, decimal.Decimal):
-        return str(value)
-    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
-        return value.item()
-    return value.isoformat() if hasattr(value, "isoformat") else f"<{type(value).__name__}>"
-
-
 def run_eval(cfg: Config) -> EvalResult:
     """The `molt eval` command."""
     checkpoint = cfg.model.path  # a run directory's latest checkpoint, resolved by ModelConfig
@@ -87,11 +76,11 @@ def run_eval(cfg: Config) -> EvalResult:
         if inputs.reward:
             inputs.reward.close()
     for record, row in zip(records, rows, strict=True):
-        record["row"] = json.loads(json.dumps(row, default=_plain))
+        record["row"] = row
     run.log({"checkpoint": checkpoint, **metrics})
     run.close()
     out = Path(cfg.eval.output) if cfg.eval.output else run.path / "results.jsonl"
-    atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in records))
+    atomic_write_text(out, "".join(json.dumps(json_safe(r)) + "\n" for r in records))
     shown = " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items() if k != "eval/failures")
     failed, total = metrics["eval/failures"], len(rows) * cfg.eval.n_samples
     first = next((s["error"] for r in records for s in r["samples"] if "error" in s), "")

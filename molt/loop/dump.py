@@ -2,10 +2,11 @@
 
 `--rollout.dump` writes `<run_dir>/rollouts/step-<N>.jsonl` atomically before step N trains: one line per trajectory, in
 the trainer's order, with the `Trajectory` fields plus `step` and `version` (the trainer's). Images keep their start and
-hash; their pixels go once to `rollouts/images/<hash>.pt`. `info` is written as JSON whatever it holds (arrays as lists,
-other keys as str, other values as their repr), never failing. Floats keep `repr` precision, so a read-back batch is
-bit-identical. `read_shard` checks every line (types, aligned lists, vocabulary, action hashes, pixels, versions, MoE
-routing: shape, expert ids) and fails with a `DumpError` naming file, line and field. Knows trajectories only."""
+hash; their pixels go once to `rollouts/images/<hash>.pt`. `info` is written as JSON whatever it holds (`json_safe`:
+arrays as lists, non-finite floats as text, other keys as str, other values as their repr), never failing. Floats keep
+`repr` precision, so a read-back batch is bit-identical. `read_shard` checks every line (types, aligned lists,
+vocabulary, action hashes, pixels, versions, MoE routing: shape, expert ids) and fails with a `DumpError` naming file,
+line and field. Knows trajectories only."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 
 from molt.data.trajectory import Trajectory
 from molt.errors import UserError
-from molt.log import atomic_write, atomic_write_text
+from molt.log import atomic_write, atomic_write_text, json_safe
 from molt.models.vision import pixel_hash
 
 ROLLOUTS = "rollouts"  # in the run directory
@@ -40,28 +41,10 @@ def shard_name(step: int) -> str:
     return f"step-{step:06d}.jsonl"
 
 
-def _plain(value: Any) -> Any:
-    """`value` (what `info` may hold) as JSON, so a bad info value never stops the run: containers walked with
-    non-JSON keys as str, tensors and numpy arrays and scalars as lists or numbers, anything else (NaN, inf too) as
-    its repr."""
-    if isinstance(value, dict):
-        return {k if isinstance(k, str | int | float | bool | None) else str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(float(value))  # "nan", "inf": strict JSON readers have no NaN or Infinity
-    if isinstance(value, str | int | float | bool | None):
-        return value
-    try:
-        return _plain(value.tolist())
-    except Exception:  # no (working) tolist
-        return repr(value)
-
-
 def trajectory_record(traj: Trajectory, step: int, version: int, images: Path) -> dict[str, Any]:
     """`traj` as one JSON-ready line of step `step`'s shard; its images' pixels are saved under `images`."""
     record = {"step": step, "version": version} | {f.name: getattr(traj, f.name) for f in fields(Trajectory)}
-    record["actions"], record["info"] = [list(a) for a in traj.actions], _plain(traj.info)
+    record["actions"], record["info"] = [list(a) for a in traj.actions], json_safe(traj.info)
     if traj.routing is not None:
         record["routing"], record["routing_dtype"] = traj.routing.tolist(), str(traj.routing.dtype)
     if traj.images:
@@ -81,7 +64,7 @@ def _save_image(image: dict[str, Any], folder: Path) -> dict[str, Any]:
 def write_shard(folder: Path, step: int, version: int, batch: list[Trajectory]) -> Path:
     """Write step `step`'s batch (trained at trainer `version`) to `folder/step-<step>.jsonl`, atomically."""
     folder.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps(trajectory_record(t, step, version, folder / IMAGES), default=_plain) for t in batch]
+    lines = [json.dumps(trajectory_record(t, step, version, folder / IMAGES), default=json_safe) for t in batch]
     return atomic_write_text(folder / shard_name(step), "".join(line + "\n" for line in lines))
 
 

@@ -179,3 +179,21 @@ def test_resume_after_the_model_folder_moved_takes_its_new_place(tmp_path, capsy
     assert "model.path: " in err and "does not exist" in err
     main(["train", "--resume", str(run), "--train.max_steps", "2", "--model.path", str(tmp_path / "moved")])
     assert (run / "checkpoints" / "step-2").is_dir()
+
+
+def test_json_safe_writes_what_strict_json_readers_take():
+    """Eval results and rollout dumps share one converter: numbers stay numbers, the rest becomes text."""
+    import datetime
+    import decimal
+
+    import numpy as np
+    from PIL import Image
+
+    from molt.log import json_safe
+
+    value = {"np": np.float32(0.5), "nan": [float("nan"), np.float64("-inf")], 3: decimal.Decimal("1.50")}
+    value |= {"day": datetime.date(2026, 1, 2), "image": Image.new("RGB", (2, 2)), "bytes": b"x" * 200, "s": {1}}
+    assert json.loads(json.dumps(json_safe(value), allow_nan=False)) == {
+        "np": 0.5, "nan": ["nan", "-inf"], "3": "1.50", "day": "2026-01-02", "image": "<Image>", "bytes": "<bytes>",
+        "s": "{1}",
+    }  # fmt: skip
