@@ -171,7 +171,7 @@ def find_stop_string(tokenizer, stops: Sequence[str], tokens: Sequence[int], sta
     (or ignored there, before min_tokens)."""
     if not stops or len(tokens) <= start:
         return None
-    window = 2 * max(len(s) for s in stops) + 4
+    window = 2 * max(len(s.encode()) for s in stops) + 4  # in tokens: one holds one UTF-8 byte at least
     ids = tokens[max(start, len(tokens) - window) :]
     text = tokenizer.decode(ids)
     new = len(os.path.commonprefix([text, tokenizer.decode(ids[:-1])]))  # text[new:] came with the newest token

@@ -3,16 +3,17 @@
 A request without a session goes to the replica with the fewest sequences in flight (counted by the router at
 submission, so concurrent submissions spread at once; ties go to the lowest index). A request with a `session_id` (one
 agent episode) goes where that session went before, so the replica's prefix cache still holds the episode's earlier
-turns. Sessions are remembered least-recently-used up to `max_sessions`. Weight updates, pause and resume fan out to
-every replica. Knows only the `Engine` interface: replicas may be torch engines, vLLM or other routers."""
+turns. Sessions are remembered least-recently-used up to `max_sessions`. Streamed requests stream from their replica.
+Weight updates, pause and resume fan out to every replica. Knows only the `Engine` interface: replicas may be torch
+engines, vLLM or other routers."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
-from molt.engine.interface import Completion, Engine, SamplingParams, SyncMode, Weights, new_request_id
+from molt.engine.interface import Completion, Engine, SamplingParams, SyncMode, TokenDelta, Weights, new_request_id
 
 
 class Router(Engine):
@@ -57,18 +58,37 @@ class Router(Engine):
         session_id: str | None = None,
         images=None,
     ) -> list[Completion]:
-        sampling = sampling or SamplingParams()
-        request_id = request_id or new_request_id()
+        def call(engine: Engine, **kw) -> Awaitable[list[Completion]]:
+            return engine.generate_group(prompt_token_ids, sampling, **kw)
+
+        return await self._placed(call, sampling, request_id, session_id, images)
+
+    async def generate_streamed(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None,
+        on_tokens: Callable[[TokenDelta], None],
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        images=None,
+    ) -> list[Completion]:
+        def call(engine: Engine, **kw) -> Awaitable[list[Completion]]:
+            return engine.generate_streamed(prompt_token_ids, sampling, on_tokens, **kw)
+
+        return await self._placed(call, sampling, request_id, session_id, images)
+
+    async def _placed(self, call, sampling: SamplingParams | None, request_id, session_id, images) -> list[Completion]:
+        """`call(replica, request_id=, session_id=[, images=])` on the replica `place` picks, counted in flight."""
+        n, request_id = (sampling or SamplingParams()).n, request_id or new_request_id()
         index = self.place(session_id)
-        self._in_flight[index] += sampling.n
+        self._in_flight[index] += n
         self._requests[request_id] = index
         kw = {"images": images} if images else {}  # engines without image support need not take the argument
         try:
-            return await self.engines[index].generate_group(
-                prompt_token_ids, sampling, request_id=request_id, session_id=session_id, **kw
-            )
+            return await call(self.engines[index], request_id=request_id, session_id=session_id, **kw)
         finally:
-            self._in_flight[index] -= sampling.n
+            self._in_flight[index] -= n
             self._requests.pop(request_id, None)
 
     async def abort(self, request_id: str) -> bool:

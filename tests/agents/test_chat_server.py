@@ -170,14 +170,16 @@ def test_error_codes(served):
         _openai(server, session).chat.completions.create(
             model="molt", messages=messages, response_format={"type": "json_object"}
         )
-    with pytest.raises(anthropic.UnprocessableEntityError):
+    with pytest.raises(anthropic.BadRequestError):
         _anthropic(server, session).messages.create(
             model="molt", max_tokens=8, messages=[{"role": "robot", "content": "x"}]
         )
     url, auth = server.session_url(session) + "/v1/chat/completions", {"authorization": f"Bearer {KEY}"}
     assert httpx.post(url, content=b"{not json", headers=auth).status_code == 400
     assert httpx.post(url, content=b"NaN", headers=auth).status_code == 400
-    assert httpx.post(url, json={"messages": []}, headers=auth).status_code == 422
+    bad = httpx.post(url, json={"model": "molt", "messages": messages, "temperature": 9}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"  # as OpenAI answers
+    assert httpx.get(f"{server.server.url}/v1/nope", headers=auth).json()["error"]["type"] == "invalid_request_error"
     assert (
         httpx.post(url, json={"messages": [{"role": "user", "content": "x" * 30_000}]}, headers=auth).status_code == 413
     )

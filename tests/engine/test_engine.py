@@ -14,6 +14,7 @@ from engine_refs import prompts, trainer_logprobs
 from molt.engine import ContextLengthError, SamplingParams, TorchEngine
 from molt.engine.interface import find_stop_string
 from molt.models import from_pretrained
+from molt.models.tokenizer import build_builtin_tokenizer
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
@@ -187,6 +188,15 @@ def test_a_stop_string_counts_when_the_newest_token_completes_it():
     assert find_stop_string(tok, ["B"], [0, 1, 2]) is None  # "ABC"
     assert find_stop_string(tok, ["X", "BC"], [0, 1, 2]) == "BC"
     assert find_stop_string(tok, ["B"], [0, 1, 2, 1]) == "B"
+
+
+def test_a_stop_string_of_multi_byte_characters_is_found_by_a_byte_level_tokenizer():
+    """A CJK character or an emoji is 3-4 byte tokens: the tail window counts bytes, not characters."""
+    tok = build_builtin_tokenizer()
+    for stop in ("日本語です", "🙂🙂🙂", "END"):
+        ids = tok(f"abc {stop} xyz", add_special_tokens=False)["input_ids"]
+        found = [k for k in range(1, len(ids) + 1) if find_stop_string(tok, [stop], ids[:k])]
+        assert found and tok.decode(ids[: found[0]]).endswith(stop), stop
 
 
 def test_stop_tokens_min_tokens_and_stop_strings(pair):

@@ -93,6 +93,9 @@ def test_second_turn_reuses_the_replicas_prefix_cache(model):
     # all of turn 1 but its last sampled token (never fed back) is reused on the same replica
     assert turn2.num_cached_tokens == len(turn1_prompt) + len(turn1.token_ids) - 1
     assert sum(r.stats["steps"] > 0 for r in replicas) == 1
+    deltas = []  # a streamed request streams from its replica: one delta per token, as the replica's own would
+    (streamed,) = asyncio.run(router.generate_streamed(turn1_prompt, sampling, deltas.append, session_id="ep"))
+    assert len(deltas) == len(streamed.token_ids) == 8 and [t for d in deltas for t in d.token_ids] == turn1.token_ids
     asyncio.run(router.close())
 
 

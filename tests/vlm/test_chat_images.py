@@ -58,7 +58,7 @@ def test_openai_image_url_turns_are_recorded_with_their_pixels(served):
     assert [r["hash"] for r in traj.images] == _hashes(RED, BLUE) and traj.num_turns == 2
     bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
     other = served.open()
-    with pytest.raises(openai.UnprocessableEntityError, match="image 0: cannot decode"):
+    with pytest.raises(openai.BadRequestError, match="image 0: cannot decode"):
         openai.OpenAI(base_url=served.session_url(other) + "/v1", api_key=KEY, max_retries=0).chat.completions.create(
             model="molt", messages=bad
         )

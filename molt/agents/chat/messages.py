@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt.agents.chat.replies import InvalidRequest
+from molt.agents.chat.replies import RequestError
 from molt.agents.chat.tool_parser import ToolCall
 
 Message = dict[str, Any]
@@ -55,7 +55,7 @@ def text_content(content: Any) -> str | list[dict[str, Any]]:
 MAX_DEPTH = 64  # JSON nesting a request may use (tool schemas, arguments); deeper is refused (400)
 
 
-class TooDeep(InvalidRequest):
+class TooDeep(RequestError):
     """A request value nests deeper than MAX_DEPTH (its rendering would exhaust the interpreter's stack)."""
 
 
@@ -71,12 +71,12 @@ def check_depth(value: Any, where: str = "request body", max_depth: int = MAX_DE
 
 
 def refuse_unsupported(body: Any, defaults: dict[str, tuple]) -> None:
-    """InvalidRequest naming the first option of `defaults` (options Molt does not implement, each with the values
+    """RequestError naming the first option of `defaults` (options Molt does not implement, each with the values
     that ask for nothing) that `body` sets otherwise: such a setting is refused, never silently ignored."""
     for name, allowed in defaults.items():
         if isinstance(body, dict) and body.get(name) not in (None, *allowed):
             asked = f"{name}={json.dumps(body[name])[:40]}"
-            raise InvalidRequest(f"{asked} is not supported by Molt's server; omit it" + "".join(
+            raise RequestError(f"{asked} is not supported by Molt's server; omit it" + "".join(
                 f" or send {json.dumps(value)}" for value in allowed[:1]))  # fmt: skip
 
 

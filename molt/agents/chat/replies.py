@@ -18,18 +18,13 @@ class SessionClosed(LookupError):
 
 
 class RequestError(ValueError):
-    """The request is well-formed JSON but cannot be served (e.g. the template cannot render it)."""
+    """The request is well-formed JSON but cannot be served: an invalid or unsupported option, messages the template
+    cannot render (HTTP 400, as the OpenAI and Anthropic APIs answer)."""
 
-    status, code = 422, None
-
-
-class InvalidRequest(RequestError):
-    """The request asks for something invalid or unsupported (HTTP 400)."""
-
-    status = 400
+    status, code = 400, None
 
 
-class ContextLengthExceeded(InvalidRequest):
+class ContextLengthExceeded(RequestError):
     """Serve mode: the prompt leaves no room to generate (OpenAI's `context_length_exceeded`)."""
 
     code = "context_length_exceeded"

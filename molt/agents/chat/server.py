@@ -8,8 +8,9 @@ one-request session.
 
 Errors come in the wire's own format, never a 500 for what a client sent: 401 (API key), 404 (unknown or finished
 session, unknown `model`), 413 (body over `max_body_bytes`), 400 (not JSON, nested deeper than `MAX_DEPTH`, no `model`,
-a lone surrogate in a string, unsupported options, serve mode's `context_length_exceeded`), 422 (schema mismatch, or a
-template that cannot render it), 503 (the engine failed). Anything else is a 500 naming a request id, logged with its
+a lone surrogate in a string, a schema mismatch (OpenAI's `param` names the field), unsupported options, a template
+that cannot render the messages, serve mode's `context_length_exceeded`), 503 (the engine failed); an unknown path or
+method is a 404 or 405 in the same format. Anything else is a 500 naming a request id, logged with its
 traceback. A client that goes away mid-stream aborts the generation and nothing is recorded. A chat template that
 ignores `tools` (so requests' tools never reach the prompt) is warned about once: at start-up in serve mode, else at the
 first tools. `direct_route` gives in-process clients (`loopback.py`) the completion handler itself, skipping FastAPI's
@@ -33,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import decoders
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -54,9 +56,9 @@ PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
-        self.status, self.code = status, code  # code: OpenAI's error code
+        self.status, self.code, self.param = status, code, param  # code, param: OpenAI's
 
 
 def _reject_constant(name: str) -> Any:
@@ -208,6 +210,7 @@ class ChatServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="Molt chat server", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(StarletteHTTPException, self._unrouted)
         app.get("/health")(self._health)
         for prefix in ("/s/{session_id}", ""):  # the handlers read `session_id` (None: none) from the path
             app.get(prefix + "/v1/models")(self._models)
@@ -217,6 +220,12 @@ class ChatServer:
                     app.post(prefix + path)(self._route(wire))
                 app.post(prefix + "/v1/messages/count_tokens")(self._count_tokens)
         return app
+
+    async def _unrouted(self, request: Request, error: StarletteHTTPException) -> Response:
+        """An unknown path or method (404, 405) in the wire's error format."""
+        wire = wire_anthropic if "/messages" in request.url.path else wire_openai
+        return JSONResponse(wire.error(error.status_code, f"{request.method} {request.url.path}: {error.detail}"),
+                            error.status_code, headers=error.headers)  # fmt: skip
 
     def _route(self, wire) -> Callable[[Request], Awaitable[Response]]:
         async def complete(request: Request) -> Response:
@@ -281,7 +290,8 @@ class ChatServer:
                 raise HTTPError(400, f"{where} holds a lone UTF-16 surrogate (not valid Unicode text)")
             chat = wire.decode(body, **options)
         except ValidationError as e:
-            raise HTTPError(422, _summary(e)) from None
+            loc = e.errors()[0]["loc"] if e.error_count() else ()
+            raise HTTPError(400, _summary(e), param=".".join(str(x) for x in loc) or None) from None
         self._check_model(chat.extra.get("model") or "")
         if chat.tools:
             self._warn_if_tools_ignored()
@@ -384,11 +394,12 @@ class ChatServer:
             forced = forced_prefix(self.parser, chat) if chat.force_tool is not None else None
             opening = self.tokenizer(forced, add_special_tokens=False)["input_ids"] if forced else []
             return JSONResponse({"input_tokens": len(ids) + len(opening)})  # as `messages` reports them
-        except Exception as e:  # noqa: BLE001 - a template that cannot render it is a 422, the rest as elsewhere
+        except Exception as e:  # noqa: BLE001 - a template that cannot render it is a 400, the rest as elsewhere
             if isinstance(e, TemplateError | TypeError | KeyError | ValueError) and not isinstance(e, RequestError):
                 e = RequestError(f"the chat template cannot render these messages: {e}")
             return self._error(wire_anthropic, e, session_id)
 
     def _error(self, wire, error: Exception, session_id: str | None) -> JSONResponse:
         status, message = self._failure(error, session_id)
-        return JSONResponse(wire.error(status, message, getattr(error, "code", None)), status)
+        code, param = getattr(error, "code", None), getattr(error, "param", None)
+        return JSONResponse(wire.error(status, message, code, param), status)

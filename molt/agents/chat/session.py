@@ -34,7 +34,6 @@ from molt.agents.chat.prompt_tokens import OverContext, encode_within, min_token
 from molt.agents.chat.replies import (
     ContextLengthExceeded,
     GenerationError,
-    InvalidRequest,
     RequestError,
     SessionClosed,
     TextDelta,
@@ -69,14 +68,14 @@ class _Plan:
 
 
 def forced_prefix(parser: Parser, request: ChatRequest) -> str:
-    """The tool-call opening a tool_choice required / named request forces (InvalidRequest where it cannot)."""
+    """The tool-call opening a tool_choice required / named request forces (RequestError where it cannot)."""
     if not request.tools:
-        raise InvalidRequest("tool_choice requires a tool call, but the request offers no tools")
+        raise RequestError("tool_choice requires a tool call, but the request offers no tools")
     names = [t.get("function", {}).get("name") for t in request.tools]
     if request.force_tool and request.force_tool not in names:
-        raise InvalidRequest(f"tool_choice names {request.force_tool!r}, not one of the request's tools {names}")
+        raise RequestError(f"tool_choice names {request.force_tool!r}, not one of the request's tools {names}")
     if (prefix := call_prefix(parser, request.force_tool)) is None:
-        raise InvalidRequest("tool_choice required/named needs a tool-call format (chat.tool_parser hermes/molt)")
+        raise RequestError("tool_choice required/named needs a tool-call format (chat.tool_parser hermes/molt)")
     return prefix
 
 
@@ -223,7 +222,7 @@ class Session:
             if len(c.logprobs) != len(c.token_ids):
                 raise GenerationError("the engine returned log-probs not aligned with its tokens")
             if sampling.top_logprobs and len(c.top_logprobs or ()) != len(c.token_ids):
-                raise InvalidRequest("top_logprobs is not supported by this engine")  # nothing recorded
+                raise RequestError("top_logprobs is not supported by this engine")  # nothing recorded
         return completions
 
     def _plan(self, request: ChatRequest, tools: list | None) -> _Plan:
@@ -233,7 +232,7 @@ class Session:
         except ImageError as e:
             raise RequestError(str(e)) from e
         except RecursionError:
-            raise InvalidRequest("the request nests too deeply to render") from None
+            raise RequestError("the request nests too deeply to render") from None
         except (TemplateError, TypeError, KeyError, AttributeError, ValueError) as e:
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
         return self._force_call(plan, request) if request.force_tool is not None else plan
@@ -310,7 +309,7 @@ class Session:
         try:
             return dataclasses.replace(base, **changes)
         except ValueError as e:
-            raise InvalidRequest(str(e)) from e
+            raise RequestError(str(e)) from e
 
     def _commit(
         self, request: ChatRequest, tools: list | None, plan: _Plan, completions: list[Completion]

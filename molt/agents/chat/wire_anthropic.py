@@ -5,7 +5,7 @@ blocks its tool calls; each user `tool_result` block becomes a `tool` message (i
 text); `tools` (`input_schema`) become OpenAI function schemas so one template path renders both wires. Base64
 `image` blocks become image parts (for a VLM policy; a `url` or `file` source is a 400, never fetched), as are
 OpenAI `image_url` parts with a data URI (`ChatContext.messages` hold those, so one list drives both SDKs); document
-blocks are refused (422). `max_tokens` is required (not by `count_tokens`); `top_k` applies in serve mode; a final
+blocks are refused (400). `max_tokens` is required (not by `count_tokens`); `top_k` applies in serve mode; a final
 assistant message (a prefill to continue) and the `UNSUPPORTED` options (`thinking`, `output_config`) are refused
 (400): Molt's reply is always a new turn, captured token-exact.
 Encoding: `text` and `tool_use` content blocks, `stop_reason` (end_turn, max_tokens, tool_use,
@@ -23,7 +23,7 @@ from pydantic import Field, field_validator
 
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, function_call, refuse_unsupported, text_content
-from molt.agents.chat.replies import InvalidRequest, TextDelta, TurnReply
+from molt.agents.chat.replies import RequestError, TextDelta, TurnReply
 from molt.agents.chat.wire_openai import NOT_FETCHED, WireModel, pieces
 
 # options Molt does not implement, with the values that ask for nothing: any other value is a 400, never ignored
@@ -54,13 +54,13 @@ class Block(WireModel):
         if self.type == "image_url":
             url = (self.image_url or {}).get("url")
             if not isinstance(url, str) or not url.startswith("data:"):
-                raise InvalidRequest(NOT_FETCHED)
+                raise RequestError(NOT_FETCHED)
             return {"type": "image", "image": url}
         if src.get("type") == "base64":
             return {"type": "image", "image": f"data:{src.get('media_type', 'image/png')};base64,{src.get('data', '')}"}
         if src.get("type") == "file":
-            raise InvalidRequest("image file_id sources are not supported; send a base64 image source")
-        raise InvalidRequest("image URLs are not fetched; send a base64 image source (source.type 'base64')")
+            raise RequestError("image file_id sources are not supported; send a base64 image source")
+        raise RequestError("image URLs are not fetched; send a base64 image source (source.type 'base64')")
 
 
 class MessageIn(WireModel):
@@ -84,7 +84,7 @@ class ToolChoice(WireModel):
             return ""
         if self.type == "tool":
             if not self.name:
-                raise InvalidRequest("tool_choice type 'tool' needs a name")
+                raise RequestError("tool_choice type 'tool' needs a name")
             return self.name
         return None
 
@@ -139,14 +139,14 @@ def _messages(m: MessageIn) -> list[dict[str, Any]]:
 
 
 def decode(body: Any, counting: bool = False) -> ChatRequest:
-    """A validated request (raises pydantic.ValidationError, or InvalidRequest for what Molt refuses); `counting`:
+    """A validated request (raises pydantic.ValidationError, or RequestError for what Molt refuses); `counting`:
     for `count_tokens`, which needs no `max_tokens`."""
     req = MessagesRequest.model_validate(body)
     refuse_unsupported(body, UNSUPPORTED)
     if req.max_tokens is None and not counting:
-        raise InvalidRequest("max_tokens is required")
+        raise RequestError("max_tokens is required")
     if req.messages[-1].role == "assistant":
-        raise InvalidRequest("a final assistant message (prefill) is not supported: Molt's reply is a new turn")
+        raise RequestError("a final assistant message (prefill) is not supported: Molt's reply is a new turn")
     messages = [{"role": "system", "content": text_content(_text(req.system))}] if req.system else []
     messages += [message for m in req.messages for message in _messages(m)]
     specs = [
@@ -250,8 +250,8 @@ def stream_error(status: int, message: str) -> str:
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "request_too_large", 422: "invalid_request_error"}  # fmt: skip
+               405: "invalid_request_error", 413: "request_too_large"}  # fmt: skip
 
 
-def error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+def error(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}

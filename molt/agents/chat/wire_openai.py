@@ -1,7 +1,7 @@
 """OpenAI Chat Completions wire: request schema -> `ChatRequest`, `TurnReply` -> response / SSE chunks.
 
 Decoding: `developer` becomes `system`; content is a string or text and `image_url` parts (base64 data URIs only, for a
-VLM policy: a URL or path is a 400, never fetched or read; audio is refused with 422); tool-call arguments are decoded
+VLM policy: a URL or path is a 400, never fetched or read; audio is refused with 400); tool-call arguments are decoded
 from JSON. `n` samples share the prompt; `seed` and `top_k` (vLLM's extra) apply in serve mode; `tool_choice` required /
 named opens the reply with a tool call of the request's tools; `response_format` other than `text`, `top_logprobs`
 without `logprobs`, and the options of `UNSUPPORTED` set to anything but their no-op values are refused (400).
@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, decode_arguments, function_call, refuse_unsupported, text_content
-from molt.agents.chat.replies import InvalidRequest, TextDelta, TurnReply
+from molt.agents.chat.replies import RequestError, TextDelta, TurnReply
 
 MAX_N = 16  # samples per request (each holds a sequence slot)
 # options Molt does not implement, with the values that ask for nothing: any other value is a 400, never ignored
@@ -54,16 +54,16 @@ class ImageUrl(WireModel):
 
 
 class ContentPart(WireModel):
-    type: Literal["text", "image_url"]  # audio/file parts are refused (422), not dropped
+    type: Literal["text", "image_url"]  # audio/file parts are refused (400), not dropped
     text: str | None = None
     image_url: ImageUrl | None = None
 
     def canonical(self) -> dict[str, Any]:
         if self.type == "image_url":
             if self.image_url is None:
-                raise InvalidRequest("an image_url part needs image_url.url")
+                raise RequestError("an image_url part needs image_url.url")
             if not self.image_url.url.startswith("data:"):
-                raise InvalidRequest(NOT_FETCHED)
+                raise RequestError(NOT_FETCHED)
             return {"type": "image", "image": self.image_url.url}
         return {"type": "text", "text": self.text or ""}
 
@@ -151,19 +151,19 @@ def _forced_tool(choice: str | dict[str, Any] | None) -> str | None:
         return ""
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str) or not name:
-        raise InvalidRequest("tool_choice must be none, auto, required or {type: function, function: {name}}")
+        raise RequestError("tool_choice must be none, auto, required or {type: function, function: {name}}")
     return name
 
 
 def decode(body: Any) -> ChatRequest:
-    """A validated request (raises pydantic.ValidationError, or InvalidRequest for unsupported options)."""
+    """A validated request (raises pydantic.ValidationError, or RequestError for unsupported options)."""
     req = CompletionRequest.model_validate(body)
     refuse_unsupported(body, UNSUPPORTED)
     kind = (req.response_format or {}).get("type", "text")
     if kind != "text":
-        raise InvalidRequest(f"response_format {kind!r} is not supported (only 'text'): the output is unconstrained")
+        raise RequestError(f"response_format {kind!r} is not supported (only 'text'): the output is unconstrained")
     if req.top_logprobs and not req.logprobs:
-        raise InvalidRequest("top_logprobs needs logprobs: true")
+        raise RequestError("top_logprobs needs logprobs: true")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     return ChatRequest(
         messages=[_message(m) for m in req.messages],
@@ -267,8 +267,8 @@ def stream_error(status: int, message: str) -> str:
     return f"data: {json.dumps(error(status, message))}\n\n"
 
 
-def error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+def error(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error body (a wrong key and an unknown model are `invalid_request_error`s too): `code` a string
-    (`invalid_api_key`, `model_not_found`, `context_length_exceeded`, ...) or null."""
+    (`invalid_api_key`, `model_not_found`, `context_length_exceeded`, ...) or null; `param` the field at fault."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
