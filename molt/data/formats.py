@@ -58,7 +58,20 @@ def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is dropped
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); is it a binary file?") from None
+        line = e.object[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); is it a binary file?") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict; a key given twice is an error (json's default keeps the last, silently)."""
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        twice = next(k for i, (k, _) in enumerate(pairs) if any(k == other for other, _ in pairs[:i]))
+        raise json.JSONDecodeError(f"key {twice!r} appears twice in one object", "", 0)
+    return out
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
 
 
 @READERS.register("jsonl")
@@ -69,9 +82,11 @@ def read_json_lines(path: Path) -> Located:
         if not line.strip():
             continue
         try:
-            out.append((f"{path}:{lineno}", json.loads(line)))
+            out.append((f"{path}:{lineno}", _DECODER.decode(line)))
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            at = f" at column {e.colno}" if e.doc else ""  # a repeated key: no position
+            hint = "; one JSON array is a .json file" if not out and line.lstrip().startswith("[") else ""
+            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}{at}){hint}") from None
     return out
 
 
@@ -89,14 +104,16 @@ def read_json(path: Path) -> Located:
                 raise DataError(f"{path}: one JSON object (keys {keys}), not rows: a .json dataset is an array "
                                 "of rows or one row per line (JSON lines)") from None  # fmt: skip
             raise
-    decoder, out, pos = json.JSONDecoder(), [], start + 1
+    out, pos = [], start + 1
     while True:
         pos = _SPACE.match(text, pos).end()
         if pos < len(text) and text[pos] == "]":
             return out
         try:
-            row, end = decoder.raw_decode(text, pos)
+            row, end = _DECODER.raw_decode(text, pos)
         except json.JSONDecodeError as e:
+            if not e.doc:  # a repeated key
+                raise DataError(f"{path}:{text.count(chr(10), 0, pos) + 1}: invalid JSON ({e.msg})") from None
             raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
         out.append((f"{path}:{text.count(chr(10), 0, pos) + 1}", row))
         pos = _SPACE.match(text, end).end()

@@ -74,6 +74,8 @@ def test_bad_rows_name_the_file_and_its_own_line(tmp_path):
         "no_prompt": (f"{good}\n{good}\n\n\n" + json.dumps({"question": "q"}) + "\n", r"no_prompt\.jsonl:5: no prompt"),
         "bad_role": (bot + "\n", r"bad_role\.jsonl:1: messages\["),
         "not_object": (f"{good}\n[1, 2]\n", r"not_object\.jsonl:2: expected an object"),
+        "twice": (f"{good}\n" + '{"prompt": "a", "prompt": "b"}\n', r"twice\.jsonl:2: .*key 'prompt' appears twice"),
+        "an_array": (f"[\n{good}\n]\n", r"an_array\.jsonl:1: .*one JSON array is a \.json file"),
     }
     for name, (text, message) in cases.items():
         (tmp_path / f"{name}.jsonl").write_text(text)
@@ -85,8 +87,11 @@ def test_bad_rows_name_the_file_and_its_own_line(tmp_path):
     (tmp_path / "map.jsonl").write_text(f"{good}\n" + json.dumps({"answer": "2"}) + "\n")
     with pytest.raises(DataError, match=r"map\.jsonl:1: no column 'question' \(data.columns prompt=question\)"):
         dataset_rows(_data("--data.path", str(tmp_path / "map.jsonl"), "--data.columns", "prompt=question"))
-    (tmp_path / "binary.jsonl").write_bytes(b"\x89PNG\x00\xff\xfe")
-    with pytest.raises(DataError, match=r"binary\.jsonl: not UTF-8"):
+    (tmp_path / "array.json").write_text(f'[{good},\n {{"prompt": "a", "meta": {{"x": 1, "x": 2}}}}]')
+    with pytest.raises(DataError, match=r"array\.json:2: invalid JSON \(key 'x' appears twice"):
+        dataset_rows(_data("--data.path", str(tmp_path / "array.json")))
+    (tmp_path / "binary.jsonl").write_bytes(b"{}\n\x89PNG\x00\xff\xfe")
+    with pytest.raises(DataError, match=r"binary\.jsonl:2: not UTF-8"):
         dataset_rows(_data("--data.path", str(tmp_path / "binary.jsonl")))
 
 
