@@ -6,6 +6,7 @@ classes are loaded from a file path or a dotted name. Nothing here knows engines
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
@@ -55,13 +56,20 @@ class Env:
         raise NotImplementedError
 
 
+_FOLDERS: set[Path] = set()  # the folders of the user files imported so far
+
+
 def import_user_module(target: str):
     """The module of `file.py`, its folder first on sys.path (as `python file.py` has it: it imports the modules
-    beside it), or of a dotted name, found in the current folder too (as `python -m` has it)."""
+    beside it), or of a dotted name, found in the current folder too (as `python -m` has it). An ImportError when
+    the file uses a module that another user file's folder gave first, while its own folder holds one of that name:
+    a process imports a name once, so it would silently get the other one."""
     if target.endswith(".py"):
         path = Path(target)
-        if (folder := str(path.resolve().parent)) not in sys.path:
-            sys.path.insert(0, folder)
+        if (folder := path.resolve().parent) not in _FOLDERS:
+            _FOLDERS.add(folder)
+            sys.path.insert(0, str(folder))
+        _check_siblings(path, folder)
         module_spec = importlib.util.spec_from_file_location(f"molt_agent_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_spec.name] = module
@@ -70,6 +78,19 @@ def import_user_module(target: str):
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # last: an installed package of the same name still wins
     return importlib.import_module(target)
+
+
+def _check_siblings(path: Path, folder: Path) -> None:
+    tree = ast.parse(path.read_bytes(), str(path))
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+    for name in sorted({n.partition(".")[0] for n in names} & set(sys.modules)):
+        there = Path(getattr(sys.modules[name], "__file__", None) or "").resolve()
+        other = there.parent.parent if there.name == "__init__.py" else there.parent
+        mine = folder / f"{name}.py" if (folder / f"{name}.py").exists() else folder / name / "__init__.py"
+        if other in _FOLDERS - {folder} and mine.exists():
+            raise ImportError(f"{path} imports {name!r}, which this process already took from {there} for an earlier "
+                              f"user file, not {mine} beside it: rename one of the two modules")  # fmt: skip
 
 
 def load_agent(spec: str, bases: tuple[type, ...] = (Env,)) -> type:

@@ -93,6 +93,12 @@ def test_reward_function_kinds_and_weights(tmp_path):
     (tmp_path / "helper_xyz.py").write_text("ACC = 1.0\n")  # a module beside the reward file: importable
     (tmp_path / "beside.py").write_text("from helper_xyz import ACC\n\ndef reward(c, row):\n    return ACC\n")
     assert _score(str(tmp_path / "beside.py")) == (1.0, {"reward": 1.0})
+    other = tmp_path / "other"  # its own helper_xyz.py: the process already has the first folder's
+    other.mkdir()
+    (other / "helper_xyz.py").write_text("ACC = 0.5\n")
+    (other / "beside2.py").write_text("from helper_xyz import ACC\n\ndef reward(c, row):\n    return ACC\n")
+    with pytest.raises(ValueError, match=r"beside2.py imports 'helper_xyz', which this process already took from"):
+        _score(str(other / "beside2.py"))
 
 
 def test_reward_loading_errors_are_one_line_naming_the_file(tmp_path):

@@ -74,18 +74,21 @@ def test_each_sample_gets_its_own_row_and_results_keep_dates_and_decimals(tmp_pa
 
     tokenizer = build_builtin_tokenizer()
     save_pretrained(Transformer(preset("tiny", vocab_size=len(tokenizer))), tmp_path / "model", tokenizer=tokenizer)
-    rows = [{"prompt": f"say {i}", "answer": decimal.Decimal(f"{i}.50"), "day": datetime.date(2026, 1, 1 + i)}
-            for i in range(3)]  # fmt: skip
+    rows = [{"prompt": f"say {i}", "answer": decimal.Decimal(f"{i}.50"), "day": datetime.date(2026, 1, 1 + i),
+             "tags": ["x"]} for i in range(3)]  # fmt: skip
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
-    (tmp_path / "take.py").write_text("def reward(completion, row):\n    return float(row.pop('answer') > 0)\n")
+    (tmp_path / "take.py").write_text(
+        "def reward(completion, row):\n    row['tags'].append('seen')\n"
+        "    return float(row.pop('answer') > 0) * len(row['tags'])\n"
+    )  # 1 if alone
     monkeypatch.chdir(tmp_path)
     flags = ["--data.path", "rows.parquet", "--data.eval_path", "rows.parquet", "--eval.n_samples", "3"]
     result = run_molt(capsys, "eval", "model", *flags, "--rollout.max_tokens", "2", "--rollout.reward", "take.py")
     assert result.returncode == 0 and "failures" not in result.stderr  # no sample saw another's popped answer
     results = [json.loads(line) for line in next((tmp_path / "runs").glob("eval-*/results.jsonl")).open()]
-    assert [(r["row"]["answer"], r["row"]["day"]) for r in results] == [(f"{i}.50", f"2026-01-0{i + 1}") for i in
-                                                                         range(3)]  # fmt: skip
-    assert [s["reward"] for r in results for s in r["samples"]] == [1.0] * 9
+    assert [(r["row"]["answer"], r["row"]["day"], r["row"]["tags"]) for r in results] == [
+        (f"{i}.50", f"2026-01-0{i + 1}", ["x"]) for i in range(3)]  # fmt: skip
+    assert [s["reward"] for r in results for s in r["samples"]] == [2.0] * 9  # each saw its own tags
 
 
 def test_eval_of_a_run_reads_its_config_for_train_and_sft_layouts(tmp_path):

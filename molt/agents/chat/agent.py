@@ -222,17 +222,23 @@ def _stamp(agent: ChatAgent, result: Result, segments: list[Trajectory], truncat
     return segments
 
 
+def _fresh(value: Any) -> Any:
+    """`value` with its dicts, lists and sets copied at every depth (strings, numbers, images shared)."""
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    return type(value)(_fresh(v) for v in value) if isinstance(value, list | set) else value
+
+
 def local_rollout(chat: ChatRunner | None, engine, tokenizer, make_env: Callable[[], Any]):
-    """`rollout(row, sampling, limits, **ids)` on this event loop, a fresh agent from `make_env()` each time, on its
-    own copy of the row and its messages (the samples of a group share one row: an agent or reward that changes
-    its row must not change the others'); agent code blocking the loop past `limits.step_timeout_s` stops the run
-    (`watchdog.LoopWatchdog`)."""
+    """`rollout(row, sampling, limits, **ids)` on this event loop, a fresh agent from `make_env()` each time, on its own
+    copy of the row, nested columns and messages included (the samples of a group share one row: an agent or reward
+    that changes its row must not change the others', later epochs' or the eval's); agent code blocking the loop
+    past `limits.step_timeout_s` stops the run (`watchdog.LoopWatchdog`)."""
 
     async def rollout(row: dict, sampling, limits: EpisodeLimits, **kw) -> list[Trajectory]:
         watch_loop(limits.step_timeout_s)
         row = copy.copy(row)  # keeps a LocatedRow's file:line
-        if isinstance(row.get("messages"), list):
-            row["messages"] = [dict(m) if isinstance(m, dict) else m for m in row["messages"]]
+        row.update(_fresh(dict(row)))
         agent = make_env()  # an Env: one segment; a ChatAgent: one or more, through `chat`
         try:
             if isinstance(agent, ChatAgent):
