@@ -5,7 +5,8 @@ and the reward function scores the decoded answer. The episode runs through the 
 the same token-exact path as any Env's, and an exception or a timeout in the reward function fails the rollout like an
 Env's would.
 
-With `--rollout.agent` as well, the reward function replaces the agent's own reward: `ScoredEnv` scores the action of
+With `--rollout.agent` as well, or on a built-in task's rows (whose Env then runs, e.g. the calculator's tool), the
+reward function replaces the agent's own reward: `ScoredEnv` scores the action of
 the turn that ends the episode (terminated, truncated, no observation, or the last of `max_turns`; earlier steps get 0,
 the agent's own total is logged as `reward/agent`), and a `ScoredChatAgent` scores the text of the last completion of
 the rollout. An episode cut by the context budget before its final turn scores 0."""
@@ -81,7 +82,8 @@ class ScoredChatAgent(ChatAgent):
 
 
 def agent_factory(agent: str, reward: RewardFunction | None, task: str, max_turns: int) -> Callable[[], Any]:
-    """`make_env()` for a run: the agent class (scored by `reward` if given), a `RewardEnv`, or the task's Env."""
+    """`make_env()` for a run: the agent class, else the built-in `task`'s Env (the rows are the task's; "": none),
+    scored by `reward` if given; a `RewardEnv` for the user's own rows."""
     if agent:
         cls = load_agent_class(agent)  # an Env or a ChatAgent subclass
         if reward is None:
@@ -90,6 +92,6 @@ def agent_factory(agent: str, reward: RewardFunction | None, task: str, max_turn
             return lambda: ScoredChatAgent(cls(), reward)
         return lambda: ScoredEnv(cls(), reward, max_turns)
     if reward is not None:
-        return lambda: RewardEnv(reward)
+        return (lambda: ScoredEnv(env_for_task(task), reward, max_turns)) if task else lambda: RewardEnv(reward)
     env_for_task(task)  # an unknown task is an error now, not in the first rollout
     return lambda: env_for_task(task)

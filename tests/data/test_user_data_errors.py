@@ -22,6 +22,21 @@ def test_a_dataset_without_reward_or_agent_is_a_config_error(tmp_path):
     assert len(inputs.train_rows) == 4 and inputs.reward is not None
     assert load_inputs(parse_config([])).reward is None  # a built-in task grades its own rows
     assert load_inputs(parse_config(["--data.path", str(path), "--data.task", "arithmetic"])).reward is None
+    with pytest.raises(ConfigError, match=r"data.eval_path: a dataset needs"):  # not the default task's Env
+        load_inputs(parse_config(["--data.eval_path", str(path)]))
+
+
+def test_a_reward_on_a_built_in_tasks_rows_scores_the_final_answer_of_the_tasks_env(tmp_path):
+    """The task's Env still runs the episode (the calculator's tool); on the user's rows a RewardEnv answers once."""
+    from molt.agents.builtin import CalculatorEnv
+    from molt.agents.reward_env import RewardEnv, ScoredEnv
+
+    env = load_inputs(parse_config(["--rollout.reward", "math"])).make_env()
+    assert isinstance(env, ScoredEnv) and isinstance(env.inner, CalculatorEnv)
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    assert isinstance(load_inputs(parse_config(["--data.path", str(path), "--rollout.reward", "math"])).make_env(),
+                      RewardEnv)  # fmt: skip
 
 
 def test_make_config_checks_the_reward_and_agent_it_names(tmp_path):
