@@ -30,8 +30,7 @@ def _info(named: dict[str, float]) -> dict[str, float]:
 
 async def _rescored(reward: RewardFunction, result: Result, answer: str, row: dict, agent_reward: float) -> Result:
     """`result` with the reward function's score of `answer`; the agent's own reward logged as `reward/agent`."""
-    total, named = await reward.score(answer, row)
-    reward.log.add({"agent": agent_reward})
+    total, named = await reward.score(answer, row, agent_reward)
     info = result.info | _info(named) | {"reward/agent": agent_reward}
     return dataclasses.replace(result, reward=total, score=total, info=info)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import logging
 import math
 import traceback
 from collections import defaultdict
@@ -26,6 +27,8 @@ from molt.agents.env import import_user_module
 from molt.agents.rewards import BUILTIN_REWARDS
 from molt.agents.runner import real_number
 from molt.threads import in_daemon_thread
+
+log = logging.getLogger(__name__)
 
 # set by evaluation while its episodes run, so training's per-step reward metrics leave them out
 EVALUATING: contextvars.ContextVar[bool] = contextvars.ContextVar("molt_evaluating", default=False)
@@ -101,11 +104,12 @@ def load_part(spec: str) -> RewardPart:
 
 
 class RewardLog:
-    """Sums of named rewards over training rollouts since the last `drain` (eval episodes excluded)."""
+    """Sums of named rewards over training rollouts since the last `drain` (eval episodes excluded); one `add` per
+    scored rollout."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = defaultdict(float)
-        self.counts: dict[str, int] = defaultdict(int)
+        self.rollouts = 0
 
     def add(self, named: dict[str, float]) -> None:
         if EVALUATING.get():
@@ -115,13 +119,14 @@ class RewardLog:
             return
         for key, value in named.items():
             self.sums[key] += value
-            self.counts[key] += 1
+        self.rollouts += 1
 
     def drain(self) -> dict[str, float]:
-        """`reward/<name>` means since the last call."""
-        out = {f"reward/{k}": self.sums[k] / self.counts[k] for k in self.sums}
+        """`reward/<name>` means since the last call (a rollout that did not return a name counts 0 for it, as in
+        the weighted total)."""
+        out = {f"reward/{k}": self.sums[k] / self.rollouts for k in self.sums}
         self.sums.clear()
-        self.counts.clear()
+        self.rollouts = 0
         return out
 
 
@@ -144,7 +149,8 @@ class RewardFunction:
         unknown = sorted(set(self.weights) - names)
         if unknown and all(p.inline for p in self.parts):  # a user function may return a dict: its keys come later
             raise ValueError(f"rollout.reward_weights: {unknown} name no reward; rewards: {sorted(names)}")
-        self.seen: set[str] = set()  # named rewards returned so far: a weight must name one of them
+        self.seen: set[str] = set()  # named rewards returned so far
+        self.unseen_warned: set[str] = set()
         self.log = RewardLog()
 
     async def _call(self, part: RewardPart, completion: str, row: dict[str, Any]) -> Any:
@@ -154,9 +160,12 @@ class RewardFunction:
             value = await in_daemon_thread(part.fn, completion, row, name="molt-reward")
         return await value if inspect.isawaitable(value) else value
 
-    async def score(self, completion: str, row: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    async def score(
+        self, completion: str, row: dict[str, Any], agent_reward: float | None = None
+    ) -> tuple[float, dict[str, float]]:
         """(weighted total, named rewards) of one completion; a bad return value (not a finite number, an empty
-        dict, a name returned twice) or a weight naming no returned reward is an error failing the rollout."""
+        dict, a name returned twice) is an error failing the rollout. A weighted name the functions did not return
+        counts 0 (a dict may hold a bonus for some rows only); one returned by no rollout so far is warned about."""
         named: dict[str, float] = {}
         for part in self.parts:
             value = await self._call(part, completion, row)
@@ -168,9 +177,12 @@ class RewardFunction:
                     raise ValueError(f"reward name {key!r} is returned twice (rollout.reward {self.spec!r})")
                 named[str(key)] = number
         self.seen |= named.keys()
-        if unknown := sorted(set(self.weights) - self.seen):
-            raise ValueError(f"rollout.reward_weights: {unknown} name no reward; rewards returned: {sorted(self.seen)}")
-        self.log.add(named)
+        if unknown := sorted(set(self.weights) - self.seen - self.unseen_warned):
+            self.unseen_warned |= set(unknown)
+            log.warning("rollout.reward_weights: %s named no reward returned so far (rewards returned: %s); a name "
+                        "counts 0 where it is not returned, so a misspelt one never applies", unknown,
+                        sorted(self.seen))  # fmt: skip
+        self.log.add(named if agent_reward is None else named | {"agent": agent_reward})  # the agent's own, beside
         return sum(self.weights.get(k, 1.0) * v for k, v in named.items()), named
 
     def close(self) -> None:

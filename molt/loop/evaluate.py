@@ -60,15 +60,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _named_rewards(trajs: list) -> dict[str, float]:
-    """`eval/reward/<name>` means over the episodes that report named rewards (`info["reward/<name>"]`) and the
-    failed samples, which count 0 as in `eval/reward_mean`."""
-    sums, counts, failed = defaultdict(float), defaultdict(int), sum(t is None for t in trajs)
+    """`eval/reward/<name>` means over the episodes that report named rewards (`info["reward/<name>"]`; one that
+    did not return a name counts 0 for it, as in its reward) and the failed samples, which count 0 as in
+    `eval/reward_mean`."""
+    sums, episodes = defaultdict(float), sum(t is None for t in trajs)
     for traj in trajs:
-        for key, value in traj.info.items() if traj is not None else ():
-            if key.startswith("reward/") and isinstance(value, int | float):
-                sums[key] += value
-                counts[key] += 1
-    return {f"eval/{k}": sums[k] / (counts[k] + failed) for k in sums}
+        named = {k: v for k, v in traj.info.items() if k.startswith("reward/")} if traj is not None else {}
+        episodes += bool(named)
+        for key, value in named.items():
+            sums[key] += value if isinstance(value, int | float) else 0.0
+    return {f"eval/{k}": sums[k] / episodes for k in sums}
 
 
 def _sample_record(tokenizer, traj, error: BaseException | None) -> dict[str, Any]:

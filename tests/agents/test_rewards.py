@@ -2,6 +2,7 @@
 and a reward-function episode through the ordinary token-exact runner (scripted engine)."""
 
 import asyncio
+import logging
 
 import pytest
 from chat_support import SAMPLING, TOK, ScriptedEngine  # noqa: I001
@@ -181,7 +182,7 @@ def parts(completion, row):
 """
 
 
-def test_numpy_and_tensor_scalars_count_and_bad_values_fail_the_rollout(tmp_path):
+def test_numpy_and_tensor_scalars_count_and_bad_values_fail_the_rollout(tmp_path, caplog):
     path = tmp_path / "bad.py"
     path.write_text(BAD_RETURNS)
     assert _score(f"{path}:scalars")[1] == {"np32": 0.5, "np64": 2.0, "tensor": 0.25, "flag": 1.0}
@@ -193,10 +194,9 @@ def test_numpy_and_tensor_scalars_count_and_bad_values_fail_the_rollout(tmp_path
         with pytest.raises(ValueError, match=message):
             _score(spec)
     assert _score(f"{path}:parts", weights="len=2") == (2.0, {"acc": 1.0, "len": 0.5})
-    with pytest.raises(
-        ValueError, match=r"reward_weights: \['lenn'\] name no reward; rewards returned: \['acc', 'len'\]"
-    ):
-        _score(f"{path}:parts", weights="lenn=5")  # a typo in a weight of a dict-returning user function
+    with caplog.at_level(logging.WARNING):  # a typo, or a bonus some rows get: 0 where absent, and a warning
+        assert _score(f"{path}:parts", weights="lenn=5") == (1.5, {"acc": 1.0, "len": 0.5})
+    assert "['lenn'] named no reward returned so far (rewards returned: ['acc', 'len'])" in caplog.text
     with pytest.raises(ValueError, match=r"rollout.reward: \['math'\] named twice"):
         load_reward("math, format,math")
     (tmp_path / "imports.py").write_text("\nimport not_installed_xyz\n")
@@ -221,3 +221,17 @@ def test_a_hung_sync_reward_fails_only_its_own_rollouts(tmp_path):
         assert asyncio.run(main()) == (1.0, {"stuck": 1.0})
     finally:
         reward.parts[0].fn.__globals__["release"].set()
+
+
+def test_named_means_count_a_name_a_rollout_did_not_return_as_zero():
+    """With a bonus some rows get, the named means add up to the mean reward, in training's log and in eval."""
+    from molt.agents.reward_fn import RewardLog
+    from molt.data.trajectory import Trajectory
+    from molt.loop.evaluate import _named_rewards
+
+    log = RewardLog()
+    log.add({"base": 1.0, "bonus": 1.0})
+    log.add({"base": 1.0})
+    assert log.drain() == {"reward/base": 1.0, "reward/bonus": 0.5}
+    trajs = [Trajectory(info={"reward/base": 1.0, "reward/bonus": 1.0}), Trajectory(info={"reward/base": 1.0}), None]
+    assert _named_rewards(trajs) == pytest.approx({"eval/reward/base": 2 / 3, "eval/reward/bonus": 1 / 3})
