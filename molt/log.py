@@ -23,8 +23,12 @@ import yaml
 def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
     """Write `path` with `write(temp path)` into a temp file in the same folder, then an atomic rename."""
     tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

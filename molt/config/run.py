@@ -29,10 +29,15 @@ class EvalConfig:
     """Base sampling seed of every evaluation (sample k of row i: seed + i * n_samples + k), so training's eval
     and `molt eval` of the same checkpoint draw the same samples."""
     output: str = ""
-    """`molt eval`: per-row results file (JSON lines). Default: <run_dir>/results.jsonl."""
+    """`molt eval`: per-row results file (JSON lines; its folder is made). Default: <run_dir>/results.jsonl."""
 
     def __post_init__(self) -> None:
         check_bounds(self, every=">= 0 (0 = never)", num_prompts="> 0", n_samples="> 0")
+        check(
+            not (self.output and Path(self.output).is_dir()),
+            "eval.output",
+            f"{self.output} is a folder; name the results file",
+        )
         check_finite(self, "eval")
         check(self.temperature == 0 or self.temperature >= 1e-4, "eval.temperature",
               "must be 0 (greedy) or >= 1e-4 (the engine's smallest: below it logits / T overflow fp32)")  # fmt: skip

@@ -19,6 +19,7 @@ from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatRunner, last_complet
 from molt.agents.reward_fn import EVALUATING
 from molt.agents.runner import EpisodeLimits
 from molt.config import Config
+from molt.data.rows import row_location
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Engine, SamplingParams
 from molt.errors import RunFatalError, describe_error
@@ -122,7 +123,8 @@ async def evaluate(
     trajs, kinds = [t for t, _ in outcomes], set()
     for j, (_, error) in enumerate(outcomes):  # one line per failed sample, the first of each kind with its traceback
         if failure_log is not None and error is not None:
-            line = f"eval sample {j % n} of row {j // n} failed: {describe_error(error)}"
+            where = row_location(rows[j // n], f"row {j // n}")  # its file:line where it was read from one
+            line = f"eval sample {j % n} of {where} failed: {describe_error(error)}"
             log_failure(failure_log, line, error, kinds)
     rewards = [t.reward if t is not None else 0.0 for t in trajs]
     correct = [[(t is not None and t.score >= 1.0) for t in trajs[i * n : (i + 1) * n]] for i in range(len(rows))]

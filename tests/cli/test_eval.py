@@ -83,9 +83,12 @@ def test_each_sample_gets_its_own_row_and_results_keep_dates_and_decimals(tmp_pa
     )  # 1 if alone
     monkeypatch.chdir(tmp_path)
     flags = ["--data.path", "rows.parquet", "--data.eval_path", "rows.parquet", "--eval.n_samples", "3"]
+    refused = run_molt(capsys, "eval", "model", *flags, "--rollout.reward", "take.py", "--eval.output", "model")
+    assert refused.returncode == 2 and "eval.output: model is a folder; name the results file" in refused.stderr
+    flags += ["--eval.output", "new/folder/results.jsonl"]  # its folder is made
     result = run_molt(capsys, "eval", "model", *flags, "--rollout.max_tokens", "2", "--rollout.reward", "take.py")
     assert result.returncode == 0 and "failures" not in result.stderr  # no sample saw another's popped answer
-    results = [json.loads(line) for line in next((tmp_path / "runs").glob("eval-*/results.jsonl")).open()]
+    results = [json.loads(line) for line in (tmp_path / "new/folder/results.jsonl").open()]
     assert [(r["row"]["answer"], r["row"]["day"], r["row"]["tags"]) for r in results] == [
         (f"{i}.50", f"2026-01-0{i + 1}", ["x"]) for i in range(3)]  # fmt: skip
     assert [s["reward"] for r in results for s in r["samples"]] == [2.0] * 9  # each saw its own tags
