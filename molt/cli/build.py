@@ -13,7 +13,8 @@ from molt.train.precision import resolve_dtype
 
 def build_tokenizer(cfg: ModelConfig):
     """The configured tokenizer folder, the model folder's tokenizer, or Molt's built-in one; a ConfigError when it
-    cannot load or has more tokens than the model folder's vocabulary."""
+    cannot load, has no chat template (every prompt is rendered with it) or has more tokens than the model folder's
+    vocabulary."""
     if not cfg.tokenizer and not cfg.path:
         return build_builtin_tokenizer(image_token=PRESETS[cfg.preset].vision is not None)
     key = "model.tokenizer" if cfg.tokenizer else "model.path"
@@ -21,6 +22,9 @@ def build_tokenizer(cfg: ModelConfig):
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: {e}") from None
+    check(bool(tokenizer.chat_template), key, f"the tokenizer of {cfg.tokenizer or cfg.path} has no chat template "
+          "(chat_template in tokenizer_config.json, or chat_template.jinja), and Molt renders every prompt and "
+          "demonstration with one: add it, or pass --model.tokenizer FOLDER whose tokenizer has one")  # fmt: skip
     vocab = cfg.architecture().vocab_size if cfg.path else len(tokenizer)
     if len(tokenizer) > vocab:
         raise ConfigError(f"{key}: the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary {vocab}")

@@ -166,7 +166,8 @@ def check_run_dir(cfg: Config) -> int | None:
         check(not adaptive or cfg.algo.kl_coef == old["algo"]["kl_coef"], "algo.kl_coef", "the adaptive KL "
               f"coefficient (algo.kl_target) continues from {cfg.ckpt.resume}'s checkpoint; --algo.kl_coef sets "
               "only a new run's starting value: drop it (or --algo.kl_target 0 for a fixed coefficient)")  # fmt: skip
-        moved = {k for k in ("model.path", "critic.path") if was[k] and now[k] and not Path(str(was[k])).exists()}
+        folders = ("model.path", "model.tokenizer", "critic.path")
+        moved = {k for k in folders if was[k] and now[k] and not Path(str(was[k])).exists()}
         for what in (k for k in now if now[k] != was[k] and k not in moved):  # a moved folder: its new place
             differs = f"{what} is {now[what]} here but {was[what]} in {cfg.ckpt.resume}"
             if isinstance(now[what], bool):  # a model (or frozen routers) the run trained without, or with
@@ -181,11 +182,14 @@ def check_run_dir(cfg: Config) -> int | None:
 
 def _state_shape(config: dict) -> dict[str, object]:
     """What a checkpoint's trainer state depends on (from a file form): the policy it trained (a resume continues it,
-    whatever model.* now says), adapters, frozen routers, critic, reference."""
-    train, algo = config["train"], config["algo"]
+    whatever model.* now says), its tokenizer, parameter dtype, adapters, frozen routers, critic, reference."""
+    train, algo, model = config["train"], config["algo"], config["model"]
+    params = Precision.of(model["dtype"], train["precision"], config["runtime"]["device"]).params
     return {
-        "model.path": config["model"]["path"] or None,
-        "model.preset": config["model"]["preset"],
+        "model.path": model["path"] or None,
+        "model.preset": None if model["path"] else model["preset"],  # unused beside a model folder
+        "model.tokenizer": model["tokenizer"] or None,
+        "the trainer's parameter dtype (train.precision, model.dtype)": str(params).removeprefix("torch."),
         "train.lora_rank": train["lora_rank"],
         "train.lora_targets": list(train["lora_targets"]) if train["lora_rank"] else None,
         "train.lora_alpha": train["lora_alpha"] if train["lora_rank"] else None,  # scales the saved adapters

@@ -55,6 +55,7 @@ class ModelConfig:
         check_bounds(self, init_std="> 0", warmstart_lr="> 0", warmstart_steps=">= 0 (0 = no warm start)")
         self.path = self.path and check_model_folder(self.path, "model.path")  # a run directory: its latest checkpoint
         if self.tokenizer:
+            self.tokenizer = os.path.expanduser(self.tokenizer)
             check(os.path.isdir(self.tokenizer), "model.tokenizer", f"folder {self.tokenizer!r} does not exist")
 
 
@@ -69,11 +70,16 @@ def check_finite(group: object, prefix: str, allow_inf: tuple[str, ...] = ()) ->
 
 
 def check_model_folder(path: str, key: str) -> str:
-    """The model folder `path` names: itself, a `molt train` run directory's latest checkpoint or a `molt sft` run
-    directory's checkpoint; else a ConfigError naming `key`."""
-    folder = Path(path)
+    """The model folder `path` names (`~` expanded): itself, a `molt train` run directory's latest checkpoint or a
+    `molt sft` run directory's checkpoint; else a ConfigError naming `key`."""
+    folder = Path(path).expanduser()
+    path = str(folder)
+    gguf = ("a GGUF file: convert it to a model folder once with `python -c \"from molt.models.gguf import "
+            "convert_gguf; convert_gguf('FILE.gguf', 'NEW_FOLDER')\"` and give that folder")  # fmt: skip
     check(folder.exists(), key, f"{path!r} does not exist")
+    check(folder.is_dir() or folder.suffix != ".gguf", key, f"{path!r} is {gguf}")
     check(folder.is_dir(), key, f"{path!r} is a file; give a Hugging Face model folder (config.json + *.safetensors)")
+    check((folder / "config.json").exists() or not any(folder.glob("*.gguf")), key, f"{path!r} holds {gguf}")
     if (folder / "config.json").exists():
         return _loadable(path, key)
     if (folder / "checkpoint" / "config.json").exists():  # molt sft's

@@ -71,10 +71,17 @@ class TransformerConfig:
     # vision tower (a VLM); images enter as embeddings at `image_token_id` placeholder positions
     vision: VisionConfig | None = None
     image_token_id: int | None = None
+    # the source folder's generation_config.json (sampling defaults, extra eos ids that transformers and vLLM read),
+    # written back beside the model's checkpoints
+    generation_config: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.vision, dict):
             self.vision = VisionConfig(**self.vision)
+        from molt.models.rope import ROPE_TYPES  # it reads this config
+
+        if (kind := (self.rope_scaling or {}).get("rope_type", "default")) not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported; supported: {sorted(ROPE_TYPES)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
@@ -189,9 +196,14 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Transform
     if model_type not in FAMILIES:
         raise ValueError(f"{source}: model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
     vision = hf.get("vision_config")
-    return TransformerConfig(
-        **FAMILIES[model_type](hf), vision=vision, image_token_id=hf.get("image_token_id") if vision else None
-    )
+    try:
+        fields = FAMILIES[model_type](hf)
+    except KeyError as e:
+        raise ValueError(f"{source}: no {e.args[0]!r}, which a {model_type} config needs") from None
+    try:
+        return TransformerConfig(**fields, vision=vision, image_token_id=hf.get("image_token_id") if vision else None)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 # Built-in presets: random-weight models for tests and the default job (vocab sized for the built-in

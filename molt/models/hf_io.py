@@ -28,6 +28,7 @@ from molt.models.config import TransformerConfig, config_from_hf, config_to_hf
 from molt.models.tokenizer import save_tokenizer
 from molt.models.transformer import Transformer
 
+INDEX, GENERATION_CONFIG = "model.safetensors.index.json", "generation_config.json"
 IGNORED_HF_KEYS = re.compile(r"(rotary_emb\.)?inv_freq$")  # rotary buffers: recomputed, never loaded
 
 
@@ -95,10 +96,12 @@ def load_weights(
             mismatched.append(f"{name}: got {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
         else:
             plan[name] = (dest, tensor)
-    missing = sorted(hf_views(_own_params(model), model.cfg).keys() - plan.keys()) if source is not None else []
+    given = plan.keys() | {m.partition(":")[0] for m in mismatched}
+    missing = sorted(hf_views(_own_params(model), model.cfg).keys() - given) if source is not None else []
     if missing or unknown or mismatched:
         where = "update_weights: " if source is None else f"{source}: missing weights {missing}; "
-        raise ValueError(f"{where}unknown names {sorted(unknown)}; shape mismatches {mismatched}")
+        error = ValueError if source is None else UserError  # a model folder's weights: the user's to mend
+        raise error(f"{where}unknown names {sorted(unknown)}; shape mismatches {mismatched}")
     for dest, tensor in plan.values():
         dest.copy_(tensor)
     return len(plan)
@@ -108,8 +111,13 @@ class LazyTensors(Mapping):
     """Name -> tensor over one or more safetensors files, read on access."""
 
     def __init__(self, files: list[Path], dtype: torch.dtype):
-        handles = [_open(f) for f in files]
-        self.where, self.dtype = {name: handle for handle in handles for name in handle.keys()}, dtype  # noqa: SIM118
+        self.where, self.dtype, first = {}, dtype, {}
+        for file in files:
+            handle = _open(file)
+            for name in handle.keys():  # noqa: SIM118 - a safe_open handle
+                if name in first:
+                    raise UserError(f"weight {name!r} is in both {first[name]} and {file}: which one is the model's?")
+                self.where[name], first[name] = handle, file
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.where[name].get_tensor(name).to(self.dtype)
@@ -122,6 +130,8 @@ class LazyTensors(Mapping):
 
 
 def _open(file: Path):
+    if not file.exists():
+        raise UserError(f"{file}: named in {file.parent / INDEX} but not in the folder (an incomplete download?)")
     try:
         return safe_open(str(file), framework="pt")
     except Exception as e:  # noqa: BLE001 - safetensors' own error type: a truncated or foreign file
@@ -129,13 +139,18 @@ def _open(file: Path):
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of HF model folder `folder` (its index's, or all); FileNotFoundError if none."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        return sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    """The safetensors files of HF model folder `folder` as transformers picks them: `model.safetensors`, else its
+    index's shards, else its only `*.safetensors`; FileNotFoundError if none, a UserError if several and no index."""
+    if (folder / "model.safetensors").exists():
+        return [folder / "model.safetensors"]
+    if (folder / INDEX).exists():
+        return sorted({folder / f for f in json.loads((folder / INDEX).read_text())["weight_map"].values()})
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors weights found (only safetensors is supported)")
+    if len(files) > 1:
+        raise UserError(f"{folder}: {len(files)} *.safetensors files ({', '.join(f.name for f in files[:4])}) but no "
+                        f"model.safetensors or {INDEX}: which are the model's?")  # fmt: skip
     return files
 
 
@@ -158,6 +173,8 @@ def from_pretrained(
     config fields that no config.json holds (e.g. `router_fp32`)."""
     folder = Path(folder)
     cfg = dataclasses.replace(load_config(folder), **settings)
+    if (generation := folder / GENERATION_CONFIG).exists():
+        cfg.generation_config = generation.read_text()
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)  # `Transformer._apply` recomputes the rotary buffer
@@ -188,8 +205,12 @@ def share_like_new_files(folder: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp folder beside `folder`; on success it replaces `folder`, on error it is removed."""
+    """Yield a temp folder beside `folder`; on success it replaces `folder` (a model folder or an empty one: other
+    files are refused, not deleted), on error it is removed."""
     folder = Path(folder)
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / "config.json").exists():
+        raise FileExistsError(f"{folder} holds files and is no model folder; a model is written to a new or empty "
+                              "folder (or over a model folder, which it replaces whole)")  # fmt: skip
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
@@ -204,10 +225,13 @@ def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
 
 
 def save_pretrained(model: Transformer, folder: str | os.PathLike, tokenizer=None) -> Path:
-    """Write an HF model folder atomically (config.json, safetensors shards, tokenizer if given)."""
+    """Write an HF model folder atomically (config.json, the source's generation_config.json, safetensors shards,
+    tokenizer if given)."""
     with atomic_folder(folder) as tmp:
         dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")  # the weights' as written
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.cfg, dtype), indent=2) + "\n")
+        if model.cfg.generation_config:
+            (tmp / GENERATION_CONFIG).write_text(model.cfg.generation_config)
         _write_shards(to_hf_state(model), tmp)
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
@@ -232,4 +256,4 @@ def _write_shards(state: dict[str, torch.Tensor], folder: Path, max_shard_bytes:
         save_file(shard, str(folder / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, fname))
     index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index | {"weight_map": weight_map}, indent=2))
+    (folder / INDEX).write_text(json.dumps(index | {"weight_map": weight_map}, indent=2))

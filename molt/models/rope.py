@@ -1,7 +1,7 @@
 """Rotary position embeddings: inverse frequencies per scaling type, and their application.
 
 Scaling types are registered functions `(dim, theta, params, max_pos) -> (inv_freq, attention_scale)`;
-an unsupported `rope_type` is an error. Positions are explicit tensors, so packed sequences simply
+an unsupported `rope_type` is an error of the config. Positions are explicit tensors, so packed sequences simply
 restart their positions at 0."""
 
 from __future__ import annotations
@@ -76,11 +76,9 @@ def _yarn(dim: int, theta: float, params: dict[str, Any], max_pos: int) -> tuple
 
 
 def rope_inv_freq(cfg: TransformerConfig) -> tuple[Tensor, float]:
-    """(inv_freq [head_dim/2], attention scale) for the config's rope type."""
+    """(inv_freq [head_dim/2], attention scale) for the config's rope type (checked by the config)."""
     params = dict(cfg.rope_scaling or {})
     kind = params.get("rope_type", "default")
-    if kind not in ROPE_TYPES:
-        raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported; supported: {sorted(ROPE_TYPES)}")
     return ROPE_TYPES[kind](cfg.head_dim, cfg.rope_theta, params, cfg.max_position_embeddings)
 
 

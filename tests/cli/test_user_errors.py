@@ -108,8 +108,22 @@ def test_port_in_use(molt):
 
 
 def test_model_path_that_is_not_a_model_folder(tmp_path, molt):
+    import json
+
+    from molt.models import Transformer, build_builtin_tokenizer, preset, save_pretrained
+
     (tmp_path / "weights").mkdir()
     one_line(molt("train", "--model.path", "weights"), "model.path: 'weights' is not a model folder")
+    (tmp_path / "weights/model.gguf").write_bytes(b"GGUF")
+    one_line(molt("train", "--model.path", "weights/model.gguf"), "is a GGUF file: convert it", "convert_gguf(")
+    one_line(molt("train", "--model.path", "weights"), "'weights' holds a GGUF file: convert it", "convert_gguf(")
+    tokenizer = build_builtin_tokenizer()
+    save_pretrained(Transformer(preset("tiny", vocab_size=len(tokenizer))), tmp_path / "m", tokenizer=tokenizer)
+    config = json.loads((tmp_path / "m/tokenizer_config.json").read_text())
+    (tmp_path / "m/tokenizer_config.json").write_text(json.dumps(config | {"chat_template": None}))
+    one_line(
+        molt("sft", "--model.path", "m"), "model.path: the tokenizer of m has no chat template", "--model.tokenizer"
+    )
 
 
 def test_an_unwritable_run_dir_or_truncated_weights_are_one_line(tmp_path, molt):

@@ -144,6 +144,10 @@ def test_resume_refuses_settings_its_checkpoint_state_cannot_hold(tmp_path, caps
         (["--algo.estimator", "gae"], "adds a critic (algo.estimator gae), which {run} was trained without"),
         (["--algo.kl_coef", "0.1"], "adds a KL reference (algo.kl_coef > 0), which {run} was trained without"),
         (["--model.preset", "small"], "model.preset is small here but tiny in {run}"),  # the checkpoint's policy
+        (
+            ["--train.precision", "pure", "--model.dtype", "bfloat16"],
+            "the trainer's parameter dtype (train.precision, model.dtype) is bfloat16 here but float32 in {run}",
+        ),  # its fp32 Adam state would be cast down
     ):
         err = one_line(run_molt(capsys, "train", "--resume", str(run), "--train.max_steps", "2", *flags))
         assert "ckpt.resume: " + what.format(run=run) in err and f"--model.path {run}" in err

@@ -132,3 +132,42 @@ def test_molt_saved_folder_loads_in_transformers(pair, tmp_path):
     with torch.no_grad():
         assert (back(input_ids=ids_bt).logits - molt(ids_bt)).abs().max() <= 1e-4
         assert (back(input_ids=ids_bt).logits - _hf_logits(hf, ids_bt)).abs().max() <= 1e-4
+
+
+def test_model_folders_load_as_transformers_picks_them_and_saves_keep_what_is_beside(tmp_path):
+    """model.safetensors wins over a stray *.safetensors beside it; generation_config.json is written back; a
+    folder of other files is refused, not emptied; a broken config is an error naming the file."""
+    import json
+
+    from molt.errors import UserError
+
+    hf = random_hf("qwen3")
+    hf.generation_config.do_sample, hf.generation_config.temperature, hf.generation_config.eos_token_id = (
+        True,
+        0.7,
+        [0, 2],
+    )
+    hf.save_pretrained(tmp_path / "m")
+    random_hf("qwen3", seed=1).save_pretrained(tmp_path / "other")
+    (tmp_path / "other/model.safetensors").rename(tmp_path / "m/model_before.safetensors")
+    ids_bt = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (from_pretrained(tmp_path / "m")(ids_bt) - _hf_logits(hf, ids_bt)).abs().max() <= 1e-4
+    save_pretrained(from_pretrained(tmp_path / "m"), tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert (back.generation_config.temperature, back.generation_config.eos_token_id) == (0.7, [0, 2])
+    (tmp_path / "m/model.safetensors").rename(tmp_path / "m/a.safetensors")  # two candidates, no index: which?
+    with pytest.raises(UserError, match="2 \\*.safetensors files .* which are the model's"):
+        from_pretrained(tmp_path / "m")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes/notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds files and is no model folder"):
+        save_pretrained(from_pretrained(tmp_path / "out"), tmp_path / "notes")
+    assert (tmp_path / "notes/notes.txt").read_text() == "mine"
+    config = json.loads((tmp_path / "out/config.json").read_text())
+    dynamic = {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}
+    for change, message in [(dynamic, "rope_type='dynamic' is not"), ({"num_attention_heads": None}, "no 'num_att")]:
+        broken = {k: v for k, v in (config | change).items() if v is not None}
+        (tmp_path / "out/config.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=f"config.json: .*{message}"):
+            from_pretrained(tmp_path / "out")
