@@ -124,15 +124,18 @@ async def _train_async(cfg: Config, run: RunDir, threads: int, inputs: RunInputs
         if before:
             run.log({"step": loop.state.step, **before})
 
+        def save() -> Path:
+            return save_checkpoint(run.path, loop.trainer, loop.snapshot(), loop.tokenizer, cfg.ckpt.keep)
+
         def on_step(metrics: dict[str, Any]) -> None:
             metrics |= runtime.metrics()
             metrics |= inputs.reward.log.drain() if inputs.reward else {}
             progress(metrics)
             if cfg.ckpt.every and loop.state.step % cfg.ckpt.every == 0:
-                saved[loop.state.step] = save_checkpoint(run.path, loop.trainer, loop.snapshot(), loop.tokenizer)
+                saved[loop.state.step] = save()
 
         history = await loop.run(on_step)
-        ckpt = saved.get(loop.state.step) or save_checkpoint(run.path, loop.trainer, loop.snapshot(), loop.tokenizer)
+        ckpt = saved.get(loop.state.step) or save()
     finally:
         progress.close()
         await loop.close()

@@ -49,11 +49,13 @@ class CkptConfig:
 
     every: int = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
+    keep: int = 0
+    """Keep the newest N checkpoints, deleting older ones after each save (0 = keep all)."""
     resume: str = ""
     """Run directory to resume from (its latest checkpoint and trainer state)."""
 
     def __post_init__(self) -> None:
-        check(self.every >= 0, "ckpt.every", "must be >= 0 (0 = only at the end)")
+        check_bounds(self, every=">= 0 (0 = only at the end)", keep=">= 0 (0 = keep all)")
         if self.resume:
             check_resumable(self.resume)
 

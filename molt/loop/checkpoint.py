@@ -1,8 +1,9 @@
 """RL checkpoints: an HF policy folder plus the trainer and loop state beside it, written atomically.
 
 Layout: `<run>/checkpoints/step-<N>/` (HF files and trainer_state.pt) and `<run>/checkpoints/latest` naming the
-newest complete one, written last: a crash mid-save resumes from the previous one, and its leftovers (`.step-N.*`)
-go at the next save. Files get the modes the user's umask gives new files, not the temp folder's 0700."""
+newest complete one, written last: a crash mid-save resumes from the previous one, and its leftovers (`.step-N.*`, a
+`step-N/` without its trainer state) go at the next save. `ckpt.keep` > 0 keeps the newest that many and deletes older
+ones after each save. Files get the modes the user's umask gives new files, not the temp folder's 0700."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from molt.train.interface import Trainer
 
 
 def remove_orphans(checkpoints: Path) -> list[Path]:
-    """Remove what an interrupted save left in `checkpoints/` (hidden temp folders and files); return them."""
+    """Remove what an interrupted save left in `checkpoints/` (hidden temp folders and files, a step folder without
+    its trainer state); return them."""
     orphans = [*checkpoints.glob(".step-*"), *checkpoints.glob(".latest.*")]
+    orphans += [p for p in checkpoints.glob("step-*") if p.is_dir() and not (p / "trainer_state.pt").exists()]
     for path in orphans:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -32,8 +35,9 @@ def remove_orphans(checkpoints: Path) -> list[Path]:
     return orphans
 
 
-def save_checkpoint(run_dir: Path, trainer: Trainer, loop_state: LoopState, tokenizer) -> Path:
-    """Write step-<N>/ with weights and full training state; return its path."""
+def save_checkpoint(run_dir: Path, trainer: Trainer, loop_state: LoopState, tokenizer, keep: int = 0) -> Path:
+    """Write step-<N>/ with weights and full training state, then delete all but the newest `keep` (0: none);
+    return its path."""
     folder = Path(run_dir) / "checkpoints" / f"step-{loop_state.step}"
     remove_orphans(folder.parent)
     state = trainer.save(folder, tokenizer)  # LoRA: merged weights, the PEFT adapter in adapter/
@@ -46,6 +50,9 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, loop_state: LoopState, toke
     atomic_write(folder / "trainer_state.pt", lambda tmp: torch.save(state, tmp))
     share_like_new_files(folder)
     atomic_write_text(Path(run_dir) / "checkpoints" / "latest", folder.name)
+    older = sorted(folder.parent.glob("step-*"), key=checkpoint_step)[:-keep] if keep else []
+    for old in (p for p in older if p != folder):
+        shutil.rmtree(old, ignore_errors=True)
     return folder
 
 

@@ -57,6 +57,10 @@ def test_resume_finished_run_orphans_and_group_readable_checkpoints(tmp_path, ca
     for path in [run / "checkpoints" / "step-2", *(run / "checkpoints" / "step-2").iterdir()]:
         expected = 0o755 if path.is_dir() else 0o644
         assert stat.S_IMODE(path.stat().st_mode) == expected, path
+    (run / "checkpoints" / "step-7").mkdir()  # a save killed after the model, before its trainer state
+    (run / "checkpoints" / "step-7" / "config.json").write_text("{}")
+    main(["train", "--resume", str(run), "--train.max_steps", "3", "--ckpt.every", "1", "--ckpt.keep", "2"])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-2", "step-3"]
 
 
 def test_ctrl_c_then_resume_of_the_moved_run_dir(tmp_path):
@@ -97,7 +101,9 @@ def test_orphan_cleanup_and_modes_follow_the_umask(tmp_path):
     (tmp_path / ".step-3.abc").mkdir()
     (tmp_path / ".latest.tmp").write_text("step-3")
     (tmp_path / "step-2").mkdir()
-    assert sorted(p.name for p in remove_orphans(tmp_path)) == [".latest.tmp", ".step-3.abc"]
+    (tmp_path / "step-2" / "trainer_state.pt").write_bytes(b"")
+    (tmp_path / "step-4").mkdir()  # no trainer state: its save was killed
+    assert sorted(p.name for p in remove_orphans(tmp_path)) == [".latest.tmp", ".step-3.abc", "step-4"]
     assert [p.name for p in tmp_path.iterdir()] == ["step-2"]
     folder = tmp_path / "step-2"
     (folder / "w.bin").write_bytes(b"")
