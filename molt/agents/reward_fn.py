@@ -1,16 +1,17 @@
 """Reward functions: `fn(completion: str, row: dict) -> float | dict[str, float]`, sync or async.
 
-`--rollout.reward` names one or more, comma-separated: a built-in (`math`, `format`, ...; see
-`rewards.py`), `file.py:fn` or `pkg.module:fn` (`file.py` alone means its function `reward`). Each
-returns a float, named after the function, or a dict of named rewards. The episode's reward is the
-weighted sum of all named rewards (`--rollout.reward_weights name=w,...`, default 1); each is logged
-(`reward/<name>` per step, `eval/reward/<name>`). User functions that are not `async` run each call on a
-thread of its own, so a slow one cannot stall the loop, its timeout (`rollout.step_timeout_s`) fires, and
-one that hangs holds only its own (daemon) thread. Loading is checked when the config is built: a missing
-file or function is one line naming it. A value that is not a finite number fails its rollout."""
+`--rollout.reward` names one or more, comma-separated: a built-in (`math`, `format`, ...; see `rewards.py`),
+`file.py:fn` or `pkg.module:fn` (`file.py` alone means its function `reward`). Each returns a float, named after
+the function, or a dict of named rewards. The episode's reward is the weighted sum of all named rewards
+(`--rollout.reward_weights name=w,...`, default 1); each is logged (`reward/<name>` per step,
+`eval/reward/<name>`). User functions that are not `async` run each call on a thread of its own, so a slow one
+cannot stall the loop, its timeout (`rollout.step_timeout_s`) fires, and one that hangs holds only its own (daemon)
+thread; one stuck computing still takes CPU time, and is warned about. Loading is checked when the config is built:
+a missing file or function is one line naming it. A value that is not a finite number fails its rollout."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import inspect
@@ -151,13 +152,22 @@ class RewardFunction:
             raise ValueError(f"rollout.reward_weights: {unknown} name no reward; rewards: {sorted(names)}")
         self.seen: set[str] = set()  # named rewards returned so far
         self.unseen_warned: set[str] = set()
+        self.abandoned: set[str] = set()  # parts whose thread a cancelled rollout left running (warned once)
         self.log = RewardLog()
 
     async def _call(self, part: RewardPart, completion: str, row: dict[str, Any]) -> Any:
         if part.inline or inspect.iscoroutinefunction(part.fn):
             value = part.fn(completion, row)
         else:
-            value = await in_daemon_thread(part.fn, completion, row, name="molt-reward")
+            try:
+                value = await in_daemon_thread(part.fn, completion, row, name="molt-reward")
+            except asyncio.CancelledError:  # e.g. rollout.step_timeout_s: the thread runs on
+                if part.name not in self.abandoned:
+                    self.abandoned.add(part.name)
+                    log.warning("reward %r still runs on its thread after its rollout was cancelled (timed out?); "
+                                "Python cannot stop a thread, so one stuck in CPU-bound code slows the rest of the "
+                                "run: bound its own time, or make it async", part.name)  # fmt: skip
+                raise
         return await value if inspect.isawaitable(value) else value
 
     async def score(

@@ -235,3 +235,17 @@ def test_named_means_count_a_name_a_rollout_did_not_return_as_zero():
     assert log.drain() == {"reward/base": 1.0, "reward/bonus": 0.5}
     trajs = [Trajectory(info={"reward/base": 1.0, "reward/bonus": 1.0}), Trajectory(info={"reward/base": 1.0}), None]
     assert _named_rewards(trajs) == pytest.approx({"eval/reward/base": 2 / 3, "eval/reward/bonus": 1 / 3})
+
+
+def test_a_sync_reward_left_running_by_a_timeout_is_warned_about_once(tmp_path, caplog):
+    (tmp_path / "stuck.py").write_text("import time\n\ndef reward(c, row):\n    time.sleep(0.5)\n    return 1.0\n")
+    reward = load_reward(str(tmp_path / "stuck.py"))
+
+    async def twice():
+        for _ in range(2):
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reward.score("7", {}), 0.05)
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(twice())
+    assert caplog.text.count("reward 'reward' still runs on its thread after its rollout was cancelled") == 1
