@@ -70,6 +70,9 @@ def check_resumable(run_dir: str) -> None:
     """A ConfigError naming ckpt.resume unless `run_dir` holds a completed checkpoint with its trainer state."""
     check(Path(run_dir).is_dir(), "ckpt.resume", f"run directory {run_dir!r} does not exist")
     pointer = Path(run_dir) / "checkpoints" / "latest"
+    sft = (Path(run_dir) / "checkpoint").is_dir() and not pointer.exists()
+    check(not sft, "ckpt.resume", f"{run_dir} is a `molt sft` run, which keeps no training state to resume; start RL "
+          f"from its model: --model.path {run_dir}")  # fmt: skip
     check(pointer.exists(), "ckpt.resume", f"{run_dir} has no completed checkpoint (no checkpoints/latest)")
     folder = latest_checkpoint(run_dir)
     check((folder / "trainer_state.pt").exists(), "ckpt.resume",

@@ -90,6 +90,8 @@ def test_missing_checkpoint(tmp_path, molt):
     (run / "config.yaml").write_text("train:\n  max_steps: 4\n")
     result = molt("train", "--resume", "runs/killed")
     one_line(result, "ckpt.resume: runs/killed has no completed checkpoint (no checkpoints/latest)")
+    (run / "checkpoint").mkdir()  # as `molt sft` writes
+    one_line(molt("train", "--resume", "runs/killed"), "runs/killed is a `molt sft` run", "--model.path runs/killed")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
