@@ -43,7 +43,11 @@ def connect(rt: RuntimeConfig) -> bool:
     num_cpus = rt.num_cpus or int((rt.engines + rt.trainer_ranks) * max(rt.cpus_per_actor, 1) + 1)
     local = {} if rt.address else {"num_cpus": num_cpus, "include_dashboard": False}
     on_term = signal.getsignal(signal.SIGTERM)
-    ray.init(address=rt.address or "local", runtime_env=env, log_to_driver=True, **local)
+    try:
+        ray.init(address=rt.address or "local", runtime_env=env, log_to_driver=True, **local)
+    except ConnectionError as e:  # `auto` with no cluster running (RAY_ADDRESS unset, none on this machine)
+        raise ConfigError(f"runtime.address: {rt.address}: {e} Start one with `ray start --head`, or leave "
+                          "runtime.address empty for a local one") from None  # fmt: skip
     if threading.current_thread() is threading.main_thread():  # Ray's core installs its own crash-dump handler
         signal.signal(signal.SIGTERM, on_term)  # the host program's (molt: a clean stop) or the default
     return True

@@ -227,8 +227,16 @@ def test_runtime_settings_that_cannot_act_here_are_refused_naming_their_key(caps
     assert parse_config(["--runtime.kv_cache", "paged", "--runtime.kv_gb", "0.5"]).runtime.kv_gb == 0.5
 
 
-def test_an_unreachable_ray_address_is_a_config_error():
+def test_an_unreachable_ray_address_is_a_config_error(monkeypatch):
+    import ray
+
     from molt.runtime.cluster import connect
+
+    if not ray.is_initialized():  # `auto` with no cluster to find
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        auto = parse_config(["--runtime.backend", "ray", "--runtime.address", "auto"])
+        with pytest.raises(ConfigError, match="runtime.address: auto: Could not find any running Ray instance"):
+            connect(auto.runtime)
 
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
