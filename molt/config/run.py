@@ -151,7 +151,8 @@ class RuntimeConfig:
     engine_restarts: int = 2
     """Ray: restarts of a dead engine replica (its in-flight requests are re-sent); past that the run stops."""
     collective_timeout_s: int = 600
-    """Ray: seconds a trainer-rank collective (gloo / NCCL) may wait before the step fails with an error."""
+    """Ray: seconds a trainer rank may stay unresponsive: a collective (gloo / NCCL) waiting longer fails the step,
+    and so does a rank leaving a ping unanswered that long (stopped, or hung holding the GIL)."""
     engine_timeout_s: float = 300.0
     """Ray: seconds an engine replica may leave a ping unanswered; then it is hung (not dead): it is killed, so it
     restarts as a dead one does (runtime.engine_restarts) and its requests are sent again. 0: never pinged."""

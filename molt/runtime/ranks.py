@@ -24,7 +24,7 @@ from ray import cloudpickle
 from molt import algo
 from molt.config import Config
 from molt.data.trajectory import Trajectory
-from molt.runtime.cluster import get
+from molt.runtime.cluster import ActorFailedError, get
 from molt.runtime.engines import ChunkedWeights, chunk_weights
 from molt.train import parallel
 
@@ -37,6 +37,11 @@ class TrainerRank:
         torch.set_num_threads(cfg.runtime.threads or 1)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.model = model.to(cfg.runtime.device)
+
+    @ray.method(concurrency_group="ping")
+    def ping(self) -> int:
+        """Answered beside a running call (its own thread): a rank that cannot answer is stopped or hung."""
+        return os.getpid()
 
     def address(self) -> tuple[str, int]:
         with socket.socket() as s:
@@ -153,7 +158,8 @@ def spawn_rank(cfg: Config, model_ref, rank: int, world_size: int, options: dict
     for module in {sys.modules.get(getattr(v, "__module__", None) or "") for _, _, v, _ in variants} - {None}:
         if _your_module(module):
             cloudpickle.register_pickle_by_value(module)
-    return ray.remote(TrainerRank).options(**options).remote(cfg, model_ref, rank, world_size, variants)
+    actor = ray.remote(concurrency_groups={"ping": 1})(TrainerRank)  # `ping` answers beside a running call
+    return actor.options(**options).remote(cfg, model_ref, rank, world_size, variants)
 
 
 class RayTrainer:
@@ -163,14 +169,14 @@ class RayTrainer:
         self.cfg, self.ranks, self.version, self.num_skipped_steps = cfg, ranks, 0, 0
         self.last_weights: ChunkedWeights | None = None
         address, port = get(ranks[0].address.remote(), "trainer rank 0")
-        get([r.setup.remote(address, port) for r in ranks], "trainer setup")
+        self._get([r.setup.remote(address, port) for r in ranks], "trainer setup")
 
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
         shards = parallel.split_by_tokens(trajs, len(self.ranks))
         if not all(shards):
             raise ValueError(f"a step needs >= {len(self.ranks)} groups, one per trainer rank")
         batch = ray.put(trajs)
-        results = get([r.step.remote(batch, s) for r, s in zip(self.ranks, shards, strict=True)], "trainer step")
+        results = self._get([r.step.remote(batch, s) for r, s in zip(self.ranks, shards, strict=True)], "trainer step")
         self.version += 1
         self.num_skipped_steps = int(results[0]["train/skipped_steps"])
         tokens = [sum(len(trajs[i].tokens) for i in s) for s in shards]
@@ -179,15 +185,29 @@ class RayTrainer:
     def weights(self) -> ChunkedWeights:
         """Full weights in the object store (gathered from the shards), for every engine to fetch."""
         chunk = self.cfg.runtime.sync_chunk_mb << 20
-        self.last_weights = get([r.weights.remote(chunk) for r in self.ranks], "weight gather")[0]
+        self.last_weights = self._get([r.weights.remote(chunk) for r in self.ranks], "weight gather")[0]
         return self.last_weights
 
     sharded = True  # model and optimizer as torch.distributed.checkpoint shards
 
     def save(self, folder: Path, tokenizer) -> dict:
-        states = get([r.save.remote(str(folder), tokenizer) for r in self.ranks], "checkpoint save")
+        states = self._get([r.save.remote(str(folder), tokenizer) for r in self.ranks], "checkpoint save")
         return {"sharded": True, "num_ranks": len(self.ranks), **states[0]}
 
+    def _get(self, refs: list, what: str):
+        """`get`, pinging every rank while it waits: one that leaves a ping unanswered for
+        `runtime.collective_timeout_s` (stopped, or stuck holding the GIL) stops the run naming it, instead of a
+        wait for ever (a collective times out only where two ranks meet)."""
+        timeout = self.cfg.runtime.collective_timeout_s
+        while len(ray.wait(refs, num_returns=len(refs), timeout=timeout / 4)[0]) < len(refs):
+            pings = [r.ping.remote() for r in self.ranks]
+            answered = ray.wait(pings, num_returns=len(pings), timeout=timeout)[0]
+            if hung := [i for i, p in enumerate(pings) if p not in answered]:
+                rank = f"trainer rank {hung[0]} (molt-rank-{hung[0]})"
+                raise ActorFailedError(f"{what} failed: {rank} left a ping unanswered for {timeout} s "
+                                       "(runtime.collective_timeout_s): stopped or hung")  # fmt: skip
+        return get(refs, what)
+
     def load(self, folder: Path, state: dict) -> None:
-        get([r.load.remote(str(folder), state) for r in self.ranks], "checkpoint load")
+        self._get([r.load.remote(str(folder), state) for r in self.ranks], "checkpoint load")
         self.version = state["version"]

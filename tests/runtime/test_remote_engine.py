@@ -87,3 +87,32 @@ def test_a_hung_replica_is_restarted_and_its_requests_sent_again(ray_cluster):
 
     asyncio.run(scenario())
     ray.kill(engine.actor, no_restart=True)
+
+
+def test_a_hung_trainer_rank_stops_the_run_naming_it(ray_cluster):
+    """A rank that stops answering (SIGSTOP) while the driver waits on it: a clear error, not a wait for ever."""
+    import os
+    import signal
+
+    from molt.runtime.ranks import RayTrainer
+
+    ray = ray_cluster
+
+    class Slow:
+        @ray.method(concurrency_group="ping")
+        def ping(self) -> int:
+            return os.getpid()
+
+        def work(self) -> int:
+            import time
+
+            time.sleep(60)
+            return 1
+
+    actor = ray.remote(concurrency_groups={"ping": 1})(Slow).options(num_cpus=1).remote()
+    trainer = object.__new__(RayTrainer)  # the waiting and pinging only: no process group
+    trainer.cfg, trainer.ranks = parse_config(["--runtime.collective_timeout_s", "2"]), [actor]
+    os.kill(ray.get(actor.ping.remote()), signal.SIGSTOP)
+    with pytest.raises(ActorFailedError, match=r"trainer step failed: trainer rank 0 \(molt-rank-0\) left a ping"):
+        trainer._get([actor.work.remote()], "trainer step")
+    ray.kill(actor, no_restart=True)
