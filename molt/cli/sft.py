@@ -14,6 +14,7 @@ import torch
 
 from molt.cli.build import architecture, build_model, build_tokenizer
 from molt.config import Config
+from molt.engine.interface import eos_ids
 from molt.log import RunDir, check_new_run_dir, plot_metrics
 from molt.models import save_pretrained
 from molt.train.lora import LoRA
@@ -42,8 +43,9 @@ def run_sft(cfg: Config) -> SftResult:
     train_rows, eval_rows = sft_rows(cfg)  # a bad data file: an error before the run directory and the model
     tokenizer, source = build_tokenizer(cfg.model), cfg.data.path or f"task {cfg.data.task}"
     row_len, mb, arch = cfg.data.max_len, cfg.train.micro_batch_tokens, architecture(cfg.model, tokenizer)
-    ids, masks, pixels = tokenize_rows(tokenizer, train_rows, row_len, source, arch)  # a too-long row: here too
-    eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, row_len, source, arch)
+    stops = [tokenizer.convert_ids_to_tokens(i) for i in eos_ids(arch.eos_token_id, tokenizer)]  # the engine's
+    ids, masks, pixels = tokenize_rows(tokenizer, train_rows, row_len, source, arch, stops)  # a too-long row: here
+    eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, row_len, source, arch, stops)
     run = RunDir(cfg.log.run_dir, "sft", cfg)
     precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
     model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device, precision.params)

@@ -264,9 +264,9 @@ def _assistant_char_spans(
 def _encode_regions(tokenizer: PreTrainedTokenizerBase, text: str, cuts: list[int]) -> tuple[list[int], list[int]]:
     """Tokenize `text`; per token, the number of (sorted) `cuts` at or before its first character.
 
-    Cuts that fall inside a token (a merge across the edge) are made hard: the pieces between them are
-    tokenized separately, recursively. Tokenizers without exact offsets (slow ones, or ones whose
-    post-processor trims whitespace off offsets) are split at every cut."""
+    Cuts that fall inside a token (a merge across the edge) are made hard: the pieces between them are tokenized
+    separately, recursively (a ChatTemplateError if the pieces' ids then decode to other text). Tokenizers without
+    exact offsets (slow ones, or ones whose post-processor trims whitespace off offsets) are split at every cut."""
     if not cuts:
         ids = tokenizer.encode(text, add_special_tokens=False)
         return ids, [0] * len(ids)
@@ -285,6 +285,11 @@ def _encode_regions(tokenizer: PreTrainedTokenizerBase, text: str, cuts: list[in
         base = bisect_right(cuts, lo)
         ids += piece_ids
         regions += [base + region for region in piece_regions]
+    if tokenizer.decode(ids) != tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)):
+        raise ChatTemplateError("a turn edge falls inside a token, and tokenized apart the pieces read as other "
+                                "text (e.g. a SentencePiece tokenizer's leading '▁'): their ids would train text "
+                                "the template does not render; a template whose turns end at token boundaries "
+                                "avoids it")  # fmt: skip
     return ids, regions
 
 

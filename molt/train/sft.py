@@ -20,24 +20,32 @@ from molt.data.formats import DataError
 from molt.data.rows import row_location
 from molt.data.tasks import get_task
 from molt.models import Transformer
-from molt.models.tokenizer import assistant_mask
+from molt.models.tokenizer import assistant_mask, render_chat
 from molt.models.vision import ImageError, expand_row_images
 from molt.train.packing import PackedBatch
 from molt.train.precision import Precision, clip_and_step
 
 
 def sft_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train, eval) conversations: from `data.path` (10% held out) or the task's demonstrations."""
+    """(train, eval) conversations: from `data.path` (10% held out) or the task's demonstrations; `data.eval_path`'s
+    rows as they are."""
     train, held_out = dataset_rows(cfg.data)
     if cfg.data.path:
         return train, held_out
     task, rng = get_task(cfg.data.task), random.Random(cfg.data.seed)
-    demos = [{"messages": task.demonstration(r, rng), "tools": r.get("tools")} for r in held_out + train]
-    return demos[len(held_out) :], demos[: len(held_out)]
+
+    def demo(row: dict) -> dict:
+        return {"messages": task.demonstration(row, rng), "tools": row.get("tools")}
+
+    held_out = held_out if cfg.data.eval_path else [demo(r) for r in held_out]  # drawn first, as they always were
+    return [demo(r) for r in train], held_out
 
 
-def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str, model_cfg=None) -> tuple[list, list, list]:
-    """Token ids, assistant masks and pixels per row (images expanded for a VLM `model_cfg`).
+def tokenize_rows(
+    tokenizer, rows: list[dict], max_len: int, source: str, model_cfg=None, end_of_turn: list[str] | None = None
+) -> tuple[list, list, list]:
+    """Token ids, assistant masks and pixels per row (images expanded for a VLM `model_cfg`); a turn's loss ends
+    with the last of `end_of_turn` in it (default the tokenizer's eos), as generation stops there.
 
     A too-long row, one without targets or with an unusable image is a DataError naming the row (file:line).
     Image placeholders never carry loss, even in an assistant turn."""
@@ -45,7 +53,7 @@ def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str, model_
     for i, row in enumerate(rows):
         where = row_location(row, f"{source} row {i}")
         try:  # a conversation the template cannot render (it opens with an assistant turn, bad `tools`): the row's
-            row_ids, row_mask = assistant_mask(tokenizer, row["messages"], tools=row.get("tools"))
+            row_ids, row_mask = assistant_mask(tokenizer, row["messages"], row.get("tools"), end_of_turn=end_of_turn)
         except (TemplateError, TypeError, ValueError) as e:  # ChatTemplateError is a ValueError
             raise DataError(f"{where}: the chat template cannot render this row: {e}") from None
         try:
@@ -57,7 +65,7 @@ def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str, model_
                             "or shorten the row")  # fmt: skip
         if not any(row_mask):
             raise DataError(f"{where}: no assistant tokens to train on (molt sft needs an assistant turn per row)")
-        if (name := _unrendered_call(tokenizer, row["messages"], row_ids, row_mask)) is not None:
+        if (name := _unrendered_call(tokenizer, row["messages"], row.get("tools"))) is not None:
             raise DataError(f"{where}: the chat template leaves out this row's tool call {name!r} (its assistant "
                             "tokens do not contain it), so molt sft would train the turn without it; use a template "
                             "that renders tool_calls, or write the calls into the turn's content")  # fmt: skip
@@ -67,15 +75,20 @@ def tokenize_rows(tokenizer, rows: list[dict], max_len: int, source: str, model_
     return ids, masks, pixels
 
 
-def _unrendered_call(tokenizer, messages: list[dict], ids: list[int], mask: list[int]) -> str | None:
-    """The name of an assistant turn's tool call that the trained tokens do not contain (a template that ignores
+def _unrendered_call(tokenizer, messages: list[dict], tools) -> str | None:
+    """The name of a tool call that its own assistant turn's rendered text does not contain (a template that ignores
     `tool_calls`, e.g. SmolLM2's), or None."""
-    calls = [c for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
-    names = [c["function"].get("name") for c in calls if isinstance(c, dict) and isinstance(c.get("function"), dict)]
-    if not names:
-        return None
-    trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
-    return next((n for n in names if isinstance(n, str) and n not in trained), None)
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls") or [] if message.get("role") == "assistant" else []
+        names = [
+            c["function"].get("name") for c in calls if isinstance(c, dict) and isinstance(c.get("function"), dict)
+        ]
+        if names:
+            before = render_chat(tokenizer, messages[:i], tools=tools, add_generation_prompt=True)
+            turn = render_chat(tokenizer, messages[: i + 1], tools=tools)[len(before) :]
+            if missing := next((n for n in names if isinstance(n, str) and n not in turn), None):
+                return missing
+    return None
 
 
 def token_losses(model: Transformer, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:

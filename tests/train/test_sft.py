@@ -37,6 +37,16 @@ def test_sft_learns_and_checkpoint_loads_in_transformers(tmp_path):
         assert (ours(ids) - theirs(input_ids=ids).logits).abs().max() <= 1e-4
 
 
+def test_a_tasks_demonstrations_evaluated_on_a_held_out_file(tmp_path):
+    """`--data.eval_path` without `--data.path`: its chat rows are held out as they are (not made demonstrations)."""
+    rows = [{"messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}]}
+            for i in range(4)]  # fmt: skip
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = ["--data.eval_path", str(tmp_path / "held.jsonl"), "--data.num_train", "16", "--train.max_steps", "1"]
+    result = run_sft(parse_config([*flags, "--train.batch_size", "4", "--log.run_dir", str(tmp_path / "run")]))
+    assert result.eval_after["eval/loss"] > 0
+
+
 def test_config_file_round_trips_from_run_dir(tmp_path):
     cfg = parse_config(
         ["--train.max_steps", "1", "--train.warmup_steps", "0", "--data.num_train", "8"]
@@ -82,6 +92,42 @@ def test_a_template_that_leaves_out_tool_calls_is_a_data_error_not_empty_turns()
     )
     with pytest.raises(DataError, match=r"^calls\.jsonl:2: the chat template leaves out this row's tool call 'add'"):
         tokenize_rows(tokenizer, [row], 256, "calls.jsonl")
+    row["messages"][-1]["content"] = "I used add: 5"  # the name elsewhere in the row: the call's own turn lacks it
+    with pytest.raises(DataError, match=r"leaves out this row's tool call 'add'"):
+        tokenize_rows(tokenizer, [row], 256, "calls.jsonl")
+
+
+def test_a_turn_ends_where_generation_stops_and_pieces_that_read_as_other_text_are_refused():
+    """A template ending turns with a token other than the tokenizer's eos (Gemma's <end_of_turn>): the loss ends at
+    the engine's stop token, the markup after it is prompt. A SentencePiece tokenizer that adds '▁' to a piece cut
+    at a turn edge would train other text: a data error instead."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from molt.models import build_builtin_tokenizer
+    from molt.train.sft import tokenize_rows
+
+    tokenizer = build_builtin_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|endoftext|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    (ids,), (mask,), _ = tokenize_rows(tokenizer, [row], 64, "rows", end_of_turn=["<|endoftext|>"])
+    assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == "yo<|endoftext|>"
+    sp = Tokenizer(models.BPE(unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    sp.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    texts = ["[INST] what is it [/INST]Hello there</s>"] * 50 + ["some words here and there Hello"] * 20
+    sp.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<s>", eos_token="</s>",
+                                                     unk_token="<unk>")  # fmt: skip
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}{{ '[INST] ' + m.content + ' [/INST]' }}"
+        "{% else %}{{ m.content + eos_token }}{% endif %}{% endfor %}"
+    )
+    row = {"messages": [{"role": "user", "content": "what is it"}, {"role": "assistant", "content": "Hello there"}]}
+    with pytest.raises(DataError, match="tokenized apart the pieces read as other text"):
+        tokenize_rows(tokenizer, [row], 64, "rows")
 
 
 def test_lora_sft_trains_only_adapters_and_saves_merged_and_peft(tmp_path):
