@@ -50,19 +50,31 @@ def _prompt_messages(row: Row, where: str) -> list[dict[str, Any]]:
         return _place_images(list(check_messages(row["messages"], where)), _images(row), where)
     prompt = row.get("prompt")
     if isinstance(prompt, list):  # conversational prompts (as TRL writes them)
-        return _place_images(list(check_messages(prompt, where, key="prompt")), _images(row), where)
+        messages = _place_images(list(check_messages(prompt, where, key="prompt")), _images(row), where)
+        return messages + _completion(row, where)
     if isinstance(prompt, str) and prompt.strip():
         images = _images(row)
-        if not images:
-            return [{"role": "user", "content": prompt}]
         parts = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": prompt}]
-        return [{"role": "user", "content": parts}]
+        return [{"role": "user", "content": parts if images else prompt}, *_completion(row, where)]
     if "prompt" in row:
         raise DataError(f"{where}: field 'prompt' must be a non-empty string or a list of chat messages")
     raise DataError(
         f"{where}: no prompt: a row needs a 'messages' list or a 'prompt' string (columns: {sorted(row)}; "
         "map another column with --data.columns prompt=COLUMN)"
     )
+
+
+def _completion(row: Row, where: str) -> list[dict[str, Any]]:
+    """TRL's prompt-completion format: the `completion` column (text, or assistant messages) as the answer turns,
+    which `molt sft` trains and an RL prompt leaves out."""
+    completion = row.get("completion")
+    if completion is None:
+        return []
+    if isinstance(completion, str):
+        return [{"role": "assistant", "content": completion}]
+    if not isinstance(completion, list):
+        raise DataError(f"{where}: field 'completion' must be a string or a list of chat messages")
+    return list(check_messages(completion, where, key="completion"))
 
 
 def _place_images(messages: list[dict[str, Any]], images: list[Any], where: str) -> list[dict[str, Any]]:

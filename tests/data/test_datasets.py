@@ -162,3 +162,18 @@ def test_a_chat_row_with_its_answer_prompts_rl_without_it():
     assert asyncio.run(Env().reset({"messages": user + answer, "answer": "3"})) == user
     multi = [*user, *answer, {"role": "user", "content": "and 1+1?"}]
     assert asyncio.run(Env().reset({"messages": [*multi, *answer, *answer]})) == multi
+
+
+def test_trls_prompt_completion_rows_give_the_answer_turns():
+    """Standard and conversational: `molt sft` trains the completion; the RL prompt leaves it out."""
+    from molt.agents.env import prompt_messages
+    from molt.data.rows import prompt_row
+
+    text = prompt_row({"prompt": "2+3?", "completion": "5"}, "pc.jsonl:1", {})
+    chat = prompt_row({"prompt": [{"role": "user", "content": "2+3?"}],
+                       "completion": [{"role": "assistant", "content": "5"}]}, "pc.jsonl:2", {})  # fmt: skip
+    for row in (text, chat):
+        assert row["messages"] == [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]
+        assert prompt_messages(row["messages"]) == row["messages"][:1]
+    with pytest.raises(DataError, match="pc.jsonl:3: field 'completion' must be a string or a list"):
+        prompt_row({"prompt": "2+3?", "completion": 5}, "pc.jsonl:3", {})
