@@ -57,6 +57,8 @@ def run_sft(cfg: Config) -> SftResult:
     lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
     opt, schedule = build_optimizer(lora.parameters() if lora is not None else model.parameters(), tr)
     before = evaluate(model, eval_batches) if eval_batches else {}
+    if before:
+        run.log({"step": 0, **before})  # as molt train logs its eval before the first step
     sampler = shuffled_batches(len(ids), cfg.train.batch_size, cfg.train.seed)
     for step in range(1, cfg.train.max_steps + 1):
         t0 = time.perf_counter()

@@ -22,8 +22,9 @@ def test_sft_learns_and_checkpoint_loads_in_transformers(tmp_path):
     result = run_sft(cfg)
     assert result.eval_after["eval/loss"] < result.eval_before["eval/loss"] - 1.0
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines[:12]] == list(range(1, 13))
-    assert all("train/loss" in m and "train/tokens_per_s" in m for m in lines[:12])
+    assert lines[0] == {"step": 0, **result.eval_before}  # the eval before training, as molt train logs it
+    assert [m["step"] for m in lines[1:13]] == list(range(1, 13))
+    assert all("train/loss" in m and "train/tokens_per_s" in m for m in lines[1:13])
     assert (tmp_path / "run" / "config.yaml").exists()
 
     ours = from_pretrained(result.checkpoint).eval()
