@@ -97,6 +97,11 @@ class ChatTemplateError(ValueError):
     """A chat template cannot be used as asked (missing, or it rewrites history)."""
 
 
+class HistoryRerendered(ChatTemplateError):
+    """The template renders an earlier assistant turn otherwise once later turns follow (e.g. Qwen3 drops its
+    reasoning): no one token sequence holds every turn as it was generated; train each as its own segment."""
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Load the HF tokenizer in local folder `path` (never downloads; errors name the path)."""
     folder = Path(path).expanduser()
@@ -237,7 +242,7 @@ def _assistant_char_spans(
     full = render(messages, False)
     spans = []
     for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
+        if message.get("role") != "assistant" or message.get("weight", 1) == 0:  # weight 0: context, not trained
             continue
         if i == 0:
             raise ChatTemplateError("message 0 is an assistant turn: there is no prompt to render before it")
@@ -248,7 +253,7 @@ def _assistant_char_spans(
                 "the generated span cannot be derived from the template"
             )
         if not full.startswith(turn):
-            raise ChatTemplateError(
+            raise HistoryRerendered(
                 f"the chat template re-renders history: messages[:{i + 1}] is not a prefix of the full "
                 "conversation (e.g. earlier reasoning is dropped); split the conversation into segments "
                 f"at message {i + 1} and mask each segment separately"
@@ -256,7 +261,7 @@ def _assistant_char_spans(
         start = len(prompt)  # the generated text ends just after its last end-of-turn token, else with the turn
         found = [(turn.rfind(stop, start), stop) for stop in stops]
         end = max((pos + len(stop) for pos, stop in found if pos >= 0), default=len(turn))
-        if end > start and message.get("weight", 1) != 0:  # OpenAI's fine-tuning format: weight 0 is not trained
+        if end > start:
             spans.append((start, end))
     return full, spans
 

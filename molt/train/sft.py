@@ -20,7 +20,7 @@ from molt.data.formats import DataError
 from molt.data.rows import row_location
 from molt.data.tasks import get_task
 from molt.models import Transformer
-from molt.models.tokenizer import assistant_mask, render_chat
+from molt.models.tokenizer import HistoryRerendered, assistant_mask, render_chat
 from molt.models.vision import ImageError, expand_row_images
 from molt.train.packing import PackedBatch
 from molt.train.precision import Precision, clip_and_step
@@ -44,35 +44,51 @@ def sft_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
 def tokenize_rows(
     tokenizer, rows: list[dict], max_len: int, source: str, model_cfg=None, end_of_turn: list[str] | None = None
 ) -> tuple[list, list, list]:
-    """Token ids, assistant masks and pixels per row (images expanded for a VLM `model_cfg`); a turn's loss ends
-    with the last of `end_of_turn` in it (default the tokenizer's eos), as generation stops there.
+    """Token ids, assistant masks and pixels per sample (images expanded for a VLM `model_cfg`); a turn's loss ends
+    with the last of `end_of_turn` in it (default the tokenizer's eos), as generation stops there. A row is one
+    sample, or, where the template renders earlier turns otherwise once later ones follow (Qwen3's reasoning), one
+    per assistant turn, each as it was generated: the conversation up to it, its earlier turns as context.
 
     A too-long row, one without targets or with an unusable image is a DataError naming the row (file:line).
     Image placeholders never carry loss, even in an assistant turn."""
     ids, masks, pixels = [], [], []
     for i, row in enumerate(rows):
         where = row_location(row, f"{source} row {i}")
-        try:  # a conversation the template cannot render (it opens with an assistant turn, bad `tools`): the row's
-            row_ids, row_mask = assistant_mask(tokenizer, row["messages"], row.get("tools"), end_of_turn=end_of_turn)
-        except (TemplateError, TypeError, ValueError) as e:  # ChatTemplateError is a ValueError
-            raise DataError(f"{where}: the chat template cannot render this row: {e}") from None
-        try:
-            row_ids, row_mask, row_pixels = expand_row_images(row_ids, row_mask, row["messages"], model_cfg, where)
-        except ImageError as e:
-            raise DataError(str(e)) from None
-        if len(row_ids) > max_len:
-            raise DataError(f"{where}: {len(row_ids)} tokens exceed data.max_len={max_len}; raise --data.max_len "
-                            "or shorten the row")  # fmt: skip
-        if not any(row_mask):
-            raise DataError(f"{where}: no assistant tokens to train on (molt sft needs an assistant turn per row)")
         if (name := _unrendered_call(tokenizer, row["messages"], row.get("tools"))) is not None:
             raise DataError(f"{where}: the chat template leaves out this row's tool call {name!r} (its assistant "
                             "tokens do not contain it), so molt sft would train the turn without it; use a template "
                             "that renders tool_calls, or write the calls into the turn's content")  # fmt: skip
-        ids.append(row_ids)
-        masks.append(row_mask)
-        pixels.append(row_pixels)
+        for messages, (row_ids, row_mask) in _segments(tokenizer, row, end_of_turn, where):
+            try:
+                row_ids, row_mask, row_pixels = expand_row_images(row_ids, row_mask, messages, model_cfg, where)
+            except ImageError as e:
+                raise DataError(str(e)) from None
+            if len(row_ids) > max_len:
+                raise DataError(f"{where}: {len(row_ids)} tokens exceed data.max_len={max_len}; raise "
+                                "--data.max_len or shorten the row")  # fmt: skip
+            if not any(row_mask):
+                raise DataError(f"{where}: no assistant tokens to train on (molt sft needs an assistant turn per row)")
+            ids.append(row_ids)
+            masks.append(row_mask)
+            pixels.append(row_pixels)
     return ids, masks, pixels
+
+
+def _segments(tokenizer, row: dict, end_of_turn: list[str] | None, where: str) -> list[tuple[list[dict], tuple]]:
+    """(messages, (ids, mask)) of the row as one sample, or, where the template re-renders history, of one sample
+    per trained assistant turn (the conversation up to it, the other assistant turns weight 0); a DataError if the
+    template cannot render it (it opens with an assistant turn, bad `tools`, ...)."""
+    messages, tools = row["messages"], row.get("tools")
+    try:
+        try:
+            return [(messages, assistant_mask(tokenizer, messages, tools, end_of_turn=end_of_turn))]
+        except HistoryRerendered:
+            turns = [k for k, m in enumerate(messages) if m.get("role") == "assistant" and m.get("weight", 1) != 0]
+            parts = [[m if j == k or m.get("role") != "assistant" else {**m, "weight": 0} for j, m in
+                      enumerate(messages[: k + 1])] for k in turns]  # fmt: skip
+            return [(part, assistant_mask(tokenizer, part, tools, end_of_turn=end_of_turn)) for part in parts]
+    except (TemplateError, TypeError, ValueError) as e:  # ChatTemplateError is a ValueError
+        raise DataError(f"{where}: the chat template cannot render this row: {e}") from None
 
 
 def _unrendered_call(tokenizer, messages: list[dict], tools) -> str | None:

@@ -187,3 +187,24 @@ def test_sft_freezes_the_router_when_asked(tmp_path):
     for (name, w), w0 in zip(trained.state_dict().items(), init.state_dict().values(), strict=True):
         if name in routers or name.endswith(("q_proj.weight", "gate_up_proj")):
             assert torch.equal(w, w0) == (name in routers), name
+
+
+def test_a_template_that_rewrites_history_trains_each_turn_as_it_was_generated():
+    """Qwen3-style: earlier turns lose their reasoning once a later turn follows. Each assistant turn becomes its
+    own sample, the conversation up to it, so every turn is trained with its reasoning, as the engine generated it."""
+    from molt.models import build_builtin_tokenizer
+    from molt.train.sft import tokenize_rows
+
+    tokenizer = build_builtin_tokenizer()
+    tokenizer.chat_template = (
+        "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' -}}"
+        "{%- if m.role == 'assistant' and not loop.last -%}{{- m.content.split('</think>')[-1] -}}"
+        "{%- else -%}{{- m.content -}}{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+    turns = [("user", "1+1?"), ("assistant", "<think>a</think>2"), ("user", "2+2?"), ("assistant", "<think>b</think>4")]
+    row = {"messages": [{"role": role, "content": content} for role, content in turns]}
+    ids, masks, _ = tokenize_rows(tokenizer, [row], 256, "rows")
+    trained = [tokenizer.decode([t for t, m in zip(i, k, strict=True) if m]) for i, k in zip(ids, masks, strict=True)]
+    assert trained == ["<think>a</think>2<|im_end|>", "<think>b</think>4<|im_end|>"]
+    assert "<|im_start|>assistant\n2<|im_end|>" in tokenizer.decode(ids[1])  # the first turn as the template shows it
