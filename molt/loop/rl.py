@@ -67,6 +67,7 @@ class RLLoop(Accounting):
         # groups assigned to steps >= state.step: started and not dropped (in flight, buffered, or taken)
         self.scheduled = len(self.state.buffer)
         self.running: set[int] = set()
+        self.counted: dict[int, list[int]] = {}  # a running group's episodes counted in state: [rollouts, failures]
         self.group_tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
         self.dump_dir = Path(run_dir) / ROLLOUTS if run_dir and cfg.rollout.dump else None
@@ -74,7 +75,7 @@ class RLLoop(Accounting):
             drop_shards_after(Path(run_dir) / ROLLOUTS, self.state.step)
         self.said_no_eval = False
         self.history: list[dict[str, Any]] = []
-        self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()
+        self.rollout_tokens, self.rollout_t0, self.eval_s = 0, time.perf_counter(), 0.0  # `run` starts them again
         self.run_t0 = time.perf_counter() - self.state.elapsed_s  # `run` starts it again: the eval before is no step
         self.step_rollouts: list[Trajectory] = []  # the first segment of each rollout sampled since the last step
         self.engine_stats: dict[str, float] = {}
@@ -134,6 +135,7 @@ class RLLoop(Accounting):
         except BaseException as e:  # noqa: BLE001 - surfaced by the rollout coroutine
             self.fatal = e
         self.running.discard(group_index)
+        self.counted.pop(group_index, None)
         await self._notify()
 
     async def _rollout(self, row: dict, sampling: SamplingParams, limits: EpisodeLimits, **kw) -> list[Trajectory]:
@@ -153,9 +155,12 @@ class RLLoop(Accounting):
             except RunFatalError:  # e.g. an engine replica that is gone for good
                 raise
             except Exception as e:  # noqa: BLE001 - agent code fails this rollout only
+                counted = self.counted.setdefault(group_index, [0, 0])
+                counted[0], counted[1] = counted[0] + 1, counted[1] + 1
                 self._count_failure(e, rollout_id, group_index, row)
                 return Failed(e)
         self.state.rollouts += 1
+        self.counted.setdefault(group_index, [0, 0])[0] += 1
         self.rollout_tokens += sum(s.num_action_tokens for s in segments)
         self.step_rollouts += segments[:1]  # a rollout's segments share its reward and info
         return Sampled(segments)
@@ -222,7 +227,9 @@ class RLLoop(Accounting):
                 log.warning(why, self.state.step, metrics["train/grad_norm"], metrics["train/skipped_steps"])
             metrics |= self._loop_metrics(t0)
             if self._due(self.cfg.eval.every):
+                t_eval = time.perf_counter()
                 metrics |= await self.evaluate()
+                self.eval_s += time.perf_counter() - t_eval  # not rollout time
                 self.engine_stats = self._engine_snapshot()  # eval is not a step's work
             metrics["rollout/dropped_groups"], self.step_dropped_groups = self.step_dropped_groups, 0  # this step's
             self.history.append(metrics)
@@ -243,7 +250,8 @@ class RLLoop(Accounting):
         return counts | {
             "step": self.state.step,
             "version": self.trainer.version,
-            "rollout/tokens_per_s": self.rollout_tokens / max(time.perf_counter() - self.rollout_t0, 1e-9),
+            "rollout/tokens_per_s": self.rollout_tokens
+            / max(time.perf_counter() - self.rollout_t0 - self.eval_s, 1e-9),
             "rollout/rollouts": self.state.rollouts,
             "rollout/failures": self.state.failures,
             "rollout/buffer_groups": self.buffer.qsize(),
@@ -306,6 +314,7 @@ class RLLoop(Accounting):
             await self.buffer.put([Trajectory.from_dict(t) for t in group])
         self.state.buffer = []
         self.run_t0 = time.perf_counter() - self.state.elapsed_s
+        self.rollout_tokens, self.rollout_t0, self.eval_s = 0, time.perf_counter(), 0.0
         self.engine_stats = self._engine_snapshot()  # the eval before does not count
         producer = asyncio.create_task(self.rollout(), name="rollout")
         trainer = asyncio.create_task(self.train(on_step), name="train")
@@ -326,10 +335,14 @@ class RLLoop(Accounting):
             await self.workers.close()
 
     def snapshot(self) -> LoopState:
-        """Loop state for a checkpoint: buffered groups are kept; in-flight ones restart on resume."""
+        """Loop state for a checkpoint: buffered groups are kept; in-flight ones restart on resume (their episodes
+        counted so far are taken out of the counters, as they run again)."""
         buffered = list(self.buffer._queue)  # noqa: SLF001 - asyncio.Queue has no public peek
+        again = [sum(c) for c in zip(*self.counted.values(), strict=True)] if self.counted else [0, 0]
         return dataclasses.replace(
             self.state,
+            rollouts=self.state.rollouts - again[0],
+            failures=self.state.failures - again[1],
             restart_groups=sorted(self.running) + list(self.state.restart_groups),
             drops=dict(self.state.drops),
             buffer=[[t.to_dict() for t in g] for g in buffered],

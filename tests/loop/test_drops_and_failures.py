@@ -149,3 +149,30 @@ def test_a_group_cancelled_when_the_loop_stops_is_restarted_by_the_checkpoint(tm
         return loop.snapshot()
 
     assert asyncio.run(run()).restart_groups == [5]
+
+
+def test_the_episodes_of_a_group_restarted_on_resume_are_not_counted_twice(tmp_path):
+    """Two episodes of group 5 finished (one failed) before the stop: they run again on resume, so the checkpoint's
+    counters leave them out; every sample stays trained or dropped once."""
+
+    class HalfDone(StubLoop):
+        failing = (1,)
+
+        async def _rollout(self, row, sampling, limits, **ids):
+            if ids["rollout_id"] % self.group_size >= 2:
+                await asyncio.Event().wait()
+            return await super()._rollout(row, sampling, limits, **ids)
+
+    async def run():
+        loop = HalfDone(_config(tmp_path))
+        loop.state.rollouts, loop.state.failures = 10, 1  # earlier groups'
+        loop.running.add(5)
+        task = asyncio.create_task(loop._group(5))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return loop.state, loop.snapshot()
+
+    live, saved = asyncio.run(run())
+    assert (live.rollouts, live.failures) == (12, 2) and (saved.rollouts, saved.failures, saved.restart_groups) == (
+        10, 1, [5])  # fmt: skip
