@@ -1,8 +1,10 @@
 """The asynchronous RL loop: rollout -> bounded buffer -> train -> sync, plus eval and checkpoints.
 
 Named coroutines share one asyncio loop. `rollout` keeps episodes in flight and admits a prompt group only while it
-cannot be older than `max_staleness` versions when trained (0 = synchronous training on the same code path); `train`
-takes complete groups, re-checks staleness, steps the trainer on the engine's thread, and `sync` pushes the weights.
+would not be older than `max_staleness` versions when trained, were groups to finish in the order they started (0 =
+synchronous training on the same code path); `train` takes complete groups as they finish, re-checks staleness (a
+slow group overtaken by later ones can exceed it: dropped as `stale`, counted), steps the trainer on the engine's
+thread, and `sync` pushes the weights.
 Every sample is trained on or dropped with a counted reason (`drop/<reason>`, see `molt/loop/accounting.py`). A
 ChatAgent rollout may yield several segments sharing reward and rollout id; a group holds all of them. Group filters
 read `reward` (or `score`: `rollout.filter_on`); `rollout.dump` writes each trained batch for `molt/loop/replay.py`."""
