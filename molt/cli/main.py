@@ -134,6 +134,8 @@ def parse_config(args: list[str], prog: str = "molt", command_name: str = "train
         schema = _without(tuple(u for u in unused if "." not in u)) if wants_help else Config
         about = inspect.cleandoc(COMMANDS[command_name].__doc__ or "") if command_name in COMMANDS else None
         return tyro.cli(schema, args=args, default=base, prog=prog, description=about, use_underscores=True)
+    except ConfigError as e:  # a check a flag made fail may name a key the file set: say where (a resumed run's)
+        fail(prog, _in_file(e, args))
     except UserError as e:
         fail(prog, e)
 

@@ -289,6 +289,10 @@ def test_a_reward_error_from_a_config_file_names_its_file_and_line(tmp_path, mon
         parse_command(["train", "--config", "rw.toml", "--data.path", "rows.jsonl"])
     with pytest.raises(ConfigError, match=r"^rollout.reward_weights: "):  # set by the flag: no file line
         parse_command(["train", "--config", "rw.toml", "--data.path", "rows.jsonl", "--rollout.reward_weights", "x=1"])
+    (tmp_path / "gae.toml").write_text('[algo]\nestimator = "gae"\n[critic]\nlr = 0.0001\n')  # as a resumed run's
+    with pytest.raises(SystemExit):  # the flag makes the file's key fail its check: the file's line is named
+        parse_command(["train", "--config", "gae.toml", "--algo.estimator", "grpo"])
+    assert "config error: gae.toml:4: critic.lr: has no effect" in capsys.readouterr().err
 
 
 def test_bad_values_and_config_files_are_one_line_naming_the_key(tmp_path, capsys, monkeypatch):
