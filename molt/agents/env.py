@@ -81,6 +81,8 @@ def import_user_module(target: str):
 
 
 def _check_siblings(path: Path, folder: Path) -> None:
+    """An ImportError when user file `path` imports a module name that an earlier user file's folder gave the
+    process, while `folder` holds its own of that name."""
     tree = ast.parse(path.read_bytes(), str(path))
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}

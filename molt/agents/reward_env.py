@@ -80,9 +80,11 @@ class ScoredChatAgent(ChatAgent):
         return await _rescored(self.reward, result, answer, row, result.reward)
 
 
-def agent_factory(agent: str, reward: RewardFunction | None, task: str, max_turns: int) -> Callable[[], Any]:
-    """`make_env()` for a run: the agent class, else the built-in `task`'s Env (the rows are the task's; "": none),
-    scored by `reward` if given; a `RewardEnv` for the user's own rows."""
+def agent_factory(
+    agent: str, reward: RewardFunction | None, task: str, max_turns: int, task_rows: bool = True
+) -> Callable[[], Any]:
+    """`make_env()` for a run: the agent class, else the built-in `task`'s Env, either scored by `reward` if given:
+    a `RewardEnv` instead where the rows are the user's own (not `task_rows`)."""
     if agent:
         cls = load_agent_class(agent)  # an Env or a ChatAgent subclass
         if reward is None:
@@ -91,6 +93,6 @@ def agent_factory(agent: str, reward: RewardFunction | None, task: str, max_turn
             return lambda: ScoredChatAgent(cls(), reward)
         return lambda: ScoredEnv(cls(), reward, max_turns)
     if reward is not None:
-        return (lambda: ScoredEnv(env_for_task(task), reward, max_turns)) if task else lambda: RewardEnv(reward)
+        return (lambda: ScoredEnv(env_for_task(task), reward, max_turns)) if task_rows else lambda: RewardEnv(reward)
     env_for_task(task)  # an unknown task is an error now, not in the first rollout
     return lambda: env_for_task(task)

@@ -1,10 +1,10 @@
 """Reward functions: `fn(completion: str, row: dict) -> float | dict[str, float]`, sync or async.
 
 `--rollout.reward` names one or more, comma-separated: a built-in (`math`, `format`, ...; see `rewards.py`),
-`file.py:fn` or `pkg.module:fn` (`file.py` alone means its function `reward`). Each returns a float, named as given
-(`fn`; `reward` for a file alone), or a dict of named rewards. The episode's reward is the weighted sum of all named
-rewards (`--rollout.reward_weights name=w,...`, default 1); each is logged (`reward/<name>` per step,
-`eval/reward/<name>`). User functions that are not `async` run each call on a thread of its own, so a slow one
+`file.py:fn` or `pkg.module:fn` (`file.py` alone means its function `reward`). Each returns a float, named after the
+function (a partial or callable object: as given), or a dict of named rewards. The episode's reward is the weighted
+sum of all named rewards (`--rollout.reward_weights name=w,...`, default 1); each is logged (`reward/<name>` per
+step, `eval/reward/<name>`). User functions that are not `async` run each call on a thread of its own, so a slow one
 cannot stall the loop, its timeout (`rollout.step_timeout_s`) fires, and one that hangs holds only its own (daemon)
 thread; one stuck computing still takes CPU time, and is warned about. Loading is checked when the config is built:
 a missing file or function is one line naming it. A value that is not a finite number fails its rollout."""
@@ -101,7 +101,7 @@ def load_part(spec: str) -> RewardPart:
     if path.suffix == ".py" and not path.exists():
         raise ValueError(f"rollout.reward: reward file {str(path)!r} does not exist")
     fn = _user_function(spec, path.stat().st_mtime if path.suffix == ".py" else 0.0)
-    return RewardPart(spec.partition(":")[2] or "reward", fn, inline=False)  # as named (a partial has no __name__)
+    return RewardPart(getattr(fn, "__name__", None) or spec.partition(":")[2] or "reward", fn, inline=False)
 
 
 class RewardLog:

@@ -65,22 +65,24 @@ def load_inputs(cfg: Config) -> RunInputs:
     """Data, reward and agent of a run; a bad row, file or function is an error here, before any model. (`molt sft`
     reads data without a reward, so the check that a dataset has one is here rather than in `check_user_code`.)"""
     check_user_code(cfg)
-    ro, key = cfg.rollout, "data.path" if cfg.data.path else "data.eval_path"
-    check(bool(_task_env(cfg) or ro.reward or ro.agent), key, "a dataset needs --rollout.reward (e.g. "
-          "math) or --rollout.agent (or --data.task naming the built-in task whose Env grades its rows)")  # fmt: skip
+    ro, chosen = cfg.rollout, cfg.data.task != DataConfig.task  # a task's Env grades rows shaped as the task's
+    check(not cfg.data.path or bool(ro.reward or ro.agent) or chosen, "data.path", "a dataset needs "
+          "--rollout.reward (e.g. math) or --rollout.agent (or --data.task naming the built-in task whose Env grades "
+          "its rows)")  # fmt: skip
     train_rows, eval_rows = dataset_rows(cfg.data)
     if cfg.data.path or cfg.data.eval_path:  # a built-in task's own rows are checked by Config (one drawn row)
         vision = cfg.model.architecture().vision is not None
         check_rows(train_rows + eval_rows, vision, cfg.data.path or f"task {cfg.data.task}", not ro.agent)
     reward = reward_function(cfg)
-    return RunInputs(train_rows, eval_rows, reward, agent_factory(ro.agent, reward, _task_env(cfg), ro.max_turns))
+    return RunInputs(
+        train_rows, eval_rows, reward, agent_factory(ro.agent, reward, cfg.data.task, ro.max_turns, _task_rows(cfg))
+    )
 
 
-def _task_env(cfg: Config) -> str:
-    """The built-in task whose Env runs the episodes when no agent is named: the rows are the task's (no data file),
-    or a chosen `--data.task` grades the file's rows shaped as its own; "" when the rows are the user's."""
-    chosen = cfg.data.task != DataConfig.task
-    return cfg.data.task if chosen or not (cfg.data.path or cfg.data.eval_path) else ""
+def _task_rows(cfg: Config) -> bool:
+    """Whether the task's Env may run every episode, a reward scoring its answer: the rows are the task's (no data
+    file), or a chosen `--data.task` grades the files' rows shaped as its own."""
+    return cfg.data.task != DataConfig.task or not (cfg.data.path or cfg.data.eval_path)
 
 
 def check_rows(rows: list[dict], vision: bool, source: str, needs_prompt: bool) -> None:
@@ -112,7 +114,7 @@ def check_rows(rows: list[dict], vision: bool, source: str, needs_prompt: bool) 
 def worker_kit(cfg: Config, tokenizer) -> WorkerKit:
     """What an agent worker process builds: the run's agent factory and reward function, tokenizer, chat settings."""
     reward, ro = reward_function(cfg), cfg.rollout
-    make_env = agent_factory(ro.agent, reward, _task_env(cfg), ro.max_turns)
+    make_env = agent_factory(ro.agent, reward, cfg.data.task, ro.max_turns, _task_rows(cfg))
     return WorkerKit(tokenizer, make_env, chat_options(cfg), close=reward.close if reward else lambda: None)
 
 

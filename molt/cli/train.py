@@ -187,12 +187,12 @@ def _state_shape(config: dict) -> dict[str, object]:
     """What a checkpoint's trainer state depends on (from a file form): the policy it trained (a resume continues it,
     whatever model.* now says), its tokenizer, parameter dtype, adapters, frozen routers, critic, reference."""
     train, algo, model = config["train"], config["algo"], config["model"]
-    params = Precision.of(model["dtype"], train["precision"], config["runtime"]["device"]).params
+    params = "float32" if train["precision"] == "mixed" else model["dtype"]  # as written: `auto` is the machine's
     return {
         "model.path": model["path"] or None,
         "model.preset": None if model["path"] else model["preset"],  # unused beside a model folder
         "model.tokenizer": model["tokenizer"] or None,
-        "the trainer's parameter dtype (train.precision, model.dtype)": str(params).removeprefix("torch."),
+        "the trainer's parameter dtype (train.precision, model.dtype)": params,
         "train.lora_rank": train["lora_rank"],
         "train.lora_targets": list(train["lora_targets"]) if train["lora_rank"] else None,
         "train.lora_alpha": train["lora_alpha"] if train["lora_rank"] else None,  # scales the saved adapters

@@ -100,7 +100,7 @@ def _loadable(folder: str, key: str) -> str:
     try:
         load_config(folder)
         weight_files(Path(folder))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, UserError) as e:
         raise ConfigError(f"{key}: {e}") from None
     return folder
 

@@ -126,7 +126,7 @@ def read_json(path: Path) -> Located:
 
 def _json_or_none(text: str) -> Any:
     try:
-        return json.loads(text)
+        return _DECODER.decode(text)
     except ValueError:
         return None
 

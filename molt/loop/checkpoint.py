@@ -23,10 +23,13 @@ from molt.train.interface import Trainer
 
 
 def remove_orphans(checkpoints: Path) -> list[Path]:
-    """Remove what an interrupted save left in `checkpoints/` (hidden temp folders and files, a step folder without
-    its trainer state); return them."""
+    """Remove what an interrupted save left in `checkpoints/` (hidden temp folders and files, a step folder past
+    `latest` without its trainer state); return them."""
     orphans = [*checkpoints.glob(".step-*"), *checkpoints.glob(".latest.*")]
-    orphans += [p for p in checkpoints.glob("step-*") if p.is_dir() and not (p / "trainer_state.pt").exists()]
+    pointer = checkpoints / "latest"
+    newest = checkpoint_step(checkpoints / pointer.read_text().strip()) if pointer.exists() else -1
+    orphans += [p for p in checkpoints.glob("step-*")
+                if checkpoint_step(p) > newest and not (p / "trainer_state.pt").exists()]  # fmt: skip
     for path in orphans:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

@@ -77,7 +77,7 @@ class RLLoop(Accounting):
             drop_shards_after(Path(run_dir) / ROLLOUTS, self.state.step)
         self.said_no_eval = False
         self.history: list[dict[str, Any]] = []
-        self.rollout_tokens, self.rollout_t0, self.eval_s = 0, time.perf_counter(), 0.0  # `run` starts them again
+        self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()  # `run` starts them again
         self.run_t0 = time.perf_counter() - self.state.elapsed_s  # `run` starts it again: the eval before is no step
         self.step_rollouts: list[Trajectory] = []  # the first segment of each rollout sampled since the last step
         self.engine_stats: dict[str, float] = {}
@@ -229,9 +229,7 @@ class RLLoop(Accounting):
                 log.warning(why, self.state.step, metrics["train/grad_norm"], metrics["train/skipped_steps"])
             metrics |= self._loop_metrics(t0)
             if self._due(self.cfg.eval.every):
-                t_eval = time.perf_counter()
                 metrics |= await self.evaluate()
-                self.eval_s += time.perf_counter() - t_eval  # not rollout time
                 self.engine_stats = self._engine_snapshot()  # eval is not a step's work
             metrics["rollout/dropped_groups"], self.step_dropped_groups = self.step_dropped_groups, 0  # this step's
             self.history.append(metrics)
@@ -252,8 +250,7 @@ class RLLoop(Accounting):
         return counts | {
             "step": self.state.step,
             "version": self.trainer.version,
-            "rollout/tokens_per_s": self.rollout_tokens
-            / max(time.perf_counter() - self.rollout_t0 - self.eval_s, 1e-9),
+            "rollout/tokens_per_s": self.rollout_tokens / max(time.perf_counter() - self.rollout_t0, 1e-9),
             "rollout/rollouts": self.state.rollouts,
             "rollout/failures": self.state.failures,
             "rollout/buffer_groups": self.buffer.qsize(),
@@ -316,7 +313,7 @@ class RLLoop(Accounting):
             await self.buffer.put([Trajectory.from_dict(t) for t in group])
         self.state.buffer = []
         self.run_t0 = time.perf_counter() - self.state.elapsed_s
-        self.rollout_tokens, self.rollout_t0, self.eval_s = 0, time.perf_counter(), 0.0
+        self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()  # after the eval before, as time/elapsed_s
         self.engine_stats = self._engine_snapshot()  # the eval before does not count
         producer = asyncio.create_task(self.rollout(), name="rollout")
         trainer = asyncio.create_task(self.train(on_step), name="train")

@@ -291,10 +291,10 @@ def _encode_regions(tokenizer: PreTrainedTokenizerBase, text: str, cuts: list[in
         ids += piece_ids
         regions += [base + region for region in piece_regions]
     if tokenizer.decode(ids) != tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)):
-        raise ChatTemplateError("a turn edge falls inside a token, and tokenized apart the pieces read as other "
-                                "text (e.g. a SentencePiece tokenizer's leading '▁'): their ids would train text "
-                                "the template does not render; a template whose turns end at token boundaries "
-                                "avoids it")  # fmt: skip
+        raise ChatTemplateError("tokenized apart at the turn edges, the pieces read as other text than the whole "
+                                "(e.g. a SentencePiece tokenizer's leading '▁'): their ids would train text the "
+                                "template does not render; a template whose turns end at token boundaries avoids "
+                                "it")  # fmt: skip
     return ids, regions
 
 

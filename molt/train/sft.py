@@ -54,10 +54,6 @@ def tokenize_rows(
     ids, masks, pixels = [], [], []
     for i, row in enumerate(rows):
         where = row_location(row, f"{source} row {i}")
-        if (name := _unrendered_call(tokenizer, row["messages"], row.get("tools"))) is not None:
-            raise DataError(f"{where}: the chat template leaves out this row's tool call {name!r} (its assistant "
-                            "tokens do not contain it), so molt sft would train the turn without it; use a template "
-                            "that renders tool_calls, or write the calls into the turn's content")  # fmt: skip
         for messages, (row_ids, row_mask) in _segments(tokenizer, row, end_of_turn, where):
             try:
                 row_ids, row_mask, row_pixels = expand_row_images(row_ids, row_mask, messages, model_cfg, where)
@@ -77,25 +73,32 @@ def tokenize_rows(
 def _segments(tokenizer, row: dict, end_of_turn: list[str] | None, where: str) -> list[tuple[list[dict], tuple]]:
     """(messages, (ids, mask)) of the row as one sample, or, where the template re-renders history, of one sample
     per trained assistant turn (the conversation up to it, the other assistant turns weight 0); a DataError if the
-    template cannot render it (it opens with an assistant turn, bad `tools`, ...)."""
+    template cannot render it (it opens with an assistant turn, bad `tools`, ...) or leaves out a tool call."""
     messages, tools = row["messages"], row.get("tools")
     try:
         try:
-            return [(messages, assistant_mask(tokenizer, messages, tools, end_of_turn=end_of_turn))]
+            samples = [(messages, assistant_mask(tokenizer, messages, tools, end_of_turn=end_of_turn))]
         except HistoryRerendered:
             turns = [k for k, m in enumerate(messages) if m.get("role") == "assistant" and m.get("weight", 1) != 0]
             parts = [[m if j == k or m.get("role") != "assistant" else {**m, "weight": 0} for j, m in
                       enumerate(messages[: k + 1])] for k in turns]  # fmt: skip
-            return [(part, assistant_mask(tokenizer, part, tools, end_of_turn=end_of_turn)) for part in parts]
+            samples = [(part, assistant_mask(tokenizer, part, tools, end_of_turn=end_of_turn)) for part in parts]
+        name = next((n for part, _ in samples if (n := _unrendered_call(tokenizer, part, tools)) is not None), None)
     except (TemplateError, TypeError, ValueError) as e:  # ChatTemplateError is a ValueError
         raise DataError(f"{where}: the chat template cannot render this row: {e}") from None
+    if name is not None:
+        raise DataError(f"{where}: the chat template leaves out this row's tool call {name!r} (its assistant tokens "
+                        "do not contain it), so molt sft would train the turn without it; use a template that renders "
+                        "tool_calls, or write the calls into the turn's content")  # fmt: skip
+    return samples
 
 
 def _unrendered_call(tokenizer, messages: list[dict], tools) -> str | None:
     """The name of a tool call that its own assistant turn's rendered text does not contain (a template that ignores
     `tool_calls`, e.g. SmolLM2's), or None."""
     for i, message in enumerate(messages):
-        calls = message.get("tool_calls") or [] if message.get("role") == "assistant" else []
+        trained = message.get("role") == "assistant" and message.get("weight", 1) != 0
+        calls = message.get("tool_calls") or [] if trained else []
         names = [
             c["function"].get("name") for c in calls if isinstance(c, dict) and isinstance(c.get("function"), dict)
         ]

@@ -105,6 +105,11 @@ def test_orphan_cleanup_and_modes_follow_the_umask(tmp_path):
     (tmp_path / "step-4").mkdir()  # no trainer state: its save was killed
     assert sorted(p.name for p in remove_orphans(tmp_path)) == [".latest.tmp", ".step-3.abc", "step-4"]
     assert [p.name for p in tmp_path.iterdir()] == ["step-2"]
+    (tmp_path / "step-1").mkdir()  # older than `latest`, its trainer state deleted by its user: kept
+    (tmp_path / "latest").write_text("step-2")
+    assert remove_orphans(tmp_path) == [] and (tmp_path / "step-1").is_dir()
+    (tmp_path / "latest").unlink()
+    (tmp_path / "step-1").rmdir()
     folder = tmp_path / "step-2"
     (folder / "w.bin").write_bytes(b"")
     folder.chmod(0o700)

@@ -96,6 +96,9 @@ def test_a_template_that_leaves_out_tool_calls_is_a_data_error_not_empty_turns()
     row["messages"][-1]["content"] = "I used add: 5"  # the name elsewhere in the row: the call's own turn lacks it
     with pytest.raises(DataError, match=r"leaves out this row's tool call 'add'"):
         tokenize_rows(tokenizer, [row], 256, "calls.jsonl")
+    row["messages"] = row["messages"][1:]  # opens with the assistant's call: still a data error naming the row
+    with pytest.raises(DataError, match=r"^calls\.jsonl:2: the chat template cannot render this row"):
+        tokenize_rows(tokenizer, [row], 256, "calls.jsonl")
 
 
 def test_a_turn_ends_where_generation_stops_and_pieces_that_read_as_other_text_are_refused():
@@ -127,7 +130,7 @@ def test_a_turn_ends_where_generation_stops_and_pieces_that_read_as_other_text_a
         "{% else %}{{ m.content + eos_token }}{% endif %}{% endfor %}"
     )
     row = {"messages": [{"role": "user", "content": "what is it"}, {"role": "assistant", "content": "Hello there"}]}
-    with pytest.raises(DataError, match="tokenized apart the pieces read as other text"):
+    with pytest.raises(DataError, match="tokenized apart at the turn edges, the pieces read as other text"):
         tokenize_rows(tokenizer, [row], 64, "rows")
 
 
