@@ -43,7 +43,7 @@ def run_sft(cfg: Config) -> SftResult:
     train_rows, eval_rows = sft_rows(cfg)  # a bad data file: an error before the run directory and the model
     tokenizer, source = build_tokenizer(cfg.model), cfg.data.path or f"task {cfg.data.task}"
     row_len, mb, arch = cfg.data.max_len, cfg.train.micro_batch_tokens, architecture(cfg.model, tokenizer)
-    stops = [tokenizer.convert_ids_to_tokens(i) for i in eos_ids(arch.eos_token_id, tokenizer)]  # the engine's
+    stops = [tokenizer.convert_ids_to_tokens(i) for i in eos_ids(arch.stop_ids(), tokenizer)]  # the engine's
     ids, masks, pixels = tokenize_rows(tokenizer, train_rows, row_len, source, arch, stops)  # a too-long row: here
     eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, row_len, source, arch, stops)
     run = RunDir(cfg.log.run_dir, "sft", cfg)

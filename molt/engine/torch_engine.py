@@ -93,7 +93,7 @@ class TorchEngine(Engine):
             max_seq_len=self.max_seq_len,
             max_num_batched_tokens=max_num_batched_tokens,
             prefix_cache=prefix_cache,
-            eos_token_ids=eos_ids(model.cfg.eos_token_id, tokenizer) if eos_token_ids is None else eos_token_ids,
+            eos_token_ids=eos_ids(model.cfg.stop_ids(), tokenizer) if eos_token_ids is None else eos_token_ids,
             version=version,
             record_routing=record_routing,
             compile=compile,

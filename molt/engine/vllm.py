@@ -19,8 +19,6 @@ Knows the engine interface and vLLM; nothing of agents or trainers."""
 from __future__ import annotations
 
 import asyncio
-import glob
-import json
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -44,7 +42,7 @@ from molt.engine.interface import (
     new_request_id,
 )
 from molt.engine.torch_engine import with_threads
-from molt.models.hf_io import IGNORED_HF_KEYS, hf_tensors, load_config, save_pretrained
+from molt.models.hf_io import IGNORED_HF_KEYS, hf_tensors, load_config, save_pretrained, weight_files
 
 SEED_STRIDE = 1_000_003  # sample i of a seeded request uses seed + SEED_STRIDE * i (+ resubmission count)
 
@@ -255,8 +253,8 @@ class VLLMEngine(Engine):
 
 def _checkpoint_names(folder: Path) -> set[str]:
     names: set[str] = set()
-    for file in glob.glob(str(folder / "*.safetensors")):
-        with safe_open(file, "pt") as f:
+    for file in weight_files(folder) if any(folder.glob("*.safetensors")) else []:  # as transformers picks them
+        with safe_open(str(file), "pt") as f:
             names.update(n for n in f.keys() if not IGNORED_HF_KEYS.search(n))  # noqa: SIM118
     if not names:
         raise FileNotFoundError(f"{folder}: no *.safetensors weights (vLLM loads an HF model folder)")
@@ -264,6 +262,7 @@ def _checkpoint_names(folder: Path) -> set[str]:
 
 
 def _default_eos(folder: Path, tokenizer) -> list[int]:
-    """eos ids of the config and tokenizer that the model can emit (vLLM rejects out-of-vocab stop ids)."""
-    config = json.loads((folder / "config.json").read_text())
-    return [e for e in eos_ids(config.get("eos_token_id"), tokenizer) if e < config.get("vocab_size", e + 1)]
+    """eos ids of the config, generation config and tokenizer that the model can emit (vLLM rejects out-of-vocab
+    stop ids)."""
+    config = load_config(folder)
+    return [e for e in eos_ids(config.stop_ids(), tokenizer) if e < config.vocab_size]

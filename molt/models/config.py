@@ -7,6 +7,7 @@ or an unsupported feature is an error naming the key. Knows nothing of weights."
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,17 @@ class TransformerConfig:
             raise ValueError("num_experts_per_tok must be in [1, num_experts]")
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ValueError("moe_intermediate_size must be > 0 when num_experts > 0")
+
+    def stop_ids(self) -> list[int]:
+        """The eos ids of config.json and of the source's generation_config.json, where generation stops (e.g.
+        Qwen2.5's `<|endoftext|>` beside `<|im_end|>`); an unreadable generation config adds none."""
+        ids = [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id or [])
+        try:
+            extra = json.loads(self.generation_config or "{}").get("eos_token_id")
+        except (ValueError, AttributeError):
+            extra = None
+        extra = [extra] if isinstance(extra, int) else [i for i in extra or [] if isinstance(i, int)]
+        return ids + [i for i in extra if i not in ids]
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` uses the sparse MoE block (Qwen3-MoE placement rule)."""

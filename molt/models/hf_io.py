@@ -155,15 +155,17 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def load_config(folder: str | os.PathLike) -> TransformerConfig:
-    """TransformerConfig from `folder/config.json`."""
-    path = Path(folder) / "config.json"
+    """TransformerConfig from `folder/config.json`, with the folder's `generation_config.json` (if any) as text."""
+    path, generation = Path(folder) / "config.json", Path(folder) / GENERATION_CONFIG
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: not a Hugging Face model folder")
     try:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
-    return config_from_hf(hf, source=str(path))
+    cfg = config_from_hf(hf, source=str(path))
+    cfg.generation_config = generation.read_text() if generation.exists() else ""
+    return cfg
 
 
 def from_pretrained(
@@ -173,8 +175,6 @@ def from_pretrained(
     config fields that no config.json holds (e.g. `router_fp32`)."""
     folder = Path(folder)
     cfg = dataclasses.replace(load_config(folder), **settings)
-    if (generation := folder / GENERATION_CONFIG).exists():
-        cfg.generation_config = generation.read_text()
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)  # `Transformer._apply` recomputes the rotary buffer

@@ -153,6 +153,7 @@ def test_model_folders_load_as_transformers_picks_them_and_saves_keep_what_is_be
     ids_bt = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (from_pretrained(tmp_path / "m")(ids_bt) - _hf_logits(hf, ids_bt)).abs().max() <= 1e-4
+    assert from_pretrained(tmp_path / "m").cfg.stop_ids() == [0, 2]  # generation_config.json's: the engine stops there
     save_pretrained(from_pretrained(tmp_path / "m"), tmp_path / "out")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert (back.generation_config.temperature, back.generation_config.eos_token_id) == (0.7, [0, 2])
