@@ -178,9 +178,9 @@ def find_stop_string(tokenizer, stops: Sequence[str], tokens: Sequence[int], sta
     return next((s for s in stops if s in text[max(0, new - len(s) + 1) :]), None)
 
 
-def eos_ids(config_eos: int | Sequence[int] | None, tokenizer) -> list[int]:
-    """The eos ids of a model config's `eos_token_id` (an id, a list or None) and of the tokenizer, if any."""
-    eos = [config_eos] if isinstance(config_eos, int) else list(config_eos or [])
+def eos_ids(stop_ids: Sequence[int], tokenizer) -> list[int]:
+    """A model config's stop ids (`TransformerConfig.stop_ids()`) and the tokenizer's eos id, if any."""
+    eos = list(stop_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)
     return eos
