@@ -85,8 +85,7 @@ def _build(compiler: str | None, flags: list[str], path: Path) -> None:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)
 
 
 def pack(weight_nk: torch.Tensor) -> torch.Tensor:
