@@ -135,7 +135,7 @@ class Scheduler:
         """Give the group's sequences slots; returns the one to prefill (None: it joins a pending prefill)."""
         # prefix reuse is keyed by token ids alone, so requests with images neither reuse nor leave KV
         key = None if group.images else tuple(group.prompt)
-        owner = self.owners.get(key) if key is not None else None
+        owner = self.owners.get(key)
         leader, *siblings = group.seqs
         if owner is not None and owner.num_computed < len(owner.group.prompt):
             leader, siblings = owner, group.seqs  # wait for the pending prefill of the same prompt
