@@ -231,10 +231,9 @@ class PagedScheduler(Scheduler):
 
     def _readmit(self) -> None:
         """Preempted sequences first, oldest first, as blocks allow: prefix hits, then a prefill of the rest."""
-        blocks = self.manager.blocks
         while self.preempted and self.manager.num_free():
             reserve = 1 if self.running else 0  # room for its next token, unless alone (it always fits then)
-            if not blocks.can_allocate(len(self.preempted[0].tokens), reserve):
+            if not self.manager.blocks.can_allocate(len(self.preempted[0].tokens), reserve):
                 return
             seq = self.preempted.popleft()
             _, seq.num_computed = self.manager.allocate(seq.seq_id, seq.tokens)
