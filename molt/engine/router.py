@@ -35,7 +35,7 @@ class Router(Engine):
 
     def place(self, session_id: str | None = None) -> int:
         """The replica index for a new request of `session_id` (records the session's choice)."""
-        if session_id is not None and session_id in self._sessions:
+        if session_id in self._sessions:
             self._sessions.move_to_end(session_id)
             return self._sessions[session_id]
         index = min(range(len(self.engines)), key=lambda i: (self._in_flight[i], i))
