@@ -89,15 +89,11 @@ class PagedSlots:
     def slot_of(self, seq_id: int, default: int | None = None) -> int:
         return self._slot_of[seq_id] if default is None else self._slot_of.get(seq_id, default)
 
-    def holds(self, seq_id: int) -> bool:
-        """Whether the sequence has blocks (siblings waiting for a prefill have only a slot)."""
-        return self.blocks.has(seq_id)
-
     def table_at(self, slot: int) -> list[int]:
         return self.blocks.block_table(self._seq_at[slot])
 
     def length_of(self, seq_id: int) -> int:
-        return self.blocks.num_computed(seq_id) if self.holds(seq_id) else 0
+        return self.blocks.num_computed(seq_id) if self.blocks.has(seq_id) else 0
 
     def num_free(self) -> int:
         return len(self._free_slots)
@@ -148,7 +144,7 @@ class PagedSlots:
         self.blocks.set_computed(seq_id, length)
 
     def release_blocks(self, seq_id: int) -> None:
-        if self.holds(seq_id):
+        if self.blocks.has(seq_id):
             self.blocks.free(seq_id)
             self._mirror(seq_id)
 
@@ -205,7 +201,7 @@ class PagedScheduler(Scheduler):
 
     def _reserve(self, seq: Sequence) -> None:
         """Blocks for all of `seq`'s tokens, preempting the latest admitted sequences (maybe `seq`) until they fit."""
-        fresh = not self.manager.holds(seq.seq_id)  # no blocks yet (its fork or its leader failed): prefix hits only
+        fresh = not self.manager.blocks.has(seq.seq_id)  # no blocks (its fork or its leader failed): prefix hits only
         while (computed := self.manager.reserve(seq.seq_id, seq.tokens)) is None:
             victim = self._victim()
             if victim is None:

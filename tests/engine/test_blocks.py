@@ -343,13 +343,13 @@ def test_slot_rows_mirror_the_block_tables(ops, block_size, num_blocks):
                 del tokens[victim]
                 if victim == seq:
                     break
-        elif op == "fork" and len(live) > 1 and slots.holds(src := live[r % len(live)]):
+        elif op == "fork" and len(live) > 1 and slots.blocks.has(src := live[r % len(live)]):
             dst = live[(r // 7) % len(live)]
             if dst != src:
                 length = 1 + r % len(tokens[src])
                 slots.share(src, dst, length)
                 tokens[dst] = tokens[src][:length]
-        elif op == "compute" and live and slots.holds(seq := live[r % len(live)]):
+        elif op == "compute" and live and slots.blocks.has(seq := live[r % len(live)]):
             done = slots.length_of(seq)
             slots.set_length(seq, done + r % (slots.blocks.num_tokens(seq) - done + 1))
         elif op == "release" and live:
@@ -359,7 +359,7 @@ def test_slot_rows_mirror_the_block_tables(ops, block_size, num_blocks):
             slots.free(seq)
             del tokens[seq]
         slots.blocks.check()
-        held = {slots.slot_of(seq): seq for seq in tokens if slots.holds(seq)}
+        held = {slots.slot_of(seq): seq for seq in tokens if slots.blocks.has(seq)}
         for slot in range(num_slots):
             table = slots.blocks.block_table(held[slot]) if slot in held else []
             assert slots.tables_sm[slot].tolist() == table + [num_blocks] * (max_blocks - len(table)), (slot, table)
