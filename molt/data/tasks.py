@@ -13,24 +13,13 @@ from typing import Any
 from molt.data.formats import Row
 from molt.registry import Registry
 
-TASKS: Registry[type] = Registry("task")
-
-
-def register_task(name: str):
-    """Register a task class under `name` (`--data.task name`)."""
-
-    def wrap(cls):
-        cls.name = name
-        return TASKS.add(name, cls)
-
-    return wrap
+TASKS: Registry[type] = Registry("task")  # task classes by their `--data.task` name
 
 
 class SeededTask:
     """What the built-in tasks share: `rows` draws each row (`row(rng)`) from one seeded generator; `grade` is
     an exact match of the stripped completion with the row's `label`."""
 
-    name: str
     env: str  # name of the built-in Env that runs it (molt/agents/builtin.py)
 
     def rows(self, n: int, seed: int) -> list[Row]:
@@ -52,7 +41,7 @@ def get_task(name: str) -> SeededTask:
     return TASKS[name]()
 
 
-@register_task("arithmetic")
+@TASKS.register("arithmetic")
 class Arithmetic(SeededTask):
     """Single-turn sums of a 2-digit and a 1-digit number; the answer is the number alone."""
 
@@ -75,7 +64,7 @@ def calculate(expression: str) -> str:
     return str(a + b if op == "+" else a - b if op == "-" else a * b)
 
 
-@register_task("calculator")
+@TASKS.register("calculator")
 class Calculator(SeededTask):
     """Multi-turn tool use: products of a 2-digit and a 3-digit number, with a calculator tool.
 
@@ -128,7 +117,7 @@ def shape_image(colour: str, rng: random.Random, size: int = 32) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-@register_task("shape_colour")
+@TASKS.register("shape_colour")
 class ShapeColour(SeededTask):
     """Visual (needs a VLM, e.g. `--model.preset tiny-vlm`): name the colour of the shape in the image.
 
@@ -209,7 +198,7 @@ def _rate_then_extra(rng: random.Random, name: str, friend: str, item: str) -> P
 GSM_SHAPES = (_add, _take_away, _groups, _share, _change, _rate_then_extra)
 
 
-@register_task("gsm")
+@TASKS.register("gsm")
 class GradeSchoolMath(SeededTask):
     """Single-turn grade-school math word problems with integer answers (one or two steps, `GSM_SHAPES`).
 
