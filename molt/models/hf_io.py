@@ -174,13 +174,19 @@ def from_pretrained(
     """Build a Transformer from an HF model folder (Llama / Qwen2 / Qwen3 / Qwen3-MoE); `settings` are Molt's own
     config fields that no config.json holds (e.g. `router_fp32`)."""
     folder = Path(folder)
-    cfg = dataclasses.replace(load_config(folder), **settings)
+    model = empty_model(dataclasses.replace(load_config(folder), **settings), dtype, device)
+    load_weights(model, LazyTensors(weight_files(folder), dtype), source=str(folder))
+    return model
+
+
+def empty_model(cfg: TransformerConfig, dtype: torch.dtype, device: str | torch.device = "cpu") -> Transformer:
+    """A Transformer of `cfg` in `dtype` on `device` with uninitialised weights, to load weights into (built on the
+    meta device: no random init)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)  # `Transformer._apply` recomputes the rotary buffer
     if cfg.tie_word_embeddings:  # materialising from meta breaks the tie
         model.lm_head.weight = model.embed_tokens.weight
-    load_weights(model, LazyTensors(weight_files(folder), dtype), source=str(folder))
     return model
 
 

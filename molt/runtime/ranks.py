@@ -132,13 +132,9 @@ class TrainerRank:
 
 def _export(cfg, full: dict[str, torch.Tensor], folder: str, tokenizer) -> None:
     """The HF policy folder from gathered full weights (a plain CPU model of the policy's config)."""
-    from molt.models import Transformer, save_pretrained
+    from molt.models.hf_io import empty_model, save_pretrained
 
-    with torch.device("meta"):
-        export = Transformer(cfg)
-    export = export.to_empty(device="cpu").to(next(iter(full.values())).dtype)  # casts recompute the rotary buffers
-    if cfg.tie_word_embeddings:
-        export.lm_head.weight = export.embed_tokens.weight
+    export = empty_model(cfg, next(iter(full.values())).dtype)
     export.load_state_dict(full)
     save_pretrained(export, folder, tokenizer)
 
