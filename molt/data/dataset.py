@@ -28,7 +28,7 @@ def _eval_split(path: str, train_split: str = "") -> str:
 
 
 def _eval_file_rows(data) -> list[Row]:
-    return file_rows(data.eval_path, data, _eval_split(data.eval_path) or data.split)
+    return file_rows(data.eval_path, data, _eval_split(data.eval_path))  # file_rows: no split is data.split
 
 
 def dataset_rows(data) -> tuple[list[Row], list[Row]]:

@@ -47,10 +47,10 @@ def _images(row: Row) -> list[Any]:
 
 def _prompt_messages(row: Row, where: str) -> list[dict[str, Any]]:
     if row.get("messages") is not None:
-        return _place_images(list(check_messages(row["messages"], where)), _images(row), where)
+        return _place_images(check_messages(row["messages"], where), _images(row), where)
     prompt = row.get("prompt")
     if isinstance(prompt, list):  # conversational prompts (as TRL writes them)
-        messages = _place_images(list(check_messages(prompt, where, key="prompt")), _images(row), where)
+        messages = _place_images(check_messages(prompt, where, key="prompt"), _images(row), where)
         return messages + _completion(row, where)
     if isinstance(prompt, str) and prompt.strip():
         images = _images(row)
@@ -74,7 +74,7 @@ def _completion(row: Row, where: str) -> list[dict[str, Any]]:
         return [{"role": "assistant", "content": completion}]
     if not isinstance(completion, list):
         raise DataError(f"{where}: field 'completion' must be a string or a list of chat messages")
-    return list(check_messages(completion, where, key="completion"))
+    return check_messages(completion, where, key="completion")
 
 
 def _place_images(messages: list[dict[str, Any]], images: list[Any], where: str) -> list[dict[str, Any]]:

@@ -103,6 +103,4 @@ class Trajectory:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
-        data = dict(data)
-        data["actions"] = [tuple(a) for a in data.get("actions", [])]
-        return cls(**data)
+        return cls(**(data | {"actions": [tuple(a) for a in data.get("actions", [])]}))
