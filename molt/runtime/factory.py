@@ -40,14 +40,11 @@ def engine_kwargs(
         elif rt.device.startswith("cuda"):
             kwargs["kv_memory_fraction"] = rt.kv_memory_fraction
         else:  # the slot cache's positions, in blocks
-            kwargs["kv_blocks"] = -(-slots * (max_len + 1) // 16)
-            kwargs["block_size"] = 16
+            kwargs |= dict(kv_blocks=-(-slots * (max_len + 1) // 16), block_size=16)
     return kwargs
 
 
-def check_slot_memory(
-    model_cfg: TransformerConfig, sizing: dict[str, Any], key: str, dtype: torch.dtype = torch.float32
-) -> None:
+def check_slot_memory(model_cfg: TransformerConfig, sizing: dict[str, Any], key: str, dtype: torch.dtype) -> None:
     """A ConfigError naming `key` when the slot cache (every slot's positions, reserved up front, in `dtype`) needs
     more than the memory this machine has available (Linux MemAvailable; unknown elsewhere: not checked)."""
     try:
