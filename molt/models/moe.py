@@ -105,11 +105,10 @@ class SparseMoE(nn.Module):
 
     def mix(self, x_nh: torch.Tensor, weights_nk: torch.Tensor, experts_nk: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's chosen experts' outputs (weights combined in fp32 if asked)."""
-        num_experts = self.gate_up_proj.shape[0]
         flat_e = experts_nk.reshape(-1)
         order = flat_e.argsort(stable=True)
         token_of = order // self.top_k
-        counts = torch.bincount(flat_e, minlength=num_experts).tolist()
+        counts = torch.bincount(flat_e, minlength=self.gate_up_proj.shape[0]).tolist()
         x_sorted = x_nh[token_of]
         outputs = []
         # unbind once: indexing [e] per expert would make backward add E full-size zero gradients per layer
