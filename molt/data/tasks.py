@@ -101,10 +101,9 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (40, 60, 230), 
 
 def shape_image(colour: str, rng: random.Random, size: int = 32) -> str:
     """A PNG data URI: one filled square or disc of `colour` at a random place on a grey background."""
-    import base64
-    import io
-
     from PIL import Image, ImageDraw
+
+    from molt.models.vision import image_data_uri
 
     image = Image.new("RGB", (size, size), (128, 128, 128))
     side = rng.randint(size // 3, size // 2)
@@ -112,9 +111,7 @@ def shape_image(colour: str, rng: random.Random, size: int = 32) -> str:
     draw = ImageDraw.Draw(image)
     box = (x, y, x + side - 1, y + side - 1)
     (draw.rectangle if rng.random() < 0.5 else draw.ellipse)(box, fill=COLOURS[colour])
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return image_data_uri(image)  # a PIL image: PNG
 
 
 @TASKS.register("shape_colour")
