@@ -111,8 +111,7 @@ class EngineActor:
     async def update_weights(self, refs: list, version: int, mode: SyncMode) -> dict:
         """Swap in the chunked weights; returns the engine's work counters (`Engine.stats`)."""
         weights = {k: _decode(v) for chunk in await asyncio.gather(*refs) for k, v in chunk.items()}
-        missing = sorted(self.expected - set(weights))
-        if missing:
+        if missing := sorted(self.expected - set(weights)):
             raise ValueError(f"update_weights: the sync misses {len(missing)} engine parameters: {missing}")
         await self.engine.update_weights(weights, version, mode)
         return dict(self.engine.stats)
