@@ -180,13 +180,13 @@ def doc_ids_from_lengths(lengths: list[list[int]], row_len: int, device: torch.d
     doc_ids = torch.full((len(lengths), row_len), -1, dtype=torch.long)
     positions = torch.zeros((len(lengths), row_len), dtype=torch.long)
     for row, row_lengths in enumerate(lengths):
+        if sum(row_lengths) > row_len:  # before the writes, which would fail on the shape first
+            raise ValueError(f"row {row}: samples of total length {sum(row_lengths)} exceed row length {row_len}")
         start = 0
         for doc, n in enumerate(row_lengths):
             doc_ids[row, start : start + n] = doc
             positions[row, start : start + n] = torch.arange(n)
             start += n
-        if start > row_len:
-            raise ValueError(f"row {row}: samples of total length {start} exceed row length {row_len}")
     return doc_ids.to(device), positions.to(device)
 
 

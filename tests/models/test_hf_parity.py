@@ -172,3 +172,8 @@ def test_model_folders_load_as_transformers_picks_them_and_saves_keep_what_is_be
         (tmp_path / "out/config.json").write_text(json.dumps(broken))
         with pytest.raises(ValueError, match=f"config.json: .*{message}"):
             from_pretrained(tmp_path / "out")
+
+
+def test_packing_more_than_a_row_holds_names_the_row():
+    with pytest.raises(ValueError, match="row 1: samples of total length 35 exceed row length 34"):
+        doc_ids_from_lengths([[7, 20], [30, 5]], row_len=34)
