@@ -142,11 +142,11 @@ class RewardFunction:
         if twice := sorted({s for s in specs if specs.count(s) > 1}):
             raise ValueError(f"rollout.reward: {twice} named twice")
         self.parts = [load_part(s) for s in specs]
-        for name in {p.name for p in self.parts}:  # each part's float is logged and weighted under its name
+        names = {p.name for p in self.parts}
+        for name in names:  # each part's float is logged and weighted under its name
             if len(same := [s for s, p in zip(specs, self.parts, strict=True) if p.name == name]) > 1:
                 raise ValueError(f"rollout.reward: {same} are all named {name!r}; give each its own function name")
         self.weights = parse_weights(weights)
-        names = {p.name for p in self.parts}
         unknown = sorted(set(self.weights) - names)
         if unknown and all(p.inline for p in self.parts):  # a user function may return a dict: its keys come later
             raise ValueError(f"rollout.reward_weights: {unknown} name no reward; rewards: {sorted(names)}")

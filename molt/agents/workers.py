@@ -241,8 +241,7 @@ class AgentWorkers:
         prompt, sampling, kw, streamed = value
         if not streamed:
             return await self.engine.generate_group(prompt, sampling, **kw)
-        stream = lambda delta: worker.send(("delta", call, delta))  # noqa: E731
-        return await self.engine.generate_streamed(prompt, sampling, stream, **kw)
+        return await self.engine.generate_streamed(prompt, sampling, lambda d: worker.send(("delta", call, d)), **kw)
 
     async def _lost(self, worker: _Peer, index: int) -> None:
         """A worker's connection closed: its engine calls are cancelled (by `serve`), its rollouts failed; unless

@@ -59,15 +59,15 @@ class TooDeep(RequestError):
     """A request value nests deeper than MAX_DEPTH (its rendering would exhaust the interpreter's stack)."""
 
 
-def check_depth(value: Any, where: str = "request body", max_depth: int = MAX_DEPTH) -> None:
-    """Raise TooDeep if `value` (parsed JSON) nests more than `max_depth` levels; iterative, so never recurses."""
+def check_depth(value: Any, where: str = "request body") -> None:
+    """Raise TooDeep if `value` (parsed JSON) nests more than MAX_DEPTH levels; iterative, so never recurses."""
     level, frontier = 0, [value] if isinstance(value, dict | list) else []
     while frontier:
         frontier = [v for x in frontier for v in (x.values() if isinstance(x, dict) else x)
                     if isinstance(v, dict | list)]  # fmt: skip
         level += 1
-        if frontier and level >= max_depth:
-            raise TooDeep(f"{where} nests deeper than {max_depth} levels")
+        if frontier and level >= MAX_DEPTH:
+            raise TooDeep(f"{where} nests deeper than {MAX_DEPTH} levels")
 
 
 def refuse_unsupported(body: Any, defaults: dict[str, tuple]) -> None:
