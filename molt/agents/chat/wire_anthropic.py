@@ -179,13 +179,10 @@ def _head(model: str, content: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": model, "content": content}
 
 
-def _blocks(reply: TurnReply) -> list[dict[str, Any]]:
-    blocks = [{"type": "text", "text": reply.content}] if reply.content or not reply.tool_calls else []
-    return blocks + [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in reply.tool_calls]
-
-
 def encode(reply: TurnReply, model: str, request: ChatRequest) -> dict[str, Any]:
-    return _head(model, _blocks(reply)) | _stop(reply) | {"usage": _usage(reply)}
+    blocks = [{"type": "text", "text": reply.content}] if reply.content or not reply.tool_calls else []
+    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in reply.tool_calls]
+    return _head(model, blocks) | _stop(reply) | {"usage": _usage(reply)}
 
 
 _json = json.JSONEncoder(ensure_ascii=False).encode  # = json.dumps(x, ensure_ascii=False), one encoder for all
