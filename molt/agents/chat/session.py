@@ -173,11 +173,6 @@ class Session:
             self.last_key = request_key(self.last_request)
         return self.last_key
 
-    def _history_fps(self) -> list[str]:
-        if self.fps is None:
-            self.fps = fingerprints(self.answered)
-        return self.fps
-
     def close(self) -> list[Trajectory]:
         """Finish the session (later requests get SessionClosed); its segments in order."""
         self.closed = True
@@ -241,7 +236,10 @@ class Session:
         n = len(self.answered)
         if self.current is None or tools != self.tools:
             return None
-        if (fps := fingerprints(messages[:n])) != self._history_fps() and not self._continue_sibling(fps):
+        fps = fingerprints(messages[:n])
+        if self.fps is None:  # computed once a request needs them
+            self.fps = fingerprints(self.answered)
+        if fps != self.fps and not self._continue_sibling(fps):
             return None
         if large:  # the new turns' text alone may not fit
             self._check_fits(sum(len(c) for m in messages[n:] if isinstance(c := m.get("content"), str)))
