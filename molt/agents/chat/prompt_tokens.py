@@ -45,8 +45,8 @@ def encode_within(tokenizer, text: str, max_tokens: int) -> list[int]:
         and backend.padding is None
         and (backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)))
     ):
-        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # tokenizers < 0.21: with offsets
-        (ids,) = encode([text], add_special_tokens=False)  # an Encoding: its ids are converted only if they fit
+        # an Encoding: its ids are converted only if they fit
+        (ids,) = backend.encode_batch_fast([text], add_special_tokens=False)
     else:
         ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) >= max_tokens:
