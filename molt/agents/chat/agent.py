@@ -180,7 +180,7 @@ class ChatRunner:
             answer = last_completion_text(self.tokenizer, segments[-1])
             result = await within(limits.step_timeout_s, rescore(result, answer, row), "the reward function")
             result = check_result(result, "the reward function")
-        return _stamp(agent, result, segments, session.truncated, ids)
+        return _stamp(name, result, segments, session.truncated, ids)
 
 
 def wire_messages(messages: Messages) -> Messages:
@@ -204,9 +204,8 @@ def last_completion_text(tokenizer, segment: Trajectory) -> str:
     return tokenizer.decode(segment.tokens[start:end], skip_special_tokens=True)
 
 
-def _stamp(agent: ChatAgent, result: Result, segments: list[Trajectory], truncated: bool, ids: dict) -> list:
+def _stamp(name: str, result: Result, segments: list[Trajectory], truncated: bool, ids: dict) -> list:
     """`segments` stamped with the checked `result`'s reward, score and info, the ids and segment indices."""
-    name = type(agent).__name__
     if not segments and truncated:
         msg = f"{name}.run: no request fit the context budget (rollout.max_len); nothing was generated"
         raise ContextBudgetDrop(msg)  # dropped and counted (drop/prompt_over_context), as with the built-in Env
