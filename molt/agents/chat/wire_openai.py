@@ -164,10 +164,9 @@ def decode(body: Any) -> ChatRequest:
         raise RequestError(f"response_format {kind!r} is not supported (only 'text'): the output is unconstrained")
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs: true")
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     return ChatRequest(
         messages=[_message(m) for m in req.messages],
-        tools=tools,
+        tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
         max_tokens=req.max_completion_tokens or req.max_tokens,
         stop=tuple(req.stop or ()),
         parse_tools=req.tool_choice != "none",
