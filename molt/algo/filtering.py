@@ -82,8 +82,7 @@ def overlong_penalty(lengths_b: Tensor, max_len: int, buffer_len: int, factor: f
 
 def mask_truncated(mask_bt: Tensor, truncated_b: Tensor) -> tuple[Tensor, Metrics]:
     """DAPO overlong filtering: zero the loss mask of truncated samples (they stay in group statistics)."""
-    truncated_b1 = truncated_b.bool().unsqueeze(1)
-    new_mask_bt = torch.where(truncated_b1, torch.zeros_like(mask_bt), mask_bt)
+    new_mask_bt = mask_bt.masked_fill(truncated_b.bool().unsqueeze(1), 0)
     return new_mask_bt, {"overlong_frac": truncated_b.to(torch.float32).mean()}
 
 

@@ -36,8 +36,7 @@ class RolloutGroups:
 
     def group_sum(self, values_r: Tensor) -> Tensor:
         """[G] sums of per-rollout values."""
-        out_g = torch.zeros(self.num_groups, dtype=values_r.dtype, device=values_r.device)
-        return out_g.index_add_(0, self.rollout_to_group_r, values_r)
+        return values_r.new_zeros(self.num_groups).index_add_(0, self.rollout_to_group_r, values_r)
 
     def group_mean_std(self, values_r: Tensor) -> tuple[Tensor, Tensor]:
         """Per-group mean and *sample* (n-1) std; a group of one has std 0."""
@@ -48,7 +47,7 @@ class RolloutGroups:
 
     def group_reduce(self, values_r: Tensor, reduce: str) -> Tensor:
         """[G] `amax` / `amin` of per-rollout values."""
-        out_g = torch.zeros(self.num_groups, dtype=values_r.dtype, device=values_r.device)
+        out_g = values_r.new_zeros(self.num_groups)
         return out_g.scatter_reduce_(0, self.rollout_to_group_r, values_r, reduce, include_self=False)
 
 

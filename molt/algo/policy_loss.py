@@ -55,9 +55,9 @@ def _prepare(
 
 
 def _clipped_surrogate(
-    ratio_bt: Tensor, advantages_bt: Tensor, valid_bt: Tensor, params: SurrogateParams
+    ratio_bt: Tensor, advantages_bt: Tensor, valid_bt: Tensor, params: SurrogateParams, metrics: Metrics
 ) -> tuple[Tensor, Metrics]:
-    """-min(r A, clip(r, 1-lo, 1+hi) A), with the optional dual clip for A < 0."""
+    """-min(r A, clip(r, 1-lo, 1+hi) A), with the optional dual clip for A < 0; `metrics` plus its clip metrics."""
     unclipped_bt = ratio_bt * advantages_bt
     clipped_bt = ratio_bt.clamp(1 - params.clip_low, 1 + params.clip_high) * advantages_bt
     surrogate_bt = torch.minimum(unclipped_bt, clipped_bt)
@@ -66,12 +66,11 @@ def _clipped_surrogate(
         floor_bt = params.dual_clip * advantages_bt
         dual_bt = (advantages_bt < 0) & (surrogate_bt < floor_bt)
         surrogate_bt = torch.where(dual_bt, floor_bt, surrogate_bt)
-    metrics = {
+    return torch.where(valid_bt, -surrogate_bt, 0.0), metrics | {
         "clip_frac": masked_mean((clipped_bt < unclipped_bt).to(ratio_bt.dtype), valid_bt),
         "dual_clip_frac": masked_mean(dual_bt.to(ratio_bt.dtype), valid_bt),
         "ratio_mean": masked_mean(ratio_bt.detach(), valid_bt),
     }
-    return torch.where(valid_bt, -surrogate_bt, 0.0), metrics
 
 
 @POLICY_LOSSES.register("ppo", pg_at_ratio_one=True)
@@ -80,8 +79,7 @@ def ppo(
 ) -> tuple[Tensor, Metrics]:
     """PPO clip (Schulman et al. 2017) with asymmetric clip (DAPO) and dual clip (Ye et al. 2020)."""
     log_ratio_bt, advantages_bt, valid_bt, metrics = _prepare(logp_bt, old_logp_bt, advantages_bt, mask_bt)
-    loss_bt, clip_metrics = _clipped_surrogate(log_ratio_bt.exp(), advantages_bt, valid_bt, params)
-    return loss_bt, metrics | clip_metrics
+    return _clipped_surrogate(log_ratio_bt.exp(), advantages_bt, valid_bt, params, metrics)
 
 
 @POLICY_LOSSES.register("gspo", pg_at_ratio_one=True)
@@ -96,8 +94,7 @@ def gspo(
     num_tokens_b = valid_bt.sum(dim=1).clamp_min(1).to(log_ratio_bt.dtype)
     log_seq_ratio_b1 = (log_ratio_bt.detach().sum(dim=1) / num_tokens_b).unsqueeze(1)
     ratio_bt = (log_ratio_bt - log_ratio_bt.detach() + log_seq_ratio_b1).exp()
-    loss_bt, clip_metrics = _clipped_surrogate(ratio_bt, advantages_bt, valid_bt, params)
-    return loss_bt, metrics | clip_metrics
+    return _clipped_surrogate(ratio_bt, advantages_bt, valid_bt, params, metrics)
 
 
 @POLICY_LOSSES.register("cispo", pg_at_ratio_one=True)
