@@ -147,7 +147,7 @@ def _check_types(record: Any, where: str) -> None:
             raise _fail(where, key, f"must be a finite number, got {value!r}")
 
 
-def _trajectory(record: Any, where: str, images: Path, moe: tuple | None = None) -> Trajectory:
+def _trajectory(record: Any, where: str, images: Path, moe: tuple | None) -> Trajectory:
     """The Trajectory a checked line holds (routing back to a tensor, images with their pixels)."""
     _check_types(record, where)
     data = {k: v for k, v in record.items() if k not in ("step", "version", "routing_dtype")}

@@ -55,8 +55,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k for one prompt with c correct of n samples: 1 - C(n-c, k) / C(n, k)."""
     if k > n:
         raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
-    if n - c < k:
-        return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 

@@ -245,8 +245,7 @@ class RLLoop(Accounting):
         return every > 0 and (self.state.step % every == 0 or self.state.step == self.cfg.train.max_steps)
 
     def _loop_metrics(self, t0: float) -> dict[str, Any]:
-        counts = {f"drop/{k}": v for k, v in self.state.drops.items()} | self._engine_metrics()
-        counts |= self._reward_metrics()
+        counts = {f"drop/{k}": v for k, v in self.state.drops.items()} | self._engine_metrics() | self._reward_metrics()
         return counts | {
             "step": self.state.step,
             "version": self.trainer.version,
