@@ -45,7 +45,7 @@ class LoRA(nn.Module):
 
     def __init__(self, model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...]):
         super().__init__()
-        self.rank, self.alpha, self.scale, self.targets = rank, alpha, alpha / rank, tuple(targets)
+        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         pattern = re.compile(rf"layers\.\d+\.({'|'.join(re.escape(TARGETS[t]) for t in targets)})")
         self.linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and pattern.fullmatch(n)}
         unmatched = [t for t in targets if not any(n.endswith("." + TARGETS[t]) for n in self.linears)]
