@@ -21,8 +21,7 @@ def masked_sum(x_bt: Tensor, mask_bt: Tensor, dim: int | None = None) -> Tensor:
 
 def masked_mean(x_bt: Tensor, mask_bt: Tensor) -> Tensor:
     """Mean of `x` over action positions; 0 when there are none."""
-    count = mask_bt.bool().sum()
-    return masked_sum(x_bt, mask_bt) / count.clamp_min(1).to(x_bt.dtype)
+    return masked_sum(x_bt, mask_bt) / mask_bt.bool().sum().clamp_min(1).to(x_bt.dtype)
 
 
 def masked_whiten(x_bt: Tensor, mask_bt: Tensor, eps: float = 1e-8) -> Tensor:
@@ -71,10 +70,9 @@ def reverse_linear_scan(b_bt: Tensor, a_bt: Tensor) -> Tensor:
 def last_action_index(mask_bt: Tensor) -> tuple[Tensor, Tensor]:
     """`(index_b, has_action_b)`: position of each row's last action token (0 if none)."""
     mask = mask_bt.bool()
-    num_t = mask.shape[1]
     from_end_b = torch.flip(mask, dims=[1]).to(torch.uint8).argmax(dim=1)
     has_action_b = mask.any(dim=1)
-    return torch.where(has_action_b, num_t - 1 - from_end_b, torch.zeros_like(from_end_b)), has_action_b
+    return torch.where(has_action_b, mask.shape[1] - 1 - from_end_b, 0), has_action_b
 
 
 def next_action_index(mask_bt: Tensor) -> Tensor:
