@@ -23,8 +23,10 @@ from molt.data.trajectory import Trajectory
 def init_process_group(
     rank: int, world_size: int, address: str, port: int, device: str = "cpu", timeout_s: int = 600
 ) -> None:
-    """Join the trainer group: gloo on CPU, NCCL on CUDA; a collective waiting past `timeout_s` raises."""
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    """Join the trainer group: gloo on CPU; on CUDA, NCCL for CUDA tensors (FSDP2's) and gloo for the CPU ones (the
+    step's denominators and metric sums, object gathers), which NCCL cannot move. A collective waiting past
+    `timeout_s` raises."""
+    backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, f"tcp://{address}:{port}", timeout=timeout, world_size=world_size, rank=rank)
 

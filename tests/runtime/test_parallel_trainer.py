@@ -8,6 +8,7 @@ from conftest import batch, moe_rollouts, small_model  # noqa: I001 - tests/conf
 
 from molt.cli.main import parse_config
 from molt.models import from_pretrained
+from molt.train import parallel
 from molt.train.parallel import split_by_tokens
 from molt.train.trainer import Trainer
 
@@ -17,6 +18,19 @@ def _cfg(*flags):
     return parse_config(["--data.max_len", "64", "--rollout.max_len", "64", "--train.warmup_steps", "0",
                          "--train.micro_batch_tokens", "64", "--runtime.backend", "ray",
                          "--runtime.collective_timeout_s", "120", *flags])  # fmt: skip
+
+
+MIXED = "cpu:gloo,cuda:nccl"
+
+
+@pytest.mark.parametrize(("device", "backend"), [("cpu", "gloo"), ("cuda", MIXED), ("cuda:1", MIXED)])
+def test_cuda_ranks_move_cpu_tensors_over_gloo(monkeypatch, device, backend):
+    """The step all-reduces CPU tensors (denominators, metric sums), which NCCL refuses: on CUDA the group pairs NCCL
+    (FSDP2's CUDA tensors) with gloo for them. Isolated from a real group: no GPU here."""
+    seen = []
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda backend, *a, **k: seen.append(backend))
+    parallel.init_process_group(0, 2, "127.0.0.1", 1, device=device)
+    assert seen == [backend]
 
 
 def test_split_keeps_groups_whole_and_balances_tokens():
