@@ -104,7 +104,9 @@ def _group_estimator(name: str, whiten: bool, advantage_r: GroupAdvantage) -> No
     )
     def estimate(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[Tensor, Tensor, Metrics]:
         groups, rewards_r, metrics = _grouped_rewards(inputs)
-        per_sample_b1 = advantage_r(rewards_r, groups, params)[groups.sample_to_rollout_b].unsqueeze(1)
+        # in float64: a float32 mean of equal rewards may miss them by an ulp, which GRPO's std would blow up
+        advantages_r = advantage_r(rewards_r.double(), groups, params).to(rewards_r.dtype)
+        per_sample_b1 = advantages_r[groups.sample_to_rollout_b].unsqueeze(1)
         advantages_bt = torch.where(inputs.mask_bt.bool(), per_sample_b1, 0.0)
         return advantages_bt, advantages_bt, metrics
 

@@ -143,6 +143,19 @@ def test_all_equal_rewards_and_group_of_one_give_zero(name):
     assert torch.isfinite(adv).all() and adv.abs().max() == 0
 
 
+@pytest.mark.parametrize(("size", "reward"), [(16, 0.7), (64, 0.7), (64, 0.9), (16, 3.7), (16, 100.7), (6, 0.1)])
+def test_grpo_gives_an_equal_float32_group_zero(size, reward):
+    """The trainer's rewards are float32, whose group mean can miss equal rewards by an ulp; GRPO divides that by a
+    std of the same size, so the group would get +-0.1 to 0.9 each (e.g. rewards clipped to 0.7 by algo.reward_clip)."""
+    inputs = AdvantageInputs(
+        mask_bt=torch.ones(size, 2),
+        rewards_b=torch.full((size,), reward, dtype=torch.float32),
+        group_ids_b=torch.zeros(size, dtype=torch.long),
+    )
+    adv, _, _ = compute_advantages("grpo", inputs)
+    assert adv.dtype == torch.float32 and adv.abs().max() <= 1e-6
+
+
 @pytest.mark.parametrize("name", ESTIMATORS.names())
 def test_empty_mask_gives_zeros_and_finite_metrics(name):
     inputs = AdvantageInputs(
