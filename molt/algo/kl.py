@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from molt.algo.masked import clamped_log_ratio
+from molt.algo.masked import LOG_RATIO_LIMIT, finite_log_ratio
 from molt.registry import Registry
 
 KL_CLAMP = 10.0
@@ -24,7 +24,7 @@ KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 
 def kl_estimate(name: str, logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tensor) -> Tensor:
     """Per-token KL(policy || base) estimate [B, T] with estimator `name`; zero off the mask."""
-    log_ratio_bt = clamped_log_ratio(logp_bt, base_logp_bt, mask_bt)
+    log_ratio_bt = finite_log_ratio(logp_bt, base_logp_bt, mask_bt)
     return torch.where(mask_bt.bool(), KL_ESTIMATORS.get(name)(log_ratio_bt), 0.0)
 
 
@@ -42,8 +42,9 @@ def k2(log_ratio_bt: Tensor) -> Tensor:
 
 @KL_ESTIMATORS.register("k3")
 def k3(log_ratio_bt: Tensor) -> Tensor:
-    """exp(-x) - 1 + x: unbiased, non-negative and of low variance."""
-    return (torch.expm1(-log_ratio_bt) + log_ratio_bt).clamp(min=0.0, max=KL_CLAMP)
+    """exp(-x) - 1 + x: unbiased, non-negative and of low variance (x clamped to +-30 first: exp(-x) stays finite)."""
+    x_bt = log_ratio_bt.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return (torch.expm1(-x_bt) + x_bt).clamp(min=0.0, max=KL_CLAMP)
 
 
 KL_CONTROLLERS: Registry[Callable[..., object]] = Registry("KL controller")

@@ -42,10 +42,15 @@ def sanitized_log_ratio(logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tensor) 
     return torch.where(valid_bt, diff_bt, 0.0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT), valid_bt
 
 
-def clamped_log_ratio(logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tensor) -> Tensor:
-    """`logp - base` with NaN -> 0, +-inf -> +-30, clamped to +-30, and 0 off-mask (reference rule)."""
+def finite_log_ratio(logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tensor) -> Tensor:
+    """`logp - base` with NaN -> 0, +-inf -> +-30, and 0 off-mask (reference rule); finite values are kept."""
     diff_bt = torch.nan_to_num(logp_bt - base_logp_bt, nan=0.0, posinf=LOG_RATIO_LIMIT, neginf=-LOG_RATIO_LIMIT)
-    return torch.where(mask_bt.bool(), diff_bt, 0.0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return torch.where(mask_bt.bool(), diff_bt, 0.0)
+
+
+def clamped_log_ratio(logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tensor) -> Tensor:
+    """`finite_log_ratio` clamped to +-30, for an exp() of it."""
+    return finite_log_ratio(logp_bt, base_logp_bt, mask_bt).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
 
 
 def _shift_left(x_bt: Tensor, shift: int) -> Tensor:

@@ -144,7 +144,8 @@ class AlgoConfig:
     kl_coef: float = 0.0
     """KL-to-reference loss coefficient (> 0 builds a frozen reference copy of the initial policy)."""
     kl_estimator: str = "k3"
-    """KL estimator for the loss: k1, k2, k3."""
+    """KL estimator for the loss term: k3 (its expected gradient is the forward KL(ref || policy)'s) or k2 (KL(policy
+    || ref)'s); k1 is refused (its expected gradient is 0). KL rewards (reinforce, gae, distillation) use k1."""
     kl_target: float = 0.0
     """Adaptive KL (Ziegler et al. 2019): the KL to the reference (train/kl) the coefficient steers to. It starts at
     `kl_coef`; after each step beta *= 1 + clip(train/kl / kl_target - 1, +-0.2) * min(samples / kl_horizon, 1)
@@ -213,7 +214,8 @@ class AlgoConfig:
               f"add --algo.is_mode {modes[0]}")  # fmt: skip
         check(self.kl_estimator != "k1" or not (self.kl_coef or self.kl_target), "algo.kl_estimator", "k1 cannot be "
               "the KL loss: its expected gradient is 0 (E[grad log pi] = 0), so the term would do nothing while "
-              "train/kl moves; use k2 or k3 (their gradients are the KL's)")  # fmt: skip
+              "train/kl moves; use k2 (its expected gradient is KL(policy || ref)'s) or k3 "
+              "(KL(ref || policy)'s)")  # fmt: skip
         try:
             self.objective()
         except ValueError as e:

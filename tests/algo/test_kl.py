@@ -25,6 +25,17 @@ def test_estimators_hand_numbers_and_guards():
     torch.testing.assert_close(k3, torch.tensor(expected_k3, dtype=F64), rtol=0, atol=1e-12)
 
 
+def test_k1_keeps_a_finite_log_ratio_past_the_inf_cap_and_k3_stays_finite_with_its_gradient():
+    """k1 (the reward of KL penalties and teacher distillation) is not capped: a teacher at log-prob -45 below the
+    policy gives 45, not 30. k3 clamps x first, so exp(-x) of a large negative x has a finite (zero) gradient."""
+    logp = torch.tensor([[0.0, -45.0]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[-45.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(kl_estimate("k1", logp, ref, torch.ones(1, 2)), torch.tensor([[45.0, -45.0]], dtype=F64))
+    k3 = kl_estimate("k3", logp, ref, torch.ones(1, 2))
+    (grad,) = torch.autograd.grad(k3.sum(), logp)
+    assert k3.tolist() == [[10.0, 10.0]] and grad.tolist() == [[0.0, 0.0]]
+
+
 def test_k3_gradient_and_nonnegativity():
     gen = torch.Generator().manual_seed(0)
     ref = torch.randn(3, 5, generator=gen, dtype=F64)
