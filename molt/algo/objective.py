@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from molt.algo.aggregation import AGGREGATIONS, StepDenominators, aggregate
@@ -73,8 +74,9 @@ def policy_objective(batch: PolicyBatch, denoms: StepDenominators, params: Objec
         metrics["kl"] = masked_mean(kl_bt.detach(), mask_bt)
         if params.kl_loss_coef:
             loss = loss + params.kl_loss_coef * aggregate("token-mean", kl_bt, mask_bt, denoms)
-    if batch.entropy_bt is not None:
-        metrics["entropy"] = masked_mean(batch.entropy_bt.detach(), mask_bt)
+    if batch.entropy_bt is not None:  # a non-finite token is dropped from the bonus, as from the surrogate
+        entropy_bt = torch.where(torch.isfinite(batch.entropy_bt), batch.entropy_bt, 0.0)
+        metrics["entropy"] = masked_mean(entropy_bt.detach(), mask_bt)
         if params.entropy_coef:
-            loss = loss - params.entropy_coef * aggregate("token-mean", batch.entropy_bt, mask_bt, denoms)
+            loss = loss - params.entropy_coef * aggregate("token-mean", entropy_bt, mask_bt, denoms)
     return loss, {name: value.detach() for name, value in metrics.items()}

@@ -48,7 +48,7 @@ def _prepare(
     valid_bt = valid_bt & torch.isfinite(advantages_bt)
     advantages_bt = torch.where(valid_bt, advantages_bt.detach(), 0.0)
     metrics = {
-        "nonfinite_frac": 1.0 - masked_mean(valid_bt.to(logp_bt.dtype), mask_bt),
+        "nonfinite_frac": masked_mean((~valid_bt).to(logp_bt.dtype), mask_bt),  # 0 without action tokens
         "policy_kl": masked_mean(-log_ratio_bt.detach(), valid_bt),  # k1 estimate of KL(old || new)
     }
     return log_ratio_bt, advantages_bt, valid_bt, metrics

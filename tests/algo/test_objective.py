@@ -66,6 +66,26 @@ def test_kl_loss_and_entropy_bonus_are_added_with_the_step_denominator():
     assert metrics["kl"].item() == pytest.approx(0.25) and metrics["entropy"].item() == pytest.approx(3.0)
 
 
+def test_a_nonfinite_token_is_dropped_from_the_entropy_bonus_as_from_the_surrogate():
+    logp = torch.tensor([[-1.0, math.nan]], dtype=F64, requires_grad=True)
+    entropy = torch.tensor([[2.0, math.nan]], dtype=F64, requires_grad=True)
+    mask = torch.ones(1, 2)
+    batch = PolicyBatch(logp, mask, torch.ones(1, 2, dtype=F64), entropy_bt=entropy)
+    loss, metrics = policy_objective(batch, step_denominators([mask]), ObjectiveParams(entropy_coef=0.1))
+    (grad,) = torch.autograd.grad(loss, entropy)
+    # the NaN token adds nothing but still counts in the denominator: (-1 - 0.1 * 2) / 2
+    assert loss.item() == pytest.approx(-0.6, abs=1e-12) and grad.tolist() == [[-0.05, 0.0]]
+    assert metrics["entropy"].item() == pytest.approx(1.0) and metrics["nonfinite_frac"].item() == 0.5
+
+
+def test_nonfinite_frac_is_zero_without_action_tokens():
+    logp = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
+    mask = torch.zeros(1, 2)
+    _, metrics = policy_objective(PolicyBatch(logp, mask, torch.ones(1, 2, dtype=F64)), step_denominators([mask]),
+                                  ObjectiveParams())  # fmt: skip
+    assert metrics["nonfinite_frac"].item() == 0.0
+
+
 @pytest.mark.parametrize("loss_agg", AGGREGATIONS.names())
 @pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo"])
 def test_objective_is_micro_batch_invariant(loss_agg, policy_loss):
