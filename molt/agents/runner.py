@@ -181,6 +181,9 @@ async def run_episode(
         observation = with_images(observation, result.images)
         ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == eos_id
         delta = observation_ids(tokenizer, messages, observation, ended_with_eos, tools, strict=False)
+        if len(traj.tokens) + len(delta) >= limits.max_len:  # no room to act after it: the budget ends the episode
+            traj.truncated = True
+            break
         _extend_prompt(traj, engine, delta, message_images(observation), limits.max_len)
         messages = messages + [{"role": "assistant", "content": action}] + observation
     traj.score = result.score if result is not None and result.score is not None else traj.reward

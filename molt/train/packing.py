@@ -154,11 +154,13 @@ def collate(samples: list[list[int]], masks: list[list[int]], rows: list[list[Pi
 
 
 def collate_routing(routings: list, rows: list[list[Piece]], width: int, shape_lk) -> torch.Tensor:
-    """[R, width, L, k] recorded expert ids laid out like `collate`'s rows; -1 where a sample has none."""
+    """[R, width, L, k] recorded expert ids laid out like `collate`'s rows; -1 where a sample has none (a record may
+    stop short of its sample's last tokens: an episode's closing observation was never forwarded by the engine)."""
     out = torch.full((len(rows), width, *shape_lk), -1, dtype=torch.int16)
     for r, offset, p in placements(rows):
         if routings[p.sample] is not None:
-            out[r, offset : offset + len(p)] = routings[p.sample][p.start : p.end]
+            recorded = routings[p.sample][p.start : p.end]
+            out[r, offset : offset + len(recorded)] = recorded
     return out
 
 

@@ -96,6 +96,17 @@ def test_context_budget_clips_max_tokens():
     assert len(traj.tokens) == prompt_len + 4 and traj.finish_reason == "length"
 
 
+def test_an_observation_leaving_no_room_to_act_ends_the_episode_within_the_budget():
+    """The closing observation is not appended past rollout.max_len (nothing would act on it): the trajectory stays
+    within the budget and ends on the policy's last action, truncated."""
+    row = get_task("arithmetic").rows(1, seed=7)[0]
+    prompt_len = len(apply_chat_template(TOK, row["messages"], add_generation_prompt=True))
+    long = Returns(Result(reward=1.0, observation="x " * 40))
+    traj = _run(ScriptedEngine(["12", "34"]), long, row, EpisodeLimits(max_len=prompt_len + 30))
+    assert traj.truncated and traj.num_turns == 1 and len(traj.tokens) <= prompt_len + 30
+    assert traj.loss_mask[-1] == 1  # the action is the last token
+
+
 class NotAResult(Env):
     async def step(self, action):
         return 1.0

@@ -206,3 +206,6 @@ def test_trajectory_routing_merges_by_position_and_packs_by_row():
     packed = collate_routing([traj.routing, None], [[Piece(1, 0, 2), Piece(0, 0, 5)]], 8, (1, 2))
     assert packed.shape == (1, 8, 1, 2)
     assert (packed[0, :2] == -1).all() and torch.equal(packed[0, 2:7], traj.routing) and (packed[0, 7] == -1).all()
+    # a record that stops short of its sample's last tokens (an unforwarded closing observation): -1 past it
+    short = collate_routing([traj.routing[:3]], [[Piece(0, 0, 5)]], 6, (1, 2))
+    assert torch.equal(short[0, :3], traj.routing[:3]) and (short[0, 3:] == -1).all()
