@@ -73,6 +73,23 @@ def test_anthropic_image_blocks_are_recorded_with_their_pixels(served):
     assert [r["hash"] for r in traj.images] == _hashes(BLUE)
 
 
+def test_an_image_in_an_anthropic_tool_result_is_rendered_and_recorded(served):
+    """A screenshot tool's result: the image inside the `tool_result` block reaches the policy (it was dropped)."""
+    session = served.open(SamplingParams(temperature=1.0, max_tokens=4, seed=0))
+    client = anthropic.Anthropic(base_url=served.session_url(session), api_key=KEY, max_retries=0)
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(RED)}}
+    messages = [
+        {"role": "user", "content": "look"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "screenshot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [shot]}]},
+    ]
+    counted = client.messages.count_tokens(model="molt", messages=messages).input_tokens
+    reply = client.messages.create(model="molt", max_tokens=4, messages=messages)
+    traj = _recorded(served, session)
+    assert [r["hash"] for r in traj.images] == _hashes(RED)
+    assert reply.usage.input_tokens == counted  # count_tokens counts the image's tokens too
+
+
 def test_an_image_request_from_an_agent_worker_is_recorded_as_in_process():
     """`rollout.agent_workers`: the image's pixels travel to the main process's engine and back into the segment."""
     from vlm_support import looking_agent, looking_kit

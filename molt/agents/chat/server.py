@@ -44,10 +44,12 @@ from molt.agents.chat.messages import ChatRequest, check_depth, lone_surrogate
 from molt.agents.chat.replies import GenerationError, RequestError, SessionClosed
 from molt.agents.chat.session import Session, forced_prefix, off_loop
 from molt.agents.chat.tool_parser import PARSERS, get_parser
+from molt.agents.images import expand_images, message_images
 from molt.agents.runner import first_prompt_ids
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import SamplingParams
 from molt.models.tokenizer import render_chat
+from molt.models.vision import ImageError
 
 log = logging.getLogger("molt.chat")
 BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}  # byte-level BPE's alphabet -> the byte it spells
@@ -390,14 +392,21 @@ class ChatServer:
             self._session(request, session_id)  # only checked to exist
             chat = await self._decode(request, wire_anthropic, counting=True)
             tools = chat.tools if self.render_tools else None
-            ids = await off_loop(chat.size, first_prompt_ids, self.tokenizer, chat.messages, tools)
+            ids = await off_loop(chat.size, self._prompt_ids, chat.messages, tools)
             forced = forced_prefix(self.parser, chat) if chat.force_tool is not None else None
             opening = self.tokenizer(forced, add_special_tokens=False)["input_ids"] if forced else []
             return JSONResponse({"input_tokens": len(ids) + len(opening)})  # as `messages` reports them
         except Exception as e:  # noqa: BLE001 - a template that cannot render it is a 400, the rest as elsewhere
-            if isinstance(e, TemplateError | TypeError | KeyError | ValueError) and not isinstance(e, RequestError):
+            if isinstance(e, ImageError):
+                e = RequestError(str(e))
+            elif isinstance(e, TemplateError | TypeError | KeyError | ValueError) and not isinstance(e, RequestError):
                 e = RequestError(f"the chat template cannot render these messages: {e}")
             return self._error(wire_anthropic, e, session_id)
+
+    def _prompt_ids(self, messages: list, tools: list | None) -> list[int]:
+        """The first prompt of `messages` as the engine takes it: rendered, its image placeholders expanded."""
+        ids = first_prompt_ids(self.tokenizer, messages, tools)
+        return expand_images(self.engine, ids, message_images(messages), 0)[0]
 
     def _error(self, wire, error: Exception, session_id: str | None) -> JSONResponse:
         status, message = self._failure(error, session_id)

@@ -1,13 +1,13 @@
 """Anthropic Messages wire: request schema -> `ChatRequest`, `TurnReply` -> message / event stream.
 
-Decoding: top-level `system` becomes the first message; assistant `text` blocks are the content and `tool_use`
-blocks its tool calls; each user `tool_result` block becomes a `tool` message (in order, before the user's remaining
-text); `tools` (`input_schema`) become OpenAI function schemas so one template path renders both wires. Base64
-`image` blocks become image parts (for a VLM policy; a `url` or `file` source is a 400, never fetched), as are
-OpenAI `image_url` parts with a data URI (`ChatContext.messages` hold those, so one list drives both SDKs); document
-blocks are refused (400). `max_tokens` is required (not by `count_tokens`); `top_k` applies in serve mode; a final
-assistant message (a prefill to continue) and the `UNSUPPORTED` options (`thinking`, `output_config`) are refused
-(400): Molt's reply is always a new turn, captured token-exact.
+Decoding: top-level `system` becomes the first message; assistant `text` blocks are the content and `tool_use` blocks
+its tool calls; each user `tool_result` block becomes a `tool` message (in order, before the user's remaining text; its
+images kept); `tools` (`input_schema`) become OpenAI function schemas so one template path renders both wires. Base64
+`image` blocks become image parts (for a VLM policy; a `url` or `file` source is a 400, never fetched), as are OpenAI
+`image_url` parts with a data URI (`ChatContext.messages` hold those, so one list drives both SDKs); document blocks are
+refused (400). `max_tokens` is required (not by `count_tokens`); `top_k` applies in serve mode; a final assistant
+message (a prefill to continue) and the `UNSUPPORTED` options (`thinking`, `output_config`) are refused (400): Molt's
+reply is always a new turn, captured token-exact.
 Encoding: `text` and `tool_use` content blocks, `stop_reason` (end_turn, max_tokens, tool_use,
 stop_sequence) and `usage`; `tool_choice` any / tool opens the reply with a call of the request's
 tools. Streaming sends the standard event sequence as the engine generates: text deltas live, then each
@@ -129,13 +129,20 @@ def _messages(m: MessageIn) -> list[dict[str, Any]]:
             out["tool_calls"] = [function_call(b.id or "", b.name or "", b.input or {}) for b in calls]
         return [out]
     results = [
-        {"role": "tool", "content": _text(b.content), "tool_call_id": b.tool_use_id or ""}
+        {"role": "tool", "content": text_content(_parts(b.content)), "tool_call_id": b.tool_use_id or ""}
         for b in m.content
         if b.type == "tool_result"
     ]
-    parts = [{"type": "text", "text": b.text or ""} if b.type == "text" else b.image_part() for b in m.content
-             if b.type in ("text", "image", "image_url")]  # fmt: skip
+    parts = _parts(m.content)
     return results + ([{"role": "user", "content": text_content(parts)}] if parts or not results else [])
+
+
+def _parts(blocks: str | list[Block] | None) -> list[dict[str, Any]]:
+    """The text and image blocks of a user message or a `tool_result` (a screenshot tool's image) as content parts."""
+    if blocks is None or isinstance(blocks, str):
+        return [{"type": "text", "text": blocks}] if blocks else []
+    return [{"type": "text", "text": b.text or ""} if b.type == "text" else b.image_part() for b in blocks
+            if b.type in ("text", "image", "image_url")]  # fmt: skip
 
 
 def decode(body: Any, counting: bool = False) -> ChatRequest:
