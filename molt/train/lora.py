@@ -30,11 +30,12 @@ TARGETS = {t: f"self_attn.{t}_proj" for t in "qkvo"} | {t: f"mlp.{t}_proj" for t
 
 
 class Adapter(nn.Module):
-    """One low-rank update: A [r, d_in] (Kaiming-uniform, as PEFT), B [d_out, r] (zeros)."""
+    """One low-rank update: A [r, d_in] (Kaiming-uniform, as PEFT), B [d_out, r] (zeros); float32 beside a bf16 base
+    too (as PEFT): a bf16 A and its AdamW state lose most updates (`--train.precision pure`), for a few MB."""
 
     def __init__(self, linear: nn.Linear, rank: int):
         super().__init__()
-        like = dict(device=linear.weight.device, dtype=linear.weight.dtype)
+        like = dict(device=linear.weight.device, dtype=torch.float32)
         self.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, **like))
         self.lora_B = nn.Parameter(torch.zeros(linear.out_features, rank, **like))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))

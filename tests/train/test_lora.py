@@ -133,3 +133,20 @@ def test_an_moe_models_adapter_names_only_what_was_adapted(tmp_path, caplog):
     assert "train.lora_targets gate: no such nn.Linear" in caplog.text and "adapting q" in caplog.text
     lora.save_peft(tmp_path / "adapter")
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == ["q_proj"]
+
+
+def test_adapters_stay_float32_beside_a_bf16_base_and_train_in_its_dtype():
+    """`--train.precision pure`: bf16 adapters (and AdamW state) lost most of A's small updates; fp32 ones keep them."""
+    model = _model().to(torch.bfloat16)
+    lora = LoRA(model, rank=4, alpha=8.0, targets=("q", "v"))
+    _randomize(lora)
+    assert all(p.dtype == torch.float32 for p in lora.parameters())
+    out = model(IDS)
+    assert out.dtype == torch.bfloat16
+    out.float().logsumexp(-1).sum().backward()
+    a = next(iter(lora.adapters.values())).lora_A
+    before = a.detach().clone()
+    torch.optim.AdamW(lora.parameters(), lr=1e-5).step()
+    assert a.grad.dtype == torch.float32 and (a.detach() != before).float().mean() > 0.99
+    merged = lora.merged_weights()
+    assert all(w.dtype == torch.bfloat16 for w in merged.values())
