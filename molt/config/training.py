@@ -218,8 +218,9 @@ class TrainConfig:
         check(self.lr > 0, "train.lr", "must be > 0")
         check(-(2**63) <= self.seed < 2**63, "train.seed", "must fit in 64 bits (torch's seed)")
         check_bounds(self, lora_rank=">= 0 (0: no LoRA)", lora_alpha="> 0")
-        unknown = set(self.lora_targets) - {"q", "k", "v", "o", "gate", "up", "down"}
-        check(bool(self.lora_targets) and not unknown, "train.lora_targets", "choose from q,k,v,o,gate,up,down")
+        unknown = sorted(set(self.lora_targets) - {"q", "k", "v", "o", "gate", "up", "down"})
+        what = f"unknown {','.join(unknown)}; " if unknown else ""
+        check(bool(self.lora_targets) and not unknown, "train.lora_targets", f"{what}choose from q,k,v,o,gate,up,down")
         for key in changed(self, "lora_alpha", "lora_targets"):
             check(self.lora_rank > 0, f"train.{key}", "has no effect here: LoRA is off (--train.lora_rank 0)")
         check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")

@@ -120,7 +120,7 @@ def test_peft_loads_the_adapter_onto_the_transformers_model_with_equal_logits(tm
 def test_lora_config_checks():
     from molt.config import Config, ConfigError, ModelConfig, RuntimeConfig, TrainConfig
 
-    with pytest.raises(ConfigError, match="lora_targets"):
+    with pytest.raises(ConfigError, match="train.lora_targets: unknown lm_head; choose from"):
         TrainConfig(lora_rank=4, lora_targets=("q", "lm_head"))
     Config(train=TrainConfig(lora_rank=4), runtime=RuntimeConfig(backend="ray"))  # sharded by the trainer ranks
     with pytest.raises(ConfigError, match="train.lora_targets: the model's MLPs are all MoE experts"):
