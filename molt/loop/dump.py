@@ -22,7 +22,9 @@ import torch
 from molt.data.trajectory import Trajectory
 from molt.errors import UserError
 from molt.log import atomic_write, atomic_write_text, json_safe
-from molt.models.vision import pixel_hash
+from molt.models.config import TransformerConfig
+from molt.models.vision import ImageError, pixel_hash
+from molt.train.batch import ImageMismatchError, trajectory_pixels
 
 ROLLOUTS = "rollouts"  # in the run directory
 IMAGES = "images"  # in the rollouts folder: content-addressed pixel tensors
@@ -88,11 +90,19 @@ def drop_shards_after(folder: Path, step: int) -> None:
 
 
 def read_shard(
-    path: Path, *, step: int, vocab_size: int, trainer_version: int, max_staleness: int, moe: tuple | None = None
+    path: Path,
+    *,
+    step: int,
+    vocab_size: int,
+    trainer_version: int,
+    max_staleness: int,
+    moe: tuple | None = None,
+    model_cfg: TransformerConfig | None = None,
 ) -> list[Trajectory]:
     """Step `step`'s batch from its shard, every line checked (see the module docstring); DumpError if wrong.
     `moe`: the policy's (MoE layers, top-k, experts), which recorded routing must fit (None: not checked; (): a
-    dense policy, which takes no recorded routing)."""
+    dense policy, which takes no recorded routing). `model_cfg`: the policy's, whose image placeholders the recorded
+    images must start at (the trainer's own check, here with the line)."""
     if not path.exists():
         raise DumpError(f"{path}: missing: the dump has no shard for step {step}")
     batch = []
@@ -105,11 +115,21 @@ def read_shard(
                 raise DumpError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             traj = _trajectory(record, where, path.parent / IMAGES, moe)
             _check_tokens(traj, where, vocab_size)
+            if model_cfg is not None:
+                _check_images(traj, where, model_cfg)
             _check_versions(record, traj, where, step, trainer_version, max_staleness)
             batch.append(traj)
     if not batch:
         raise DumpError(f"{path}: empty: step {step} trained on no trajectories")
     return batch
+
+
+def _check_images(traj: Trajectory, where: str, model_cfg: TransformerConfig) -> None:
+    """The recorded images start where the policy's placeholder runs do (and a text policy takes none)."""
+    try:
+        trajectory_pixels([traj], model_cfg)
+    except (ImageMismatchError, ImageError) as e:
+        raise _fail(where, "images", str(e)) from None
 
 
 def _fail(where: str, key: str, what: str) -> DumpError:

@@ -62,7 +62,7 @@ class ReplayLoop(RLLoop):
         super().__init__(cfg, engine=None, trainer=trainer, tokenizer=tokenizer, make_env=lambda: None,  # type: ignore[arg-type]
                          train_rows=[], eval_rows=[], state=state, run_dir=run_dir)  # fmt: skip
         self.folder = replay_folder(cfg, self.state.step)
-        self.vocab_size = model_cfg.vocab_size  # dumped ids and routing must fit the policy
+        self.model_cfg, self.vocab_size = model_cfg, model_cfg.vocab_size  # dumped ids, images and routing must fit
         moe = (model_cfg.num_moe_layers(), model_cfg.num_experts_per_tok, model_cfg.num_experts)
         self.moe = moe if model_cfg.num_experts else ()  # () a dense policy: recorded routing is refused
         if cfg.eval.every:
@@ -78,7 +78,8 @@ class ReplayLoop(RLLoop):
         path = self.folder / shard_name(step)
         return await asyncio.to_thread(read_shard, path, step=step, vocab_size=self.vocab_size,
                                        trainer_version=self.trainer.version,
-                                       max_staleness=self.cfg.rollout.max_staleness, moe=self.moe)  # fmt: skip
+                                       max_staleness=self.cfg.rollout.max_staleness, moe=self.moe,
+                                       model_cfg=self.model_cfg)  # fmt: skip
 
     async def _compute(self, fn, *args):
         """On the one compute thread, with the torch threads a live run's trainer step has."""
