@@ -35,7 +35,7 @@ def _image_bytes(image: Any, where: str) -> bytes:
         image = image.get("bytes") or image.get("path")
     if isinstance(image, str) and image.startswith("data:"):
         try:
-            return base64.b64decode(image.split(",", 1)[1], validate=True)
+            return base64.b64decode("".join(image.split(",", 1)[1].split()), validate=True)  # line breaks allowed
         except (IndexError, binascii.Error):
             raise ImageError(f"{where}: malformed base64 data URI") from None
     if isinstance(image, str) and image.startswith(("http://", "https://")):
@@ -57,6 +57,8 @@ def load_image(image: Any, where: str = "image", verify: bool = False):
 
     if isinstance(image, Image.Image):
         return image
+    path = image.get("path") if isinstance(image, dict) and not image.get("bytes") else image
+    named = f" of {str(path)!r}" if isinstance(path, (str, Path)) and not str(path).startswith("data:") else ""
     image = _image_bytes(image, where)
     try:
         loaded = Image.open(io.BytesIO(image))
@@ -67,21 +69,27 @@ def load_image(image: Any, where: str = "image", verify: bool = False):
         loaded.verify() if verify else loaded.load()
         return loaded
     except Image.DecompressionBombError as e:
-        raise ImageError(f"{where}: image is too large ({str(e).split(',')[0]})") from None
+        raise ImageError(f"{where}: image{named} is too large ({str(e).split(',')[0]})") from None
     except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise ImageError(f"{where}: cannot decode image bytes ({len(image)} bytes): {e}") from None
+        why = "not an image format Pillow reads" if isinstance(e, UnidentifiedImageError) else str(e)
+        raise ImageError(f"{where}: cannot decode image bytes{named} ({len(image)} bytes): {why}") from None
 
 
 def rgb_image(image: Any, where: str = "image"):
-    """`image` as 8-bit RGB as a viewer shows it: EXIF orientation applied, 16-bit grey scaled (not clipped) to 8
-    bits, transparent pixels over white (as `transformers`' `convert_to_rgb`)."""
+    """`image` as 8-bit RGB as a viewer shows it: EXIF orientation applied, 16-bit grey scaled to 8 bits (wider
+    integers clipped, never wrapped), float grey in [0, 1] scaled by 255, transparent pixels over white (as
+    `transformers`' `convert_to_rgb`)."""
     import numpy as np
     from PIL import Image, ImageOps
 
     image = ImageOps.exif_transpose(load_image(image, where))
-    if image.mode in ("I", "I;16", "I;16B", "I;16L"):
+    if image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
         grey = np.asarray(image, dtype=np.float64)
-        image = Image.fromarray((grey / (257.0 if grey.max() > 255 else 1.0)).round().astype(np.uint8), "L")
+        if image.mode == "F" and grey.max() <= 1.0:
+            grey = grey * 255.0
+        elif grey.max() > 255:
+            grey = grey / 257.0
+        image = Image.fromarray(np.clip(grey, 0, 255).round().astype(np.uint8), "L")
     if "A" in image.getbands() or "transparency" in image.info:
         image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
     return image.convert("RGB")

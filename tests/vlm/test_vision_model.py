@@ -19,6 +19,7 @@ from molt.models.vision import (
     image_spans,
     load_image,
     pixel_hash,
+    rgb_image,
     to_pixels,
 )
 
@@ -60,7 +61,7 @@ def test_images_are_seen_as_a_viewer_shows_them_and_keep_their_encoding_in_uris(
 
 
 def test_bad_images_are_clear_errors(tmp_path):
-    with pytest.raises(ImageError, match="cannot decode image bytes"):
+    with pytest.raises(ImageError, match=r"cannot decode image bytes \(15 bytes\): not an image format Pillow reads$"):
         to_pixels(b"\x89PNG not really", 16)
     with pytest.raises(ImageError, match="does not exist"):
         to_pixels(str(tmp_path / "missing.png"), 16)
@@ -72,10 +73,10 @@ def test_bad_images_are_clear_errors(tmp_path):
         to_pixels("https://example.com/a.png", 16)
     Image.new("1", (20000, 20000)).save(tmp_path / "bomb.png")  # ~76 KB, 400M pixels
     for verify in (False, True):
-        with pytest.raises(ImageError, match=r"image is too large \(Image size \(400000000 pixels\)"):
+        with pytest.raises(ImageError, match=r"image of '.*bomb\.png' is too large \(Image size \(400000000 pixels\)"):
             load_image(str(tmp_path / "bomb.png"), verify=verify)
     (tmp_path / "cut.png").write_bytes(png_bytes(image((1, 2, 3)))[:60])
-    with pytest.raises(ImageError, match="cannot decode"):
+    with pytest.raises(ImageError, match=r"cannot decode image bytes of '.*cut\.png' \(60 bytes\)"):
         load_image(str(tmp_path / "cut.png"), verify=True)
 
 
@@ -125,3 +126,20 @@ def test_vlm_folder_round_trips_and_text_folders_stay_as_before(tmp_path):
     text = Transformer(preset("tiny", vocab_size=300, hidden_size=64, num_layers=1)).init_weights()
     text_hf = json.loads((save_pretrained(text, tmp_path / "text") / "config.json").read_text())
     assert "vision_config" not in text_hf and from_pretrained(tmp_path / "text").vision is None
+
+
+def test_wrapped_base64_and_wide_or_float_grey_images_decode_as_a_viewer_shows_them():
+    import io
+
+    import numpy as np
+
+    encoded = base64.b64encode(png_bytes(image((10, 200, 30)))).decode()
+    wrapped = "\n".join(encoded[i : i + 76] for i in range(0, len(encoded), 76))  # as MIME encoders write it
+    assert torch.equal(to_pixels("data:image/png;base64," + wrapped, 8), to_pixels("data:;base64," + encoded, 8))
+    wide = Image.fromarray(np.array([[0, 65535, 100000, 2**24]], dtype=np.int32), "I")  # past 16 bits: clipped
+    assert np.asarray(rgb_image(wide))[0, :, 0].tolist() == [0, 255, 255, 255]
+    floats = Image.fromarray(np.array([[0.0, 0.5, 1.0]], dtype=np.float32), "F")  # [0, 1] grey
+    assert np.asarray(rgb_image(floats))[0, :, 0].tolist() == [0, 128, 255]
+    buffer = io.BytesIO()
+    floats.save(buffer, format="TIFF")
+    assert np.asarray(rgb_image(buffer.getvalue()))[0, :, 0].tolist() == [0, 128, 255]
