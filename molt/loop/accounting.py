@@ -99,7 +99,7 @@ class Accounting:
         self.cfg, self.state, self.failure_log = cfg, state, failure_log
         self.complete_groups = bool(algo.ESTIMATORS.info(cfg.algo.estimator).get("complete_groups", False))
         self.filters = cfg.rollout.group_filters(cfg.algo.estimator)
-        self.filtered_in_a_row = 0  # groups dropped since one was kept
+        self.dropped_in_a_row: collections.Counter[str] = collections.Counter()  # since a group was kept, by reason
         self.group_drops: collections.Counter[str] = collections.Counter()  # since the last drop line
         self.step_dropped_groups = 0  # since the last step's metrics
         self.failure_kinds: set[tuple[str, str]] = set()
@@ -137,10 +137,19 @@ class Accounting:
         return Dropped(error.drop_reason)
 
     def _check_progress(self, reason: str) -> None:
-        """Stop with a clear error once 50 steps' worth of groups in a row were dropped (the run cannot train)."""
-        self.filtered_in_a_row += 1
-        if self.filtered_in_a_row <= 50 * self.cfg.rollout.prompts_per_step:
+        """Stop with a clear error once 50 steps' worth of groups in a row were dropped (the run cannot train), naming
+        every reason they were dropped for, most frequent first."""
+        self.dropped_in_a_row[reason] += 1
+        if (total := sum(self.dropped_in_a_row.values())) <= 50 * self.cfg.rollout.prompts_per_step:
             return
+        whys = [(n, *self._why_stuck(r)) for r, n in self.dropped_in_a_row.most_common()]
+        if len(whys) == 1:
+            raise RunStoppedError(f"{total} groups in a row were dropped ({whys[0][1]}): {whys[0][2]}")
+        parts = "; ".join(f"{n} {what}: {advice}" for n, what, advice in whys)
+        raise RunStoppedError(f"{total} groups in a row were dropped: {parts}")
+
+    def _why_stuck(self, reason: str) -> tuple[str, str]:
+        """(`reason` with its last drop's message, what to do about it)."""
         ro, signal = self.cfg.rollout, self.cfg.rollout.filter_on
         advice = {
             "prompt_over_context": f"the prompts do not fit rollout.max_len={ro.max_len} tokens (with room to "
@@ -151,7 +160,7 @@ class Accounting:
             "easier task), check the reward function, or drop the filter with --rollout.filters nonfinite",
         }.get(reason, f"rollout.filters {list(self.filters)} drop every group; check the {signal}s or the filters")
         detail = f" (last: {self.drop_details[reason]})" if reason in self.drop_details else ""
-        raise RunStoppedError(f"{self.filtered_in_a_row} groups in a row were dropped ({reason}{detail}): {advice}")
+        return reason + detail, advice
 
     def drop_line(self) -> str:
         """How many groups were dropped since the last call, and why (empty when none); resets the count."""

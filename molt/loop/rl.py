@@ -176,7 +176,7 @@ class RLLoop(Accounting):
         params = algo.FilterParams(self.cfg.rollout.score_range)
         keep, metrics = algo.filter_groups(scores, group_ids, rollout_ids, filters=self.filters, params=params)
         if bool(keep.all()):
-            self.filtered_in_a_row = 0
+            self.dropped_in_a_row.clear()
             return True
         reason = next((k.removesuffix("_frac") for k, v in metrics.items() if float(v) > 0), "filter_filter")
         self._drop(reason, len(group))  # `filter_<name>`: `algo.filter_groups` names its metrics `filter_<name>_frac`

@@ -12,9 +12,11 @@ import math
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from molt.cli.main import parse_config
 from molt.data.trajectory import Trajectory
+from molt.loop.accounting import RunStoppedError
 from molt.loop.rl import FAILURE_LOG, RLLoop
 
 
@@ -176,3 +178,15 @@ def test_the_episodes_of_a_group_restarted_on_resume_are_not_counted_twice(tmp_p
     live, saved = asyncio.run(run())
     assert (live.rollouts, live.failures) == (12, 2) and (saved.rollouts, saved.failures, saved.restart_groups) == (
         10, 1, [5])  # fmt: skip
+
+
+def test_a_run_stopped_by_drops_names_every_reason_most_frequent_first():
+    """Groups dropped for several reasons in a row (half over the context, half all-equal): the stop names both with
+    their counts and advice, not only the last one's."""
+    loop = StubLoop(parse_config(["--rollout.prompts_per_step", "2"]))
+    with pytest.raises(RunStoppedError) as err:
+        for i in range(101):
+            loop._check_progress("filter_all_equal" if i % 3 else "prompt_over_context")
+    message = str(err.value)
+    assert message.startswith("101 groups in a row were dropped: 67 filter_all_equal: every sample of a prompt")
+    assert "; 34 prompt_over_context: the prompts do not fit rollout.max_len" in message
