@@ -8,6 +8,7 @@ assembles the model, an engine from the one factory (32 sequences of `chat.max_l
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import signal
 import sys
@@ -17,6 +18,7 @@ import torch
 from molt.agents.chat.server import ChatServer
 from molt.cli.build import build_policy
 from molt.config import Config, check
+from molt.config.base import changed
 from molt.engine.interface import SamplingParams
 from molt.loop.evaluate import chat_options
 from molt.runtime.factory import build_engine
@@ -28,6 +30,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def build_server(cfg: Config) -> ChatServer:
     """Model, engine and a serve-mode ChatServer (not started); `parse_command` checked the config's user code."""
     chat, context = cfg.chat, cfg.model.architecture().context_length()
+    if not changed(chat, "max_len"):  # the default: within the model's context
+        chat = dataclasses.replace(chat, max_len=min(chat.max_len, context))
     check(chat.max_len <= context, "chat.max_len", f"({chat.max_len}) is over the model's context ({context} "
           "positions: max_position_embeddings, with RoPE scaling)")  # fmt: skip
     tokenizer, model = build_policy(cfg)

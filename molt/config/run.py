@@ -261,7 +261,8 @@ class ChatConfig:
     """Render a request's `tools` into the prompt via the chat template (off: the policy knows its tools); a template
     that ignores tools is warned about once."""
     max_len: int = 2048
-    """`molt serve`: context budget per request in tokens (training uses rollout.max_len)."""
+    """`molt serve`: context budget per request in tokens; left at 2048, the model's context where that is shorter
+    (training uses rollout.max_len)."""
     max_tokens: int = 256
     """`molt serve`: max generated tokens when a request sets none (a request's own max_tokens is honoured up
     to the context, chat.max_len); training uses rollout.max_tokens."""

@@ -356,6 +356,26 @@ def test_yaml_dotted_keys_and_the_lora_alpha_key(tmp_path, capsys):
     assert "train.lora_alpha: must be > 0" in capsys.readouterr().err
 
 
+def test_serve_fits_its_default_context_to_a_shorter_model(tmp_path):
+    """A 512-position model is served at 512 (it failed at start-up unless --chat.max_len was lowered); a max_len the
+    user sets over the context is still refused."""
+    import asyncio
+
+    from molt.cli.main import parse_command
+    from molt.cli.serve import build_server
+    from molt.models import Transformer, preset, save_pretrained
+    from molt.models.tokenizer import build_builtin_tokenizer
+
+    tokenizer = build_builtin_tokenizer()
+    arch = preset("tiny", vocab_size=len(tokenizer), max_position_embeddings=512)
+    save_pretrained(Transformer(arch), tmp_path / "model", tokenizer=tokenizer)
+    server = build_server(parse_command(["serve", str(tmp_path / "model"), "--chat.port", "0"]))
+    assert server.serve_max_len == 512
+    asyncio.run(server.engine.close())
+    with pytest.raises(ConfigError, match=r"chat.max_len: \(1000\) is over the model's context \(512 positions"):
+        build_server(parse_command(["serve", str(tmp_path / "model"), "--chat.port", "0", "--chat.max_len", "1000"]))
+
+
 def test_a_context_over_the_model_or_a_kv_cache_over_the_memory_is_one_line(molt):
     one_line(molt("serve", "--chat.max_len", "200000"),
              "config error: chat.max_len: (200000) is over the model's context (4096 positions")  # fmt: skip
