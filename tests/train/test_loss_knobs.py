@@ -114,7 +114,10 @@ def _refused(capsys, *flags: str) -> str:
 def test_settings_that_cannot_act_as_asked_are_refused_saying_what_to_do(tmp_path, capsys):
     assert "algo.entropy_coef: must be >= 0" in _refused(capsys, "--algo.entropy_coef", "-0.1")
     err = _refused(capsys, "--algo.kl_coef", "0.1", "--algo.kl_estimator", "k1")
-    assert "algo.kl_estimator: k1 cannot be the KL loss: its expected gradient is 0" in err and "use k2 or k3" in err
+    assert (
+        "algo.kl_estimator: k1 cannot be the KL loss: its expected gradient is 0" in err
+        and "use k2 (its expected gradient is KL(policy || ref)'s) or k3" in err
+    )
     err = _refused(capsys, "--algo.is_level", "geo")
     assert "algo.is_mode: --algo.is_level geo takes only mode mask" in err and "add --algo.is_mode mask" in err
     assert _cfg("--algo.is_high", "inf").algo.is_high == float("inf")  # no upper bound: deliberate
