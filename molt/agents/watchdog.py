@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import sys
 import threading
@@ -20,6 +21,8 @@ _WATCHDOGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loo
 BLOCKED_SIGNAL = signal.SIGUSR1  # a watchdog's interrupt of the agent code blocking the loop (main thread only)
 NOT_AGENT_CODE = (MOLT_DIR, "<", *LIBRARY_DIRS)
 log = logging.getLogger("molt.agents")
+IGNORED_S = 5.0  # past its time limit, how long agent code may take to honour the cancellation before a warning
+SWALLOWED = "a bare `except:` or `except BaseException` catches asyncio.CancelledError; re-raise it"
 
 
 class LoopBlockedError(UserError, RunFatalError):
@@ -40,15 +43,26 @@ async def within(timeout_s: float, awaitable, what: str, knob: str = "rollout.st
         if asyncio.iscoroutine(awaitable):
             awaitable.close()  # never started
         raise LoopBlockedError(dog.stopped)
+    late = f"{what} did not finish within {timeout_s:g}s ({knob})"
+    ignored = None  # agent code that catches the timeout's cancellation cannot be stopped: say so
+    if math.isfinite(timeout_s):
+        ignored = asyncio.get_running_loop().call_later(timeout_s + IGNORED_S, log.warning, "%s and ignored its "
+                                                        "cancellation: %s; it still runs", late, SWALLOWED)  # fmt: skip
     try:
         async with asyncio.timeout(timeout_s) as scope:
-            return await awaitable
+            result = await awaitable
     except TimeoutError as e:
         if not scope.expired():
             raise  # the agent's own timeout, with its own message
-        raise TimeoutError(f"{what} did not finish within {timeout_s:g}s ({knob})") from e
+        raise TimeoutError(late) from e
     except _Interrupt as e:
         raise LoopBlockedError(str(e)) from e
+    finally:
+        if ignored is not None:
+            ignored.cancel()
+    if scope.expired():  # it caught the timeout's CancelledError and went on: a late result is not used
+        raise TimeoutError(f"{late} and caught its cancellation: {SWALLOWED}")
+    return result
 
 
 def _agent_frame(frame: FrameType | None) -> FrameType | None:

@@ -26,6 +26,7 @@ import torch
 from molt import algo
 from molt.agents.chat.agent import local_rollout
 from molt.agents.runner import EpisodeLimits, real_number
+from molt.agents.watchdog import SWALLOWED
 from molt.agents.workers import AgentWorkers
 from molt.config import Config
 from molt.data.trajectory import Trajectory
@@ -37,6 +38,7 @@ from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sa
 from molt.train.interface import Trainer
 
 log = logging.getLogger("molt.loop")
+CANCEL_GRACE_S = 10.0  # how long a stopping loop waits for its cancelled rollouts
 
 
 class RLLoop(Accounting):
@@ -316,12 +318,18 @@ class RLLoop(Accounting):
         self.engine_stats = self._engine_snapshot()  # the eval before does not count
         producer = asyncio.create_task(self.rollout(), name="rollout")
         trainer = asyncio.create_task(self.train(on_step), name="train")
+        done: set[asyncio.Task] = set()
         try:
             done, _ = await asyncio.wait({producer, trainer}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when the run itself is cancelled (Ctrl-C): no rollout outlives the loop's engine
             for task in (producer, trainer, *self.group_tasks):  # in-flight groups will not run; restarted on resume
                 task.cancel()
-            await asyncio.gather(producer, trainer, *self.group_tasks, return_exceptions=True)
+            ended, stuck = await asyncio.wait({producer, trainer, *self.group_tasks}, timeout=CANCEL_GRACE_S)
+            for task in ended - done:
+                task.cancelled() or task.exception()  # retrieved: the cancellation's, not the run's failure
+            if stuck:  # a Ctrl-C (or the end of the run) must not wait on them forever
+                log.warning("%d rollout group(s) ignored their cancellation and are left running: %s", len(stuck),
+                            SWALLOWED)  # fmt: skip
         for task in done:
             task.result()  # re-raise a failure of either coroutine
         return self.history

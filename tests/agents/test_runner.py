@@ -1,8 +1,10 @@
 """Env episodes: exact token accumulation, masks, budgets and agent failures (scripted engine)."""
 
 import asyncio
+import contextlib
 import inspect
 import json
+import logging
 import math
 import os
 import sys
@@ -271,6 +273,10 @@ class Raises(Env):
         raise self.error
 
 
+class Custom(BaseException):
+    pass
+
+
 class Waits(Env):
     async def step(self, action):
         await asyncio.sleep(30)
@@ -281,12 +287,19 @@ def test_agent_code_raising_cancelled_error_or_sys_exit_fails_only_its_rollout()
     row = get_task("arithmetic").rows(1, seed=0)[0]
     limits = EpisodeLimits(step_timeout_s=5)
     cases = [(asyncio.CancelledError(), "raised asyncio.CancelledError, but its rollout was not cancelled"),
-             (SystemExit(3), r"called sys.exit\(3\)")]  # fmt: skip
+             (SystemExit(3), r"called sys.exit\(3\)"), (KeyboardInterrupt(), "raised KeyboardInterrupt, which is not"),
+             (Custom("x"), "raised Custom: x, which is not an Exception")]  # fmt: skip
     for error, message in cases:
         rollout = local_rollout(None, ScriptedEngine(["1"]), TOK, lambda e=error: Raises(e))
         with pytest.raises(AgentExit, match=message) as failed:
             asyncio.run(rollout(row, SAMPLING, limits))
         assert describe_error(failed.value).endswith(f"test_runner.py:{Raises.step.__code__.co_firstlineno + 1}]")
+
+    def exits():  # the agent's own __init__ (it ended molt train's process with no output)
+        sys.exit(4)
+
+    with pytest.raises(AgentExit, match=r"called sys.exit\(4\)"):
+        asyncio.run(local_rollout(None, ScriptedEngine(["1"]), TOK, exits)(row, SAMPLING, limits))
 
     async def cancelled():  # a rollout that is itself cancelled still ends as cancelled
         task = asyncio.create_task(local_rollout(None, ScriptedEngine(["1"]), TOK, Waits)(row, SAMPLING, limits))
@@ -296,3 +309,23 @@ def test_agent_code_raising_cancelled_error_or_sys_exit_fails_only_its_rollout()
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(cancelled())
+
+
+def test_agent_code_that_catches_its_timeouts_cancellation_is_named_not_trusted(monkeypatch, caplog):
+    """A bare `except:` swallows the step timeout's CancelledError: its late result is refused (it was returned as
+    if on time), and one that keeps running past the limit gets a warning saying why Molt cannot stop it."""
+    from molt.agents import watchdog
+
+    async def swallows(seconds: float) -> str:
+        end = asyncio.get_running_loop().time() + seconds
+        while asyncio.get_running_loop().time() < end:
+            with contextlib.suppress(BaseException):  # a bare `except:` in agent code: what the test is about
+                await asyncio.sleep(0.01)
+        return "late"
+
+    monkeypatch.setattr(watchdog, "IGNORED_S", 0.05)
+    late = r"A.step did not finish within 0.05s .* and caught its cancellation"
+    with caplog.at_level(logging.WARNING, "molt.agents"), pytest.raises(TimeoutError, match=late):
+        asyncio.run(watchdog.within(0.05, swallows(0.3), "A.step"))
+    assert "A.step did not finish within 0.05s (rollout.step_timeout_s) and ignored its cancellation" in caplog.text
+    assert asyncio.run(watchdog.within(1.0, swallows(0.01), "A.step")) == "late"  # on time: its result

@@ -228,6 +228,15 @@ def _fresh(value: Any) -> Any:
     return type(value)(_fresh(v) for v in value) if isinstance(value, list | set) else value
 
 
+def _exit_message(error: BaseException) -> str:
+    """What agent code raised that would end more than its rollout."""
+    if isinstance(error, SystemExit):
+        return f"agent code called sys.exit({error.code!r})"
+    if isinstance(error, asyncio.CancelledError):
+        return "agent code raised asyncio.CancelledError, but its rollout was not cancelled"
+    return f"agent code raised {type(error).__name__}{f': {error}' if str(error) else ''}, which is not an Exception"
+
+
 def local_rollout(chat: ChatRunner | None, engine, tokenizer, make_env: Callable[[], Any]):
     """`rollout(row, sampling, limits, **ids)` on this event loop, a fresh agent from `make_env()` each time, on its own
     copy of the row, nested columns and messages included (the samples of a group share one row: an agent or reward
@@ -238,17 +247,16 @@ def local_rollout(chat: ChatRunner | None, engine, tokenizer, make_env: Callable
         watch_loop(limits.step_timeout_s)
         row = copy.copy(row)  # keeps a LocatedRow's file:line
         row.update(_fresh(dict(row)))
-        agent = make_env()  # an Env: one segment; a ChatAgent: one or more, through `chat`
         try:
+            agent = make_env()  # an Env: one segment; a ChatAgent: one or more, through `chat`
             if isinstance(agent, ChatAgent):
                 return await chat.run(agent, row, sampling, limits, **kw)
             return [await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)]
-        except asyncio.CancelledError as e:
-            if asyncio.current_task().cancelling():  # this rollout was cancelled: pass it on
+        except Exception:
+            raise
+        except BaseException as e:  # would end more than this rollout: the run's process, or (in a worker) hang it
+            if asyncio.current_task().cancelling() or isinstance(e, GeneratorExit):  # cancelled (Ctrl-C): pass it on
                 raise
-            what = "agent code raised asyncio.CancelledError, but its rollout was not cancelled"
-            raise AgentExit(what).with_traceback(e.__traceback__) from None
-        except SystemExit as e:  # would end the run's process
-            raise AgentExit(f"agent code called sys.exit({e.code!r})").with_traceback(e.__traceback__) from None
+            raise AgentExit(_exit_message(e)).with_traceback(e.__traceback__) from None
 
     return rollout
