@@ -31,6 +31,7 @@ from molt.config.run import latest_checkpoint
 from molt.config.training import check_rl_batch
 from molt.engine.torch_engine import on_fresh_thread
 from molt.log import RunDir, check_new_run_dir, plot_metrics
+from molt.loop.accounting import FAILURE_LOG
 from molt.loop.checkpoint import checkpoint_step, load_training_state, save_checkpoint
 from molt.loop.dump import rollouts_folder
 from molt.loop.replay import ReplayLoop, replay_folder
@@ -211,6 +212,8 @@ def _summary(run: RunDir, result: TrainResult) -> None:
     last = result.history[-1] if result.history else {}
     ran = [r["eval/reward_mean"] for r in (result.eval_before, result.eval_after) if "eval/reward_mean" in r]
     evals = "eval reward " + " -> ".join(f"{reward:.3f}" for reward in ran) if ran else "eval off"  # 1: resumed
+    if failed := last.get("rollout/failures", 0):  # over the run (a resume's too); tracebacks in the failure log
+        evals += f"; {failed} of {last['rollout/rollouts']} rollouts failed (see {run.path / FAILURE_LOG})"
     run.print(
         f"done in {result.seconds:.0f}s: {evals}; "
         f"rollout {last.get('rollout/tokens_per_s', 0):.0f} tok/s, train {last.get('train/tokens_per_s', 0):.0f} tok/s"

@@ -105,6 +105,7 @@ class Accounting:
         self.failure_kinds: set[tuple[str, str]] = set()
         self.drop_details: dict[str, str] = {}  # reason -> the last such drop's message
         self.dropped_rows: set[str] = set()  # rows whose rollouts were dropped (each logged once)
+        self.last_failure = ""  # the last failed rollout's error, for the failure-rate stop
 
     def _count_failure(self, error: Exception, rollout_id: int, group_index: int, row: dict) -> None:
         """One line per failed rollout, naming a data file's row (`file:line`); the first of each kind with its
@@ -118,13 +119,19 @@ class Accounting:
         line = f"rollout {rollout_id} (group {group_index}{', ' + where if where else ''}) failed: {what}"
         first = self.failure_log is not None and log_failure(self.failure_log, line, error, self.failure_kinds)
         log.warning("%s; %s%s", line, fate, f" (traceback in {self.failure_log})" if first else "")
+        self.last_failure = what
+        self._check_failure_rate()
+
+    def _check_failure_rate(self) -> None:
+        """Stop once more than `rollout.max_failure_frac` of at least 20 rollouts failed; checked after every rollout,
+        so failures early in a run count when the 20th rollout (a success) arrives."""
         ro = self.cfg.rollout
         if self.state.rollouts >= 20 and self.state.failures / self.state.rollouts > ro.max_failure_frac:
             where = f"; tracebacks: {self.failure_log}" if self.failure_log else ""
             raise AgentFailureRateError(
                 f"{self.state.failures} of {self.state.rollouts} rollouts failed (rollout.max_failure_frac="
-                f"{ro.max_failure_frac}); last error: {what}{where}"
-            ) from error
+                f"{ro.max_failure_frac}); last error: {self.last_failure}{where}"
+            )
 
     def _count_drop(self, error: RolloutDrop, row: dict) -> Dropped:
         """A rollout that could not run as asked; a data file's row is named (`file:line`), logged once each, at

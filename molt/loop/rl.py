@@ -165,6 +165,8 @@ class RLLoop(Accounting):
                 return Failed(e)
         self.state.rollouts += 1
         self.counted.setdefault(group_index, [0, 0])[0] += 1
+        if self.state.failures:
+            self._check_failure_rate()
         self.rollout_tokens += sum(s.num_action_tokens for s in segments)
         self.step_rollouts += segments[:1]  # a rollout's segments share its reward and info
         return Sampled(segments)

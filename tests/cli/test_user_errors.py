@@ -180,7 +180,8 @@ def test_a_dropped_prompt_or_a_failed_rollout_names_its_data_row(tmp_path, molt,
     (tmp_path / "two.jsonl").write_text("\n".join(rows) + "\n")
     flags = ["--data.path", "two.jsonl", "--rollout.reward", "exact", "--rollout.max_len", "96"]
     flags += ["--rollout.max_failure_frac", "1"]
-    molt("train", *FAST, *flags, "--rollout.filters", "nonfinite", "--train.max_steps", "2", shared_cache=True)
+    done = molt("train", *FAST, *flags, "--rollout.filters", "nonfinite", "--train.max_steps", "2", shared_cache=True)
+    assert " rollouts failed (see " in done.stderr  # the closing summary counts them
     drops = [m for m in caplog.messages if "its group is dropped (prompt_over_context)" in m]
     assert len(drops) == 1 and drops[0].startswith("two.jsonl:2: the prompt is"), drops
     failed = [m for m in caplog.messages if ") failed: KeyError" in m]

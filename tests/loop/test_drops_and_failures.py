@@ -16,7 +16,7 @@ import pytest
 
 from molt.cli.main import parse_config
 from molt.data.trajectory import Trajectory
-from molt.loop.accounting import RunStoppedError
+from molt.loop.accounting import AgentFailureRateError, RunStoppedError
 from molt.loop.rl import FAILURE_LOG, RLLoop
 
 
@@ -190,3 +190,20 @@ def test_a_run_stopped_by_drops_names_every_reason_most_frequent_first():
     message = str(err.value)
     assert message.startswith("101 groups in a row were dropped: 67 filter_all_equal: every sample of a prompt")
     assert "; 34 prompt_over_context: the prompts do not fit rollout.max_len" in message
+
+
+def test_early_failures_stop_the_run_when_the_twentieth_rollout_succeeds(tmp_path):
+    """7 failures among the first 8 rollouts, then successes: 7 of 20 (35%) is over max_failure_frac 0.2 when the
+    20th rollout arrives, though it succeeded (the rate was checked only on a failure: such a run ended at 25%)."""
+    loop = StubLoop(_config(tmp_path))
+    loop.failing = (0, 1, 2, 3)
+    asyncio.run(loop._group(0))  # 4 failed
+    loop.failing = (0, 1, 2)
+    asyncio.run(loop._group(1))  # 7 of 8 failed: under 20 rollouts, no stop yet
+    loop.failing = ()
+    for group in (2, 3):
+        asyncio.run(loop._group(group))
+    assert loop.fatal is None and loop.state.rollouts == 16
+    asyncio.run(loop._group(4))  # rollouts 17-20 succeed
+    assert isinstance(loop.fatal, AgentFailureRateError)
+    assert str(loop.fatal).startswith("7 of 20 rollouts failed (rollout.max_failure_frac=0.2); last error: ValueError")
