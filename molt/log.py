@@ -110,13 +110,14 @@ class RunDir:
         dropped, so metrics.jsonl and TensorBoard hold each step once."""
         from molt.config import ConfigError
 
-        self.path = Path(path) if path else default_run_dir(command)
+        given = Path(path) if path else default_run_dir(command)
+        self.path = given.absolute()  # agent code may os.chdir
         resolved = config.file_form()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.path / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
         except OSError as e:  # a read-only folder, a full disk
-            raise ConfigError(f"log.run_dir: cannot write the run directory {self.path}: {e.strerror}") from None
+            raise ConfigError(f"log.run_dir: cannot write the run directory {given}: {e.strerror}") from None
         metrics = self.path / "metrics.jsonl"
         if resumed is not None and metrics.exists():
             kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= resumed]

@@ -13,8 +13,8 @@ from conftest import one_line, run_molt  # noqa: I001 - tests/conftest.py
 
 import molt
 from molt.cli.train import Progress
-from molt.config import ConfigError
-from molt.log import read_metrics
+from molt.config import Config, ConfigError
+from molt.log import RunDir, read_metrics
 
 TINY = {
     "model": {"preset": "tiny", "warmstart_steps": 0},
@@ -153,3 +153,16 @@ def test_missing_wandb_is_one_config_line(monkeypatch, capsys):
         molt.make_config(log={"wandb_project": "p"})
     one_line(run_molt(capsys, "train", "--log.wandb_project", "p", "--log.wandb_mode", "offline"),
              "log.wandb_project", "pip install wandb")  # fmt: skip
+
+
+def test_a_run_directory_stays_put_when_agent_code_changes_the_working_directory(tmp_path, monkeypatch):
+    """An agent (a sandboxed tool) that calls os.chdir in the run's process: the run keeps writing where it began
+    (its TensorBoard files moved with the cwd: a Molt internal error)."""
+    monkeypatch.chdir(tmp_path)
+    run = RunDir("run", "train", Config())
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    run.log({"step": 1, "train/loss": 0.5})
+    run.close()
+    assert run.path == tmp_path / "run" and (tmp_path / "run" / "metrics.jsonl").read_text().count("train/loss") == 1
+    assert list((tmp_path / "run" / "tb").iterdir()) and not (tmp_path / "elsewhere" / "run").exists()
