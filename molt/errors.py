@@ -54,16 +54,29 @@ class RemoteRolloutError(Exception):
         self.traceback_text, self.kind = traceback_text, kind
 
 
+MAX_MESSAGE = 2000  # characters of an error message in a failure line
+
+
 def describe_error(error: BaseException) -> str:
     """`Type: message` (the type alone when the message is empty), plus where in user code it was raised: the
     innermost frame outside Molt, the stdlib and installed packages (else outside Molt only)."""
     if isinstance(error, RemoteRolloutError):
         return str(error)
-    text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    message = _message(error)
+    text = f"{type(error).__name__}: {message}" if message else type(error).__name__
     frames = traceback.extract_tb(error.__traceback__)
     frames = [f for f in frames if not f.filename.startswith((MOLT_DIR, "<")) and "/asyncio/" not in f.filename]
     frames = [f for f in frames if not f.filename.startswith(LIBRARY_DIRS)] or frames
     return text + (f" [{frames[-1].filename}:{frames[-1].lineno}]" if frames else "")
+
+
+def _message(error: BaseException) -> str:
+    """`str(error)`, cut at MAX_MESSAGE characters (each failure is a log line), or a note when its `__str__` fails."""
+    try:
+        message = str(error)
+    except Exception as e:  # noqa: BLE001 - agent code's exception class: describe it anyway
+        return f"<its __str__ raised {type(e).__name__}>"
+    return message if len(message) <= MAX_MESSAGE else f"{message[:MAX_MESSAGE]}... ({len(message)} characters)"
 
 
 def error_kind(error: BaseException) -> tuple[str, str]:

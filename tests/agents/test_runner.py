@@ -329,3 +329,13 @@ def test_agent_code_that_catches_its_timeouts_cancellation_is_named_not_trusted(
         asyncio.run(watchdog.within(0.05, swallows(0.3), "A.step"))
     assert "A.step did not finish within 0.05s (rollout.step_timeout_s) and ignored its cancellation" in caplog.text
     assert asyncio.run(watchdog.within(1.0, swallows(0.01), "A.step")) == "late"  # on time: its result
+
+
+def test_a_failure_line_survives_a_broken_or_huge_exception_message():
+    class BadStr(Exception):
+        def __str__(self):
+            raise RuntimeError("no")
+
+    assert describe_error(BadStr()) == "BadStr: <its __str__ raised RuntimeError>"
+    line = describe_error(ValueError("x" * 10_000_000))
+    assert line == "ValueError: " + "x" * 2000 + "... (10000000 characters)"
