@@ -97,7 +97,10 @@ class Accounting:
 
     def __init__(self, cfg: Config, state: LoopState, failure_log: Path | None):
         self.cfg, self.state, self.failure_log = cfg, state, failure_log
-        self.complete_groups = bool(algo.ESTIMATORS.info(cfg.algo.estimator).get("complete_groups", False))
+        info = algo.ESTIMATORS.info(cfg.algo.estimator)
+        self.complete_groups = bool(info.get("complete_groups", False))
+        # a group baseline needs two rollouts: RLOO would give a lone survivor of failures its raw reward
+        self.min_rollouts = 2 if info["group_baseline"] and cfg.rollout.n_samples_per_prompt > 1 else 1
         self.filters = cfg.rollout.group_filters(cfg.algo.estimator)
         self.dropped_in_a_row: collections.Counter[str] = collections.Counter()  # since a group was kept, by reason
         self.group_drops: collections.Counter[str] = collections.Counter()  # since the last drop line
@@ -113,8 +116,9 @@ class Accounting:
         self.state.rollouts += 1
         self.state.failures += 1
         what = describe_error(error)
+        unless = "all of its rollouts fail" if self.min_rollouts == 1 else "fewer than 2 of its rollouts succeed"
         fate = "its group is dropped: the estimator needs complete groups" if self.complete_groups else (
-            "its group trains without it unless all of its rollouts fail")  # fmt: skip
+            f"its group trains without it unless {unless}")  # fmt: skip
         where = row_location(row, "")
         line = f"rollout {rollout_id} (group {group_index}{', ' + where if where else ''}) failed: {what}"
         first = self.failure_log is not None and log_failure(self.failure_log, line, error, self.failure_kinds)

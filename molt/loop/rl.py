@@ -124,7 +124,8 @@ class RLLoop(Accounting):
             group = [segment for o in outcomes if isinstance(o, Sampled) for segment in o.segments]
             reason = next((o.reason for o in outcomes if isinstance(o, Dropped)), None)  # e.g. over the context
             num_failed = sum(isinstance(o, Failed) for o in outcomes)
-            if reason is None and num_failed and (self.complete_groups or num_failed == self.group_size):
+            too_few = self.complete_groups or self.group_size - num_failed < self.min_rollouts
+            if reason is None and num_failed and too_few:
                 reason = "agent_failure"
             if reason is not None:
                 self._drop(reason, self.group_size)

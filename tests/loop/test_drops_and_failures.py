@@ -55,7 +55,7 @@ def test_a_failed_rollout_drops_only_its_sample_with_one_line(tmp_path, caplog):
     assert loop.state.drops["agent_failure"] == 1 and not loop.group_drops
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("rollout 1 (group 0) failed: ValueError: tool backend hiccup on sample 1 [")
-    assert "its group trains without it unless all of its rollouts fail" in line and "\n" not in line
+    assert "its group trains without it unless fewer than 2 of its rollouts succeed" in line and "\n" not in line
     log = (tmp_path / "run" / FAILURE_LOG).read_text()
     assert "Traceback" in log and "test_drops_and_failures.py" in log
 
@@ -207,3 +207,14 @@ def test_early_failures_stop_the_run_when_the_twentieth_rollout_succeeds(tmp_pat
     asyncio.run(loop._group(4))  # rollouts 17-20 succeed
     assert isinstance(loop.fatal, AgentFailureRateError)
     assert str(loop.fatal).startswith("7 of 20 rollouts failed (rollout.max_failure_frac=0.2); last error: ValueError")
+
+
+def test_a_group_baseline_needs_two_surviving_rollouts(tmp_path):
+    """RLOO gives a lone rollout its raw reward (no baseline): a group that failures leave with one rollout is dropped
+    under a group-baseline estimator, kept under one without (reinforce)."""
+    for estimator, kept in (("rloo", False), ("grpo", False), ("reinforce", True)):
+        loop = StubLoop(_config(tmp_path, "--algo.estimator", estimator, "--rollout.filters", "nonfinite"))
+        loop.failing = (0, 1, 2)
+        asyncio.run(loop._group(0))
+        assert loop.buffer.empty() is not kept, estimator
+        assert loop.state.drops["agent_failure"] == (3 if kept else 4), estimator
