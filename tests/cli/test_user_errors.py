@@ -80,6 +80,11 @@ def test_agent_file_that_fails_to_import_names_its_line(tmp_path, molt):
     one_line(result, "rollout.agent: importing 'agent.py' failed at ", "agent.py:3: ModuleNotFoundError")
     (tmp_path / "half.py").write_text("from molt.agents import Env\n\nclass Half(Env):\n    pass\n")
     one_line(molt("train", "--rollout.agent", "half.py"), "Half does not define `async def step(...)`")
+    env = "from molt.agents import Env, Result\n\nclass A(Env):\n    {}\n\n    async def step(self{}):\n        pass\n"
+    (tmp_path / "sync_reset.py").write_text(env.format("def reset(self, row):\n        return 'hi'", ", action"))
+    one_line(molt("train", "--rollout.agent", "sync_reset.py"), "A.reset must be `async def reset(self, row)`")
+    (tmp_path / "no_action.py").write_text(env.format("x = 1", ""))
+    one_line(molt("train", "--rollout.agent", "no_action.py"), "A.step must take one argument: `step(self, action)`")
     nothing_built(tmp_path)
 
 

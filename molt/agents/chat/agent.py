@@ -97,6 +97,16 @@ def _checked_agent_class(spec: str, mtime: float) -> type:
         raise ConfigError(f"rollout.agent: {name} does not define `async def {method}(...)` (it must return a Result)")
     if not inspect.iscoroutinefunction(own):
         raise ConfigError(f"rollout.agent: {name}.{method} must be `async def {method}(...)` (it is awaited)")
+    if method == "step":  # an Env's calls: reset(row) then step(action), each awaited
+        for fn, call in ((cls.reset, "reset(self, row)"), (own, "step(self, action)")):
+            if not inspect.iscoroutinefunction(fn):
+                raise ConfigError(f"rollout.agent: {name}.{fn.__name__} must be `async def {call}` (it is awaited)")
+            try:
+                inspect.signature(fn).bind(None, None)
+            except TypeError:
+                raise ConfigError(f"rollout.agent: {name}.{fn.__name__} must take one argument: `{call}`") from None
+            except ValueError:  # no signature to inspect: trust it
+                pass
     try:
         inspect.signature(cls).bind()
     except TypeError:
