@@ -62,7 +62,7 @@ def describe_error(error: BaseException) -> str:
     innermost frame outside Molt, the stdlib and installed packages (else outside Molt only)."""
     if isinstance(error, RemoteRolloutError):
         return str(error)
-    message = _message(error)
+    message = error_message(error)
     text = f"{type(error).__name__}: {message}" if message else type(error).__name__
     frames = traceback.extract_tb(error.__traceback__)
     frames = [f for f in frames if not f.filename.startswith((MOLT_DIR, "<")) and "/asyncio/" not in f.filename]
@@ -70,7 +70,7 @@ def describe_error(error: BaseException) -> str:
     return text + (f" [{frames[-1].filename}:{frames[-1].lineno}]" if frames else "")
 
 
-def _message(error: BaseException) -> str:
+def error_message(error: BaseException) -> str:
     """`str(error)`, cut at MAX_MESSAGE characters (each failure is a log line), or a note when its `__str__` fails."""
     try:
         message = str(error)

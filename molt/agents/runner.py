@@ -126,12 +126,16 @@ def first_prompt_ids(tokenizer, messages: Messages, tools=None) -> list[int]:
     return list(cache[key])
 
 
-def _extend_prompt(traj: Trajectory, engine, ids: list[int], images: list, max_len: int) -> None:
-    """Append prompt/observation ids, expanding image placeholders and recording the images' pixels."""
-    ids, records = expand_images(engine, ids, images, len(traj.tokens), max_len)
+def _extend_prompt(traj: Trajectory, engine, ids: list[int], images: list, max_len: int, leave_room=False) -> bool:
+    """Append prompt/observation ids, expanding image placeholders and recording the images' pixels (an image past
+    `max_len` raises). `leave_room`: append nothing and return False when the expanded ids leave no room to generate."""
+    ids, records = expand_images(engine, ids, images, len(traj.tokens), None if leave_room else max_len)
+    if leave_room and len(traj.tokens) + len(ids) >= max_len:
+        return False
     traj.extend_prompt(ids)
     if records:
         traj.images = (traj.images or []) + records
+    return True
 
 
 def record_completion(traj: Trajectory, completion, keep_ids: bool) -> None:
@@ -181,10 +185,9 @@ async def run_episode(
         observation = with_images(observation, result.images)
         ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == eos_id
         delta = observation_ids(tokenizer, messages, observation, ended_with_eos, tools, strict=False)
-        if len(traj.tokens) + len(delta) >= limits.max_len:  # no room to act after it: the budget ends the episode
-            traj.truncated = True
+        if not _extend_prompt(traj, engine, delta, message_images(observation), limits.max_len, leave_room=True):
+            traj.truncated = True  # no room to act after it (its images expanded): the budget ends the episode
             break
-        _extend_prompt(traj, engine, delta, message_images(observation), limits.max_len)
         messages = messages + [{"role": "assistant", "content": action}] + observation
     traj.score = result.score if result is not None and result.score is not None else traj.reward
     traj.check()

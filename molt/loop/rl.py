@@ -166,7 +166,7 @@ class RLLoop(Accounting):
                 return Failed(e)
         self.state.rollouts += 1
         self.counted.setdefault(group_index, [0, 0])[0] += 1
-        if self.state.failures:
+        if self.last_failure:  # this process saw a failure (a resumed run's counters alone do not stop it)
             self._check_failure_rate()
         self.rollout_tokens += sum(s.num_action_tokens for s in segments)
         self.step_rollouts += segments[:1]  # a rollout's segments share its reward and info
@@ -331,7 +331,7 @@ class RLLoop(Accounting):
             for task in ended - done:
                 task.cancelled() or task.exception()  # retrieved: the cancellation's, not the run's failure
             if stuck:  # a Ctrl-C (or the end of the run) must not wait on them forever
-                log.warning("%d rollout group(s) ignored their cancellation and are left running: %s", len(stuck),
+                log.warning("%d task(s) of the loop ignored their cancellation and are left running: %s", len(stuck),
                             SWALLOWED)  # fmt: skip
         for task in done:
             task.result()  # re-raise a failure of either coroutine

@@ -84,7 +84,7 @@ def rgb_image(image: Any, where: str = "image"):
 
     image = ImageOps.exif_transpose(load_image(image, where))
     if image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
-        grey = np.asarray(image, dtype=np.float64)
+        grey = np.nan_to_num(np.asarray(image, dtype=np.float64))  # NaN -> 0
         if image.mode == "F" and grey.max() <= 1.0:
             grey = grey * 255.0
         elif grey.max() > 255:

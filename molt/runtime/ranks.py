@@ -1,10 +1,10 @@
 """Data-parallel trainer ranks as Ray actors, and `RayTrainer`, the driver's one trainer (the `Trainer` protocol).
 
-Each `TrainerRank` joins a torch.distributed group (gloo on CPU, NCCL on CUDA), builds the ordinary `Trainer` with
-every model wrapped with FSDP2 (LoRA adapters stay whole) and steps on its shard of the batch (whole groups,
-balanced by tokens); denominators and metric sums are all-reduced, so the step equals single-process training. The
-sharded checkpoint holds every model and optimizer, so a run resumes on any number of ranks. Knows Ray, the trainer
-and torch.distributed.checkpoint; nothing of engines or the loop."""
+Each `TrainerRank` joins a torch.distributed group (gloo on CPU; on CUDA NCCL, with gloo for CPU tensors), builds
+the ordinary `Trainer` with every model wrapped with FSDP2 (LoRA adapters stay whole) and steps on its shard of the
+batch (whole groups, balanced by tokens); denominators and metric sums are all-reduced, so the step equals
+single-process training. The sharded checkpoint holds every model and optimizer, so a run resumes on any number of
+ranks. Knows Ray, the trainer and torch.distributed.checkpoint; nothing of engines or the loop."""
 
 from __future__ import annotations
 

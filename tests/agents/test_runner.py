@@ -287,7 +287,7 @@ def test_agent_code_raising_cancelled_error_or_sys_exit_fails_only_its_rollout()
     row = get_task("arithmetic").rows(1, seed=0)[0]
     limits = EpisodeLimits(step_timeout_s=5)
     cases = [(asyncio.CancelledError(), "raised asyncio.CancelledError, but its rollout was not cancelled"),
-             (SystemExit(3), r"called sys.exit\(3\)"), (KeyboardInterrupt(), "raised KeyboardInterrupt, which is not"),
+             (SystemExit(3), r"called sys.exit\(3\)"),
              (Custom("x"), "raised Custom: x, which is not an Exception")]  # fmt: skip
     for error, message in cases:
         rollout = local_rollout(None, ScriptedEngine(["1"]), TOK, lambda e=error: Raises(e))
@@ -300,6 +300,10 @@ def test_agent_code_raising_cancelled_error_or_sys_exit_fails_only_its_rollout()
 
     with pytest.raises(AgentExit, match=r"called sys.exit\(4\)"):
         asyncio.run(local_rollout(None, ScriptedEngine(["1"]), TOK, exits)(row, SAMPLING, limits))
+    with pytest.raises(KeyboardInterrupt):  # an interrupt (Ctrl-C; SIGTERM where SIGINT is ignored) stops the run
+        asyncio.run(
+            local_rollout(None, ScriptedEngine(["1"]), TOK, lambda: Raises(KeyboardInterrupt()))(row, SAMPLING, limits)
+        )
 
     async def cancelled():  # a rollout that is itself cancelled still ends as cancelled
         task = asyncio.create_task(local_rollout(None, ScriptedEngine(["1"]), TOK, Waits)(row, SAMPLING, limits))

@@ -76,4 +76,10 @@ def test_bad_images_are_clear_errors_and_images_over_the_budget_are_dropped(tmp_
     with pytest.raises(ImageBudgetError, match="past the context budget max_len=20") as err:
         _episode(engine, row(FIRST, FIRST, FIRST, FIRST, FIRST), max_len=20)
     assert err.value.drop_reason == "image_over_context"
+    # the second turn's image observation ends where the second action begins: counted with its image expanded, it
+    # leaves no room to act at that budget, so the episode ends before it (its placeholder counted as one token
+    # let it in, and an image observation could pass the budget)
+    budget = _episode(engine, row(FIRST)).actions[1][0]
+    cut = _episode(engine, row(FIRST), max_len=budget)
+    assert cut.truncated and len(cut.images) == 1 and len(cut.tokens) < budget and cut.loss_mask[-1] == 1
     asyncio.run(engine.close())

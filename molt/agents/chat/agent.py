@@ -26,7 +26,7 @@ from molt.agents.runner import ContextBudgetDrop, EpisodeLimits, check_result, r
 from molt.agents.watchdog import watch_loop, within
 from molt.config import ConfigError
 from molt.data.trajectory import Trajectory
-from molt.errors import AgentExit
+from molt.errors import AgentExit, error_message
 from molt.models.vision import image_data_uri
 
 # `chat` config fields that are ChatServer options in training (the rest only apply to `molt serve`)
@@ -98,9 +98,9 @@ def _checked_agent_class(spec: str, mtime: float) -> type:
     if not inspect.iscoroutinefunction(own):
         raise ConfigError(f"rollout.agent: {name}.{method} must be `async def {method}(...)` (it is awaited)")
     if method == "step":  # an Env's calls: reset(row) then step(action), each awaited
+        if not inspect.iscoroutinefunction(cls.reset):
+            raise ConfigError(f"rollout.agent: {name}.reset must be `async def reset(self, row)` (it is awaited)")
         for fn, call in ((cls.reset, "reset(self, row)"), (own, "step(self, action)")):
-            if not inspect.iscoroutinefunction(fn):
-                raise ConfigError(f"rollout.agent: {name}.{fn.__name__} must be `async def {call}` (it is awaited)")
             try:
                 inspect.signature(fn).bind(None, None)
             except TypeError:
@@ -244,7 +244,8 @@ def _exit_message(error: BaseException) -> str:
         return f"agent code called sys.exit({error.code!r})"
     if isinstance(error, asyncio.CancelledError):
         return "agent code raised asyncio.CancelledError, but its rollout was not cancelled"
-    return f"agent code raised {type(error).__name__}{f': {error}' if str(error) else ''}, which is not an Exception"
+    message = error_message(error)
+    return f"agent code raised {type(error).__name__}{f': {message}' if message else ''}, which is not an Exception"
 
 
 def local_rollout(chat: ChatRunner | None, engine, tokenizer, make_env: Callable[[], Any]):
@@ -265,8 +266,8 @@ def local_rollout(chat: ChatRunner | None, engine, tokenizer, make_env: Callable
         except Exception:
             raise
         except BaseException as e:  # would end more than this rollout: the run's process, or (in a worker) hang it
-            if asyncio.current_task().cancelling() or isinstance(e, GeneratorExit):  # cancelled (Ctrl-C): pass it on
-                raise
+            if isinstance(e, GeneratorExit | KeyboardInterrupt) or asyncio.current_task().cancelling():
+                raise  # closed, interrupted (Ctrl-C, or SIGTERM where SIGINT is ignored) or cancelled: pass it on
             raise AgentExit(_exit_message(e)).with_traceback(e.__traceback__) from None
 
     return rollout
