@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,18 @@ class Env:
 
 
 _FOLDERS: set[Path] = set()  # the folders of the user files imported so far
+
+
+def import_failure(spec: str, error: Exception) -> str:
+    """`importing SPEC failed at FILE:LINE: Type: message`: where in the user's file its import raised (a syntax
+    error's own line), else the spec's file."""
+    where, text = spec.split(":")[0], str(error)
+    file = Path(where).resolve()
+    if isinstance(error, SyntaxError) and error.filename and error.lineno:
+        where, text = f"{error.filename}:{error.lineno}", error.msg
+    elif frames := [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == file]:
+        where = f"{frames[-1].filename}:{frames[-1].lineno}"
+    return f"importing {spec!r} failed at {where}: {type(error).__name__}: {text}"
 
 
 def import_user_module(target: str):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from molt.agents.env import import_user_module
+from molt.agents.env import import_failure, import_user_module
 from molt.agents.rewards import BUILTIN_REWARDS
 from molt.agents.runner import real_number
 from molt.threads import in_daemon_thread
@@ -75,7 +75,7 @@ def _user_function(spec: str, mtime: float) -> Callable[..., Any]:
             f"rollout.reward: {target!r} imports a missing module {e.name!r} ({site.filename}:{site.lineno})"
         ) from None
     except Exception as e:  # noqa: BLE001 - the user's module failed while importing
-        raise ValueError(f"rollout.reward: importing {target!r} failed: {type(e).__name__}: {e}") from None
+        raise ValueError(f"rollout.reward: {import_failure(target, e)}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"rollout.reward: {target!r} defines no function {name!r} (give it as {target}:NAME)")

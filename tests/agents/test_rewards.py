@@ -105,9 +105,11 @@ def test_reward_function_kinds_and_weights(tmp_path):
 def test_reward_loading_errors_are_one_line_naming_the_file(tmp_path):
     (tmp_path / "syntax.py").write_text("def reward(c, row):\n  return (\n")
     (tmp_path / "args.py").write_text("def reward(c):\n  return 1.0\n")
+    (tmp_path / "raises.py").write_text("X = 1\nY = 1 / 0\n\ndef reward(c, row):\n  return 1.0\n")
     cases = [
         (str(tmp_path / "missing.py"), "reward file '.*missing.py' does not exist"),
-        (f"{tmp_path / 'syntax.py'}:reward", "importing '.*syntax.py' failed: SyntaxError"),
+        (f"{tmp_path / 'syntax.py'}:reward", r"importing '.*syntax.py' failed at .*syntax.py:2: SyntaxError: '\('"),
+        (str(tmp_path / "raises.py"), "importing '.*raises.py' failed at .*raises.py:2: ZeroDivisionError"),
         (str(tmp_path / "args.py"), "args.py:reward must take \\(completion: str, row: dict\\)"),
         (f"{tmp_path / 'args.py'}:nope", "defines no function 'nope'"),
         ("no_such_pkg.mod:fn", "cannot import 'no_such_pkg.mod'"),

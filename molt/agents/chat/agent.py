@@ -13,7 +13,6 @@ import copy
 import functools
 import inspect
 import secrets
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 from molt.agents.chat.clients import ClientPool
 from molt.agents.chat.server import ChatServer
-from molt.agents.env import Env, Messages, Result, load_agent, prompt_messages
+from molt.agents.env import Env, Messages, Result, import_failure, load_agent, prompt_messages
 from molt.agents.runner import ContextBudgetDrop, EpisodeLimits, check_result, run_episode
 from molt.agents.watchdog import watch_loop, within
 from molt.config import ConfigError
@@ -121,13 +120,7 @@ def _import_error(spec: str, error: Exception) -> ConfigError:
     text = str(error)
     if text.startswith("--rollout.agent: "):  # load_agent's own messages (missing file, class, attribute)
         return ConfigError("rollout.agent: " + text.removeprefix("--rollout.agent: "))
-    where = spec.split(":")[0]
-    file = Path(where).resolve()
-    if isinstance(error, SyntaxError) and error.filename and error.lineno:
-        where, text = f"{error.filename}:{error.lineno}", error.msg
-    elif frames := [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == file]:
-        where = f"{frames[-1].filename}:{frames[-1].lineno}"
-    return ConfigError(f"rollout.agent: importing {spec!r} failed at {where}: {type(error).__name__}: {text}")
+    return ConfigError(f"rollout.agent: {import_failure(spec, error)}")
 
 
 class ChatRunner:
