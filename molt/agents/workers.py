@@ -43,7 +43,15 @@ from molt.agents.reward_fn import EVALUATING, WORKER_REWARDS, RewardLog
 from molt.agents.runner import EpisodeLimits
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Completion, Engine, SamplingParams
-from molt.errors import RemoteRolloutError, RolloutDrop, RunFatalError, describe_error, error_kind, error_traceback
+from molt.errors import (
+    AgentExit,
+    RemoteRolloutError,
+    RolloutDrop,
+    RunFatalError,
+    describe_error,
+    error_kind,
+    error_traceback,
+)
 
 log = logging.getLogger("molt.agents")
 HEADER = struct.Struct("!I")
@@ -344,9 +352,13 @@ async def _work(sock: socket.socket) -> None:
             return "dropped", (e.drop_reason, str(e))
         except RunFatalError:
             raise
+        except KeyboardInterrupt as e:  # the agent's own (this process ignores SIGINT): it fails its rollout only
+            error = AgentExit("agent code raised KeyboardInterrupt").with_traceback(e.__traceback__)
         except Exception as e:  # noqa: BLE001 - the agent's failure, reported to the loop
-            return "failed", (describe_error(e), error_traceback(e), error_kind(e))
-        return "done", (segments, rewards)  # an info value that does not pickle comes back as its repr (`_portable`)
+            error = e
+        else:
+            return "done", (segments, rewards)  # an info value that does not pickle comes back as its repr
+        return "failed", (describe_error(error), error_traceback(error), error_kind(error))
 
     try:
         await peer.serve(rollout)  # the main process closed the connection: stop

@@ -40,8 +40,8 @@ def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exit
         try:
             ok = [await pool.run(_row(do), SAMPLING, LIMITS, rollout_id=i, group_id=1) for i, do in
                   enumerate(["answer", "stream"])]  # fmt: skip
-            failed = await asyncio.gather(*(pool.run(_row(do), SAMPLING, LIMITS) for do in ("fail", "drop", "die")),
-                                          return_exceptions=True)  # fmt: skip
+            failed = await asyncio.gather(*(pool.run(_row(do), SAMPLING, LIMITS) for do in ("fail", "drop", "die",
+                                          "interrupt")), return_exceptions=True)  # fmt: skip
             before = {w.process.pid for w in pool.workers}  # the dead one has left
             while len(pool.workers) < 2:  # until its replacement joins
                 await asyncio.wait_for(pool.joined.wait(), 60)
@@ -57,7 +57,7 @@ def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exit
             await runner.close()
         return ok, failed, after, pids, local, log, engine
 
-    ok, (fail, drop, died), after, pids, local, log, engine = asyncio.run(main())
+    ok, (fail, drop, died, interrupted), after, pids, local, log, engine = asyncio.run(main())
     assert [_strip(s) for s in ok] == [_strip(s) for s in local]  # same ids, log-probs, versions, reward, masks
     assert ok[0][0].reward == 1.0 and ok[1][0].info["text"] == "4140"
     assert len(engine.prompts) == 2 + 4  # the engine of the main process served every request
@@ -66,6 +66,8 @@ def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exit
     assert "Traceback" in fail.traceback_text and "raise ValueError" in fail.traceback_text
     assert isinstance(drop, WorkerDrop) and drop.drop_reason == "image_over_context"
     assert isinstance(died, RemoteRolloutError) and "exited (code 3)" in str(died)
+    assert isinstance(interrupted, RemoteRolloutError)  # its rollout failed; its worker lives on
+    assert describe_error(interrupted).startswith("AgentExit: agent code raised KeyboardInterrupt [")
     assert len(pids[0]) == 1 and len(pids[1]) == 2 and pids[0] < pids[1]  # the dead worker was replaced
     assert all(s[0].reward == 1.0 for s in after)
     assert log.drain() == {}  # the agent's own info["reward/own"] is no reward metric, as in process

@@ -21,9 +21,9 @@ class ImageTooLarge(RolloutDrop):
 
 class Scripted(ChatAgent):
     """answer / stream: one OpenAI-SDK completion (streamed or not), reward 1 when it equals the label; hang_up: a
-    stream closed after its first content chunk, then an answer; fail: raises; drop: a dropped rollout; die: the
-    worker process exits; block: the sync SDK client, which blocks the worker's event loop (and so its server);
-    unpicklable: an answer with a lambda in its info."""
+    stream closed after its first content chunk, then an answer; fail: raises; drop: a dropped rollout; die: the worker
+    process exits; interrupt: raises KeyboardInterrupt; block: the sync SDK client, which blocks the worker's event loop
+    (and so its server); unpicklable: an answer with a lambda in its info."""
 
     async def run(self, ctx) -> Result:
         do = ctx.row["do"]
@@ -33,6 +33,8 @@ class Scripted(ChatAgent):
             raise ImageTooLarge("the image needs 600 tokens of a 512-token budget")
         if do == "die":
             os._exit(3)
+        if do == "interrupt":  # the agent's own KeyboardInterrupt: the worker ignores SIGINT, so it is no Ctrl-C
+            raise KeyboardInterrupt
         if do == "block":
             OpenAI(base_url=ctx.base_url, api_key=ctx.api_key).chat.completions.create(model=ctx.model, messages=[])
         client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
