@@ -26,7 +26,7 @@ from typing import Any
 
 from molt.agents.env import import_failure, import_user_module
 from molt.agents.rewards import BUILTIN_REWARDS
-from molt.agents.runner import real_number
+from molt.agents.runner import REWARD_LIMIT, real_number
 from molt.threads import in_daemon_thread
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class RewardFunction:
             if isinstance(value, dict) and not value:
                 raise ValueError(f"reward {part.name!r} returned an empty dict; expected a number or named numbers")
             for key, v in value.items() if isinstance(value, dict) else [(part.name, value)]:
-                number = real_number(v, f"reward {part.name!r} returned {key}")  # bool counts: True scores 1
+                number = real_number(v, f"reward {part.name!r} returned {key}", REWARD_LIMIT)  # True scores 1
                 if key in named:
                     raise ValueError(f"reward name {key!r} is returned twice (rollout.reward {self.spec!r})")
                 named[str(key)] = number

@@ -83,13 +83,19 @@ def as_messages(observation: Any, what: str) -> Messages:
     raise TypeError(f"{what} of type {kind}; expected str or a list of messages (dicts with role and content)")
 
 
-def real_number(value: Any, what: str) -> float:
-    """`value` as a float if a finite real number (bool, numpy scalar, 0-d tensor), else an error naming `what`."""
+REWARD_LIMIT = 3.4e38  # rewards and scores train in float32, whose largest finite value is ~3.40282e38
+
+
+def real_number(value: Any, what: str, limit: float = math.inf) -> float:
+    """`value` as a float if a finite real number (bool, numpy scalar, 0-d tensor) of magnitude below `limit`, else an
+    error naming `what`."""
     number = value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
     if not isinstance(number, numbers.Real):
         raise TypeError(f"{what}={reprlib.repr(value)} ({type(value).__name__}); expected a number")
     if not math.isfinite(number):
         raise ValueError(f"{what}={number} ({type(value).__name__}); expected a finite number")
+    if abs(number) >= limit:
+        raise ValueError(f"{what}={number}; expected a magnitude below {limit:g} (rewards train in float32)")
     return float(number)
 
 
@@ -100,8 +106,8 @@ def check_result(result: Any, where: str) -> Result:
         raise TypeError(f"{where} returned {type(result).__name__}, expected molt.agents.Result")
     if not isinstance(result.info, dict):
         raise TypeError(f"{where} returned Result.info of type {type(result.info).__name__}; expected a dict")
-    reward = real_number(result.reward, f"{where} returned Result.reward")
-    score = None if result.score is None else real_number(result.score, f"{where} returned Result.score")
+    reward = real_number(result.reward, f"{where} returned Result.reward", REWARD_LIMIT)
+    score = None if result.score is None else real_number(result.score, f"{where} returned Result.score", REWARD_LIMIT)
     return dataclasses.replace(result, reward=reward, score=score)
 
 

@@ -176,6 +176,9 @@ def inf_part(completion, row):
 def empty(completion, row):
     return {}
 
+def huge(completion, row):
+    return 1e300
+
 def scalars(completion, row):
     return {"np32": np.float32(0.5), "np64": np.int64(2), "tensor": torch.tensor(0.25), "flag": np.bool_(True)}
 
@@ -192,6 +195,7 @@ def test_numpy_and_tensor_scalars_count_and_bad_values_fail_the_rollout(tmp_path
         (f"{path}:nan", r"reward 'nan' returned nan=nan \(float\); expected a finite number"),
         (f"{path}:inf_part", "reward 'inf_part' returned len=inf"),
         (f"{path}:empty", "reward 'empty' returned an empty dict"),
+        (f"{path}:huge", r"reward 'huge' returned huge=1e\+300; expected a magnitude below 3.4e\+38 \(rewards train"),
     ]:
         with pytest.raises(ValueError, match=message):
             _score(spec)
