@@ -43,15 +43,7 @@ from molt.agents.reward_fn import EVALUATING, WORKER_REWARDS, RewardLog
 from molt.agents.runner import EpisodeLimits
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Completion, Engine, SamplingParams
-from molt.errors import (
-    AgentExit,
-    RemoteRolloutError,
-    RolloutDrop,
-    RunFatalError,
-    describe_error,
-    error_kind,
-    error_traceback,
-)
+from molt.errors import RemoteRolloutError, RolloutDrop, RunFatalError, describe_error, error_kind, error_traceback
 
 log = logging.getLogger("molt.agents")
 HEADER = struct.Struct("!I")
@@ -337,7 +329,7 @@ async def _work(sock: socket.socket) -> None:
     peer.send(("ready", 0, None))
     engine = RemoteEngine(peer, info)
     chat = ChatRunner(engine, kit.tokenizer, **kit.chat_options)
-    run_one = local_rollout(chat, engine, kit.tokenizer, kit.make_env)
+    run_one = local_rollout(chat, engine, kit.tokenizer, kit.make_env, interrupts_ignored=True)  # SIGINT: ignored
 
     async def rollout(kind: str, job: int, value: tuple) -> tuple[str, Any]:
         """A `run` call: (`done`, (segments, named rewards)), (`dropped`, ...) or (`failed`, ...); an error fatal
@@ -352,13 +344,9 @@ async def _work(sock: socket.socket) -> None:
             return "dropped", (e.drop_reason, str(e))
         except RunFatalError:
             raise
-        except KeyboardInterrupt as e:  # the agent's own (this process ignores SIGINT): it fails its rollout only
-            error = AgentExit("agent code raised KeyboardInterrupt").with_traceback(e.__traceback__)
         except Exception as e:  # noqa: BLE001 - the agent's failure, reported to the loop
-            error = e
-        else:
-            return "done", (segments, rewards)  # an info value that does not pickle comes back as its repr
-        return "failed", (describe_error(error), error_traceback(error), error_kind(error))
+            return "failed", (describe_error(e), error_traceback(e), error_kind(e))
+        return "done", (segments, rewards)  # an info value that does not pickle comes back as its repr (`_portable`)
 
     try:
         await peer.serve(rollout)  # the main process closed the connection: stop

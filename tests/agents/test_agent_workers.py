@@ -67,7 +67,7 @@ def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exit
     assert isinstance(drop, WorkerDrop) and drop.drop_reason == "image_over_context"
     assert isinstance(died, RemoteRolloutError) and "exited (code 3)" in str(died)
     assert isinstance(interrupted, RemoteRolloutError)  # its rollout failed; its worker lives on
-    assert describe_error(interrupted).startswith("AgentExit: agent code raised KeyboardInterrupt [")
+    assert describe_error(interrupted).startswith("AgentExit: agent code raised KeyboardInterrupt, which is not an Exc")
     assert len(pids[0]) == 1 and len(pids[1]) == 2 and pids[0] < pids[1]  # the dead worker was replaced
     assert all(s[0].reward == 1.0 for s in after)
     assert log.drain() == {}  # the agent's own info["reward/own"] is no reward metric, as in process

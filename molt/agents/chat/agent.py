@@ -241,11 +241,15 @@ def _exit_message(error: BaseException) -> str:
     return f"agent code raised {type(error).__name__}{f': {message}' if message else ''}, which is not an Exception"
 
 
-def local_rollout(chat: ChatRunner | None, engine, tokenizer, make_env: Callable[[], Any]):
+def local_rollout(
+    chat: ChatRunner | None, engine, tokenizer, make_env: Callable[[], Any], interrupts_ignored: bool = False
+):
     """`rollout(row, sampling, limits, **ids)` on this event loop, a fresh agent from `make_env()` each time, on its own
     copy of the row, nested columns and messages included (the samples of a group share one row: an agent or reward
     that changes its row must not change the others', later epochs' or the eval's); agent code blocking the loop
-    past `limits.step_timeout_s` stops the run (`watchdog.LoopWatchdog`)."""
+    past `limits.step_timeout_s` stops the run (`watchdog.LoopWatchdog`). A `BaseException` of agent code fails its
+    rollout as `AgentExit`, but a `KeyboardInterrupt` stops the run unless `interrupts_ignored` (an agent worker,
+    which ignores SIGINT: there it can only be the agent's own)."""
 
     async def rollout(row: dict, sampling, limits: EpisodeLimits, **kw) -> list[Trajectory]:
         watch_loop(limits.step_timeout_s)
@@ -259,7 +263,8 @@ def local_rollout(chat: ChatRunner | None, engine, tokenizer, make_env: Callable
         except Exception:
             raise
         except BaseException as e:  # would end more than this rollout: the run's process, or (in a worker) hang it
-            if isinstance(e, GeneratorExit | KeyboardInterrupt) or asyncio.current_task().cancelling():
+            interrupted = isinstance(e, KeyboardInterrupt) and not interrupts_ignored  # else the agent's own
+            if isinstance(e, GeneratorExit) or interrupted or asyncio.current_task().cancelling():
                 raise  # closed, interrupted (Ctrl-C, or SIGTERM where SIGINT is ignored) or cancelled: pass it on
             raise AgentExit(_exit_message(e)).with_traceback(e.__traceback__) from None
 
