@@ -134,7 +134,6 @@ class EngineCore:
         slot_of = self.manager.slot_of
         for seq in plan.decode:
             seq.num_computed = len(seq.tokens)
-            self.manager.set_length(seq.seq_id, seq.num_computed)
         decode = [(slot_of(s.seq_id), s.tokens[-1], s.num_computed - 1) for s in plan.decode]
         chunks = [(slot_of(c.seq.seq_id), c.seq.tokens[c.start : c.end], c.start) for c in plan.prefill]
         sampled_chunks = [i for i, c in enumerate(plan.prefill) if c.samples]
@@ -150,6 +149,8 @@ class EngineCore:
                 self.model, [(c.seq.tokens, c.start, c.end, c.seq.group.images) for c in plan.prefill]
             )
         logits_rv = self.runner.forward(decode, chunks, sampled_chunks, images)  # decode rows, then sampling chunks
+        for seq in plan.decode:  # only now: a block this fills is then a prefix others may reuse, so it must hold KV
+            self.manager.set_length(seq.seq_id, seq.num_computed)
         rows: list[Seq] = list(plan.decode)
         picks = list(range(len(rows)))  # logits row of each sampled row
         for chunk in plan.prefill:

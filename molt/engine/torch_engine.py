@@ -258,7 +258,7 @@ class TorchEngine(Engine):
                 loop.call_soon_threadsafe(_run_all, batch)
 
     def _drain_ready(self) -> bool:
-        return bool(self._drains) and not self.core.scheduler.running
+        return bool(self._drains) and not self.core.scheduler.has_work(admit=False)  # preempted ones too
 
     def _runnable(self) -> bool:
         return not self._paused and self.core.scheduler.has_work(admit=not self._drains)

@@ -298,3 +298,53 @@ def test_kv_kept_across_a_swap_never_reaches_a_new_request(models, kv_blocks):
         assert (torch.tensor(out.logprobs) - trainer_logprobs(new, follow, out, 1.0)).abs().max() <= 1e-5
     assert outs[1].num_cached_tokens > 0  # KV computed under the new weights is reused
     asyncio.run(engine.close())
+
+
+def test_a_failed_step_leaves_no_unwritten_block_to_reuse(models):
+    """A decode step that raises (e.g. CUDA out of memory) fails its request; the block that step would have
+    filled never becomes a prefix: a later prompt extending that request's tokens is computed, not read."""
+    _, molt = models
+    p, greedy = prompts([6], seed=7)[0], SamplingParams(temperature=0, max_tokens=12)
+    first = asyncio.run(TorchEngine(molt, max_seq_len=64, eos_token_ids=()).generate(p, greedy)).token_ids
+    engine = paged(molt, graphs=False)
+    forward = engine.core.runner.forward
+
+    def failing_at_position_7(decode, *args):
+        if any(position == 7 for *_, position in decode):  # the step that would fill block 1 (positions 4-7)
+            engine.core.runner.forward = forward
+            raise RuntimeError("out of memory")
+        return forward(decode, *args)
+
+    engine.core.runner.forward = failing_at_position_7
+    with pytest.raises(RuntimeError, match="out of memory"):
+        asyncio.run(engine.generate(p, greedy))
+    assert engine.stats["step_errors"] == 1
+    q = p + first[:2] + [5, 6, 7]
+    out = asyncio.run(engine.generate(q, greedy))
+    assert out.num_cached_tokens == 4  # block 0 only, written by the prefill
+    assert (torch.tensor(out.logprobs) - trainer_logprobs(molt, q, out, 1.0)).abs().max() <= 1e-5
+    check_drained(engine)
+
+
+def test_a_drain_swap_waits_for_preempted_sequences(models):
+    """`update_weights(mode="drain")` lets every admitted sequence finish on the old weights, those preempted for
+    blocks included: no completion mixes versions (before the fix, a preempted one switched mid-way)."""
+    _, molt = models
+    new = copy.deepcopy(molt)
+    with torch.no_grad():
+        new.lm_head.weight.mul_(1.5)
+    engine = paged(molt, kv_blocks=16, num_slots=4)
+
+    async def run():
+        tasks = [
+            asyncio.create_task(engine.generate(p, SamplingParams(temperature=1.0, max_tokens=40, seed=i)))
+            for i, p in enumerate(prompts([20, 20, 20], seed=1))
+        ]
+        while engine.core.scheduler.num_preemptions == 0:
+            await asyncio.sleep(0.001)
+        await engine.update_weights(dict(new.state_dict()), version=1, mode="drain")
+        return await asyncio.gather(*tasks)
+
+    outs = asyncio.run(run())
+    assert [len(set(out.versions)) for out in outs] == [1, 1, 1]  # one not yet admitted runs on the new weights
+    asyncio.run(engine.close())
