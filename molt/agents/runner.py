@@ -42,9 +42,10 @@ class EpisodeLimits:
 
 
 def observation_ids(
-    tokenizer, history: Messages, observation: Messages, ended_with_eos: bool, tools=None, *, strict: bool = True
+    tokenizer, history: Messages, observation: Messages, emitted: str, tools=None, *, strict: bool = True
 ) -> list[int]:
-    """Token ids to append after an action: the template's closing markup of that turn + the new turns.
+    """Token ids to append after an action: the template's closing markup of that turn + the new turns, less the
+    part of it the action already ends with (`emitted`, from `emitted_markup`).
 
     `history` ends with the user/tool turn the action answered. The action itself is replaced by a
     probe string, so the delta never depends on how the action's text would re-tokenize. `strict`: the render
@@ -58,9 +59,14 @@ def observation_ids(
     closing, after = (text[text.rindex(PROBE) + len(PROBE) :] for text in (base, full))
     if not (full.startswith(base) if strict else after.startswith(closing)):
         raise TemplateRewriteError("the chat template re-renders earlier turns when a new one is added")
-    if ended_with_eos:
-        after = after.removeprefix(tokenizer.eos_token or "")  # the engine already emitted it
-    return tokenizer(after, add_special_tokens=False)["input_ids"]
+    return tokenizer(after.removeprefix(emitted), add_special_tokens=False)["input_ids"]
+
+
+def emitted_markup(tokenizer, action_ids: list[int]) -> str:
+    """The text of the special token an action ends with (the end of turn the engine stopped on: `<|im_end|>`, or
+    Llama 3's `<|eot_id|>` though its tokenizer's eos is `<|end_of_text|>`), else ''."""
+    last = list(action_ids[-1:])
+    return tokenizer.decode(last) if last and not tokenizer.decode(last, skip_special_tokens=True) else ""
 
 
 def as_messages(observation: Any, what: str) -> Messages:
@@ -169,7 +175,7 @@ async def run_episode(
         raise ContextBudgetDrop(
             f"the prompt is {len(traj.tokens)} tokens, rollout.max_len is {limits.max_len}: no room to generate"
         )
-    eos_id, result = tokenizer.eos_token_id, None
+    result = None
     for turn in range(limits.max_turns):
         room = limits.max_len - len(traj.tokens)
         if room <= 0:
@@ -189,8 +195,8 @@ async def run_episode(
             break
         observation = as_messages(result.observation, f"{name}.step returned Result.observation")
         observation = with_images(observation, result.images)
-        ended_with_eos = bool(completion.token_ids) and completion.token_ids[-1] == eos_id
-        delta = observation_ids(tokenizer, messages, observation, ended_with_eos, tools, strict=False)
+        emitted = emitted_markup(tokenizer, completion.token_ids)
+        delta = observation_ids(tokenizer, messages, observation, emitted, tools, strict=False)
         if not _extend_prompt(traj, engine, delta, message_images(observation), limits.max_len, leave_room=True):
             traj.truncated = True  # no room to act after it (its images expanded): the budget ends the episode
             break

@@ -215,6 +215,10 @@ def test_requests_the_apis_refuse_are_400s_naming_the_field(served):
         "no tools": {"tool_choice": {"type": "any"}},
         "thinking": {"thinking": {"type": "enabled", "budget_tokens": 1024}},
         "output_config": {"output_config": {"effort": "low"}},
+        "disable_parallel_tool_use": {
+            "tools": [ANTHROPIC_TOOL],
+            "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+        },
         "prefill": {"messages": [*messages, {"role": "assistant", "content": "The answer is"}]},
     }
     for name, options in openai_refused.items():

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import copy
 import inspect
 import json
 import logging
@@ -64,7 +65,7 @@ def test_a_template_rendering_the_last_assistant_turn_its_own_way_still_extends_
         assert think != original
         traj = _run(engine, env_for_task("calculator"), row)
         with pytest.raises(TemplateRewriteError):  # a chat session's check: its next request starts a new segment
-            observation_ids(TOK, row["messages"], [{"role": "tool", "content": "1"}], False)
+            observation_ids(TOK, row["messages"], [{"role": "tool", "content": "1"}], "")
     finally:
         TOK.chat_template = original
     assert traj.reward == 1.0 and traj.num_turns == 2
@@ -344,3 +345,21 @@ def test_a_failure_line_survives_a_broken_or_huge_exception_message():
     assert describe_error(BadStr()) == "BadStr: <its __str__ raised RuntimeError>"
     line = describe_error(ValueError("x" * 10_000_000))
     assert line == "ValueError: " + "x" * 2000 + "... (10000000 characters)"
+
+
+def test_an_end_of_turn_other_than_the_tokenizers_eos_is_not_appended_twice():
+    """Llama 3 ends a turn with `<|eot_id|>` though its tokenizer's eos is `<|end_of_text|>`: the engine stops on
+    the generation config's eos ids, and the closing markup after the action must not repeat the token it ended
+    with (here the engine ends with `<|im_end|>`, the episode's tokenizer's eos is `<|endoftext|>`)."""
+    row = get_task("calculator").rows(1, seed=5)[0]
+    engine = ScriptedEngine([f"<tool_call>{row['a']}*{row['b']}</tool_call>", row["label"]])
+    tokenizer = copy.deepcopy(TOK)
+    tokenizer.eos_token = "<|endoftext|>"
+    traj = asyncio.run(run_episode(engine, tokenizer, env_for_task("calculator"), row, SAMPLING, EpisodeLimits()))
+    conversation = row["messages"] + [
+        {"role": "assistant", "content": f"<tool_call>{row['a']}*{row['b']}</tool_call>"},
+        {"role": "tool", "content": row["label"]},
+    ]
+    assert engine.emitted[0][-1] == TOK.convert_tokens_to_ids("<|im_end|>") != tokenizer.eos_token_id
+    assert engine.prompts[1] == apply_chat_template(TOK, conversation, add_generation_prompt=True)
+    assert "<|im_end|><|im_end|>" not in TOK.decode(traj.tokens)

@@ -44,7 +44,13 @@ from molt.agents.chat.replies import (
 from molt.agents.chat.textstream import TextStream, decoder, trim_at_stop
 from molt.agents.chat.tool_parser import Parser, call_opener, call_prefix, parse_none
 from molt.agents.images import expand_images, message_images, pixels_arg
-from molt.agents.runner import TemplateRewriteError, first_prompt_ids, observation_ids, record_completion
+from molt.agents.runner import (
+    TemplateRewriteError,
+    emitted_markup,
+    first_prompt_ids,
+    observation_ids,
+    record_completion,
+)
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Completion, ContextLengthError, SamplingParams
 from molt.models.tokenizer import render_chat
@@ -106,7 +112,7 @@ class Session:
         self.history: list[Message] = []  # the messages the current segment's last action answered
         self.answered: list[Message] = []  # those and the reply; their fingerprints once a request needs them
         self.fps: list[str] | None = []
-        self.ended_with_eos = False
+        self.emitted = ""  # the closing markup the last reply ended with (`emitted_markup`)
         self.siblings: list[tuple[Trajectory, TurnReply]] = []  # n > 1: the other samples, which a request may continue
         self.last_request: ChatRequest | None = None  # and its retry key, once a request needs it
         self.last_key: str | None = None
@@ -244,7 +250,7 @@ class Session:
         if large:  # the new turns' text alone may not fit
             self._check_fits(sum(len(c) for m in messages[n:] if isinstance(c := m.get("content"), str)))
         try:
-            delta = observation_ids(self.tokenizer, self.history, messages[n:], self.ended_with_eos, tools)
+            delta = observation_ids(self.tokenizer, self.history, messages[n:], self.emitted, tools)
         except TemplateRewriteError:
             return None  # the template re-renders history: start a new segment
         delta, images = expand_images(self.engine, delta, message_images(messages[n:]), len(self.current.tokens))
@@ -259,7 +265,7 @@ class Session:
                 self.sealed[at] = self.current  # in the sibling's place: the segments keep their order
                 self.siblings[k] = (self.current, self.last_reply)
                 self.current, self.answered, self.fps = segment, answered, fps
-                self.ended_with_eos = reply.token_ids[-1:] == [self.tokenizer.eos_token_id]
+                self.emitted = emitted_markup(self.tokenizer, reply.token_ids)
                 return True
         return False
 
@@ -330,7 +336,7 @@ class Session:
         first = replies[0]
         self.history = list(request.messages)
         self.answered, self.fps = [*request.messages, assistant_message(first.content, first.tool_calls)], None
-        self.ended_with_eos = bool(first.token_ids) and first.token_ids[-1] == self.tokenizer.eos_token_id
+        self.emitted = emitted_markup(self.tokenizer, first.token_ids)
         first.siblings = replies[1:]
         return first
 

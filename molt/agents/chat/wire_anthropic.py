@@ -6,8 +6,8 @@ images kept); `tools` (`input_schema`) become OpenAI function schemas so one tem
 `image` blocks become image parts (for a VLM policy; a `url` or `file` source is a 400, never fetched), as are OpenAI
 `image_url` parts with a data URI (`ChatContext.messages` hold those, so one list drives both SDKs); document blocks are
 refused (400). `max_tokens` is required (not by `count_tokens`); `top_k` applies in serve mode; a final assistant
-message (a prefill to continue) and the `UNSUPPORTED` options (`thinking`, `output_config`) are refused (400): Molt's
-reply is always a new turn, captured token-exact.
+message (a prefill to continue), the `UNSUPPORTED` options (`thinking`, `output_config`) and
+`tool_choice.disable_parallel_tool_use` true are refused (400): Molt's reply is always a new turn, captured token-exact.
 Encoding: `text` and `tool_use` content blocks, `stop_reason` (end_turn, max_tokens, tool_use,
 stop_sequence) and `usage`; `tool_choice` any / tool opens the reply with a call of the request's
 tools. Streaming sends the standard event sequence as the engine generates: text deltas live, then each
@@ -77,6 +77,14 @@ class ToolIn(WireModel):
 class ToolChoice(WireModel):
     type: Literal["auto", "any", "tool", "none"] = "auto"
     name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    @field_validator("disable_parallel_tool_use")
+    @classmethod
+    def _parallel(cls, disable: bool) -> bool:
+        if disable:  # as OpenAI's parallel_tool_calls false: refused, not ignored
+            raise ValueError("true is not supported: a reply holds every tool call the policy writes")
+        return disable
 
     def forced(self) -> str | None:
         """The function a reply must call ("" any) or None."""
