@@ -17,8 +17,14 @@ F = TypeVar("F")
 class Registry(Generic[F]):
     """A named family of interchangeable variants (functions or classes), each with optional static info."""
 
-    def __init__(self, kind: str, required: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        kind: str,
+        required: tuple[str, ...] = (),
+        check: Callable[[str, dict[str, Any]], str | None] | None = None,
+    ) -> None:
         self.kind, self.required = kind, required  # `required`: the info keys every variant must give
+        self.check = check  # (name, info) -> what is wrong with them, or None
         self._fns: dict[str, F] = {}
         self._info: dict[str, dict[str, Any]] = {}
 
@@ -34,6 +40,8 @@ class Registry(Generic[F]):
         if missing := [key for key in self.required if key not in info]:
             given = ", ".join(f"{key}=..." for key in missing)
             raise ValueError(f"{self.kind} {name!r}: register it with {given} (every {self.kind} states them)")
+        if self.check is not None and (problem := self.check(name, info)):
+            raise ValueError(f"{self.kind} {name!r}: {problem}")
         self._fns[name] = variant
         self._info[name] = info
         return variant
@@ -62,3 +70,10 @@ class Registry(Generic[F]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {self.names()})"
+
+
+def bool_info(*keys: str) -> Callable[[str, dict[str, Any]], str | None]:
+    """A `Registry` check: each of `keys` given is True or False (a truthy string would read as True)."""
+    return lambda name, info: next(
+        (f"{k}={info[k]!r} must be True or False" for k in keys if k in info and not isinstance(info[k], bool)), None
+    )

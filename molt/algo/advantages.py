@@ -21,7 +21,7 @@ from torch import Tensor
 
 from molt.algo.groups import RolloutGroups, rollout_groups, rollout_mean
 from molt.algo.masked import last_action_index, masked_mean, masked_whiten, next_action_index, reverse_linear_scan
-from molt.registry import Registry
+from molt.registry import Registry, bool_info
 
 Metrics = dict[str, Tensor]
 
@@ -48,8 +48,19 @@ class AdvantageParams:
 
 
 Estimator = Callable[[AdvantageInputs, AdvantageParams], tuple[Tensor, Tensor, Metrics]]
+
+
+def _check_info(name: str, info: dict) -> str | None:
+    """What is wrong with an estimator's registered info (`needs`/`reads` name real fields, flags are bools)."""
+    fields = {f.name for f in dataclasses.fields(AdvantageInputs)}
+    for key, allowed in (("needs", fields), ("reads", {"gamma", "lam"})):
+        if not isinstance(value := info.get(key, ()), tuple) or not set(value) <= allowed:
+            return f"{key}={value!r} must be a tuple of names from {sorted(allowed)}"
+    return bool_info("whiten", "uses_kl", "group_baseline")(name, info)
+
+
 ESTIMATORS: Registry[Estimator] = Registry(
-    "advantage estimator", required=("whiten", "needs", "uses_kl", "group_baseline")
+    "advantage estimator", required=("whiten", "needs", "uses_kl", "group_baseline"), check=_check_info
 )
 GroupAdvantage = Callable[[Tensor, RolloutGroups, AdvantageParams], Tensor]
 
@@ -75,6 +86,11 @@ def compute_advantages(
     if shapes != [tuple(inputs.mask_bt.shape)] * 2 + [(k, ()) for k in metrics]:
         raise ValueError(f"estimator {name!r} returned shapes {shapes}: need (advantages [B, T], returns [B, T], "
                          f"scalar metrics) with [B, T] = {tuple(inputs.mask_bt.shape)}")  # fmt: skip
+    if not advantages_bt.is_floating_point():
+        raise ValueError(f"estimator {name!r} returned {advantages_bt.dtype} advantages: need a float tensor")
+    if bad := int((~torch.isfinite(advantages_bt) & (inputs.mask_bt > 0)).sum()):
+        raise ValueError(f"estimator {name!r} returned NaN or inf advantages on {bad} action tokens (the policy loss "
+                         "would drop them all: a step that trains nothing)")  # fmt: skip
     if info["whiten"] if params.whiten is None else params.whiten:
         advantages_bt = masked_whiten(advantages_bt, inputs.mask_bt)
     metrics |= advantage_stats(advantages_bt, inputs.mask_bt)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from molt.algo.masked import masked_sum
-from molt.registry import Registry
+from molt.registry import Registry, bool_info
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,9 @@ def step_denominators(mask_bts: Sequence[Tensor], group_ids_bs: Sequence[Tensor]
     return StepDenominators(num_tokens, num_seqs, num_groups, group_ids_g, group_tokens_g)
 
 
-AGGREGATIONS: Registry[Callable[..., Tensor]] = Registry("loss aggregation")
+AGGREGATIONS: Registry[Callable[..., Tensor]] = Registry(
+    "loss aggregation", check=bool_info("needs_norm_len", "needs_group_ids")
+)
 
 
 def aggregate(

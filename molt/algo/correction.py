@@ -28,7 +28,13 @@ Metrics = dict[str, Tensor]
 
 Level = Callable[[Tensor, Tensor], Tensor]
 Mode = Callable[[Tensor, Tensor, float, float], tuple[Tensor, Tensor]]
-IS_LEVELS: Registry[Level] = Registry("IS correction level", required=("modes",))
+IS_LEVELS: Registry[Level] = Registry(
+    "IS correction level",
+    required=("modes",),
+    check=lambda name, info: (
+        None if isinstance(m := info["modes"], tuple) and m else f"modes={m!r} must be a tuple of IS mode names"
+    ),
+)
 IS_MODES: Registry[Mode] = Registry("IS correction mode")
 
 

@@ -26,7 +26,10 @@ class FilterParams:
 
 
 GroupFilter = Callable[[Tensor, RolloutGroups, FilterParams], Tensor]
-GROUP_FILTERS: Registry[GroupFilter] = Registry("group filter")
+GROUP_FILTERS: Registry[GroupFilter] = Registry(
+    "group filter",
+    check=lambda name, info: "'auto' is --rollout.filters' own word (the default set)" if name == "auto" else None,
+)
 
 
 @GROUP_FILTERS.register("nonfinite")

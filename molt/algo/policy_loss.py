@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from molt.algo.masked import masked_mean, sanitized_log_ratio
-from molt.registry import Registry
+from molt.registry import Registry, bool_info
 
 Metrics = dict[str, Tensor]
 
@@ -37,7 +37,7 @@ class SurrogateParams:
 
 
 Surrogate = Callable[[Tensor, Tensor, Tensor, Tensor, SurrogateParams], tuple[Tensor, Metrics]]
-POLICY_LOSSES: Registry[Surrogate] = Registry("policy loss")
+POLICY_LOSSES: Registry[Surrogate] = Registry("policy loss", check=bool_info("pg_at_ratio_one"))
 
 
 def _prepare(

@@ -125,6 +125,9 @@ class AlgoConfig:
     per batch makes the ratio to the proximal policy exactly 1, where all four have one gradient."""
     loss_agg: str = "token-mean"
     """Loss aggregation with a global denominator per step (token-mean, seq-mean-token-mean, ...)."""
+    norm_len: int = 0
+    """seq-mean-token-sum-norm's constant divisor L (Dr. GRPO: the generation budget, e.g. rollout.max_tokens); that
+    aggregation needs it, the others refuse it."""
     clip_low: float = 0.2
     """PPO clip: ratio >= 1 - clip_low."""
     clip_high: float = 0.28
@@ -205,6 +208,9 @@ class AlgoConfig:
         check_bounds(self, moe_aux_coef=">= 0", kl_coef=">= 0 (0 = no KL term, no reference model)")
         check(self.kl_target >= 0 and self.kl_horizon > 0, "algo.kl_target", "kl_target >= 0, kl_horizon > 0")
         check(self.reward_clip >= 0, "algo.reward_clip", "must be >= 0 (0 = off)")
+        check(self.norm_len > 0 or not algo.AGGREGATIONS.info(self.loss_agg).get("needs_norm_len"), "algo.norm_len",
+              f"--algo.loss_agg {self.loss_agg} divides each sequence's token sum by this constant: set it > 0 "
+              "(Dr. GRPO takes the generation budget, --rollout.max_tokens)")  # fmt: skip
         check(min(self.overlong_buffer, self.overlong_max_len) >= 0, "algo.overlong_buffer", "must be >= 0")
         check_bounds(self, overlong_coef="> 0", entropy_coef=">= 0 (0 = no entropy bonus)")
         check(0 <= self.is_low <= 1 <= self.is_high, "algo.is_low", "the IS band needs 0 <= is_low <= 1 <= is_high")
@@ -252,8 +258,8 @@ class AlgoConfig:
             inert("there is no teacher (--algo.teacher)", "teacher_coef")
         if not self.overlong_buffer:
             inert("the overlong penalty is off (--algo.overlong_buffer 0)", "overlong_max_len", "overlong_coef")
-        if algo.AGGREGATIONS.info(self.loss_agg).get("needs_norm_len"):
-            out.append(("loss_agg", "it divides by a constant norm_len that only Python callers set (ObjectiveParams)"))
+        if not algo.AGGREGATIONS.info(self.loss_agg).get("needs_norm_len"):
+            inert(f"--algo.loss_agg {self.loss_agg} divides by no constant (seq-mean-token-sum-norm does)", "norm_len")
         return out
 
     def needs(self, field: str) -> bool:
@@ -276,6 +282,7 @@ class AlgoConfig:
             kl_estimator=self.kl_estimator,
             kl_loss_coef=self.kl_coef,
             entropy_coef=self.entropy_coef,
+            norm_len=self.norm_len or None,
         )
 
 

@@ -61,6 +61,54 @@ def test_an_estimator_returning_the_wrong_shapes_is_named():
         del ESTIMATORS._fns["per_sample"], ESTIMATORS._info["per_sample"]
 
 
+@pytest.mark.parametrize(
+    ("register", "problem"),
+    [
+        (lambda: ESTIMATORS.register("e", whiten="no", needs=(), uses_kl=False, group_baseline=False), "whiten='no'"),
+        (
+            lambda: ESTIMATORS.register("e", whiten=False, needs=("reward_b",), uses_kl=False, group_baseline=False),
+            "needs=('reward_b',) must be a tuple of names from",
+        ),  # fmt: skip
+        (
+            lambda: ESTIMATORS.register("e", whiten=False, needs="rewards_b", uses_kl=False, group_baseline=False),
+            "needs='rewards_b'",
+        ),  # fmt: skip
+        (
+            lambda: ESTIMATORS.register("e", whiten=0, needs=(), uses_kl=False, group_baseline=False, reads=("gama",)),
+            "reads=('gama',)",
+        ),  # fmt: skip
+        (lambda: POLICY_LOSSES.register("e", pg_at_ratio_one=1), "pg_at_ratio_one=1 must be True or False"),
+        (lambda: AGGREGATIONS.register("e", needs_norm_len="yes"), "needs_norm_len='yes'"),
+        (lambda: IS_LEVELS.register("e", modes="mask"), "modes='mask' must be a tuple"),
+        (lambda: GROUP_FILTERS.register("auto"), "'auto' is --rollout.filters' own word"),
+    ],
+)
+def test_a_variants_info_is_checked_when_registered(register, problem):
+    """A typo in a registration would silently change behaviour (a truthy string whitens; a misspelt `needs` field
+    fails at the first step): it is an error naming the variant and the value."""
+    with pytest.raises(ValueError, match=f"'(e|auto)': {re.escape(problem)}"):
+        register()(lambda *a, **k: None)
+    assert "e" not in ESTIMATORS and "e" not in POLICY_LOSSES and "auto" not in GROUP_FILTERS
+
+
+@pytest.mark.parametrize(("value", "problem"), [(float("nan"), "NaN or inf advantages on 6"), (1, "torch.int64")])
+def test_an_estimator_returning_non_finite_or_integer_advantages_is_named(value, problem):
+    """NaN advantages trained nothing (every token dropped as non-finite, the run went on); integer ones were
+    truncated."""
+    import torch
+
+    from molt.algo import AdvantageInputs, compute_advantages
+
+    ESTIMATORS.register("odd", whiten=False, needs=(), uses_kl=False, group_baseline=False)(
+        lambda inputs, params: (torch.full((2, 3), value), torch.zeros(2, 3), {})
+    )
+    try:
+        with pytest.raises(ValueError, match=f"estimator 'odd' returned {problem}"):
+            compute_advantages("odd", AdvantageInputs(torch.ones(2, 3)))
+    finally:
+        del ESTIMATORS._fns["odd"], ESTIMATORS._info["odd"]
+
+
 def test_unknown_name_lists_the_choices():
     reg = Registry("widget")
     reg.register("b")(lambda: 1)

@@ -96,7 +96,18 @@ CASES: dict[str, list[Case]] = {
         *[_acts("--algo.loss_agg", name) for name in ("seq-mean-token-mean", "prompt-mean-token-mean")],
         # token-mean times the step's N_tokens / N_seqs: the same direction, so only unclipped magnitudes differ
         _acts("--algo.loss_agg", "seq-mean-token-sum", context=("--train.grad_clip", "0")),
-        _rejected("norm_len", "--algo.loss_agg", "seq-mean-token-sum-norm"),
+        _rejected("algo.norm_len", "--algo.loss_agg", "seq-mean-token-sum-norm"),
+        _acts(
+            "--algo.loss_agg", "seq-mean-token-sum-norm", "--algo.norm_len", "64", context=("--train.grad_clip", "0")
+        ),
+    ],
+    "algo.norm_len": [
+        _rejected("divides by no constant", "--algo.norm_len", "64"),
+        _acts(
+            "--algo.norm_len",
+            "16",
+            context=("--algo.loss_agg", "seq-mean-token-sum-norm", "--algo.norm_len", "64", "--train.grad_clip", "0"),
+        ),  # fmt: skip
     ],
     "algo.clip_low": [_rejected(ONE_STEP, "--algo.clip_low", "0.1")],
     "algo.clip_high": [_rejected(ONE_STEP, "--algo.clip_high", "0.2")],
