@@ -74,7 +74,12 @@ def aggregate(
         raise ValueError(f"loss aggregation {name!r} needs group ids (here and in step_denominators)")
     if info.get("needs_norm_len") and not norm_len:
         raise ValueError(f"loss aggregation {name!r} needs norm_len (a constant, e.g. the max new tokens)")
-    return fn(loss_bt, mask_bt, denoms, group_ids_b=group_ids_b, norm_len=norm_len)
+    loss = fn(loss_bt, mask_bt, denoms, group_ids_b=group_ids_b, norm_len=norm_len)
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        raise ValueError(
+            f"loss aggregation {name!r} returned {tuple(getattr(loss, 'shape', ()))}: need a scalar tensor"
+        )
+    return loss
 
 
 def _floor1(count: Tensor, like: Tensor) -> Tensor:

@@ -61,6 +61,9 @@ def policy_objective(batch: PolicyBatch, denoms: StepDenominators, params: Objec
     old_logp_bt = batch.logp_bt.detach() if batch.old_logp_bt is None else batch.old_logp_bt
     surrogate = POLICY_LOSSES.get(params.policy_loss)
     loss_bt, metrics = surrogate(batch.logp_bt, old_logp_bt, batch.advantages_bt, mask_bt, params.surrogate)
+    if loss_bt.shape != mask_bt.shape or not loss_bt.is_floating_point():
+        raise ValueError(f"policy loss {params.policy_loss!r} returned a {loss_bt.dtype} {tuple(loss_bt.shape)} "
+                         f"loss: need a per-token float loss [B, T] = {tuple(mask_bt.shape)}")  # fmt: skip
     if params.is_correction.level is not None and batch.rollout_logp_bt is None:
         raise ValueError("IS correction needs rollout_logp_bt (the rollout engine's log-probs)")
     if batch.rollout_logp_bt is not None:

@@ -10,6 +10,8 @@ from typing import Literal
 from molt.config.base import ConfigError, changed, check, check_bounds
 from molt.config.training import check_finite, check_model_folder
 
+OWN = " (a variant of your own is registered in Python: import its module, then call molt.train; docs/algorithms.md)"
+
 
 @dataclass
 class RolloutConfig:
@@ -93,7 +95,7 @@ class RolloutConfig:
 
         unknown = [f for f in self.filters if f not in GROUP_FILTERS and self.filters != ("auto",)]
         alone = "auto stands alone, or " if "auto" in unknown else ""
-        check(not unknown, "rollout.filters", f"unknown {unknown}; {alone}choose from {GROUP_FILTERS.names()}")
+        check(not unknown, "rollout.filters", f"unknown {unknown}; {alone}choose from {GROUP_FILTERS.names()}{OWN}")
         check(self.filter_on == "reward" or bool(self.filters), "rollout.filter_on", "has no effect without filters")
         low, high = self.score_range  # check_finite refused NaN and infinity above
         check(low < high, "rollout.score_range", "needs finite low < high")
@@ -194,7 +196,7 @@ class AlgoConfig:
         check_finite(self, "algo", allow_inf=("is_high",))  # is_high inf: no upper bound
         for key, registry in (("estimator", algo.ESTIMATORS), ("policy_loss", algo.POLICY_LOSSES),
                               ("loss_agg", algo.AGGREGATIONS), ("kl_estimator", algo.KL_ESTIMATORS)):  # fmt: skip
-            check(getattr(self, key) in registry, f"algo.{key}", f"unknown; choose one of {registry.names()}")
+            check(getattr(self, key) in registry, f"algo.{key}", f"unknown; choose one of {registry.names()}{OWN}")
         check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algo.gamma", "gamma and lam must be in [0, 1]")
         for key, note in (("gamma", ""), ("lam", "; reinforce is gae with V = 0 and lambda 1")):
             readers = [n for n in algo.ESTIMATORS.names() if key in algo.ESTIMATORS.info(n).get("reads", (key,))]

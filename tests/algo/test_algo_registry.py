@@ -151,3 +151,41 @@ def test_info_is_a_copy():
 )
 def test_every_variant_is_registered(registry, names):
     assert registry.names() == names
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda torch: ("filter", lambda s, g, p: torch.zeros(len(s), dtype=torch.bool)), "returned torch.bool (4,)"),
+        (lambda torch: ("filter", lambda s, g, p: torch.zeros(g.num_groups)), "returned torch.float32 (2,)"),
+        (lambda torch: ("loss", lambda lp, old, a, m, p: ((lp * a).sum(1), {})), "returned a torch.float32 (2,)"),
+        (lambda torch: ("agg", lambda loss, m, d, **k: loss.sum(1)), "returned (2,): need a scalar"),
+    ],
+)
+def test_own_variants_returning_the_wrong_thing_are_named(make, problem):
+    """A filter's drop mask per rollout instead of per group, a float mask, a per-sample policy loss, a per-sample
+    aggregation: each is an error naming the variant (they were torch errors from Molt's internals, or trained)."""
+    import torch
+
+    from molt.algo import (
+        ObjectiveParams,
+        PolicyBatch,
+        filter_groups,
+        policy_objective,
+        step_denominators,
+    )
+
+    kind, fn = make(torch)
+    registry = {"filter": GROUP_FILTERS, "loss": POLICY_LOSSES, "agg": AGGREGATIONS}[kind]
+    registry.register("own")(fn)
+    try:
+        with pytest.raises(ValueError, match=f"'own' {re.escape(problem)}"):
+            if kind == "filter":
+                filter_groups(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]), filters=("own",))
+            else:
+                mask = torch.ones(2, 3)
+                batch = PolicyBatch(torch.zeros(2, 3, requires_grad=True), mask, torch.ones(2, 3))
+                params = ObjectiveParams(**{"policy_loss" if kind == "loss" else "loss_agg": "own"})
+                policy_objective(batch, step_denominators([mask]), params)
+    finally:
+        del registry._fns["own"], registry._info["own"]
