@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 _END = None  # end of the response body in the chunk queue
+IN_PROCESS = "molt.in_process"  # a scope key of `_direct`'s requests: the caller's cancellation reaches the handler
 SESSION_HEADER = "x-molt-session"  # an in-process session client's session (`clients.py`), read as `/s/{session}`
 
 
@@ -104,7 +105,7 @@ async def _direct(httpx, handler, scope: dict[str, Any], body: bytes):
     """`handler`'s response to the request as an httpx response. A streamed body runs on as a server's would, whether
     or not the client reads it (a client that stops reading without closing must not stall the session); closing it
     early closes the handler's stream, which aborts the generation, as a disconnect does."""
-    response = await handler(Request(scope, _one_body(body)))
+    response = await handler(Request(scope | {IN_PROCESS: True}, _one_body(body)))
     headers = response.raw_headers
     if not isinstance(response, StreamingResponse):
         return httpx.Response(response.status_code, headers=headers, stream=httpx.ByteStream(response.body))

@@ -40,6 +40,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from molt.agents.chat import wire_anthropic, wire_openai
 from molt.agents.chat.ids import new_id
+from molt.agents.chat.loopback import IN_PROCESS
 from molt.agents.chat.messages import ChatRequest, check_depth, lone_surrogate
 from molt.agents.chat.replies import GenerationError, RequestError, SessionClosed
 from molt.agents.chat.session import Session, forced_prefix, off_loop
@@ -61,6 +62,26 @@ class HTTPError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
         self.status, self.code, self.param = status, code, param  # code, param: OpenAI's
+
+
+async def _unless_gone(request: Request, turn: Awaitable) -> Any:
+    """`turn`'s result, or None when the HTTP client disconnects first: then the turn is cancelled, which aborts
+    its generation, as a streamed one's is (vLLM's server does the same)."""
+    task, gone = asyncio.ensure_future(turn), asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _reject_constant(name: str) -> Any:
@@ -342,7 +363,11 @@ class ChatServer:
                 session = self.open_session(self.serve_sampling, max_len=self.serve_max_len, honor_sampling=True)
             chat = await self._decode(request, wire)
             if not chat.stream:
-                return JSONResponse(wire.encode(await session.turn(chat), self.model_name, chat))
+                turn = session.turn(chat)  # in process, the caller's cancellation reaches it directly
+                reply = await (turn if request.scope.get(IN_PROCESS) else _unless_gone(request, turn))
+                if reply is None:  # nobody reads the answer: nginx's "client closed request"
+                    return Response(status_code=499)
+                return JSONResponse(wire.encode(reply, self.model_name, chat))
             events = session.stream(chat)
             first = await anext(events)  # errors before anything was generated are plain HTTP errors
             owned = False  # the stream closes an implicit session when it ends
