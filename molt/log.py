@@ -7,6 +7,7 @@ stays an optional dependency (`pip install molt[wandb]`)."""
 from __future__ import annotations
 
 import decimal
+import fcntl
 import json
 import math
 import os
@@ -68,12 +69,15 @@ def default_run_dir(command: str) -> Path:
     return path
 
 
+LOCK = ".lock"  # held (flock) by the process writing a run directory, for as long as it runs
+
+
 def check_new_run_dir(path: str | os.PathLike) -> None:
     """A ConfigError naming log.run_dir when `path` already holds files (a new run must not mix into an old one)."""
     from molt.config import ConfigError, check
 
     path = Path(path)
-    if path.is_dir() and any(path.iterdir()):
+    if path.is_dir() and any(p.name != LOCK for p in path.iterdir()):
         started, metrics = (path / "config.yaml").exists(), path / "metrics.jsonl"
         if started and not (path / "checkpoints").exists() and not (metrics.exists() and metrics.stat().st_size):
             return  # a run that stopped before logging anything (e.g. a bad model folder): it starts again here
@@ -115,7 +119,12 @@ class RunDir:
         resolved = config.file_form()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+            self.lock = (self.path / LOCK).open("a")  # closed (so released) when this process ends, however it ends
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             atomic_write_text(self.path / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+        except BlockingIOError:  # two runs (or a resume beside its still running run) would overwrite each other
+            raise ConfigError(f"log.run_dir: {given} is in use by another molt process; wait for it to end or pick "
+                              "another --log.run_dir") from None  # fmt: skip
         except OSError as e:  # a read-only folder, a full disk
             raise ConfigError(f"log.run_dir: cannot write the run directory {given}: {e.strerror}") from None
         metrics = self.path / "metrics.jsonl"
@@ -152,12 +161,22 @@ class RunDir:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+        self.lock.close()  # the folder is free for a resume
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All rows of a run's metrics.jsonl."""
-    lines = (Path(path) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    """All rows of a run's metrics.jsonl; a last line cut short (a full disk, a crash) is left out with a warning."""
+    file = Path(path) / "metrics.jsonl"
+    lines = [line for line in file.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number < len(lines):
+                raise ValueError(f"{file}:{number}: not a JSON row ({e.msg})") from None
+            print(f"warning: {file}:{number}: a row cut short (a full disk or a crash) is left out", file=sys.stderr)
+    return rows
 
 
 def plot_metrics(run_dir: str | os.PathLike, keys: list[str], out_name: str = "curves.png") -> Path:

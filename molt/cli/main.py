@@ -365,6 +365,12 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exception(e)
         print(f"molt {name}: run stopped: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    except OSError as e:  # the machine's doing: a full disk, a file-size limit, a folder read-only, moved or deleted
+        if _traceback_wanted():
+            traceback.print_exception(e)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"molt {name}: cannot go on: {where}{e.strerror or e}", file=sys.stderr)
+        raise SystemExit(1) from None
     except Exception as e:  # not the user's doing: a bug in Molt, shown in full
         traceback.print_exception(e)
         print(f"molt {name}: internal error: {type(e).__name__}: {e}\n  this is a bug in Molt (not in your config, "

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from molt.config import ConfigError
 from molt.log import atomic_write, atomic_write_text
@@ -28,7 +29,7 @@ def remove_orphans(checkpoints: Path) -> list[Path]:
     orphans = [*checkpoints.glob(".step-*"), *checkpoints.glob(".latest.*")]
     pointer = checkpoints / "latest"
     newest = checkpoint_step(checkpoints / pointer.read_text().strip()) if pointer.exists() else -1
-    orphans += [p for p in checkpoints.glob("step-*")
+    orphans += [p for p in step_folders(checkpoints)
                 if checkpoint_step(p) > newest and not (p / "trainer_state.pt").exists()]  # fmt: skip
     for path in orphans:
         if path.is_dir():
@@ -43,20 +44,31 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, loop_state: LoopState, toke
     return its path."""
     folder = Path(run_dir) / "checkpoints" / f"step-{loop_state.step}"
     remove_orphans(folder.parent)
-    state = trainer.save(folder, tokenizer)  # LoRA: merged weights, the PEFT adapter in adapter/
+    try:
+        state = trainer.save(folder, tokenizer)  # LoRA: merged weights, the PEFT adapter in adapter/
+    except SafetensorError as e:  # its I/O errors are not OSErrors ("No space left on device (os error 28)")
+        raise OSError(f"cannot write the checkpoint {folder}: {e}") from e
     state |= {
         "version": trainer.version,
         "num_skipped_steps": trainer.num_skipped_steps,
         "loop": dataclasses.asdict(loop_state),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
     }
-    atomic_write(folder / "trainer_state.pt", lambda tmp: torch.save(state, tmp))
+    try:
+        atomic_write(folder / "trainer_state.pt", lambda tmp: torch.save(state, tmp))
+    except RuntimeError as e:  # torch's zip writer says "unexpected pos" for a full disk or a file-size limit
+        raise OSError(f"cannot write {folder / 'trainer_state.pt'} (a full disk or a file-size limit?): {e}") from e
     share_like_new_files(folder)
     atomic_write_text(Path(run_dir) / "checkpoints" / "latest", folder.name)
-    older = sorted(folder.parent.glob("step-*"), key=checkpoint_step)[:-keep] if keep else []
+    older = sorted(step_folders(folder.parent), key=checkpoint_step)[:-keep] if keep else []
     for old in (p for p in older if p != folder):
         shutil.rmtree(old, ignore_errors=True)
     return folder
+
+
+def step_folders(checkpoints: Path) -> list[Path]:
+    """The `step-<N>` folders Molt wrote (not a user's copy such as `step-4-best`, which it leaves alone)."""
+    return [p for p in checkpoints.glob("step-*") if p.name[5:].isdigit()]
 
 
 def checkpoint_step(folder: Path) -> int:

@@ -394,3 +394,19 @@ def test_a_context_over_the_model_or_a_kv_cache_over_the_memory_is_one_line(molt
             check_slot_memory(preset("tiny", vocab_size=300), sizing, "rollout.max_len", dtype)
         needs[dtype] = float(re.search(r"needs ([\d.]+) GB", str(e.value))[1])
     assert needs[torch.bfloat16] == pytest.approx(needs[torch.float32] / 2, rel=1e-3)  # the cache is in its dtype
+
+
+def test_a_write_the_machine_refuses_is_one_line_naming_the_file(monkeypatch, capsys):
+    """A full disk, a file-size limit, a folder made read-only, moved or deleted under the run: the machine's doing,
+    not a bug in Molt (it printed 'internal error' and a traceback)."""
+    from molt.cli import main as cli
+
+    def disk_full(cfg):
+        raise OSError(28, "No space left on device", "runs/x/metrics.jsonl")
+
+    monkeypatch.setitem(cli.COMMANDS, "train", disk_full)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err
+    assert err.strip() == "molt train: cannot go on: runs/x/metrics.jsonl: No space left on device"

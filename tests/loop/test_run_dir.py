@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 
+import pytest
 import yaml
 from conftest import TINY_RUN, one_line, run_molt  # noqa: I001 - tests/conftest.py
 
@@ -103,7 +104,9 @@ def test_orphan_cleanup_and_modes_follow_the_umask(tmp_path):
     (tmp_path / "step-2").mkdir()
     (tmp_path / "step-2" / "trainer_state.pt").write_bytes(b"")
     (tmp_path / "step-4").mkdir()  # no trainer state: its save was killed
+    (tmp_path / "step-2-best").mkdir()  # a user's copy: not Molt's, left alone (its name made every save crash)
     assert sorted(p.name for p in remove_orphans(tmp_path)) == [".latest.tmp", ".step-3.abc", "step-4"]
+    shutil.rmtree(tmp_path / "step-2-best")
     assert [p.name for p in tmp_path.iterdir()] == ["step-2"]
     (tmp_path / "step-1").mkdir()  # older than `latest`, its trainer state deleted by its user: kept
     (tmp_path / "latest").write_text("step-2")
@@ -212,3 +215,21 @@ def test_json_safe_writes_what_strict_json_readers_take():
         "np": 0.5, "nan": ["nan", "-inf"], "3": "1.50", "day": "2026-01-02", "image": "<Image>", "bytes": "<bytes>",
         "s": "{1}",
     }  # fmt: skip
+
+
+def test_a_run_directory_is_held_by_one_process_and_a_cut_short_row_is_left_out(tmp_path, capsys):
+    """Two runs given one --log.run_dir (or a resume beside its still running run) overwrote each other's
+    checkpoints and metrics, both exiting 0; a full disk's half-written last row made --resume an internal error."""
+    from molt.config import Config, ConfigError
+    from molt.log import RunDir, read_metrics
+
+    first = RunDir(tmp_path, "train", Config())
+    with pytest.raises(ConfigError, match="is in use by another molt process"):
+        RunDir(tmp_path, "train", Config())
+    first.log({"step": 1, "x": 1.0})
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "x":')  # the disk filled up here
+    RunDir(tmp_path, "train", Config(), resumed=1).close()  # free again; the resume trims the broken row
+    assert read_metrics(tmp_path) == [{"step": 1, "x": 1.0}]
+    assert "metrics.jsonl:2: a row cut short" in capsys.readouterr().err
