@@ -27,7 +27,7 @@ import torch
 from openai import AsyncOpenAI
 
 from molt.agents.chat.server import ChatServer
-from molt.agents.runner import observation_ids
+from molt.agents.runner import emitted_markup, observation_ids
 from molt.engine import SamplingParams, TorchEngine
 from molt.models import Transformer, preset
 from molt.models.tokenizer import apply_chat_template, build_builtin_tokenizer
@@ -49,7 +49,7 @@ async def direct_conversation(engine, tok, sampling: SamplingParams, i: int) -> 
         ids = ids + list(completion.token_ids)
         if turn + 1 < TURNS:
             new = question(i, turn + 1)
-            ids += observation_ids(tok, messages, new, ended_with_eos=False)
+            ids += observation_ids(tok, messages, new, emitted_markup(tok, completion.token_ids))
             messages = messages + [{"role": "assistant", "content": tok.decode(completion.token_ids)}] + new
     return generated
 

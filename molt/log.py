@@ -7,6 +7,7 @@ stays an optional dependency (`pip install molt[wandb]`)."""
 from __future__ import annotations
 
 import decimal
+import errno
 import fcntl
 import json
 import math
@@ -16,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
@@ -119,12 +120,21 @@ class RunDir:
         resolved = config.file_form()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            self.lock = (self.path / LOCK).open("a")  # closed (so released) when this process ends, however it ends
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.lock = hold(self.path / LOCK, given)  # released by `close`, or when this process ends
+        except OSError as e:  # a read-only folder, a full disk
+            raise ConfigError(f"log.run_dir: cannot write the run directory {given}: {e.strerror}") from None
+        try:
+            self._open(given, config, resolved, tensorboard, resumed)
+        except BaseException:
+            self.lock.close()  # a retry in this process (a notebook) must find the folder free
+            raise
+
+    def _open(self, given: Path, config: Any, resolved: dict, tensorboard: bool, resumed: int | None) -> None:
+        """Write config.yaml, trim a resumed run's tail, open metrics.jsonl, TensorBoard and W&B."""
+        from molt.config import ConfigError
+
+        try:
             atomic_write_text(self.path / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
-        except BlockingIOError:  # two runs (or a resume beside its still running run) would overwrite each other
-            raise ConfigError(f"log.run_dir: {given} is in use by another molt process; wait for it to end or pick "
-                              "another --log.run_dir") from None  # fmt: skip
         except OSError as e:  # a read-only folder, a full disk
             raise ConfigError(f"log.run_dir: cannot write the run directory {given}: {e.strerror}") from None
         metrics = self.path / "metrics.jsonl"
@@ -156,12 +166,34 @@ class RunDir:
         print(f"[{elapsed:7.1f}s] {message}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        self.metrics_file.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-        self.lock.close()  # the folder is free for a resume
+        try:
+            self.metrics_file.close()
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+        finally:
+            self.lock.close()  # the folder is free for a resume
+
+
+def hold(file: Path, run_dir: Path) -> IO:
+    """`file` open and locked (flock) by this process; a ConfigError if another process (or an unclosed `RunDir` of
+    this one) holds it. On a filesystem without flock (some Lustre, NFS and FUSE mounts) unlocked, with a warning."""
+    from molt.config import ConfigError
+
+    handle = file.open("a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # two runs (or a resume beside its still running run) would overwrite each other
+        handle.close()
+        raise ConfigError(f"log.run_dir: {run_dir} is in use by another molt process (or an earlier run of this one, "
+                          "not closed); wait for it to end or pick another --log.run_dir") from None  # fmt: skip
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+            handle.close()
+            raise
+        print(f"warning: {file}: cannot lock ({e.strerror}): nothing keeps a second process out", file=sys.stderr)
+    return handle
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -174,7 +206,9 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
             if number < len(lines):
-                raise ValueError(f"{file}:{number}: not a JSON row ({e.msg})") from None
+                from molt.config import ConfigError
+
+                raise ConfigError(f"{file}:{number}: not a JSON row ({e.msg}); remove or mend that line") from None
             print(f"warning: {file}:{number}: a row cut short (a full disk or a crash) is left out", file=sys.stderr)
     return rows
 

@@ -54,7 +54,7 @@ def _check_info(name: str, info: dict) -> str | None:
     """What is wrong with an estimator's registered info (`needs`/`reads` name real fields, flags are bools)."""
     fields = {f.name for f in dataclasses.fields(AdvantageInputs)}
     for key, allowed in (("needs", fields), ("reads", {"gamma", "lam"})):
-        if not isinstance(value := info.get(key, ()), tuple) or not set(value) <= allowed:
+        if not isinstance(value := info.get(key, ()), tuple | list) or not set(value) <= allowed:
             return f"{key}={value!r} must be a tuple of names from {sorted(allowed)}"
     return bool_info("whiten", "uses_kl", "group_baseline")(name, info)
 
@@ -80,6 +80,11 @@ def compute_advantages(
         )
     if inputs.rewards_b is not None and not bool(torch.isfinite(inputs.rewards_b).all()):
         raise ValueError("non-finite rewards; drop them first (filtering.filter_groups with 'nonfinite')")
+    for field, source in (("values_bt", "the critic's values"), ("kl_bt", "the per-token KL (teacher or reference)")):
+        if (x := getattr(inputs, field)) is not None and (
+            bad := int((~torch.isfinite(x) & (inputs.mask_bt > 0)).sum())
+        ):
+            raise ValueError(f"{source} are NaN or inf on {bad} action tokens (a model that diverged or overflowed)")
     advantages_bt, returns_bt, metrics = estimator(inputs, params)
     metrics = {k: torch.as_tensor(v) for k, v in metrics.items()}
     shapes = [tuple(x.shape) for x in (advantages_bt, returns_bt)] + [(k, tuple(v.shape)) for k, v in metrics.items()]
@@ -90,7 +95,7 @@ def compute_advantages(
         raise ValueError(f"estimator {name!r} returned {advantages_bt.dtype} advantages: need a float tensor")
     if bad := int((~torch.isfinite(advantages_bt) & (inputs.mask_bt > 0)).sum()):
         raise ValueError(f"estimator {name!r} returned NaN or inf advantages on {bad} action tokens (the policy loss "
-                         "would drop them all: a step that trains nothing)")  # fmt: skip
+                         "would silently drop them)")  # fmt: skip
     if info["whiten"] if params.whiten is None else params.whiten:
         advantages_bt = masked_whiten(advantages_bt, inputs.mask_bt)
     metrics |= advantage_stats(advantages_bt, inputs.mask_bt)

@@ -32,7 +32,7 @@ IS_LEVELS: Registry[Level] = Registry(
     "IS correction level",
     required=("modes",),
     check=lambda name, info: (
-        None if isinstance(m := info["modes"], tuple) and m else f"modes={m!r} must be a tuple of IS mode names"
+        None if isinstance(m := info["modes"], tuple | list) and m else f"modes={m!r} must be a tuple of IS mode names"
     ),
 )
 IS_MODES: Registry[Mode] = Registry("IS correction mode")

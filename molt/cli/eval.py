@@ -73,6 +73,9 @@ def run_eval(cfg: Config) -> EvalResult:
     failure_log = run.path / FAILURE_LOG
     try:
         metrics = asyncio.run(_eval_async(cfg, rows, inputs, threads, records, failure_log))
+    except BaseException:
+        run.close()  # frees the run directory for a retry in this process
+        raise
     finally:
         torch.set_num_threads(main_threads)
         if inputs.reward:

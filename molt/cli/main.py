@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import inspect
 import os
 import signal
@@ -103,6 +104,17 @@ def _config_path(args: list[str]) -> str | None:
     paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
     check(len(paths) < 2, "--config", f"given {len(paths)} times ({', '.join(paths)}); merge the files or use flags")
     return paths[0] if paths else None
+
+
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.ENOENT, errno.EACCES}
+
+
+def _internal_error(name: str, e: Exception) -> NoReturn:
+    """Not the user's doing: a bug in Molt, shown in full."""
+    traceback.print_exception(e)
+    print(f"molt {name}: internal error: {type(e).__name__}: {e}\n  this is a bug in Molt (not in your config, "
+          "data or agent); please report it with the traceback above", file=sys.stderr)  # fmt: skip
+    raise SystemExit(1) from None
 
 
 def _traceback_wanted() -> bool:
@@ -365,17 +377,15 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exception(e)
         print(f"molt {name}: run stopped: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    except OSError as e:  # the machine's doing: a full disk, a file-size limit, a folder read-only, moved or deleted
+    except OSError as e:  # a storage error is the machine's doing: a full disk, a file-size limit, a folder made
+        if e.errno not in STORAGE_ERRNOS:  # read-only, moved or deleted
+            _internal_error(name, e)
         if _traceback_wanted():
             traceback.print_exception(e)
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"molt {name}: cannot go on: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"molt {name}: cannot go on: {f'{e.filename}: ' if e.filename else ''}{e.strerror}", file=sys.stderr)
         raise SystemExit(1) from None
-    except Exception as e:  # not the user's doing: a bug in Molt, shown in full
-        traceback.print_exception(e)
-        print(f"molt {name}: internal error: {type(e).__name__}: {e}\n  this is a bug in Molt (not in your config, "
-              "data or agent); please report it with the traceback above", file=sys.stderr)  # fmt: skip
-        raise SystemExit(1) from None
+    except Exception as e:
+        _internal_error(name, e)
     finally:
         if on_term is not None:
             signal.signal(signal.SIGTERM, on_term)

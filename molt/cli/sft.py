@@ -47,41 +47,45 @@ def run_sft(cfg: Config) -> SftResult:
     ids, masks, pixels = tokenize_rows(tokenizer, train_rows, row_len, source, arch, stops)  # a too-long row: here
     eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, row_len, source, arch, stops)
     run = RunDir(cfg.log.run_dir, "sft", cfg)
-    precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
-    model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device, precision.params)
-    scaler = precision.scaler()
-    eval_batches = [b.to(cfg.runtime.device) for b in pack(eval_ids, eval_masks, row_len, mb, eval_pixels)]
-    run.print(f"model {model.num_params() / 1e6:.2f}M params, {len(ids)} train / {len(eval_ids)} eval samples")
-    tr = cfg.train
-    freeze_routers(model, cfg)  # `train.freeze_router`: before the optimizer, which takes requires_grad params
-    lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
-    opt, schedule = build_optimizer(lora.parameters() if lora is not None else model.parameters(), tr)
-    before = evaluate(model, eval_batches) if eval_batches else {}
-    if before:
-        run.log({"step": 0, **before})  # as molt train logs its eval before the first step
-    sampler = shuffled_batches(len(ids), cfg.train.batch_size, cfg.train.seed)
-    for step in range(1, cfg.train.max_steps + 1):
-        t0 = time.perf_counter()
-        picked = next(sampler)
-        batches = pack([ids[i] for i in picked], [masks[i] for i in picked], row_len, mb, [pixels[i] for i in picked])
-        batches = [b.to(cfg.runtime.device) for b in batches]
-        metrics = train_step(model, opt, schedule, batches, cfg.train.grad_clip, precision, scaler)
-        dt = time.perf_counter() - t0
-        metrics |= {"step": step, "train/tokens_per_s": sum(b.num_tokens for b in batches) / dt, "time/step_s": dt}
-        run.log(metrics)
-        if step % cfg.log.every == 0 or step == cfg.train.max_steps:
-            run.print(
-                f"step {step}/{cfg.train.max_steps} loss {metrics['train/loss']:.4f} "
-                f"lr {metrics['train/lr']:.2e} {metrics['train/tokens_per_s']:.0f} tok/s"
+    try:
+        precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
+        model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device, precision.params)
+        scaler = precision.scaler()
+        eval_batches = [b.to(cfg.runtime.device) for b in pack(eval_ids, eval_masks, row_len, mb, eval_pixels)]
+        run.print(f"model {model.num_params() / 1e6:.2f}M params, {len(ids)} train / {len(eval_ids)} eval samples")
+        tr = cfg.train
+        freeze_routers(model, cfg)  # `train.freeze_router`: before the optimizer, which takes requires_grad params
+        lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
+        opt, schedule = build_optimizer(lora.parameters() if lora is not None else model.parameters(), tr)
+        before = evaluate(model, eval_batches) if eval_batches else {}
+        if before:
+            run.log({"step": 0, **before})  # as molt train logs its eval before the first step
+        sampler = shuffled_batches(len(ids), cfg.train.batch_size, cfg.train.seed)
+        for step in range(1, cfg.train.max_steps + 1):
+            t0 = time.perf_counter()
+            picked = next(sampler)
+            batches = pack(
+                [ids[i] for i in picked], [masks[i] for i in picked], row_len, mb, [pixels[i] for i in picked]
             )
-    after = evaluate(model, eval_batches) if eval_batches else {}
-    if after:
-        run.log({"step": cfg.train.max_steps, **after})
-    with lora.merged() if lora is not None else contextlib.nullcontext():
-        ckpt = save_pretrained(model, run.path / "checkpoint", tokenizer=tokenizer)
-    if lora is not None:
-        lora.save_peft(ckpt / "adapter", cfg.model.path)
-    run.close()
+            batches = [b.to(cfg.runtime.device) for b in batches]
+            metrics = train_step(model, opt, schedule, batches, cfg.train.grad_clip, precision, scaler)
+            dt = time.perf_counter() - t0
+            metrics |= {"step": step, "train/tokens_per_s": sum(b.num_tokens for b in batches) / dt, "time/step_s": dt}
+            run.log(metrics)
+            if step % cfg.log.every == 0 or step == cfg.train.max_steps:
+                run.print(
+                    f"step {step}/{cfg.train.max_steps} loss {metrics['train/loss']:.4f} "
+                    f"lr {metrics['train/lr']:.2e} {metrics['train/tokens_per_s']:.0f} tok/s"
+                )
+        after = evaluate(model, eval_batches) if eval_batches else {}
+        if after:
+            run.log({"step": cfg.train.max_steps, **after})
+        with lora.merged() if lora is not None else contextlib.nullcontext():
+            ckpt = save_pretrained(model, run.path / "checkpoint", tokenizer=tokenizer)
+        if lora is not None:
+            lora.save_peft(ckpt / "adapter", cfg.model.path)
+    finally:
+        run.close()  # also on a failure: a retry in this process finds the run directory free
     plot = plot_metrics(run.path, ["train/loss", "train/lr"])
     evals = f"eval loss {before['eval/loss']:.4f} -> {after['eval/loss']:.4f}" if after else "no eval rows"
     run.print(f"{evals}; checkpoint: {ckpt}; plot: {plot}")

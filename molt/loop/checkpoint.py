@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import random
 import shutil
 from pathlib import Path
@@ -47,7 +48,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, loop_state: LoopState, toke
     try:
         state = trainer.save(folder, tokenizer)  # LoRA: merged weights, the PEFT adapter in adapter/
     except SafetensorError as e:  # its I/O errors are not OSErrors ("No space left on device (os error 28)")
-        raise OSError(f"cannot write the checkpoint {folder}: {e}") from e
+        raise OSError(errno.EIO, f"cannot write the checkpoint: {e}", str(folder)) from e
     state |= {
         "version": trainer.version,
         "num_skipped_steps": trainer.num_skipped_steps,
@@ -57,7 +58,9 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, loop_state: LoopState, toke
     try:
         atomic_write(folder / "trainer_state.pt", lambda tmp: torch.save(state, tmp))
     except RuntimeError as e:  # torch's zip writer says "unexpected pos" for a full disk or a file-size limit
-        raise OSError(f"cannot write {folder / 'trainer_state.pt'} (a full disk or a file-size limit?): {e}") from e
+        if "inline_container" not in str(e):
+            raise
+        raise OSError(errno.EIO, f"a full disk or a file-size limit? ({e})", str(folder / "trainer_state.pt")) from e
     share_like_new_files(folder)
     atomic_write_text(Path(run_dir) / "checkpoints" / "latest", folder.name)
     older = sorted(step_folders(folder.parent), key=checkpoint_step)[:-keep] if keep else []

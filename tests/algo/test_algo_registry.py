@@ -109,6 +109,18 @@ def test_an_estimator_returning_non_finite_or_integer_advantages_is_named(value,
         del ESTIMATORS._fns["odd"], ESTIMATORS._info["odd"]
 
 
+def test_non_finite_critic_values_are_named_as_the_critics():
+    import torch
+
+    from molt.algo import AdvantageInputs, compute_advantages
+
+    inputs = AdvantageInputs(
+        torch.ones(1, 3), rewards_b=torch.ones(1), values_bt=torch.tensor([[0.0, float("nan"), 0]])
+    )
+    with pytest.raises(ValueError, match="the critic's values are NaN or inf on 1 action tokens"):
+        compute_advantages("gae", inputs)
+
+
 def test_unknown_name_lists_the_choices():
     reg = Registry("widget")
     reg.register("b")(lambda: 1)

@@ -410,3 +410,11 @@ def test_a_write_the_machine_refuses_is_one_line_naming_the_file(monkeypatch, ca
     err = capsys.readouterr().err
     assert exit_info.value.code == 1 and "Traceback" not in err
     assert err.strip() == "molt train: cannot go on: runs/x/metrics.jsonl: No space left on device"
+
+    def timed_out(cfg):
+        raise TimeoutError  # an OSError, but not storage: Molt's own
+
+    monkeypatch.setitem(cli.COMMANDS, "train", timed_out)
+    with pytest.raises(SystemExit):
+        main(["train"])
+    assert "internal error: TimeoutError" in capsys.readouterr().err

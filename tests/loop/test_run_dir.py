@@ -233,3 +233,8 @@ def test_a_run_directory_is_held_by_one_process_and_a_cut_short_row_is_left_out(
     RunDir(tmp_path, "train", Config(), resumed=1).close()  # free again; the resume trims the broken row
     assert read_metrics(tmp_path) == [{"step": 1, "x": 1.0}]
     assert "metrics.jsonl:2: a row cut short" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1\n{"step": 2}\n')  # a broken row before the last
+    with pytest.raises(ConfigError, match=r"metrics.jsonl:1: not a JSON row"):
+        RunDir(tmp_path, "train", Config(), resumed=1)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    RunDir(tmp_path, "train", Config(), resumed=1).close()  # the failed one let the folder go
