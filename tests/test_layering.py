@@ -1,9 +1,9 @@
 """DESIGN.md's import rules, checked over the package's real imports (module-level and inside functions).
 
-Stages are `molt.<stage>`; `molt.errors`, `molt.registry` and `molt.threads` import nothing and may be imported by any
-stage, like the root package (`molt.cache_root`; its `train()` facade is exempt from the rules: it is the API
-over the commands). The rules: algo imports only torch; models nothing above them; engine only models;
-agents not train (nor the loop, runtime or CLI); config nothing above itself; no import cycles between
+Stages are `molt.<stage>`; `molt.errors`, `molt.registry`, `molt.threads` and `molt.user_code` import nothing and
+may be imported by any stage, like the root package (`molt.cache_root`; its `train()` facade is exempt from the
+rules: it is the API over the commands). The rules: algo imports only torch; models nothing above them; engine only
+models; agents not train (nor the loop, runtime or CLI); config nothing above itself; no import cycles between
 modules (through imports outside functions; those inside a function run late and are checked by the rules).
 """
 
@@ -13,7 +13,13 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "molt"
-FOUNDATION = {"molt", "errors", "registry", "threads"}  # import nothing of Molt's stages; anyone may import them
+FOUNDATION = {
+    "molt",
+    "errors",
+    "registry",
+    "threads",
+    "user_code",
+}  # import nothing of Molt's stages; anyone may import them
 ONLY = {  # stage -> the only other stages it may import (besides FOUNDATION)
     "algo": set(),
     "models": set(),

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from molt.agents.env import import_failure, import_user_module
 from molt.agents.rewards import BUILTIN_REWARDS
 from molt.agents.runner import REWARD_LIMIT, real_number
 from molt.threads import in_daemon_thread
+from molt.user_code import import_failure, import_user_module
 
 log = logging.getLogger(__name__)
 

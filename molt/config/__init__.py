@@ -15,7 +15,7 @@ from pathlib import Path
 
 from molt.config.base import ConfigError as ConfigError  # re-exported, as is check_device
 from molt.config.base import changed, check
-from molt.config.rl import AlgoConfig, CriticConfig, RolloutConfig
+from molt.config.rl import AlgoConfig, CriticConfig, RolloutConfig, check_filter_names
 from molt.config.run import ChatConfig, CkptConfig, EvalConfig, LogConfig, RuntimeConfig, warn_slow_dtype
 from molt.config.run import check_device as check_device
 from molt.config.training import DataConfig, ModelConfig, TrainConfig
@@ -63,6 +63,7 @@ class Config:
             parts = [part.strip().partition(":") for part in data["rollout"][key].split(",") if part.strip()]
             files = [(str(Path(f).resolve()) if f.endswith(".py") else f, sep, name) for f, sep, name in parts]
             data["rollout"][key] = ",".join("".join(part) for part in files)
+        data["algo"]["plugins"] = [str(Path(p).resolve()) if p.endswith(".py") else p for p in self.algo.plugins]
         return data
 
     def overlong_budget(self) -> int:
@@ -114,6 +115,7 @@ class Config:
 
     def __post_init__(self) -> None:
         warn_slow_dtype(self.model.dtype, self.runtime.device)
+        check_filter_names(self.rollout)  # after `algo.plugins` registered theirs
         self._check_policy_kind()
         ro, tr = self.rollout, self.train
         check(not (ro.agent_workers and self.chat.port), "chat.port",

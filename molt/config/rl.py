@@ -9,8 +9,9 @@ from typing import Literal
 
 from molt.config.base import ConfigError, changed, check, check_bounds
 from molt.config.training import check_finite, check_model_folder
+from molt.user_code import import_failure, import_once
 
-OWN = " (a variant of your own is registered in Python: import its module, then call molt.train; docs/algorithms.md)"
+OWN = " (a variant of your own: --algo.plugins my_variants.py registers it; docs/algorithms.md)"
 
 
 @dataclass
@@ -91,11 +92,6 @@ class RolloutConfig:
                   f"(--rollout.{key} my_{key}.py) or set rollout.agent_workers 0")  # fmt: skip
         check_bounds(self, step_timeout_s="> 0", max_len="> 1 (prompt tokens + room to generate)")
         check(not self.replay or os.path.isdir(self.replay), "rollout.replay", f"folder {self.replay!r} does not exist")
-        from molt.algo.filtering import GROUP_FILTERS
-
-        unknown = [f for f in self.filters if f not in GROUP_FILTERS and self.filters != ("auto",)]
-        alone = "auto stands alone, or " if "auto" in unknown else ""
-        check(not unknown, "rollout.filters", f"unknown {unknown}; {alone}choose from {GROUP_FILTERS.names()}{OWN}")
         check(self.filter_on == "reward" or bool(self.filters), "rollout.filter_on", "has no effect without filters")
         low, high = self.score_range  # check_finite refused NaN and infinity above
         check(low < high, "rollout.score_range", "needs finite low < high")
@@ -130,6 +126,10 @@ class AlgoConfig:
     norm_len: int = 0
     """seq-mean-token-sum-norm's constant divisor L (Dr. GRPO: the generation budget, e.g. rollout.max_tokens); that
     aggregation needs it, the others refuse it."""
+    plugins: tuple[str, ...] = ()
+    """Your own variants: Python files (my_algo.py) or modules, imported before any name here is checked; each
+    registers estimators, losses, filters, ... (docs/algorithms.md). config.yaml records them: resume and replay
+    import them too."""
     clip_low: float = 0.2
     """PPO clip: ratio >= 1 - clip_low."""
     clip_high: float = 0.28
@@ -193,6 +193,13 @@ class AlgoConfig:
     def __post_init__(self) -> None:
         from molt import algo
 
+        self.plugins = tuple(self.plugins)
+        for spec in self.plugins:  # first: they register names the checks below look up
+            check(not spec.endswith(".py") or os.path.isfile(spec), "algo.plugins", f"file {spec!r} does not exist")
+            try:
+                import_once(spec)
+            except Exception as e:  # noqa: BLE001 - the user's code: where it failed
+                raise ConfigError(f"algo.plugins: {import_failure(spec, e)}") from None
         check_finite(self, "algo", allow_inf=("is_high",))  # is_high inf: no upper bound
         for key, registry in (("estimator", algo.ESTIMATORS), ("policy_loss", algo.POLICY_LOSSES),
                               ("loss_agg", algo.AGGREGATIONS), ("kl_estimator", algo.KL_ESTIMATORS)):  # fmt: skip
@@ -309,6 +316,15 @@ class CriticConfig:
         check(self.updates > 1 or not changed(self, "clip"), "critic.clip", "has no effect here: with one critic "
               "update per batch V = V_old, so the clip never binds; add --critic.updates 2 or more")  # fmt: skip
         self.path = self.path and check_model_folder(self.path, "critic.path")
+
+
+def check_filter_names(rollout: RolloutConfig) -> None:
+    """`rollout.filters` name registered filters; checked by `Config` once `algo.plugins` registered their own."""
+    from molt.algo.filtering import GROUP_FILTERS
+
+    unknown = [f for f in rollout.filters if f not in GROUP_FILTERS and rollout.filters != ("auto",)]
+    alone = "auto stands alone, or " if "auto" in unknown else ""
+    check(not unknown, "rollout.filters", f"unknown {unknown}; {alone}choose from {GROUP_FILTERS.names()}{OWN}")
 
 
 def check_rollout_algo(rollout: RolloutConfig, algo: AlgoConfig) -> None:

@@ -201,3 +201,33 @@ def test_own_variants_returning_the_wrong_thing_are_named(make, problem):
                 policy_objective(batch, step_denominators([mask]), params)
     finally:
         del registry._fns["own"], registry._info["own"]
+
+
+def test_plugins_register_variants_the_config_then_knows(tmp_path):
+    """`--algo.plugins my_algo.py`: the command line knows your own names (before, only the Python API did), a
+    failing plugin names its file and line, and config.yaml records the file's absolute path (resume, replay)."""
+    from molt import make_config
+    from molt.cli.main import parse_config
+    from molt.config import ConfigError
+    from molt.user_code import _IMPORTED
+
+    plugin, broken = tmp_path / "my_variants.py", tmp_path / "broken.py"
+    plugin.write_text(
+        "from molt import algo\n\n"
+        "@algo.GROUP_FILTERS.register('low-var')\n"
+        "def drop_low_var(scores_r, groups, params):\n"
+        "    return groups.group_reduce(scores_r, 'amax') - groups.group_reduce(scores_r, 'amin') < 0.1\n"
+    )
+    broken.write_text("x = 1\nraise RuntimeError('no')\n")
+    try:
+        cfg = parse_config(["--algo.plugins", str(plugin), "--rollout.filters", "low-var", "nonfinite"])
+        assert cfg.rollout.filters == ("low-var", "nonfinite") and "low-var" in GROUP_FILTERS
+        assert cfg.file_form()["algo"]["plugins"] == [str(plugin.resolve())]
+        again = parse_config(["--algo.plugins", str(plugin), "--rollout.filters", "low-var"])  # imported once
+        assert again.rollout.filters == ("low-var",)
+        with pytest.raises(ConfigError, match=f"algo.plugins: importing .* failed at {re.escape(str(broken))}:2"):
+            make_config({"algo.plugins": [str(broken)]})
+    finally:
+        GROUP_FILTERS._fns.pop("low-var", None)
+        GROUP_FILTERS._info.pop("low-var", None)
+        _IMPORTED.clear()

@@ -20,13 +20,14 @@ from typing import Any
 
 from molt.agents.chat.clients import ClientPool
 from molt.agents.chat.server import ChatServer
-from molt.agents.env import Env, Messages, Result, import_failure, load_agent, prompt_messages
+from molt.agents.env import Env, Messages, Result, load_agent, prompt_messages
 from molt.agents.runner import ContextBudgetDrop, EpisodeLimits, check_result, run_episode
 from molt.agents.watchdog import watch_loop, within
 from molt.config import ConfigError
 from molt.data.trajectory import Trajectory
 from molt.errors import AgentExit, error_message
 from molt.models.vision import image_data_uri
+from molt.user_code import import_failure
 
 # `chat` config fields that are ChatServer options in training (the rest only apply to `molt serve`)
 CHAT_SERVER_OPTIONS = ("host", "port", "model_name", "model_aliases", "max_body_bytes", "tool_parser", "render_tools")

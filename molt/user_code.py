@@ -1,0 +1,76 @@
+"""User code imported by path or name: agent and reward files, and `algo.plugins` (your own algorithm variants).
+
+`import_user_module` imports `file.py` as `python file.py` would see it (its folder first on sys.path) or a dotted
+module; `import_failure` says where an import raised. Imports nothing of Molt, so the config may use it."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from pathlib import Path
+
+_FOLDERS: set[Path] = set()  # the folders of the user files imported so far
+
+
+def import_failure(spec: str, error: Exception) -> str:
+    """`importing SPEC failed at FILE:LINE: Type: message`: where in the user's file its import raised (a syntax
+    error's own line), else the spec's file."""
+    where, text = spec.split(":")[0], str(error)
+    file = Path(where).resolve()
+    if isinstance(error, SyntaxError) and error.filename and error.lineno:
+        where, text = f"{error.filename}:{error.lineno}", error.msg
+    elif frames := [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == file]:
+        where = f"{frames[-1].filename}:{frames[-1].lineno}"
+    return f"importing {spec!r} failed at {where}: {type(error).__name__}: {text}"
+
+
+def import_user_module(target: str):
+    """The module of `file.py`, its folder first on sys.path (as `python file.py` has it: it imports the modules
+    beside it), or of a dotted name, found in the current folder too (as `python -m` has it). An ImportError when
+    the file uses a module that another user file's folder gave first, while its own folder holds one of that name:
+    a process imports a name once, so it would silently get the other one."""
+    if target.endswith(".py"):
+        path = Path(target)
+        if (folder := path.resolve().parent) not in _FOLDERS:
+            _FOLDERS.add(folder)
+            sys.path.insert(0, str(folder))
+        _check_siblings(path, folder)
+        module_spec = importlib.util.spec_from_file_location(f"molt_agent_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module
+        module_spec.loader.exec_module(module)
+        return module
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # last: an installed package of the same name still wins
+    return importlib.import_module(target)
+
+
+def _check_siblings(path: Path, folder: Path) -> None:
+    """An ImportError when user file `path` imports a module name that an earlier user file's folder gave the
+    process, while `folder` holds its own of that name."""
+    tree = ast.parse(path.read_bytes(), str(path))
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+    for name in sorted({n.partition(".")[0] for n in names} & set(sys.modules)):
+        there = Path(getattr(sys.modules[name], "__file__", None) or "").resolve()
+        other = there.parent.parent if there.name == "__init__.py" else there.parent
+        mine = folder / f"{name}.py" if (folder / f"{name}.py").exists() else folder / name / "__init__.py"
+        if other in _FOLDERS - {folder} and mine.exists():
+            raise ImportError(f"{path} imports {name!r}, which this process already took from {there} for an earlier "
+                              f"user file, not {mine} beside it: rename one of the two modules")  # fmt: skip
+
+
+_IMPORTED: dict[str, object] = {}  # `import_once`'s modules, by resolved file path or module name
+
+
+def import_once(target: str):
+    """`import_user_module(target)` the first time `target` is named in this process, its module after that (an
+    `algo.plugins` file registers its variants once, however many configs name it)."""
+    key = str(Path(target).resolve()) if target.endswith(".py") else target
+    if key not in _IMPORTED:
+        _IMPORTED[key] = import_user_module(target)
+    return _IMPORTED[key]
