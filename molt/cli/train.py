@@ -164,7 +164,7 @@ def check_run_dir(cfg: Config) -> int | None:
         check_new_run_dir(cfg.log.run_dir)
     saved = Path(cfg.ckpt.resume) / "config.yaml"
     if saved.exists():
-        old = yaml.safe_load(saved.read_text())
+        old = _saved_form(saved)
         was, now = _state_shape(old), _state_shape(cfg.file_form())
         adaptive = cfg.algo.kl_target and old["algo"]["kl_target"]  # its coefficient is training state
         check(not adaptive or cfg.algo.kl_coef == old["algo"]["kl_coef"], "algo.kl_coef", "the adaptive KL "
@@ -182,6 +182,16 @@ def check_run_dir(cfg: Config) -> int | None:
                 f"start a new run from its policy with --model.path {cfg.ckpt.resume}"
             )
     return step
+
+
+def _saved_form(saved: Path) -> dict:
+    """A run's config.yaml as a file form: a key left out (a hand edit) has its default, as the resume's config
+    itself does; a file that is not a mapping is a ConfigError."""
+    raw = yaml.safe_load(saved.read_text())
+    check(isinstance(raw, dict), "ckpt.resume", f"{saved} holds no settings (a YAML mapping): restore the run's "
+          "config.yaml (the resume reads its settings there)")  # fmt: skip
+    return {group: {**value, **(raw.get(group) or {})} if isinstance(value, dict) else raw.get(group, value)
+            for group, value in Config().file_form().items()}  # fmt: skip
 
 
 def _state_shape(config: dict) -> dict[str, object]:

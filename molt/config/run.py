@@ -75,6 +75,8 @@ def check_resumable(run_dir: str) -> None:
           f"from its model: --model.path {run_dir}")  # fmt: skip
     check(pointer.exists(), "ckpt.resume", f"{run_dir} has no completed checkpoint (no checkpoints/latest)")
     folder = latest_checkpoint(run_dir)
+    check(folder.is_dir(), "ckpt.resume", f"{pointer} names {folder.name}, which is gone; write the newest step-N "
+          "folder left there into it to resume from that step")  # fmt: skip
     check((folder / "trainer_state.pt").exists(), "ckpt.resume",
           f"{folder} has no trainer_state.pt (not an RL checkpoint Molt can resume)")  # fmt: skip
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -81,7 +82,12 @@ def checkpoint_step(folder: Path) -> int:
 
 def load_training_state(folder: Path, trainer: Trainer) -> LoopState:
     """Restore the trainer state (optimizer, schedule, extra models), version and RNG; return the loop state."""
-    state = torch.load(folder / "trainer_state.pt", weights_only=False)
+    try:
+        state = torch.load(folder / "trainer_state.pt", weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # cut short: a crash of the machine mid-write
+        latest = folder.parent / "latest"
+        raise ConfigError(f"ckpt.resume: {folder / 'trainer_state.pt'} cannot be read ({type(e).__name__}); write "
+                          f"an earlier step-N folder into {latest} to resume from it") from None  # fmt: skip
     if bool(state.get("sharded")) != trainer.sharded:
         written = "runtime.backend ray" if state.get("sharded") else "runtime.backend local"
         raise ConfigError(f"ckpt.resume: {folder} was written by {written}; resume it with the same backend")

@@ -238,3 +238,40 @@ def test_a_run_directory_is_held_by_one_process_and_a_cut_short_row_is_left_out(
         RunDir(tmp_path, "train", Config(), resumed=1)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     RunDir(tmp_path, "train", Config(), resumed=1).close()  # the failed one let the folder go
+
+
+def test_a_resume_reads_a_hand_edited_config_yaml_with_its_defaults(tmp_path):
+    """A key deleted from a run's config.yaml was an internal KeyError on --resume (the resume's own config fills
+    it with its default, and so does the check of the saved settings now); an empty file is one line."""
+    from molt import make_config
+    from molt.cli.train import check_run_dir
+    from molt.config import Config, ConfigError
+
+    (tmp_path / "checkpoints" / "step-2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-2" / "trainer_state.pt").write_bytes(b"")
+    (tmp_path / "checkpoints" / "latest").write_text("step-2")
+    form = Config().file_form()
+    del form["train"]["precision"], form["critic"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(form))
+    assert check_run_dir(make_config({"ckpt.resume": str(tmp_path), "train.max_steps": 8})) == 2
+    (tmp_path / "config.yaml").write_text("")
+    with pytest.raises(ConfigError, match="config.yaml holds no settings"):
+        check_run_dir(make_config({"ckpt.resume": str(tmp_path), "train.max_steps": 8}))
+
+
+def test_a_checkpoint_gone_or_cut_short_is_one_line(tmp_path):
+    """`latest` naming a deleted folder said it had no trainer state; a trainer_state.pt cut short (a machine
+    crash after its rename) was an internal error."""
+    from molt import make_config
+    from molt.config import Config, ConfigError
+    from molt.loop.checkpoint import load_training_state
+
+    (tmp_path / "checkpoints" / "step-2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("step-4")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(Config().file_form()))
+    with pytest.raises(ConfigError, match="latest names step-4, which is gone"):
+        make_config({"ckpt.resume": str(tmp_path), "train.max_steps": 8})
+    torch_file = tmp_path / "checkpoints" / "step-2" / "trainer_state.pt"
+    torch_file.write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(ConfigError, match="trainer_state.pt cannot be read"):
+        load_training_state(torch_file.parent, trainer=None)
