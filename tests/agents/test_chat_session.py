@@ -1,6 +1,7 @@
 """Session capture without HTTP: extension deltas, segments on rewrite, idempotent retries, commit-after-success."""
 
 import asyncio
+import copy
 import dataclasses
 import json
 import threading
@@ -57,6 +58,22 @@ def test_three_turn_tool_conversation_is_one_exact_segment():
         )
     # the builtin template round-trips, so the segment equals an independent rendering of the conversation
     assert segment.tokens == apply_chat_template(TOK, messages, tools=[CALC_TOOL])[: len(segment.tokens)]
+
+
+def test_an_end_of_turn_other_than_the_tokenizers_eos_is_not_repeated_in_the_next_context():
+    """As in the Env runner (tests/agents/test_runner.py): Llama 3's turns end with `<|eot_id|>`, its tokenizer's
+    eos is `<|end_of_text|>`; here the engine ends with `<|im_end|>`, the session's tokenizer's eos is another."""
+    tokenizer = copy.deepcopy(TOK)
+    tokenizer.eos_token = "<|endoftext|>"
+    engine = ScriptedEngine(["It is 4.", "Yes."])
+    session = Session("sid", engine, tokenizer, SAMPLING, max_len=1024, parser=get_parser("auto", tokenizer))
+    messages = [{"role": "user", "content": "2+2?"}]
+    for follow_up in ("Are you sure?", "Thanks."):
+        messages += [_assistant(_turn(session, messages)), {"role": "user", "content": follow_up}]
+    (segment,) = session.close()
+    assert engine.emitted[0][-1] == TOK.convert_tokens_to_ids("<|im_end|>") != tokenizer.eos_token_id
+    assert "<|im_end|><|im_end|>" not in TOK.decode(segment.tokens)
+    assert segment.tokens == apply_chat_template(TOK, messages)[: len(segment.tokens)]
 
 
 def test_rewrite_seals_the_segment_and_starts_a_new_one():
