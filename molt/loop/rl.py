@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -81,7 +82,9 @@ class RLLoop(Accounting):
         self.history: list[dict[str, Any]] = []
         self.rollout_tokens, self.rollout_t0 = 0, time.perf_counter()  # `run` starts them again
         self.run_t0 = time.perf_counter() - self.state.elapsed_s  # `run` starts it again: the eval before is no step
-        self.step_rollouts: list[Trajectory] = []  # the first segment of each rollout sampled since the last step
+        # the first segment of each rollout sampled since the last step (a resume: what its checkpoint had not logged)
+        self.step_rollouts = [SimpleNamespace(reward=r, info=i, group_id=None) for r, i in self.state.unlogged]
+        self.state.unlogged = []
         self.engine_stats: dict[str, float] = {}
         self.chat = chat_runner(cfg, engine, tokenizer)  # the server starts on first use
         self.workers = workers  # rollout.agent_workers processes, started by the command
@@ -270,9 +273,8 @@ class RLLoop(Accounting):
         firsts, self.step_rollouts = self.step_rollouts, []
         values: dict[str, list[float]] = {"rollout/reward_mean": [t.reward for t in firsts]}
         for traj in firsts:
-            for key, value in traj.info.items():
-                with contextlib.suppress(TypeError, ValueError, OverflowError):  # finite numbers (and bools) only
-                    values.setdefault(f"rollout/info/{key}", []).append(real_number(value, key))
+            for key, value in _numbers(traj.info).items():
+                values.setdefault(f"rollout/info/{key}", []).append(value)
         return {key: sum(v) / len(v) for key, v in values.items() if v}
 
     def _engine_metrics(self) -> dict[str, float]:
@@ -356,4 +358,14 @@ class RLLoop(Accounting):
             drops=dict(self.state.drops),
             buffer=[[t.to_dict() for t in g] for g in buffered],
             elapsed_s=time.perf_counter() - self.run_t0,
+            unlogged=[[t.reward, _numbers(t.info)] for t in self.step_rollouts if t.group_id not in self.running],
         )
+
+
+def _numbers(info: dict) -> dict[str, float]:
+    """The finite numbers (and bools, as 0/1) of an agent's `Result.info`."""
+    out = {}
+    for key, value in info.items():
+        with contextlib.suppress(TypeError, ValueError, OverflowError):
+            out[key] = real_number(value, key)
+    return out

@@ -73,6 +73,31 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert sorted(p.name for p in shards.iterdir()) == ["step-000002.jsonl"]  # the steps trained again: dropped
 
 
+def test_a_checkpoint_keeps_the_rewards_no_step_has_logged_yet():
+    """Rollouts of groups done (buffered, or dropped by a filter) since the last step count in the first resumed
+    step's rollout/reward_mean and rollout/info, as they would have without the stop (a resumed step averaged 12
+    rollouts instead of 20); those of groups in flight run again on resume, so they are left out."""
+    from types import SimpleNamespace
+
+    from molt.agents.builtin import env_for_task
+    from molt.loop.rl import RLLoop
+    from molt.models.tokenizer import build_builtin_tokenizer
+
+    cfg, tokenizer = parse_config(["--eval.every", "0"]), build_builtin_tokenizer()
+
+    def loop(state=None):
+        return RLLoop(cfg, engine=None, trainer=None, tokenizer=tokenizer, train_rows=[], eval_rows=[], state=state,
+                      make_env=lambda: env_for_task("calculator"))  # fmt: skip
+
+    before = loop()
+    before.step_rollouts = [SimpleNamespace(reward=1.0, info={"turns": 2, "note": "x"}, group_id=3),
+                            SimpleNamespace(reward=0.0, info={}, group_id=4)]  # fmt: skip
+    before.running = {4}  # in flight: it restarts on resume
+    state = before.snapshot()
+    assert state.unlogged == [[1.0, {"turns": 2.0}]]
+    assert loop(state)._reward_metrics() == {"rollout/reward_mean": 1.0, "rollout/info/turns": 2.0}
+
+
 def test_pass_at_k_unbiased_estimator():
     assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 4) == 1.0
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
