@@ -43,6 +43,9 @@ def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = Non
     if not isinstance(config, Config | dict | str | os.PathLike | None):
         raise ConfigError(f"config: expected a Config, a dict or a TOML/YAML path, got {type(config).__name__}")
     if isinstance(config, str | os.PathLike):
+        from molt.cli.main import check_resume_config
+
+        check_resume_config(nested(overrides).get("ckpt", {}).get("resume"), config)
         config = load_config_file(Config, config, base=Config())
     if isinstance(config, Config):
         config = build(Config, nested(overrides), base=config) if overrides else config

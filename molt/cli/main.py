@@ -199,8 +199,19 @@ def _resume_args(args: list[str]) -> list[str]:
     missing = "--resume needs a run directory, e.g. --resume runs/train-<time>"
     args, run_dir = _alias(args, "--resume", "--ckpt.resume", missing)
     if run_dir is None:
+        resumed = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--ckpt.resume"), None)
+        check_resume_config(resumed, _config_path(args))
         return args
     return ["--config", str(run_config(run_dir)), "--log.run_dir", str(Path(run_dir).resolve()), *args]
+
+
+def check_resume_config(run_dir: str | None, path: str | os.PathLike | None) -> None:
+    """A ConfigError when a resume of `run_dir` is given a config file other than the run's own config.yaml: the run
+    would go on with that file's settings (every setting it leaves out at its default), silently another job."""
+    if run_dir and path and Path(path).resolve() != (Path(run_dir) / "config.yaml").resolve():
+        raise ConfigError(f"ckpt.resume: the config file {path} would replace {run_dir}'s own config.yaml, so the run "
+                          f"would go on as another job; resume with --resume {run_dir} and change a setting with its "
+                          "flag")  # fmt: skip
 
 
 def run_config(run_dir: str) -> Path:

@@ -275,3 +275,24 @@ def test_a_checkpoint_gone_or_cut_short_is_one_line(tmp_path):
     torch_file.write_bytes(b"PK\x03\x04 cut short")
     with pytest.raises(ConfigError, match="trainer_state.pt cannot be read"):
         load_training_state(torch_file.parent, trainer=None)
+
+
+def test_a_resume_given_another_config_file_is_refused(tmp_path, capsys):
+    """`--resume RUN --config other.yaml` went on training RUN with the file's settings (every other one at its
+    default: another task, batch and learning rate), exit 0; the run's own config.yaml is still accepted."""
+    from molt import make_config
+    from molt.config import Config, ConfigError
+
+    run, other = tmp_path / "run", tmp_path / "other.yaml"
+    (run / "checkpoints" / "step-2").mkdir(parents=True)
+    (run / "checkpoints" / "step-2" / "trainer_state.pt").write_bytes(b"")
+    (run / "checkpoints" / "latest").write_text("step-2")
+    (run / "config.yaml").write_text(yaml.safe_dump(Config().file_form()))
+    other.write_text("train:\n  max_steps: 8\n")
+    for args in (["--resume", str(run), "--config", str(other)], ["--config", str(other), "--ckpt.resume", str(run)]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", *args])
+        assert exit_info.value.code == 2 and "would replace" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="would replace"):
+        make_config(str(other), ckpt={"resume": str(run)})
+    assert make_config(str(run / "config.yaml"), ckpt={"resume": str(run)}, train={"max_steps": 8}).ckpt.resume
