@@ -7,6 +7,7 @@ subpackage `molt/train/` exists: import its modules with `from molt.train.traine
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import types
@@ -47,8 +48,10 @@ def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = Non
 
         check_resume_config(nested(overrides).get("ckpt", {}).get("resume"), config)
         config = load_config_file(Config, config, base=Config())
-    if isinstance(config, Config):
-        config = build(Config, nested(overrides), base=config) if overrides else config
+    if isinstance(config, Config):  # built afresh: a Config changed after it was made is checked again
+        values = dataclasses.asdict(config)
+        values.pop("config")
+        config = build(Config, nested(values, overrides))
     else:  # one build: checked once
         values, base = nested(config or {}, overrides), Config()
         ckpt = values.get("ckpt")

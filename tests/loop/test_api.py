@@ -166,3 +166,19 @@ def test_a_run_directory_stays_put_when_agent_code_changes_the_working_directory
     run.close()
     assert run.path == tmp_path / "run" and (tmp_path / "run" / "metrics.jsonl").read_text().count("train/loss") == 1
     assert list((tmp_path / "run" / "tb").iterdir()) and not (tmp_path / "elsewhere" / "run").exists()
+
+
+def test_a_config_changed_after_it_was_made_is_checked_again():
+    """`cfg.train.max_steps = 0` or a str for a tuple after make_config ran a 'done' run of nothing, or failed only
+    once the model and engine were built (a filter named 'n': the str's letters), and wrote a config.yaml that
+    --resume could not read. make_config (and so molt.train) builds a Config afresh."""
+    from molt.config import ConfigError
+
+    cfg = molt.make_config({"train.max_steps": 3})
+    assert molt.make_config(cfg) == cfg
+    cfg.train.max_steps = 0
+    with pytest.raises(ConfigError, match="train.max_steps: must be > 0"):
+        molt.train(cfg)
+    cfg.train.max_steps, cfg.rollout.filters = 3, "nonfinite"
+    with pytest.raises(ConfigError, match="rollout.filters: expected tuple"):
+        molt.make_config(cfg)
