@@ -22,7 +22,7 @@ from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.config import Config, check
 from molt.engine.torch_engine import on_fresh_thread
 from molt.errors import UserError
-from molt.log import RunDir, atomic_write_text, json_safe
+from molt.log import RunDir, atomic_write_text, check_new_run_dir, json_safe
 from molt.loop.accounting import FAILURE_LOG
 from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling
 from molt.runtime.factory import build_engine
@@ -57,6 +57,8 @@ def run_eval(cfg: Config) -> EvalResult:
     """The `molt eval` command."""
     checkpoint = cfg.model.path  # a run directory's latest checkpoint, resolved by ModelConfig
     check(bool(checkpoint), "model.path", "molt eval needs a checkpoint: `molt eval CHECKPOINT|RUN_DIR|MODEL_FOLDER`")
+    if cfg.log.run_dir:  # its config.yaml and metrics.jsonl would replace and join another run's
+        check_new_run_dir(cfg.log.run_dir)
     inputs = load_inputs(cfg)  # data, reward and agent: errors before any model is built
     rows = inputs.eval_rows[: cfg.eval.num_prompts]
     check(bool(rows or cfg.data.eval_path or not cfg.data.path), "data", "no held-out rows to evaluate: a data file "

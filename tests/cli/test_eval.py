@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from conftest import TINY_RUN, one_line, run_molt  # noqa: I001 - tests/conftest.py
 
 from molt.cli.main import main, parse_config
@@ -31,6 +32,9 @@ def test_molt_eval_reproduces_the_in_training_eval_of_the_checkpoint(tmp_path):
     assert len(results) == 6 and all(len(r["samples"]) == 3 for r in results)
     assert {"text", "reward", "correct", "rewards"} <= set(results[0]["samples"][0])
     assert results[0]["row"]["answer"] and results[0]["row"]["messages"][0]["role"] == "user"
+    with pytest.raises(SystemExit):  # an eval into another run's folder would replace its config.yaml
+        main(["eval", str(tmp_path / "run"), "--log.run_dir", str(tmp_path / "run")])
+    assert read_metrics(tmp_path / "run")[-1]["step"] == 2
 
     # greedy: all samples of a row agree
     main(["eval", str(tmp_path / "run" / "checkpoints" / "step-2"), "--eval.temperature", "0",
