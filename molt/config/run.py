@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from molt.config.base import changed, check, check_bounds
+from molt.config.base import ConfigError, changed, check, check_bounds
 from molt.config.training import check_finite
 
 
@@ -200,12 +200,16 @@ class RuntimeConfig:
         for key in changed(self, "kv_memory_fraction", "cuda_graphs"):
             hint = " (on CPU, --runtime.kv_gb sizes a paged cache)" if key == "kv_memory_fraction" else ""
             check(cuda, f"runtime.{key}", "acts on CUDA only" + hint)
-        check(self.backend == "ray" or (self.engines, self.trainer_ranks, self.address) == (1, 1, ""),
-              "runtime.backend", "runtime.engines/trainer_ranks/address need --runtime.backend ray (a config file, "
-              "such as a resumed Ray run's config.yaml, may set them)")  # fmt: skip
+        for key in changed(self, *RAY_ONLY) if self.backend != "ray" else ():
+            raise ConfigError(f"runtime.{key}: is a Ray setting, which --runtime.backend local never reads: add "
+                              "--runtime.backend ray or drop it")  # fmt: skip
         check(self.device.split(":")[0] in ("cpu", "cuda", "mps"), "runtime.device", f"unknown device {self.device!r}")
         if not self.address:  # a remote Ray cluster's GPUs are not visible from here
             check_device(self.device)
+
+
+RAY_ONLY = ("address", "engines", "trainer_ranks", "cpus_per_actor", "gpus_per_actor", "num_cpus", "sync_chunk_mb",
+            "engine_restarts", "collective_timeout_s", "engine_timeout_s")  # fmt: skip
 
 
 def check_device(device: str) -> None:

@@ -8,7 +8,9 @@ from molt.cli.main import parse_config
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--runtime.engines", "2"], "runtime.backend: runtime.engines/trainer_ranks/address need"),
+        (["--runtime.engines", "2"], "runtime.engines: is a Ray setting, which --runtime.backend local never reads"),
+        (["--runtime.sync_chunk_mb", "8"], "runtime.sync_chunk_mb: is a Ray setting"),  # was silently ignored
+        (["--runtime.gpus_per_actor", "1"], "runtime.gpus_per_actor: is a Ray setting"),
         (["--runtime.backend", "ray", "--runtime.trainer_ranks", "3", "--rollout.prompts_per_step", "2"],
          "runtime.trainer_ranks: (3) must be <= rollout.prompts_per_step"),
         (["--runtime.backend", "ray", "--runtime.engines", "0"], "runtime.engines: engines and trainer_ranks"),
