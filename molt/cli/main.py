@@ -279,6 +279,11 @@ def parse_command(argv: list[str]) -> Config:
         rest = _eval_args(rest[0], rest[1:])  # `molt eval CHECKPOINT|RUN_DIR`
     args = _resume_args(_replay_args(rest))
     cfg = parse_config(args, prog=f"molt {name}", command_name=name)
+    if cfg.rollout.replay:  # no engine, no sampling, no data, no eval: their flags would do nothing
+        unread = {f"runtime.{k}" for k in ENGINE} | {f"rollout.{k}" for k in ("filters", "filter_on", "score_range")}
+        for key in sorted(k for k in _flag_keys(args) if k in unread or k.split(".")[0] in ("data", "eval", "chat")):
+            raise ConfigError(f"{key}: has no effect with --replay, which trains on the dump's batches without an "
+                              "engine, data or eval: drop the flag")  # fmt: skip
     try:
         check_user_code(cfg, _flag_keys(args) if name in ("train", "eval") else ())  # serve always chats
     except ConfigError as e:

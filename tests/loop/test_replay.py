@@ -113,6 +113,16 @@ def test_a_dump_shorter_than_max_steps_is_refused_before_any_model(dumped, tmp_p
         _replay(run, tmp_path / "replay", "--train.max_steps", str(STEPS + 1))
 
 
+@pytest.mark.parametrize(
+    "flag", [["--eval.every", "1"], ["--runtime.engine_compile"], ["--rollout.filters", "nonfinite"]]
+)
+def test_a_flag_replay_never_reads_is_refused(dumped, flag):
+    """Engine, sampling-filter, data and eval flags did nothing in a replay (no engine, no data, no eval), silently."""
+    run, _ = dumped
+    with pytest.raises(ConfigError, match=f"{flag[0][2:]}: has no effect with --replay"):
+        parse_command(["train", "--replay", str(run), *flag])
+
+
 def test_a_resumed_run_may_not_replay_its_own_dump(dumped, tmp_path):
     run, _ = dumped
     shutil.copytree(run, tmp_path / "run")
