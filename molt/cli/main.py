@@ -37,7 +37,8 @@ def _all_but(group: str, *used: str) -> tuple[str, ...]:
     return tuple(f"{group}.{f.name}" for f in fields if f.name not in used)
 
 
-WARM_START = ("model.warmstart_steps", "model.warmstart_lr")  # `molt train`'s preset warm start only
+WARM_START_FIELDS = ("warmstart_steps", "warmstart_lr")
+WARM_START = tuple(f"model.{k}" for k in WARM_START_FIELDS)  # `molt train`'s preset warm start only
 RL_TRAINER = ("check_tokens", "share_prefix", "logprob_chunk_tokens", "activation_checkpointing", "compile")
 RL_TRAINER += ("compile_backend",)  # `train` settings of the RL trainer that `molt sft` does not read
 ENGINE = ("engine_threads", "engine_compile", "engine", "kv_cache", "kv_memory_fraction", "kv_gb", "cuda_graphs")
@@ -48,7 +49,7 @@ EPISODE += ("step_timeout_s", "agent_workers")  # rollout settings `molt eval` r
 NO_RL = ("algo", "critic", "ckpt", *BACKEND, *WARM_START)  # what `molt sft`, `eval` and `serve` do not read
 SFT_UNUSED = (*NO_RL, "rollout", "eval", "chat", *(f"runtime.{k}" for k in ENGINE))
 SFT_UNUSED += tuple(f"train.{k}" for k in RL_TRAINER)
-EVAL_UNUSED = (*NO_RL, *_all_but("rollout", *EPISODE), *_all_but("train", "seed"))
+EVAL_UNUSED = (*NO_RL, *_all_but("rollout", *EPISODE), *_all_but("train", "seed"), "eval.every", "log.every")
 SERVE_UNUSED = (*NO_RL, "data", "eval", "log", *_all_but("rollout", *SAMPLING), *_all_but("train", "seed"))
 
 
@@ -63,7 +64,7 @@ def command(name: str, unused: tuple[str, ...] = (), **defaults: dict):
     return wrap
 
 
-@command("train")
+@command("train", unused=("eval.output", "chat.max_len", "chat.max_tokens"))  # `molt eval`'s, `molt serve`'s
 def train(cfg: Config) -> object:
     """Asynchronous RL (default: warm-started tiny model, GRPO on the calculator tool-use task).
 
@@ -266,6 +267,18 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _refuse_inert_flags(cfg: Config, flags: frozenset[str], command_name: str) -> None:
+    """A ConfigError for a flag its command would not read in this config: a preset's settings beside a model
+    folder, eval settings with no eval (a config file may still set them)."""
+    inert: dict[str, str] = {}
+    if cfg.model.path:
+        inert |= {f"model.{k}": "the model comes from --model.path" for k in ("preset", "init_std", *WARM_START_FIELDS)}
+    if command_name == "train" and not cfg.eval.every:
+        inert |= {f"eval.{k}": "no eval runs (--eval.every 0)" for k in ("num_prompts", "n_samples", "temperature")}
+    for key in sorted(flags & inert.keys()):
+        raise ConfigError(f"{key}: has no effect here: {inert[key]}; drop the flag")
+
+
 def parse_command(argv: list[str]) -> Config:
     """The checked config of `molt <argv...>` (a known command), before anything is built; UserError if wrong.
     Positional targets, `--resume` and `--replay` are spelled out as flags; then the checks that need the command
@@ -279,6 +292,7 @@ def parse_command(argv: list[str]) -> Config:
         rest = _eval_args(rest[0], rest[1:])  # `molt eval CHECKPOINT|RUN_DIR`
     args = _resume_args(_replay_args(rest))
     cfg = parse_config(args, prog=f"molt {name}", command_name=name)
+    _refuse_inert_flags(cfg, _flag_keys(args), name)
     if cfg.rollout.replay:  # no engine, no sampling, no data, no eval: their flags would do nothing
         unread = {f"runtime.{k}" for k in ENGINE} | {f"rollout.{k}" for k in ("filters", "filter_on", "score_range")}
         for key in sorted(k for k in _flag_keys(args) if k in unread or k.split(".")[0] in ("data", "eval", "chat")):

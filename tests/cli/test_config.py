@@ -19,8 +19,9 @@ def test_flags_set_fields():
 def test_boolean_flags_take_a_config_file_word():
     from molt.cli.main import parse_command
 
-    cfg = parse_command(["train", "--rollout.dump", "true", "--data.shuffle=False", "--train.share_prefix", "no"])
-    assert cfg.rollout.dump and not cfg.data.shuffle and not cfg.train.share_prefix
+    cfg = parse_command(["train", "--rollout.dump", "true", "--train.share_prefix=False"])
+    assert cfg.rollout.dump and not cfg.train.share_prefix
+    assert not parse_command(["train", "--train.share_prefix", "no"]).train.share_prefix
     assert not parse_command(["train", "--rollout.dump", "--rollout.dump", "0"]).rollout.dump  # the last one wins
     assert parse_config(["--data.task", "arithmetic", "--rollout.dump", "yes"]).rollout.dump
 

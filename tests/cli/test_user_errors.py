@@ -31,6 +31,7 @@ FAST = [
     "--rollout.max_tokens", "4", "--rollout.max_turns", "1", "--train.max_steps", "1", "--runtime.threads", "1",
     "--data.num_train", "16", "--data.num_eval", "4", "--eval.every", "0",
 ]  # fmt: skip
+FROM_FOLDER = FAST[2:]  # a model folder is not warm-started: --model.warmstart_steps is refused beside it
 
 
 @pytest.fixture
@@ -143,7 +144,9 @@ def test_an_unwritable_run_dir_or_truncated_weights_are_one_line(tmp_path, molt)
     save_pretrained(Transformer(preset("tiny", vocab_size=len(tokenizer))), tmp_path / "m", tokenizer=tokenizer)
     weights = tmp_path / "m" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    one_line(molt("train", *FAST, "--model.path", "m"), "model.safetensors: cannot read these weights", "truncated")
+    one_line(
+        molt("train", *FROM_FOLDER, "--model.path", "m"), "model.safetensors: cannot read these weights", "truncated"
+    )
 
 
 def test_too_long_row_names_the_file_line(tmp_path, molt):
@@ -248,7 +251,7 @@ def test_teacher_and_critic_folders_are_checked_at_start_up(tmp_path, molt):
     )
     result = molt("train", *FAST, "--train.batch_size", "4")  # before the warm start (this cache is empty)
     one_line(result, "config error: train.batch_size: has no effect here: it is molt sft's batch")
-    one_line(molt("train", *FAST, "--model.path", "small"), f"the tokenizer has {len(policy)} tokens, more than")
+    one_line(molt("train", *FROM_FOLDER, "--model.path", "small"), f"the tokenizer has {len(policy)} tokens, more than")
     assert not (tmp_path / "runs").exists()
 
 

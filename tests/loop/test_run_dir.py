@@ -21,6 +21,7 @@ from molt.models.hf_io import share_like_new_files
 
 TINY = [*TINY_RUN, "--data.task", "arithmetic", "--data.num_train", "32", "--data.num_eval", "4",
         "--rollout.n_samples_per_prompt", "2", "--rollout.max_tokens", "4"]  # fmt: skip
+FOLDER = TINY[4:]  # beside --model.path: no --model.preset / warmstart_steps (refused there: they do nothing)
 
 
 def test_new_run_refuses_a_non_empty_run_dir(tmp_path, capsys):
@@ -134,7 +135,7 @@ def test_a_run_that_stopped_before_its_first_step_can_start_again_and_models_sav
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text('{"model_type": "gpt2"}')
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"")
-    err = one_line(run_molt(capsys, "train", *TINY, "--model.path", str(tmp_path / "bad")))
+    err = one_line(run_molt(capsys, "train", *FOLDER, "--model.path", str(tmp_path / "bad")))
     assert "model.path: " in err and "model_type='gpt2' is not supported" in err
     run = tmp_path / "run"
     run.mkdir()  # what a start that failed after writing its config leaves
@@ -187,7 +188,9 @@ def test_resume_after_the_model_folder_moved_takes_its_new_place(tmp_path, capsy
     tokenizer = build_builtin_tokenizer()
     save_pretrained(Transformer(preset("tiny", vocab_size=len(tokenizer))), tmp_path / "base", tokenizer=tokenizer)
     run = tmp_path / "run"
-    main(["train", *TINY, "--train.max_steps", "1", "--model.path", str(tmp_path / "base"), "--log.run_dir", str(run)])
+    main(
+        ["train", *FOLDER, "--train.max_steps", "1", "--model.path", str(tmp_path / "base"), "--log.run_dir", str(run)]
+    )
     shutil.copytree(tmp_path / "base", tmp_path / "copy")
     err = one_line(run_molt(capsys, "train", "--resume", str(run), "--train.max_steps", "2", "--model.path",
                             str(tmp_path / "copy")))  # fmt: skip
