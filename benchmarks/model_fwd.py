@@ -48,27 +48,33 @@ CONFIGS = {
 VOCAB, BATCH, SEQ, ITERS = 512, 8, 128, 12
 
 
-def timed(fn, iters: int = ITERS) -> float:
-    """Median seconds of `fn()` after two warm-up calls."""
-    fn(), fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def timed(fns, iters: int = ITERS) -> list[float]:
+    """Median seconds of each of `fns()` after two warm-up calls each, the sides alternating call by call (a burst
+    of outside load then falls on both, not on whichever ran in its window)."""
+    times = [[] for _ in fns]
+    for i in range(iters + 2):
+        for fn, side in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            if i >= 2:
+                side.append(time.perf_counter() - t0)
+    return [statistics.median(side) for side in times]
 
 
-def hf_step(model, ids, attention_mask, targets):
+def hf_step(model, ids, attention_mask, targets) -> float:
     logits = model(input_ids=ids, attention_mask=attention_mask).logits
-    F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100).backward()
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    loss.backward()
     model.zero_grad(set_to_none=True)
+    return float(loss.detach())
 
 
-def molt_step(model, batch):
+def molt_step(model, batch) -> float:
     logits = model(batch.input_ids, batch.position_ids, doc_ids_bt=batch.doc_ids)
-    F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=-100).backward()
+    loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=-100)
+    loss.backward()
     model.zero_grad(set_to_none=True)
+    return float(loss.detach())
 
 
 def models(arch: dict, tmp: Path):
@@ -82,7 +88,8 @@ def models(arch: dict, tmp: Path):
 def hf_padded(lengths: list[int], g: torch.Generator):
     ids = torch.randint(0, VOCAB, (len(lengths), SEQ), generator=g)
     mask = (torch.arange(SEQ)[None] < torch.tensor(lengths)[:, None]).long()
-    targets = torch.where(mask.bool(), ids.roll(-1, dims=1), -100)
+    has_next = torch.arange(SEQ)[None] < torch.tensor(lengths)[:, None] - 1  # a sample's last token predicts nothing
+    targets = torch.where(has_next, ids.roll(-1, dims=1), -100)
     return ids, mask, targets, [ids[i, :n].tolist() for i, n in enumerate(lengths)]
 
 
@@ -99,8 +106,10 @@ def bench(name: str, arch: dict) -> list[tuple]:
             ids, mask, targets, samples = hf_padded(lengths, g)
             (batch,) = pack(samples, [[1] * len(s) for s in samples], row_len=SEQ, micro_batch_tokens=BATCH * SEQ)
             real = sum(lengths)
-            t_hf = timed(partial(hf_step, hf, ids, mask, targets))
-            t_molt = timed(partial(molt_step, molt, batch))
+            steps = partial(hf_step, hf, ids, mask, targets), partial(molt_step, molt, batch)
+            losses = [step() for step in steps]  # the same weights and tokens: the same loss (packing included)
+            assert abs(losses[0] - losses[1]) <= 1e-4 * abs(losses[0]), (layout, losses)
+            t_hf, t_molt = timed(steps)
             rows.append(
                 (name, f"{params:.1f}M", layout, batch.input_ids.shape[0], real / t_hf, real / t_molt, t_hf / t_molt)
             )
