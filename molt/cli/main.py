@@ -302,7 +302,7 @@ def parse_command(argv: list[str]) -> Config:
         check_user_code(cfg, _flag_keys(args) if name in ("train", "eval") else ())  # serve always chats
     except ConfigError as e:
         raise _in_file(e, args) from None
-    if cfg.chat.port and (name == "serve" or cfg.rollout.agent):
+    if name == "serve" or cfg.rollout.agent:  # a chat server may run: its address must be one to listen on
         check_port(cfg.chat.host, cfg.chat.port)
     return cfg
 
@@ -339,12 +339,18 @@ def _in_file(error: ConfigError, args: list[str]) -> ConfigError:
 
 
 def check_port(host: str, port: int) -> None:
-    """A ConfigError naming chat.port when another process already listens on (host, port)."""
+    """A ConfigError naming chat.host when no address of this machine is `host`, or chat.port when another process
+    already listens on (host, port) (port 0: any free one)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT does not count
         try:
             probe.bind((host, port))
+        except socket.gaierror as e:
+            raise ConfigError(f"chat.host: cannot listen on {host!r} ({e.strerror or e}): give an address of this "
+                              "machine (127.0.0.1, 0.0.0.0 for every interface)") from None  # fmt: skip
         except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(f"chat.host: {host!r} is not an address of this machine ({e.strerror})") from None
             raise ConfigError(
                 f"chat.port: cannot listen on {host}:{port} ({e.strerror or e}); another process uses it: "
                 "stop it or pick a free port with --chat.port (0 = any free port)"

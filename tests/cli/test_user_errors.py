@@ -113,6 +113,9 @@ def test_port_in_use(molt):
         port = str(taken.getsockname()[1])
         result = molt("serve", "--chat.port", port)
     one_line(result, f"chat.port: cannot listen on 127.0.0.1:{port}", "--chat.port")
+    # a host this machine does not have: at start-up, naming chat.host (it was an internal error once the model and
+    # engine were built, or 'port in use' with a port given)
+    one_line(molt("serve", "--chat.host", "nohost.invalid"), "chat.host: cannot listen on 'nohost.invalid'")
 
 
 def test_model_path_that_is_not_a_model_folder(tmp_path, molt):
