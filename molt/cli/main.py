@@ -307,14 +307,15 @@ def parse_command(argv: list[str]) -> Config:
     return cfg
 
 
-BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
+BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False, "1": True, "0": False}
 
 
 def _bool_words(args: list[str]) -> list[str]:
     """`--group.flag true|false` (or `=false`), as a config file's user writes a boolean, as tyro spells it:
-    `--group.flag` / `--group.no_flag`."""
-    bools = {f"--{g}.{k}" for g, cls in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(cls)
-             for k, tp in typing.get_type_hints(cls).items() if tp is bool}  # fmt: skip
+    `--group.flag` / `--group.no_flag`, or `--group.flag True|False` for one that may also be None (unset)."""
+    hints = {f"--{g}.{k}": tp for g, cls in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(cls)
+             for k, tp in typing.get_type_hints(cls).items()}  # fmt: skip
+    bools = {flag for flag, tp in hints.items() if tp is bool or tp == bool | None}
     out: list[str] = []
     for arg in args:
         flag, eq, word = arg.partition("=")
@@ -325,7 +326,8 @@ def _bool_words(args: list[str]) -> list[str]:
             continue
         if not eq:
             out.pop()
-        out.append(flag if BOOL_WORDS[word.lower()] else flag.replace(".", ".no_", 1))
+        value = BOOL_WORDS[word.lower()]
+        out += [flag, str(value)] if hints[flag] is not bool else [flag if value else flag.replace(".", ".no_", 1)]
     return out
 
 

@@ -21,7 +21,9 @@ def test_boolean_flags_take_a_config_file_word():
 
     cfg = parse_command(["train", "--rollout.dump", "true", "--train.share_prefix=False"])
     assert cfg.rollout.dump and not cfg.train.share_prefix
-    assert not parse_command(["train", "--train.share_prefix", "no"]).train.share_prefix
+    assert not parse_command(["train", "--train.share_prefix", "off"]).train.share_prefix
+    whiten = [parse_command(["train", "--algo.whiten", word]).algo.whiten for word in ("false", "yes", "None")]
+    assert whiten == [False, True, None]  # bool | None: 'false' was refused ("Expected one of True, False, None")
     assert not parse_command(["train", "--rollout.dump", "--rollout.dump", "0"]).rollout.dump  # the last one wins
     assert parse_config(["--data.task", "arithmetic", "--rollout.dump", "yes"]).rollout.dump
 
