@@ -24,6 +24,8 @@ from typing import NoReturn
 import tyro
 
 from molt.config import Config, ConfigError, check
+from molt.config.rl import check_rollout_algo
+from molt.config.training import check_rl_batch
 from molt.errors import RunFatalError, UserError
 
 COMMANDS: dict[str, Callable[[Config], object]] = {}
@@ -300,6 +302,9 @@ def parse_command(argv: list[str]) -> Config:
                               "engine, data or eval: drop the flag")  # fmt: skip
     try:
         check_user_code(cfg, _flag_keys(args) if name in ("train", "eval") else ())  # serve always chats
+        if name == "train":  # `train_async` checks them again for the Python API; here a file's line is named
+            check_rollout_algo(cfg.rollout, cfg.algo)
+            check_rl_batch(cfg.train)
     except ConfigError as e:
         raise _in_file(e, args) from None
     if name == "serve" or cfg.rollout.agent:  # a chat server may run: its address must be one to listen on

@@ -77,8 +77,8 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, prompts_per_step="> 0", n_samples_per_prompt="> 0", max_staleness=">= 0")
-        check(self.temperature >= 1e-4, "rollout.temperature", "must be >= 1e-4 for RL (log-probs need sampling; the "
-              "engine's smallest, below which logits / T overflow fp32)")  # fmt: skip
+        check(self.temperature == 0 or self.temperature >= 1e-4, "rollout.temperature", "must be 0 (greedy: molt "
+              "serve's only) or >= 1e-4, the engine's smallest, below which logits / T overflow fp32")  # fmt: skip
         check_finite(self, "rollout", allow_inf=("step_timeout_s",))
         check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
@@ -330,7 +330,10 @@ def check_filter_names(rollout: RolloutConfig) -> None:
 def check_rollout_algo(rollout: RolloutConfig, algo: AlgoConfig) -> None:
     """Checks across the rollout and algo groups: truncated sampling (top-p / top-k) needs the IS correction, an
     estimator that reads no reward (on_policy_distill) takes no reward filter, and one sample per prompt must leave
-    a signal (no all-equal filter, which drops every group of one; an estimator whose group of one is not 0)."""
+    a signal (no all-equal filter, which drops every group of one; an estimator whose group of one is not 0), and
+    RL samples (temperature > 0: its log-probs need a distribution)."""
+    check(rollout.temperature >= 1e-4, "rollout.temperature", "must be >= 1e-4 for RL (log-probs need sampling; "
+          "0, greedy, is for molt serve)")  # fmt: skip
     for key, truncates in (("top_p", rollout.top_p < 1), ("top_k", rollout.top_k > 0)):
         check(algo.is_level != "none" or not truncates, f"rollout.{key}", "samples from a truncated distribution "
               "the trainer's full-vocabulary log-probs do not see: enable the IS correction (--algo.is_level token, "

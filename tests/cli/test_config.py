@@ -335,3 +335,17 @@ def test_the_context_bound_follows_rope_scaling():
     llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
     assert TransformerConfig(max_position_embeddings=131072, rope_scaling=llama3).context_length() == 131072
     assert TransformerConfig(max_position_embeddings=4096).context_length() == 4096
+
+
+def test_rl_only_checks_run_for_molt_train_and_name_the_files_line(tmp_path, capsys):
+    """`molt serve --rollout.temperature 0` (greedy serving) was refused 'for RL'; molt train still refuses it. A
+    check of molt train's run (train.batch_size is sft's) names the config file's line, as the groups' checks do."""
+    from molt.cli.main import main, parse_command
+
+    assert parse_config(["--rollout.temperature", "0"]).rollout.temperature == 0  # the config serve builds on
+    with pytest.raises(ConfigError, match="rollout.temperature: must be >= 1e-4 for RL"):
+        parse_command(["train", "--rollout.temperature", "0"])
+    (tmp_path / "sft.yaml").write_text("train:\n  batch_size: 8\n")
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(tmp_path / "sft.yaml")])
+    assert "sft.yaml:2: train.batch_size: has no effect here" in capsys.readouterr().err
