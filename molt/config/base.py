@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import os
 
 from molt.errors import UserError
 
@@ -17,6 +18,13 @@ def check(ok: bool, key: str, message: str) -> None:
     """Raise ConfigError naming `key` unless `ok`."""
     if not ok:
         raise ConfigError(f"{key}: {message}")
+
+
+def expand_user(group: object, *keys: str) -> None:
+    """`~` at the start of these path fields is the home folder, in a file or a Python dict too (a shell expands it
+    only in flags: a config file's `~/runs/x` was written to `./~/runs/x`)."""
+    for key in keys:
+        setattr(group, key, os.path.expanduser(getattr(group, key)))
 
 
 def changed(group: object, *keys: str) -> list[str]:

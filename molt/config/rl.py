@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from molt.config.base import ConfigError, changed, check, check_bounds
+from molt.config.base import ConfigError, changed, check, check_bounds, expand_user
 from molt.config.training import check_finite, check_model_folder
 from molt.user_code import import_failure, import_once
 
@@ -76,6 +76,7 @@ class RolloutConfig:
     also takes the run's config.yaml). No engine is built; token and version checks stay on."""
 
     def __post_init__(self) -> None:
+        expand_user(self, "replay")
         check_bounds(self, prompts_per_step="> 0", n_samples_per_prompt="> 0", max_staleness=">= 0")
         check(self.temperature == 0 or self.temperature >= 1e-4, "rollout.temperature", "must be 0 (greedy: molt "
               "serve's only) or >= 1e-4, the engine's smallest, below which logits / T overflow fp32")  # fmt: skip

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from molt.config.base import ConfigError, changed, check, check_bounds
+from molt.config.base import ConfigError, changed, check, check_bounds, expand_user
 from molt.config.training import check_finite
 
 
@@ -32,6 +32,7 @@ class EvalConfig:
     """`molt eval`: per-row results file (JSON lines; its folder is made). Default: <run_dir>/results.jsonl."""
 
     def __post_init__(self) -> None:
+        expand_user(self, "output")
         check_bounds(self, every=">= 0 (0 = never)", num_prompts="> 0", n_samples="> 0")
         check(
             not (self.output and Path(self.output).is_dir()),
@@ -55,6 +56,7 @@ class CkptConfig:
     """Run directory to resume from (its latest checkpoint and trainer state)."""
 
     def __post_init__(self) -> None:
+        expand_user(self, "resume")
         check_bounds(self, every=">= 0 (0 = only at the end)", keep=">= 0 (0 = keep all)")
         if self.resume:
             check_resumable(self.resume)
@@ -99,6 +101,7 @@ class LogConfig:
     """W&B run name; empty: the run directory's name."""
 
     def __post_init__(self) -> None:
+        expand_user(self, "run_dir")
         check(self.every > 0, "log.every", "must be > 0")
         check(not self.wandb_project or importlib.util.find_spec("wandb") is not None, "log.wandb_project",
               "wandb is not installed: `pip install wandb` (or `pip install molt[wandb]`), or drop "

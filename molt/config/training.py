@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from molt.config.base import ConfigError, changed, check, check_bounds
+from molt.config.base import ConfigError, changed, check, check_bounds, expand_user
 from molt.errors import UserError
 
 
@@ -137,6 +137,7 @@ class DataConfig:
     """Seed of the built-in task generator and of the dataset shuffle."""
 
     def __post_init__(self) -> None:
+        expand_user(self, "path", "eval_path")
         check_bounds(self, num_train="> 0", num_eval=">= 0", max_len="> 1")
         from molt.data.formats import detect_format
         from molt.data.rows import parse_columns

@@ -349,3 +349,15 @@ def test_rl_only_checks_run_for_molt_train_and_name_the_files_line(tmp_path, cap
     with pytest.raises(SystemExit):
         main(["train", "--config", str(tmp_path / "sft.yaml")])
     assert "sft.yaml:2: train.batch_size: has no effect here" in capsys.readouterr().err
+
+
+def test_a_leading_tilde_is_the_home_folder_in_files_and_dicts_too(tmp_path):
+    """A shell expands `~` in flags only: a config file's `log.run_dir: ~/runs/x` was written to `./~/runs/x`."""
+    import os
+
+    from molt import make_config
+
+    (tmp_path / "run.yaml").write_text("log:\n  run_dir: ~/runs/x\neval:\n  output: ~/out.jsonl\n")
+    cfg = make_config(str(tmp_path / "run.yaml"))
+    assert (cfg.log.run_dir, cfg.eval.output) == (os.path.expanduser("~/runs/x"), os.path.expanduser("~/out.jsonl"))
+    assert make_config({"rollout.replay": ""}).rollout.replay == ""
