@@ -162,12 +162,13 @@ def build(cls: type, data: dict[str, Any], base: Any = None, prefix: str = "", s
             check(value == "", "config",
                   "a config cannot name another config; pass the file to molt.train(path) / --config")  # fmt: skip
             continue
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys: {names}"
-            raise ConfigError(f"{dotted}: unknown key{hint}")
+        _known(key, names, prefix)
         tp = hints[key]
-        if dotted in skip:
+        if dotted in skip:  # not read; still a key of the config (a typo there is one everywhere)
+            if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+                sub = [f.name for f in dataclasses.fields(tp)]
+                for inner in value:
+                    _known(inner, sub, f"{dotted}.")
             continue
         if dataclasses.is_dataclass(tp):
             check(isinstance(value, dict), dotted, f"expected a table of {tp.__name__} fields, got {value!r}")
@@ -175,6 +176,14 @@ def build(cls: type, data: dict[str, Any], base: Any = None, prefix: str = "", s
         else:
             values[key] = coerce(value, tp, dotted)
     return dataclasses.replace(base, **values) if base is not None else cls(**values)
+
+
+def _known(key: str, names: list[str], prefix: str) -> None:
+    """A ConfigError for a key that is none of `names` (a group's fields), with the closest as a hint."""
+    if key not in names:
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys: {names}"
+        raise ConfigError(f"{prefix}{key}: unknown key{hint}")
 
 
 def load_config_file(cls: type, path: str | Path, base: Any = None, skip: frozenset[str] = frozenset()) -> Any:

@@ -361,3 +361,14 @@ def test_a_leading_tilde_is_the_home_folder_in_files_and_dicts_too(tmp_path):
     cfg = make_config(str(tmp_path / "run.yaml"))
     assert (cfg.log.run_dir, cfg.eval.output) == (os.path.expanduser("~/runs/x"), os.path.expanduser("~/out.jsonl"))
     assert make_config({"rollout.replay": ""}).rollout.replay == ""
+
+
+def test_a_typo_in_a_group_the_command_does_not_read_is_still_an_unknown_key(tmp_path, capsys):
+    """A config file shared by molt train and molt sft: `algo.estimatr` passed molt sft silently (the algo group is
+    skipped there), to fail only when the file reached molt train."""
+    from molt.cli.main import main
+
+    (tmp_path / "shared.yaml").write_text("algo:\n  estimatr: grpo\n")
+    with pytest.raises(SystemExit):
+        main(["sft", "--config", str(tmp_path / "shared.yaml")])
+    assert "shared.yaml:2: algo.estimatr: unknown key; did you mean 'algo.estimator'?" in capsys.readouterr().err
