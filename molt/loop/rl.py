@@ -300,11 +300,11 @@ class RLLoop(Accounting):
         if not rows:
             if not self.said_no_eval:
                 self.said_no_eval = True
-                log.warning(
-                    "eval skipped: no held-out rows (a data file keeps data.num_eval rows, at most 10%%, for eval: "
-                    "none of %d); pass --data.eval_path, or --eval.every 0 to silence this",
-                    len(self.train_rows),
-                )
+                data = self.cfg.data
+                why = (f"a data file keeps data.num_eval rows, at most 10%, for eval: none of {len(self.train_rows)}"
+                       if data.path else f"data.num_eval is {data.num_eval}")  # fmt: skip
+                log.warning("eval skipped: no held-out rows (%s); pass --data.eval_path, or --eval.every 0 to silence "
+                            "this", why)  # fmt: skip
             return {}
         metrics = await evaluate(self.tokenizer, self._rollout, rows=rows, sampling=sampling, limits=self.limits,
                                  n=ev.n_samples, seed=ev.seed, failure_log=self.failure_log)  # fmt: skip
