@@ -100,10 +100,10 @@ def read_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
         what = "is a folder; give its .toml/.yaml file (a run's: config.yaml)" if path.is_dir() else "does not exist"
         raise ConfigError(f"--config: {str(path)!r} {what}")
     try:
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".toml":
+        text, suffix = path.read_text(encoding="utf-8-sig"), path.suffix.lower()  # a BOM (Windows editors) is no key
+        if suffix == ".toml":
             return tomllib.loads(text), _toml_lines(text)
-        if path.suffix in (".yaml", ".yml"):
+        if suffix in (".yaml", ".yml"):
             data = yaml.load(text, Loader=_Yaml12Loader) or {}  # noqa: S506 - a safe loader subclass
             check(isinstance(data, dict), str(path), "top level must be a mapping of config groups")
             return _undot(data, path), _yaml_lines(yaml.compose(text, Loader=_Yaml12Loader))

@@ -372,3 +372,14 @@ def test_a_typo_in_a_group_the_command_does_not_read_is_still_an_unknown_key(tmp
     with pytest.raises(SystemExit):
         main(["sft", "--config", str(tmp_path / "shared.yaml")])
     assert "shared.yaml:2: algo.estimatr: unknown key; did you mean 'algo.estimator'?" in capsys.readouterr().err
+
+
+def test_a_config_file_with_a_bom_or_an_upper_case_suffix_reads(tmp_path):
+    """Windows editors start a file with a byte-order mark ('Invalid statement (at line 1, column 1)'), and name it
+    RUN.TOML ('must end in .toml')."""
+    from molt import make_config
+
+    (tmp_path / "RUN.TOML").write_bytes(b"\xef\xbb\xbf[train]\nmax_steps = 3\n")
+    (tmp_path / "run.YAML").write_bytes(b"\xef\xbb\xbftrain:\n  max_steps: 4\n")
+    assert make_config(str(tmp_path / "RUN.TOML")).train.max_steps == 3
+    assert make_config(str(tmp_path / "run.YAML")).train.max_steps == 4
