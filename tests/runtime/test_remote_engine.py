@@ -111,7 +111,8 @@ def test_a_hung_trainer_rank_stops_the_run_naming_it(ray_cluster):
 
     actor = ray.remote(concurrency_groups={"ping": 1})(Slow).options(num_cpus=1).remote()
     trainer = object.__new__(RayTrainer)  # the waiting and pinging only: no process group
-    trainer.cfg, trainer.ranks = parse_config(["--runtime.collective_timeout_s", "2"]), [actor]
+    trainer.cfg = parse_config(["--runtime.backend", "ray", "--runtime.collective_timeout_s", "2"])
+    trainer.ranks = [actor]
     os.kill(ray.get(actor.ping.remote()), signal.SIGSTOP)
     with pytest.raises(ActorFailedError, match=r"trainer step failed: trainer rank 0 \(molt-rank-0\) left a ping"):
         trainer._get([actor.work.remote()], "trainer step")
