@@ -3,11 +3,14 @@
 Task: Molt's built-in single-turn `arithmetic` task (TRL's GRPOTrainer generates single-turn
 completions; Molt's multi-turn tool task has no TRL equivalent). Both start from the same Molt
 warm start (an SFT checkpoint, HF format) and run GRPO with 8 prompts x 8 samples per step, fp32 on
-CPU. Throughput = optimizer steps / wall seconds of training (TRL: `trainer.train()`; Molt: the RL
-loop from its first rollout to its last step's weight sync). Both final models are then evaluated
-by the same evaluator (Molt's engine, 100 held-out prompts x 4 samples, temperature 1).
+CPU. Throughput = optimizer steps / wall seconds of training, on one clock for both: from the first step's
+start (TRL: its `on_step_begin`; Molt: its loop's first rollout, after the engine started) to the last
+step's end (TRL: `on_train_end`; Molt: its last weight sync). Each side's whole wall time (model load,
+start-up, training) is reported too. Molt runs on-policy (`--rollout.max_staleness 0`, as TRL is) unless
+`--staleness N` lets its rollouts run N versions ahead. Both final models are then evaluated by the same
+evaluator (Molt's engine, 100 held-out prompts x 4 samples, temperature 1).
 TRL is a benchmark-only dependency: `pip install trl`. Writes benchmarks/results/vs_trl.md.
-Run: `.venv/bin/python benchmarks/vs_trl.py [--steps 20]`.
+Run: `.venv/bin/python benchmarks/vs_trl.py [--steps 40] [--staleness 0]`.
 """
 
 from __future__ import annotations
@@ -49,11 +52,21 @@ FLAGS = [
 THREADS = 2
 
 
-def run_trl(checkpoint: str, rows: list[dict], steps: int, out_dir: str) -> float:
-    """Train with TRL's GRPOTrainer; returns training seconds. Saves the final model to out_dir."""
+def run_trl(checkpoint: str, rows: list[dict], steps: int, out_dir: str) -> tuple[float, float]:
+    """Train with TRL's GRPOTrainer; returns (seconds from its first step's start to the end of training, whole
+    wall seconds from the model's load). Saves the final model to out_dir."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    marks: dict[str, float] = {}
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            marks.setdefault("first_step", time.perf_counter())
+
+        def on_train_end(self, args, state, control, **kwargs):
+            marks["end"] = time.perf_counter()
 
     task = get_task("arithmetic")
     data = Dataset.from_list([{"prompt": r["messages"], "label": r["label"]} for r in rows])
@@ -68,15 +81,15 @@ def run_trl(checkpoint: str, rows: list[dict], steps: int, out_dir: str) -> floa
         bf16=False, report_to=[], logging_steps=1000, save_strategy="no", loss_type="grpo", scale_rewards="group",
         epsilon=0.2, epsilon_high=0.28, seed=0, dataloader_num_workers=0,
     )  # fmt: skip
+    t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                          processing_class=load_tokenizer(checkpoint))  # fmt: skip
-    t0 = time.perf_counter()
+                          processing_class=load_tokenizer(checkpoint), callbacks=[Clock()])  # fmt: skip
     trainer.train()
-    seconds = time.perf_counter() - t0
+    wall = time.perf_counter() - t0
     trainer.save_model(out_dir)
     load_tokenizer(checkpoint).save_pretrained(out_dir)
-    return seconds
+    return marks["end"] - marks["first_step"], wall
 
 
 async def _eval(folder: str, rows: list[dict]) -> float:
@@ -96,13 +109,14 @@ async def _eval(folder: str, rows: list[dict]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--staleness", type=int, default=0, help="Molt's rollout.max_staleness (TRL: on-policy)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # compute runs on threads whose OpenMP pool is the only one (see TorchEngine)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = parse_config([*FLAGS, "--train.max_steps", str(args.steps), "--eval.every", "0",
                             "--runtime.threads", str(THREADS), "--log.run_dir", os.path.join(tmp, "molt"),
-                            "--log.every", "1000"])  # fmt: skip
+                            "--log.every", "1000", "--rollout.max_staleness", str(args.staleness)])  # fmt: skip
         start = on_fresh_thread(warm_start, cfg, threads=THREADS)
         train_rows, eval_rows = dataset_rows(cfg.data)
         eval_rows = eval_rows[:100]
@@ -110,7 +124,8 @@ def main() -> None:
         molt = run_train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=start)))
         molt_s = molt.history[-1]["time/elapsed_s"]  # the loop's wall, first rollout to last weight sync
         wall_molt = time.perf_counter() - t0
-        trl_s = on_fresh_thread(run_trl, start, train_rows, args.steps, os.path.join(tmp, "trl"), threads=THREADS)
+        trl_s, wall_trl = on_fresh_thread(run_trl, start, train_rows, args.steps, os.path.join(tmp, "trl"),
+                                          threads=THREADS)  # fmt: skip
         rewards = {
             name: asyncio.run(_eval(folder, eval_rows))
             for name, folder in (("start", start), ("molt", molt.checkpoint), ("trl", os.path.join(tmp, "trl")))
@@ -123,10 +138,12 @@ def main() -> None:
             f"{rewards['start']:.3f} -> {rewards[key]:.3f} |"
         )
     text = (
-        f"# Molt vs TRL GRPO (arithmetic, 8x8 per step, fp32 CPU, load {os.getloadavg()[0]:.1f})\n\n"
+        f"# Molt vs TRL GRPO (arithmetic, 8x8 per step, fp32 CPU, Molt at rollout.max_staleness {args.staleness}, "
+        f"load {os.getloadavg()[0]:.1f})\n\n"
         + "\n".join(table)
-        + f"\n\nMolt / TRL throughput: **{trl_s / molt_s:.2f}x** "
-        f"(Molt wall time incl. start-up and evals: {wall_molt:.0f}s)\n"
+        + f"\n\nMolt / TRL throughput, first step to last: **{trl_s / molt_s:.2f}x**; whole wall times (model load, "
+        f"start-up, training; Molt's also its final checkpoint): Molt {wall_molt:.1f} s, TRL {wall_trl:.1f} s, "
+        f"**{wall_trl / wall_molt:.2f}x**\n"
     )
     print(text)
     (Path(__file__).parent / "results" / "vs_trl.md").write_text(text)
