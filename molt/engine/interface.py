@@ -10,6 +10,7 @@ import abc
 import asyncio
 import itertools
 import math
+import operator
 import os
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -152,7 +153,11 @@ def check_prompt(
 ) -> list[int]:
     """The prompt as ints, checked for what every engine needs: not empty, room for one generated token within
     `max_len` (else a `ContextLengthError` naming the engine's `limit_name`), a tokenizer for stop strings."""
-    prompt = [int(t) for t in prompt_token_ids]
+    try:
+        prompt = [operator.index(t) for t in prompt_token_ids]  # ints (numpy's and torch's too); 1.5 is no token id
+    except TypeError:
+        kinds = sorted({type(t).__name__ for t in prompt_token_ids})
+        raise ValueError(f"prompt_token_ids must be integers, got {', '.join(kinds)}") from None
     if not prompt:
         raise ValueError("prompt_token_ids is empty")
     if len(prompt) >= max_len:

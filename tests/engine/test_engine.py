@@ -238,6 +238,8 @@ def test_abort_frees_cache_and_too_long_fails_cleanly(pair):
             await cancelled
         with pytest.raises(ContextLengthError, match="max_seq_len=48"):
             await engine.generate(list(range(48)), SamplingParams())
+        with pytest.raises(ValueError, match="prompt_token_ids must be integers, got float"):
+            await engine.generate([1, 1.5], SamplingParams())  # was truncated to token 1, silently
         at_limit = await engine.generate(list(range(40)), SamplingParams(max_tokens=30))
         return aborted, at_limit
 
