@@ -32,9 +32,12 @@ def import_user_module(target: str):
     """The module of `file.py`, its folder first on sys.path (as `python file.py` has it: it imports the modules
     beside it), or of a dotted name, found in the current folder too (as `python -m` has it). An ImportError when
     the file uses a module that another user file's folder gave first, while its own folder holds one of that name:
-    a process imports a name once, so it would silently get the other one."""
+    a process imports a name once, so it would silently get the other one. A file this process imported already (as
+    a plugin, an agent, a reward, or with `import`) is that module: its code runs once, as Python's imports do."""
     if target.endswith(".py"):
         path = Path(target)
+        if (module := _imported(path.resolve())) is not None:
+            return module
         if (folder := path.resolve().parent) not in _FOLDERS:
             _FOLDERS.add(folder)
             sys.path.insert(0, str(folder))
@@ -42,7 +45,11 @@ def import_user_module(target: str):
         module_spec = importlib.util.spec_from_file_location(f"molt_agent_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_spec.name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_spec.name]  # half run: not a module to hand out again
+            raise
         return module
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # last: an installed package of the same name still wins
@@ -64,13 +71,26 @@ def _check_siblings(path: Path, folder: Path) -> None:
                               f"user file, not {mine} beside it: rename one of the two modules")  # fmt: skip
 
 
-_IMPORTED: dict[str, object] = {}  # `import_once`'s modules, by resolved file path or module name
+def _imported(path: Path):
+    """The module this process imported from file `path`, or None."""
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if file and file.endswith(path.name) and Path(file).resolve() == path:
+            return module
+    return None
+
+
+_FAILED: dict[str, BaseException] = {}  # `import_once`'s failures, by resolved file path or module name
 
 
 def import_once(target: str):
-    """`import_user_module(target)` the first time `target` is named in this process, its module after that (an
-    `algo.plugins` file registers its variants once, however many configs name it)."""
+    """`import_user_module(target)`, and the same error again for a target that failed in this process (a plugin
+    that registered some variants before it raised would otherwise fail again on those, hiding its error)."""
     key = str(Path(target).resolve()) if target.endswith(".py") else target
-    if key not in _IMPORTED:
-        _IMPORTED[key] = import_user_module(target)
-    return _IMPORTED[key]
+    if key in _FAILED:
+        raise _FAILED[key]
+    try:
+        return import_user_module(target)
+    except Exception as e:
+        _FAILED[key] = e
+        raise

@@ -202,8 +202,6 @@ def _resume_args(args: list[str]) -> list[str]:
     missing = "--resume needs a run directory, e.g. --resume runs/train-<time>"
     args, run_dir = _alias(args, "--resume", "--ckpt.resume", missing)
     if run_dir is None:
-        resumed = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--ckpt.resume"), None)
-        check_resume_config(resumed, _config_path(args))
         return args
     return ["--config", str(run_config(run_dir)), "--log.run_dir", str(Path(run_dir).resolve()), *args]
 
@@ -271,12 +269,19 @@ def _usage() -> str:
 
 def _refuse_inert_flags(cfg: Config, flags: frozenset[str], command_name: str) -> None:
     """A ConfigError for a flag its command would not read in this config: a preset's settings beside a model
-    folder, eval settings with no eval (a config file may still set them)."""
+    folder, eval settings with no eval, W&B settings with W&B off, a data file's settings without one (a config
+    file may still set them: a run's config.yaml records every setting)."""
     inert: dict[str, str] = {}
     if cfg.model.path:
         inert |= {f"model.{k}": "the model comes from --model.path" for k in ("preset", "init_std", *WARM_START_FIELDS)}
     if command_name == "train" and not cfg.eval.every:
         inert |= {f"eval.{k}": "no eval runs (--eval.every 0)" for k in ("num_prompts", "n_samples", "temperature")}
+    if not cfg.log.wandb_project:
+        inert |= {
+            f"log.{k}": "W&B is off (no --log.wandb_project)" for k in ("wandb_mode", "wandb_entity", "wandb_name")
+        }
+    if not (cfg.data.path or cfg.data.eval_path):
+        inert |= dict.fromkeys(("data.shuffle", "data.split"), "a built-in task's rows are generated as they are")
     for key in sorted(flags & inert.keys()):
         raise ConfigError(f"{key}: has no effect here: {inert[key]}; drop the flag")
 
@@ -294,12 +299,15 @@ def parse_command(argv: list[str]) -> Config:
         rest = _eval_args(rest[0], rest[1:])  # `molt eval CHECKPOINT|RUN_DIR`
     args = _resume_args(_replay_args(rest))
     cfg = parse_config(args, prog=f"molt {name}", command_name=name)
+    check_resume_config(cfg.ckpt.resume, cfg.config)  # as parsed: `--ckpt.resume=RUN`, or set by the file itself
     _refuse_inert_flags(cfg, _flag_keys(args), name)
     if cfg.rollout.replay:  # no engine, no sampling, no data, no eval: their flags would do nothing
-        unread = {f"runtime.{k}" for k in ENGINE} | {f"rollout.{k}" for k in ("filters", "filter_on", "score_range")}
-        for key in sorted(k for k in _flag_keys(args) if k in unread or k.split(".")[0] in ("data", "eval", "chat")):
+        unread = {f"runtime.{k}" for k in ENGINE if k != "engine_threads"}  # the replay's compute threads: read
+        unread |= {f"rollout.{k}" for k in ("filters", "filter_on", "score_range")}
+        unread |= {f"eval.{k}" for k in ("num_prompts", "n_samples", "temperature", "seed", "output")}
+        for key in sorted(k for k in _flag_keys(args) if k in unread or k.startswith("chat.")):
             raise ConfigError(f"{key}: has no effect with --replay, which trains on the dump's batches without an "
-                              "engine, data or eval: drop the flag")  # fmt: skip
+                              "engine or eval: drop the flag")  # fmt: skip
     try:
         check_user_code(cfg, _flag_keys(args) if name in ("train", "eval") else ())  # serve always chats
         if name == "train":  # `train_async` checks them again for the Python API; here a file's line is named

@@ -194,7 +194,7 @@ class AlgoConfig:
     def __post_init__(self) -> None:
         from molt import algo
 
-        self.plugins = tuple(self.plugins)
+        self.plugins = tuple(os.path.expanduser(p) for p in self.plugins)
         for spec in self.plugins:  # first: they register names the checks below look up
             check(not spec.endswith(".py") or os.path.isfile(spec), "algo.plugins", f"file {spec!r} does not exist")
             try:

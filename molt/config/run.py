@@ -106,8 +106,6 @@ class LogConfig:
         check(not self.wandb_project or importlib.util.find_spec("wandb") is not None, "log.wandb_project",
               "wandb is not installed: `pip install wandb` (or `pip install molt[wandb]`), or drop "
               "--log.wandb_project")  # fmt: skip
-        for key in changed(self, "wandb_mode", "wandb_entity", "wandb_name") if not self.wandb_project else ():
-            raise ConfigError(f"log.{key}: has no effect without --log.wandb_project (W&B is off)")
 
 
 @dataclass

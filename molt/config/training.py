@@ -155,8 +155,8 @@ class DataConfig:
             parse_columns(self.columns)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        for key in ("system_prompt", "columns", *changed(self, "shuffle", "split")):  # a task's rows: as generated
-            check(bool(self.path or self.eval_path) or not changed(self, key), f"data.{key}",
+        for key in ("system_prompt", "columns"):  # a built-in task's rows are generated as they are
+            check(bool(self.path or self.eval_path) or not getattr(self, key), f"data.{key}",
                   "applies to the rows of data.path / data.eval_path (a task's are generated as they are)")  # fmt: skip
 
 

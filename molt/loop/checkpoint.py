@@ -85,9 +85,11 @@ def load_training_state(folder: Path, trainer: Trainer) -> LoopState:
     try:
         state = torch.load(folder / "trainer_state.pt", weights_only=False)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # cut short: a crash of the machine mid-write
-        latest = folder.parent / "latest"
-        raise ConfigError(f"ckpt.resume: {folder / 'trainer_state.pt'} cannot be read ({type(e).__name__}); write "
-                          f"an earlier step-N folder into {latest} to resume from it") from None  # fmt: skip
+        if isinstance(e, RuntimeError) and "zip archive" not in str(e):
+            raise  # not a file cut short (e.g. CUDA tensors on a machine without CUDA): its own message
+        latest, why = folder.parent / "latest", str(e).split(". ")[0]
+        raise ConfigError(f"ckpt.resume: {folder / 'trainer_state.pt'} cannot be read, cut short ({why}); write an "
+                          f"earlier step-N folder into {latest} to resume from it") from None  # fmt: skip
     if bool(state.get("sharded")) != trainer.sharded:
         written = "runtime.backend ray" if state.get("sharded") else "runtime.backend local"
         raise ConfigError(f"ckpt.resume: {folder} was written by {written}; resume it with the same backend")

@@ -1,6 +1,7 @@
 """Registries: lookup by name, duplicate protection, and the full set of variant names."""
 
 import re
+import sys
 
 import pytest
 
@@ -209,7 +210,7 @@ def test_plugins_register_variants_the_config_then_knows(tmp_path):
     from molt import make_config
     from molt.cli.main import parse_config
     from molt.config import ConfigError
-    from molt.user_code import _IMPORTED
+    from molt.user_code import import_user_module
 
     plugin, broken = tmp_path / "my_variants.py", tmp_path / "broken.py"
     plugin.write_text(
@@ -218,16 +219,21 @@ def test_plugins_register_variants_the_config_then_knows(tmp_path):
         "def drop_low_var(scores_r, groups, params):\n"
         "    return groups.group_reduce(scores_r, 'amax') - groups.group_reduce(scores_r, 'amin') < 0.1\n"
     )
-    broken.write_text("x = 1\nraise RuntimeError('no')\n")
+    broken.write_text(
+        "from molt import algo\nalgo.GROUP_FILTERS.register('half')(lambda s, g, p: s)\nraise RuntimeError('no')\n"
+    )
     try:
         cfg = parse_config(["--algo.plugins", str(plugin), "--rollout.filters", "low-var", "nonfinite"])
         assert cfg.rollout.filters == ("low-var", "nonfinite") and "low-var" in GROUP_FILTERS
         assert cfg.file_form()["algo"]["plugins"] == [str(plugin.resolve())]
         again = parse_config(["--algo.plugins", str(plugin), "--rollout.filters", "low-var"])  # imported once
         assert again.rollout.filters == ("low-var",)
-        with pytest.raises(ConfigError, match=f"algo.plugins: importing .* failed at {re.escape(str(broken))}:2"):
-            make_config({"algo.plugins": [str(broken)]})
+        assert import_user_module(str(plugin)) is import_user_module(str(plugin))  # also as a reward file: run once
+        for _ in range(2):  # the same error again, not "'half' is already registered" (a config file's retry)
+            with pytest.raises(ConfigError, match=f"importing .* failed at {re.escape(str(broken))}:3: RuntimeError"):
+                make_config({"algo.plugins": [str(broken)]})
     finally:
-        GROUP_FILTERS._fns.pop("low-var", None)
-        GROUP_FILTERS._info.pop("low-var", None)
-        _IMPORTED.clear()
+        for name in ("low-var", "half"):
+            GROUP_FILTERS._fns.pop(name, None)
+            GROUP_FILTERS._info.pop(name, None)
+        sys.modules.pop("molt_agent_my_variants", None)

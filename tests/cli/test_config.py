@@ -383,3 +383,16 @@ def test_a_config_file_with_a_bom_or_an_upper_case_suffix_reads(tmp_path):
     (tmp_path / "run.YAML").write_bytes(b"\xef\xbb\xbftrain:\n  max_steps: 4\n")
     assert make_config(str(tmp_path / "RUN.TOML")).train.max_steps == 3
     assert make_config(str(tmp_path / "run.YAML")).train.max_steps == 4
+
+
+def test_w_and_b_and_data_file_flags_are_refused_where_inert_but_a_file_may_hold_them(tmp_path):
+    """`--log.wandb_mode offline` without a project, `--data.no_shuffle` on a task's rows: refused as flags; a run's
+    config.yaml records every setting, so the same values in a file (an older run's) still load."""
+    from molt.cli.main import parse_command
+
+    for flag in (["--log.wandb_mode", "offline"], ["--data.no_shuffle"]):
+        with pytest.raises(ConfigError, match="has no effect here"):
+            parse_command(["train", *flag])
+    (tmp_path / "old.yaml").write_text("log:\n  wandb_mode: offline\ndata:\n  shuffle: false\n")
+    cfg = parse_command(["train", "--config", str(tmp_path / "old.yaml")])
+    assert cfg.log.wandb_mode == "offline" and not cfg.data.shuffle

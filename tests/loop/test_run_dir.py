@@ -292,10 +292,13 @@ def test_a_resume_given_another_config_file_is_refused(tmp_path, capsys):
     (run / "checkpoints" / "latest").write_text("step-2")
     (run / "config.yaml").write_text(yaml.safe_dump(Config().file_form()))
     other.write_text("train:\n  max_steps: 8\n")
-    for args in (["--resume", str(run), "--config", str(other)], ["--config", str(other), "--ckpt.resume", str(run)]):
+    (tmp_path / "resumes.yaml").write_text(f"ckpt:\n  resume: {run}\n")  # a file naming the run itself
+    for args in (["--resume", str(run), "--config", str(other)], ["--config", str(other), f"--ckpt.resume={run}"],
+                 ["--config", str(tmp_path / "resumes.yaml")]):  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
             main(["train", *args])
         assert exit_info.value.code == 2 and "would replace" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="would replace"):
-        make_config(str(other), ckpt={"resume": str(run)})
+    for path, overrides in ((other, {"ckpt": {"resume": str(run)}}), (tmp_path / "resumes.yaml", {})):
+        with pytest.raises(ConfigError, match="would replace"):
+            make_config(str(path), **overrides)
     assert make_config(str(run / "config.yaml"), ckpt={"resume": str(run)}, train={"max_steps": 8}).ckpt.resume
