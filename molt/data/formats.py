@@ -74,6 +74,11 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 _DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
 
 
+def _what(error: json.JSONDecodeError) -> str:
+    """The decoder's message with its column ("Unterminated string starting at" ends in its own "at")."""
+    return f"{error.msg.removesuffix(' at')} at column {error.colno}" if error.doc else error.msg  # repeated key
+
+
 @READERS.register("jsonl")
 def read_json_lines(path: Path) -> Located:
     """One JSON value per non-blank line; a bad line is an error naming the file's own 1-based line."""
@@ -84,9 +89,8 @@ def read_json_lines(path: Path) -> Located:
         try:
             out.append((f"{path}:{lineno}", _DECODER.decode(line)))
         except json.JSONDecodeError as e:
-            at = f" at column {e.colno}" if e.doc else ""  # a repeated key: no position
             hint = "; one JSON array is a .json file" if not out and line.lstrip().startswith("[") else ""
-            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}{at}){hint}") from None
+            raise DataError(f"{path}:{lineno}: invalid JSON ({_what(e)}){hint}") from None
     return out
 
 
@@ -104,7 +108,13 @@ def read_json(path: Path) -> Located:
                 raise DataError(f"{path}: one JSON object (keys {keys}), not rows: a .json dataset is an array "
                                 "of rows or one row per line (JSON lines)") from None  # fmt: skip
             raise
-    out, pos = [], start + 1
+    out, pos, line, counted = [], start + 1, 1, 0
+
+    def line_at(at: int) -> int:  # counted on from the last row's start: linear in the file, not quadratic
+        nonlocal line, counted
+        line, counted = line + text.count("\n", counted, at), at
+        return line
+
     while True:
         pos = _SPACE.match(text, pos).end()
         if pos < len(text) and text[pos] == "]":
@@ -112,16 +122,13 @@ def read_json(path: Path) -> Located:
         try:
             row, end = _DECODER.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            if not e.doc:  # a repeated key
-                raise DataError(f"{path}:{text.count(chr(10), 0, pos) + 1}: invalid JSON ({e.msg})") from None
-            raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-        out.append((f"{path}:{text.count(chr(10), 0, pos) + 1}", row))
+            raise DataError(f"{path}:{e.lineno if e.doc else line_at(pos)}: invalid JSON ({_what(e)})") from None
+        out.append((f"{path}:{line_at(pos)}", row))
         pos = _SPACE.match(text, end).end()
         if pos < len(text) and text[pos] == ",":
             pos += 1
         elif pos >= len(text) or text[pos] != "]":
-            line = text.count("\n", 0, pos) + 1
-            raise DataError(f"{path}:{line}: invalid JSON (expected ',' or ']' after a row)")
+            raise DataError(f"{path}:{line_at(pos)}: invalid JSON (expected ',' or ']' after a row)")
 
 
 def _json_or_none(text: str) -> Any:

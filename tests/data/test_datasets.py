@@ -71,6 +71,10 @@ def test_bad_rows_name_the_file_and_its_own_line(tmp_path):
     bot = json.dumps({"messages": [{"role": "bot", "content": "x"}]})
     cases = {
         "bad_json": (f"{good}\n\n{{oops\n", r"bad_json\.jsonl:3: invalid JSON"),
+        "open_string": (
+            f'{good}\n{{"prompt": "a\n',
+            r"open_string\.jsonl:2: invalid JSON \(Unterminated string starting at column 12\)",
+        ),
         "no_prompt": (f"{good}\n{good}\n\n\n" + json.dumps({"question": "q"}) + "\n", r"no_prompt\.jsonl:5: no prompt"),
         "bad_role": (bot + "\n", r"bad_role\.jsonl:1: messages\["),
         "not_object": (f"{good}\n[1, 2]\n", r"not_object\.jsonl:2: expected an object"),
