@@ -119,7 +119,8 @@ class DataConfig:
     """Held-out dataset (same formats; also what `molt eval` scores). Default: a DatasetDict's test/validation
     split, else a seeded shuffled `num_eval` rows (at most 10%) of `path`, or the task's held-out rows."""
     split: str = "train"
-    """Split read from a `datasets` DatasetDict folder."""
+    """Split read from a `datasets` DatasetDict folder, or from a folder whose files are named by split (the Hub's
+    `train-00000-of-00002.parquet`, `test.jsonl`; a file named by none is train's)."""
     columns: str = ""
     """Column mapping TARGET=SOURCE[,...], e.g. `prompt=question,answer=solution` (copies the source column)."""
     system_prompt: str = ""

@@ -36,9 +36,10 @@ def detect_format(path: str | Path) -> str:
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             return "datasets"
-        if any(path.glob("*.parquet")) or any(path.glob("*.jsonl")):
+        if any(p.suffix.lower() in SHARDS for p in path.iterdir()):
             return "folder"
-        raise DataError(f"{path}: a folder that is neither a `datasets` save_to_disk folder nor holds .jsonl/.parquet")
+        raise DataError(f"{path}: a folder that is neither a `datasets` save_to_disk folder nor holds "
+                        ".jsonl/.json/.parquet files")  # fmt: skip
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".parquet"):
         return suffix[1:]
@@ -51,7 +52,7 @@ def read_located(path: str | Path, split: str = "train") -> Located:
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
     kind = detect_format(path)
-    return read_datasets_folder(path, split) if kind == "datasets" else READERS[kind](path)
+    return READERS[kind](path, split) if kind in ("datasets", "folder") else READERS[kind](path)  # they hold splits
 
 
 def _read_text(path: Path) -> str:
@@ -153,6 +154,7 @@ def read_parquet(path: Path) -> Located:
         raise DataError(f"{path}: cannot read as Parquet: {e}") from None
 
 
+@READERS.register("datasets")
 def read_datasets_folder(path: Path, split: str = "train") -> Located:
     """A `Dataset.save_to_disk` folder (its Arrow files in order), or one split of a `DatasetDict` folder."""
     import pyarrow as pa
@@ -191,8 +193,24 @@ def dataset_splits(path: str | Path) -> list[str]:
     return _index(index, "splits") if index.exists() else []
 
 
+SHARDS = (".jsonl", ".json", ".parquet")  # a folder's data files (any case)
+SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")  # file name prefixes that name a split
+
+
 @READERS.register("folder")
-def read_folder(path: Path) -> Located:
-    """Every .jsonl and .parquet file of a folder, in name order."""
-    files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet"))
-    return [located for file in files for located in READERS[file.suffix[1:]](file)]
+def read_folder(path: Path, split: str = "train") -> Located:
+    """The data files of a folder, in name order: where files are named by split (the Hub's
+    `train-00000-of-00002.parquet`, `test.jsonl`), those of `split` only (a file named by none is `train`'s);
+    anything else in it (a subfolder, a `.jsonl.gz`) is an error naming it, as its rows would not be read."""
+    entries = sorted(p for p in path.iterdir() if not p.name.startswith((".", "README", "LICENSE")))
+    if others := [p.name for p in entries if not (p.is_file() and p.suffix.lower() in SHARDS)]:
+        raise DataError(f"{path}: holds {', '.join(others[:5])}, not .jsonl/.json/.parquet files: Molt reads none "
+                        "of their rows; move them out, or point --data.path at the files' own folder")  # fmt: skip
+    split_of = {p: m.group(1) for p in entries if (m := re.match(rf"({'|'.join(SPLITS)})(?:[-_.]|$)", p.stem.lower()))}
+    if split_of:
+        named = sorted({*split_of.values(), *(["train"] if len(split_of) < len(entries) else [])})
+        if split not in named:
+            raise DataError(f"{path}: its files are named by split ({', '.join(named)}), none {split!r}: set "
+                            "--data.split")  # fmt: skip
+        entries = [p for p in entries if split_of.get(p, "train") == split]
+    return [located for file in entries for located in READERS[file.suffix.lower()[1:]](file)]

@@ -181,3 +181,24 @@ def test_trls_prompt_completion_rows_give_the_answer_turns():
         assert prompt_messages(row["messages"]) == row["messages"][:1]
     with pytest.raises(DataError, match="pc.jsonl:3: field 'completion' must be a string or a list"):
         prompt_row({"prompt": "2+3?", "completion": 5}, "pc.jsonl:3", {})
+
+
+def test_a_folder_of_split_named_shards_reads_its_split_and_refuses_what_it_cannot_read(tmp_path):
+    """The Hub's layout (train-00000-of-00002.parquet beside test-00000-of-00001.parquet) mixed the test rows into
+    training; a .json shard, an upper-case suffix, a .jsonl.gz or a subfolder were skipped without a word."""
+    from molt.data.formats import read_located
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name, n in (("train-00000-of-00002.jsonl", 2), ("train-00001-of-00002.JSON", 1), ("test-00000.jsonl", 3)):
+        rows = [{"prompt": f"{name} {i}", "answer": "1"} for i in range(n)]
+        text = json.dumps(rows) if name.endswith("JSON") else "".join(json.dumps(r) + "\n" for r in rows)
+        (folder / name).write_text(text)
+    assert [r["prompt"] for _, r in read_located(folder)] == [
+        "train-00000-of-00002.jsonl 0", "train-00000-of-00002.jsonl 1", "train-00001-of-00002.JSON 0"]  # fmt: skip
+    assert len(read_located(folder, "test")) == 3
+    with pytest.raises(DataError, match="named by split \\(test, train\\), none 'validation'"):
+        read_located(folder, "validation")
+    (folder / "more.jsonl.gz").write_bytes(b"")
+    with pytest.raises(DataError, match="holds more.jsonl.gz, not .jsonl/.json/.parquet files"):
+        read_located(folder)
