@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -121,7 +123,7 @@ class RLLoop(Accounting):
             task.add_done_callback(self.group_tasks.discard)
 
     async def _group(self, group_index: int) -> None:
-        row = self.train_rows[group_index % len(self.train_rows)]
+        row = self.train_rows[row_index(group_index, len(self.train_rows), self.cfg.data.seed)]
         try:
             outcomes = await asyncio.gather(*(self._episode(row, group_index, k) for k in range(self.group_size)))
             group = [segment for o in outcomes if isinstance(o, Sampled) for segment in o.segments]
@@ -369,3 +371,18 @@ def _numbers(info: dict) -> dict[str, float]:
         with contextlib.suppress(TypeError, ValueError, OverflowError):
             out[key] = real_number(value, key)
     return out
+
+
+def row_index(group_index: int, num_rows: int, seed: int) -> int:
+    """The data row of prompt group `group_index`: the rows in order (shuffled when read), then each later pass over
+    them in its own seeded order (a pass repeating the last one's order would repeat its batches), a function of
+    the index alone, so a resume goes on exactly."""
+    epoch, i = divmod(group_index, num_rows)
+    return i if epoch == 0 else _epoch_order(num_rows, seed, epoch)[i]
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(num_rows))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order

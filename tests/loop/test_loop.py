@@ -149,3 +149,15 @@ def test_eval_failures_score_0_everywhere_and_are_logged_with_their_traceback(tm
     )
     lines = log.read_text()
     assert "eval sample 1 of row 1 failed: ValueError: bad row 1" in lines and lines.count("Traceback") == 1
+
+
+def test_each_pass_over_the_data_has_its_own_order():
+    """RL epochs repeated the first pass's order (row group_index % n): the same batches in the same sequence. The
+    first pass keeps the rows' order; each later one is its own seeded permutation, a function of the index."""
+    from molt.loop.rl import row_index
+
+    first, second, third = ([row_index(e * 20 + i, 20, seed=0) for i in range(20)] for e in range(3))
+    assert first == list(range(20)) and sorted(second) == sorted(third) == first
+    assert second != first and third != second
+    assert [row_index(20 + i, 20, seed=0) for i in range(20)] == second  # the same again (resume)
+    assert [row_index(20 + i, 20, seed=1) for i in range(20)] != second
