@@ -35,6 +35,7 @@ class LoopState:
     buffer: list[list[dict]] = field(default_factory=list)  # groups not yet trained (serialised)
     elapsed_s: float = 0.0  # the loop's wall clock at the checkpoint (`time/elapsed_s` goes on from it)
     unlogged: list[list] = field(default_factory=list)  # [reward, numeric info] of rollouts no step has logged yet
+    data: list = field(default_factory=list)  # [rows, digest] of the training rows the cursor walks (`rows_digest`)
 
 
 @dataclass(frozen=True)

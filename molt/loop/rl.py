@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import json
 import logging
 import math
 import random
@@ -31,7 +33,7 @@ from molt.agents.chat.agent import local_rollout
 from molt.agents.runner import EpisodeLimits, real_number
 from molt.agents.watchdog import SWALLOWED
 from molt.agents.workers import AgentWorkers
-from molt.config import Config
+from molt.config import Config, ConfigError
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Engine, SamplingParams, work_since
 from molt.errors import RolloutDrop, RunFatalError
@@ -65,6 +67,7 @@ class RLLoop(Accounting):
         super().__init__(cfg, state or LoopState(), Path(run_dir) / FAILURE_LOG if run_dir else None)
         self.engine, self.trainer, self.tokenizer = engine, trainer, tokenizer
         self.train_rows, self.eval_rows = train_rows, eval_rows
+        self._check_same_rows()
         ro = cfg.rollout
         self.group_size, self.groups_per_step = ro.n_samples_per_prompt, ro.prompts_per_step
         self.limits, self.sampling = episode_limits(cfg), rollout_sampling(cfg, tokenizer, ro.temperature)
@@ -347,6 +350,19 @@ class RLLoop(Accounting):
         if self.workers is not None:
             await self.workers.close()
 
+    def _check_same_rows(self) -> None:
+        """A resume walks the same training rows with its cursor; other rows would put other prompts (held-out ones
+        among them) where the checkpoint's cursor points, silently. (A replay reads no rows.)"""
+        if not self.train_rows:
+            return
+        now, then = rows_digest(self.train_rows), self.state.data
+        if then and then != now:
+            raise ConfigError(f"data.path: the training rows changed since the checkpoint ({then[0]} rows then, "
+                              f"{now[0]} now, or other rows): its data cursor would pick other prompts, held-out ones "
+                              "among them; resume on the run's data, or start a new run from its checkpoint with "
+                              "--model.path")  # fmt: skip
+        self.state.data = now
+
     def snapshot(self) -> LoopState:
         """Loop state for a checkpoint: buffered groups are kept; in-flight ones restart on resume (their episodes
         counted so far are taken out of the counters, as they run again)."""
@@ -371,6 +387,14 @@ def _numbers(info: dict) -> dict[str, float]:
         with contextlib.suppress(TypeError, ValueError, OverflowError):
             out[key] = real_number(value, key)
     return out
+
+
+def rows_digest(rows: list[dict]) -> list:
+    """[count, digest of the first, middle and last rows]: rows appended, removed or edited move them (the rows are
+    shuffled over the whole list when read)."""
+    picks = [rows[i] for i in sorted({0, len(rows) // 2, len(rows) - 1})] if rows else []
+    text = json.dumps(picks, sort_keys=True, default=lambda o: type(o).__name__)  # images: by kind only
+    return [len(rows), hashlib.sha256(text.encode()).hexdigest()[:16]]
 
 
 def row_index(group_index: int, num_rows: int, seed: int) -> int:

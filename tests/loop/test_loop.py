@@ -161,3 +161,29 @@ def test_each_pass_over_the_data_has_its_own_order():
     assert second != first and third != second
     assert [row_index(20 + i, 20, seed=0) for i in range(20)] == second  # the same again (resume)
     assert [row_index(20 + i, 20, seed=1) for i in range(20)] != second
+
+
+def test_a_resume_on_changed_training_rows_is_refused():
+    """Rows appended to the data file moved the whole shuffled order: the resumed cursor trained other prompts,
+    held-out ones among them, silently. The checkpoint's loop state records the rows it walks."""
+    from molt.agents.builtin import env_for_task
+    from molt.config import ConfigError
+    from molt.data.tasks import get_task
+    from molt.loop.rl import RLLoop
+    from molt.models.tokenizer import build_builtin_tokenizer
+
+    cfg, tokenizer, rows = (
+        parse_config(["--eval.every", "0"]),
+        build_builtin_tokenizer(),
+        get_task("arithmetic").rows(20, 0),
+    )
+
+    def loop(train_rows, state=None):
+        return RLLoop(cfg, engine=None, trainer=None, tokenizer=tokenizer, train_rows=train_rows, eval_rows=[],
+                      state=state, make_env=lambda: env_for_task("arithmetic"))  # fmt: skip
+
+    state = loop(rows).snapshot()
+    loop(rows, state)  # the same rows: resumes
+    with pytest.raises(ConfigError, match="data.path: the training rows changed since the checkpoint \\(20 rows then"):
+        loop([*rows, rows[0]], state)
+    loop([], state)  # a replay reads no rows
