@@ -94,14 +94,14 @@ def answers_match(predicted: str, reference: str) -> bool:
     return _normalise(predicted) == _normalise(reference)
 
 
-@BUILTIN_REWARDS.register("math")
+@BUILTIN_REWARDS.register("math", needs_answer=True)
 def math_reward(completion: str, row: dict[str, Any]) -> float:
     """1 if the completion's final answer (`\\boxed{}`, else its last number) matches the row's answer."""
     reference, predicted = reference_answer(row), extract_answer(completion)  # a row without an answer always fails
     return float(predicted is not None and answers_match(predicted, reference))
 
 
-@BUILTIN_REWARDS.register("exact")
+@BUILTIN_REWARDS.register("exact", needs_answer=True)
 def exact_reward(completion: str, row: dict[str, Any]) -> float:
     """1 if the whole completion, stripped, equals the row's answer (or label), as the built-in tasks grade."""
     return float(completion.strip() == row_answer(row).strip())

@@ -17,6 +17,7 @@ from molt.agents.chat.tool_parser import PARSERS
 from molt.agents.env import prompt_messages
 from molt.agents.reward_env import agent_factory
 from molt.agents.reward_fn import RewardFunction, load_reward
+from molt.agents.rewards import BUILTIN_REWARDS
 from molt.agents.workers import AgentWorkers, WorkerKit
 from molt.config import Config, ConfigError, DataConfig, check
 from molt.data.dataset import dataset_rows
@@ -73,6 +74,7 @@ def load_inputs(cfg: Config) -> RunInputs:
     if cfg.data.path or cfg.data.eval_path:  # a built-in task's own rows are checked by Config (one drawn row)
         vision = cfg.model.architecture().vision is not None
         check_rows(train_rows + eval_rows, vision, cfg.data.path or f"task {cfg.data.task}", not ro.agent)
+        check_answers(train_rows + eval_rows, ro.reward, cfg.data.path or cfg.data.eval_path)
     reward = reward_function(cfg)
     return RunInputs(
         train_rows, eval_rows, reward, agent_factory(ro.agent, reward, cfg.data.task, ro.max_turns, _task_rows(cfg))
@@ -87,8 +89,9 @@ def _task_rows(cfg: Config) -> bool:
 
 def check_rows(rows: list[dict], vision: bool, source: str, needs_prompt: bool) -> None:
     """Every row's RL prompt (its messages before the trailing assistant turns) is not empty where the built-in Env
-    renders it (`needs_prompt`), every image in it opens and verifies (no pixels decoded: cheap, yet it reads each
-    file once), and none is given to a text-only model: else a DataError naming the row (file:line)."""
+    renders it (`needs_prompt`), its text is valid Unicode, every image in it opens and verifies (no pixels decoded:
+    cheap, yet it reads each file once), and none is given to a text-only model: else a DataError naming the row
+    (file:line)."""
     for i, row in enumerate(rows):
         prompt = prompt_messages(row["messages"])
         where = row_location(row, f"{source} row {i}")
@@ -101,6 +104,12 @@ def check_rows(rows: list[dict], vision: bool, source: str, needs_prompt: bool) 
         contents = [m.get("content") for m in prompt]  # the text alone: no image is serialised to look for it
         texts = [c for c in contents if isinstance(c, str)]
         texts += [p.get("text") or "" for c in contents if isinstance(c, list) for p in c if isinstance(p, dict)]
+        for text in texts:
+            try:
+                text.encode()
+            except UnicodeEncodeError as e:  # a JSON escape of half an emoji: the tokenizer failed at rollout time
+                raise DataError(f"{where}: the text holds {text[e.start]!r} (character {e.start}), half of a UTF-16 "
+                                "surrogate pair, which no tokenizer encodes: mend its escape") from None  # fmt: skip
         if vision and any(IMAGE_PLACEHOLDER in text for text in texts):  # it would render as one more image
             raise DataError(f"{where}: the text holds {IMAGE_PLACEHOLDER} literally, the token that stands for an "
                             "image part: remove it from the text (images go in image parts)")  # fmt: skip
@@ -109,6 +118,17 @@ def check_rows(rows: list[dict], vision: bool, source: str, needs_prompt: bool) 
                 load_image(image, f"{where}: image {k}", verify=True)
             except ImageError as e:
                 raise DataError(str(e)) from None
+
+
+def check_answers(rows: list[dict], reward: str, source: str) -> None:
+    """Every row has the `answer` (or `label`) a built-in reward of `reward` grades against (`math`, `exact`): a row
+    without one failed its rollouts only once the loop reached it; else a DataError naming the row."""
+    names = [part.strip() for part in reward.split(",")] if reward else []
+    graders = [n for n in names if n in BUILTIN_REWARDS and BUILTIN_REWARDS.info(n).get("needs_answer")]
+    for i, row in enumerate(rows if graders else ()):
+        if row.get("answer") is None and row.get("label") is None:
+            raise DataError(f"{row_location(row, f'{source} row {i}')}: no 'answer' (or 'label') column, which "
+                            f"--rollout.reward {graders[0]} grades the completions against")  # fmt: skip
 
 
 def worker_kit(cfg: Config, tokenizer) -> WorkerKit:

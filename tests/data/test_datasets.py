@@ -202,3 +202,21 @@ def test_a_folder_of_split_named_shards_reads_its_split_and_refuses_what_it_cann
     (folder / "more.jsonl.gz").write_bytes(b"")
     with pytest.raises(DataError, match="holds more.jsonl.gz, not .jsonl/.json/.parquet files"):
         read_located(folder)
+
+
+def test_rows_a_rollout_would_fail_on_are_found_at_start_up(tmp_path):
+    """A row without the answer --rollout.reward math grades against, or with half an emoji's JSON escape, failed
+    its rollouts only when the loop reached it (at row 180,000 of 200,000 in the audit), after the model was built."""
+    from molt.cli.inputs import load_inputs
+    from molt.cli.main import parse_config
+
+    good = json.dumps({"prompt": "1+1=", "answer": "2"})
+    cases = {
+        "no_answer": (json.dumps({"prompt": "2+2="}), "no_answer.jsonl:2: no 'answer' \\(or 'label'\\) column"),
+        "surrogate": ('{"prompt": "hi \\ud83d", "answer": "1"}', "surrogate.jsonl:2: the text holds '\\\\ud83d'"),
+    }
+    for name, (row, message) in cases.items():
+        (tmp_path / f"{name}.jsonl").write_text(f"{good}\n{row}\n")
+        cfg = parse_config(["--data.path", str(tmp_path / f"{name}.jsonl"), "--rollout.reward", "math,format"])
+        with pytest.raises(DataError, match=message):
+            load_inputs(cfg)
