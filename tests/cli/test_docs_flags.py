@@ -61,8 +61,8 @@ def _workspace(tmp_path: Path, argv: list[str]) -> None:
     """The files the README's examples name, as a user would have them (any model folder they name, too)."""
     (tmp_path / "rows.jsonl").write_text('{"prompt": "What is 2+3?", "answer": "5"}\n')
     (tmp_path / "my_chats.jsonl").write_text(
-        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
-    )
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "answer": "hi"}\n'
+    )  # as the README says: `{"messages": [...], "answer": ...}` (its `math` reward grades the answer)
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "part-0.jsonl").write_text('{"question": "What is 2+3?", "solution": "5"}\n')
     (tmp_path / "my_reward.py").write_text("def fn(completion, row):\n    return float(row['answer'] in completion)\n")

@@ -187,9 +187,10 @@ def test_prompt_over_the_context_budget_is_named_not_blamed_on_the_policy(molt):
 
 def test_a_dropped_prompt_or_a_failed_rollout_names_its_data_row(tmp_path, molt, caplog):
     rows = ['{"prompt": "say 1", "answer": "1"}', '{"prompt": "%s", "answer": "2"}' % ("long " * 40)]
-    rows.append('{"prompt": "say 3"}')  # no answer: its reward fails
+    rows.append('{"prompt": "say 3"}')  # no answer: the reward below fails on it (`exact` refuses it at start-up)
     (tmp_path / "two.jsonl").write_text("\n".join(rows) + "\n")
-    flags = ["--data.path", "two.jsonl", "--rollout.reward", "exact", "--rollout.max_len", "96"]
+    (tmp_path / "r.py").write_text("def reward(completion, row):\n    return float(completion == row['answer'])\n")
+    flags = ["--data.path", "two.jsonl", "--rollout.reward", "r.py:reward", "--rollout.max_len", "96"]
     flags += ["--rollout.max_failure_frac", "1"]
     done = molt("train", *FAST, *flags, "--rollout.filters", "nonfinite", "--train.max_steps", "2", shared_cache=True)
     assert " rollouts failed (see " in done.stderr  # the closing summary counts them
