@@ -188,9 +188,12 @@ def _index(file: Path, key: str, field: str = "") -> list:
 
 
 def dataset_splits(path: str | Path) -> list[str]:
-    """Split names of a `DatasetDict` folder (empty for anything else)."""
+    """Split names of a `DatasetDict` folder, or of a folder whose files are named by split (empty for anything
+    else)."""
     index = Path(path) / "dataset_dict.json"
-    return _index(index, "splits") if index.exists() else []
+    if index.exists():
+        return _index(index, "splits")
+    return sorted(set(_file_splits(_entries(Path(path))).values())) if detect_format(path) == "folder" else []
 
 
 SHARDS = (".jsonl", ".json", ".parquet")  # a folder's data files (any case)
@@ -202,15 +205,23 @@ def read_folder(path: Path, split: str = "train") -> Located:
     """The data files of a folder, in name order: where files are named by split (the Hub's
     `train-00000-of-00002.parquet`, `test.jsonl`), those of `split` only (a file named by none is `train`'s);
     anything else in it (a subfolder, a `.jsonl.gz`) is an error naming it, as its rows would not be read."""
-    entries = sorted(p for p in path.iterdir() if not p.name.startswith((".", "README", "LICENSE")))
+    entries = _entries(path)
     if others := [p.name for p in entries if not (p.is_file() and p.suffix.lower() in SHARDS)]:
         raise DataError(f"{path}: holds {', '.join(others[:5])}, not .jsonl/.json/.parquet files: Molt reads none "
                         "of their rows; move them out, or point --data.path at the files' own folder")  # fmt: skip
-    split_of = {p: m.group(1) for p in entries if (m := re.match(rf"({'|'.join(SPLITS)})(?:[-_.]|$)", p.stem.lower()))}
-    if split_of:
-        named = sorted({*split_of.values(), *(["train"] if len(split_of) < len(entries) else [])})
-        if split not in named:
+    if split_of := _file_splits(entries):
+        if split not in (named := sorted(set(split_of.values()))):
             raise DataError(f"{path}: its files are named by split ({', '.join(named)}), none {split!r}: set "
                             "--data.split")  # fmt: skip
-        entries = [p for p in entries if split_of.get(p, "train") == split]
+        entries = [p for p in entries if split_of[p] == split]
     return [located for file in entries for located in READERS[file.suffix.lower()[1:]](file)]
+
+
+def _entries(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if not p.name.startswith((".", "README", "LICENSE")))
+
+
+def _file_splits(entries: list[Path]) -> dict[Path, str]:
+    """Each file's split where any file's name starts with one (a file named by none is train's), else {}."""
+    named = {p: m.group(1) for p in entries if (m := re.match(rf"({'|'.join(SPLITS)})(?:[-_.]|$)", p.stem.lower()))}
+    return {p: named.get(p, "train") for p in entries} if named else {}

@@ -197,6 +197,8 @@ def test_a_folder_of_split_named_shards_reads_its_split_and_refuses_what_it_cann
     assert [r["prompt"] for _, r in read_located(folder)] == [
         "train-00000-of-00002.jsonl 0", "train-00000-of-00002.jsonl 1", "train-00001-of-00002.JSON 0"]  # fmt: skip
     assert len(read_located(folder, "test")) == 3
+    train, held = dataset_rows(_data("--data.path", str(folder)))  # held out: the test files, as a DatasetDict's
+    assert len(train) == 3 and sorted(r["messages"][0]["content"] for r in held)[0] == "test-00000.jsonl 0"
     with pytest.raises(DataError, match="named by split \\(test, train\\), none 'validation'"):
         read_located(folder, "validation")
     (folder / "more.jsonl.gz").write_bytes(b"")
