@@ -33,10 +33,12 @@ def import_user_module(target: str):
     beside it), or of a dotted name, found in the current folder too (as `python -m` has it). An ImportError when
     the file uses a module that another user file's folder gave first, while its own folder holds one of that name:
     a process imports a name once, so it would silently get the other one. A file this process imported already (as
-    a plugin, an agent, a reward, or with `import`) is that module: its code runs once, as Python's imports do."""
+    a plugin, an agent, a reward, or with `import`) is that module, unless it was imported here and has been edited
+    since: its code runs once per version (an agent file edited in a notebook runs anew)."""
     if target.endswith(".py"):
         path = Path(target)
-        if (module := _imported(path.resolve())) is not None:
+        version = path.stat().st_mtime
+        if (module := _imported(path.resolve(), version)) is not None:
             return module
         if (folder := path.resolve().parent) not in _FOLDERS:
             _FOLDERS.add(folder)
@@ -50,6 +52,7 @@ def import_user_module(target: str):
         except BaseException:
             del sys.modules[module_spec.name]  # half run: not a module to hand out again
             raise
+        _VERSIONS[path.resolve()] = version
         return module
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # last: an installed package of the same name still wins
@@ -71,12 +74,15 @@ def _check_siblings(path: Path, folder: Path) -> None:
                               f"user file, not {mine} beside it: rename one of the two modules")  # fmt: skip
 
 
-def _imported(path: Path):
-    """The module this process imported from file `path`, or None."""
+_VERSIONS: dict[Path, float] = {}  # the modification time of each file `import_user_module` ran
+
+
+def _imported(path: Path, version: float):
+    """The module this process imported from file `path` (as it is now, if imported here), or None."""
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
         if file and file.endswith(path.name) and Path(file).resolve() == path:
-            return module
+            return module if _VERSIONS.get(path, version) == version else None
     return None
 
 

@@ -255,3 +255,21 @@ def test_a_sync_reward_left_running_by_a_timeout_is_warned_about_once(tmp_path, 
     with caplog.at_level(logging.WARNING):
         asyncio.run(twice())
     assert caplog.text.count("reward 'reward' still runs on its thread after its rollout was cancelled") == 1
+
+
+def test_a_user_file_runs_once_per_version(tmp_path):
+    """A reward (or agent) file imported again is the same module (a plugin that is also the reward file registers
+    its variants once), but one edited since runs anew: a notebook user who fixes their reward reruns with the fix."""
+    import os
+
+    from molt.user_code import import_user_module
+
+    path = tmp_path / "graded.py"
+    path.write_text("calls = []\n\ndef reward(completion, row):\n    return 1.0\n")
+    first = import_user_module(str(path))
+    first.calls.append(1)
+    assert import_user_module(str(path)) is first
+    path.write_text("calls = []\n\ndef reward(completion, row):\n    return 0.5\n")
+    os.utime(path, (path.stat().st_atime, path.stat().st_mtime + 10))  # a later version, whatever the clock
+    edited = import_user_module(str(path))
+    assert edited is not first and edited.reward("", {}) == 0.5 and edited.calls == []
