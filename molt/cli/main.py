@@ -269,21 +269,29 @@ def _usage() -> str:
 
 def _refuse_inert_flags(cfg: Config, flags: frozenset[str], command_name: str) -> None:
     """A ConfigError for a flag its command would not read in this config: a preset's settings beside a model
-    folder, eval settings with no eval, W&B settings with W&B off, a data file's settings without one (a config
-    file may still set them: a run's config.yaml records every setting)."""
+    folder, eval settings with no eval, W&B settings with W&B off, a data file's settings without one, what a
+    replay (no engine, no eval) never reads (a config file may still set them: a run's config.yaml records every
+    setting)."""
     inert: dict[str, str] = {}
     if cfg.model.path:
-        inert |= {f"model.{k}": "the model comes from --model.path" for k in ("preset", "init_std", *WARM_START_FIELDS)}
+        keys = (f"model.{k}" for k in ("preset", "init_std", *WARM_START_FIELDS))
+        inert |= dict.fromkeys(keys, "here: the model comes from --model.path")
     if command_name == "train" and not cfg.eval.every:
-        inert |= {f"eval.{k}": "no eval runs (--eval.every 0)" for k in ("num_prompts", "n_samples", "temperature")}
+        keys = (f"eval.{k}" for k in ("num_prompts", "n_samples", "temperature"))
+        inert |= dict.fromkeys(keys, "here: no eval runs (--eval.every 0)")
     if not cfg.log.wandb_project:
-        inert |= {
-            f"log.{k}": "W&B is off (no --log.wandb_project)" for k in ("wandb_mode", "wandb_entity", "wandb_name")
-        }
+        keys = (f"log.{k}" for k in ("wandb_mode", "wandb_entity", "wandb_name"))
+        inert |= dict.fromkeys(keys, "here: W&B is off (no --log.wandb_project)")
     if not (cfg.data.path or cfg.data.eval_path):
-        inert |= dict.fromkeys(("data.shuffle", "data.split"), "a built-in task's rows are generated as they are")
+        inert |= dict.fromkeys(("data.shuffle", "data.split"), "here: a built-in task's rows are generated as they are")
+    if cfg.rollout.replay:
+        unread = [f"runtime.{k}" for k in ENGINE if k != "engine_threads"]  # the replay's compute threads: read
+        unread += [f"rollout.{k}" for k in ("filters", "filter_on", "score_range")]
+        unread += [f"eval.{k}" for k in ("num_prompts", "n_samples", "temperature", "seed", "output")]
+        unread += [k for k in flags if k.startswith("chat.")]
+        inert |= dict.fromkeys(unread, "with --replay, which trains on the dump's batches without an engine or eval")
     for key in sorted(flags & inert.keys()):
-        raise ConfigError(f"{key}: has no effect here: {inert[key]}; drop the flag")
+        raise ConfigError(f"{key}: has no effect {inert[key]}; drop the flag")
 
 
 def parse_command(argv: list[str]) -> Config:
@@ -300,16 +308,10 @@ def parse_command(argv: list[str]) -> Config:
     args = _resume_args(_replay_args(rest))
     cfg = parse_config(args, prog=f"molt {name}", command_name=name)
     check_resume_config(cfg.ckpt.resume, cfg.config)  # as parsed: `--ckpt.resume=RUN`, or set by the file itself
-    _refuse_inert_flags(cfg, _flag_keys(args), name)
-    if cfg.rollout.replay:  # no engine, no sampling, no data, no eval: their flags would do nothing
-        unread = {f"runtime.{k}" for k in ENGINE if k != "engine_threads"}  # the replay's compute threads: read
-        unread |= {f"rollout.{k}" for k in ("filters", "filter_on", "score_range")}
-        unread |= {f"eval.{k}" for k in ("num_prompts", "n_samples", "temperature", "seed", "output")}
-        for key in sorted(k for k in _flag_keys(args) if k in unread or k.startswith("chat.")):
-            raise ConfigError(f"{key}: has no effect with --replay, which trains on the dump's batches without an "
-                              "engine or eval: drop the flag")  # fmt: skip
+    flags = _flag_keys(args)
+    _refuse_inert_flags(cfg, flags, name)
     try:
-        check_user_code(cfg, _flag_keys(args) if name in ("train", "eval") else ())  # serve always chats
+        check_user_code(cfg, flags if name in ("train", "eval") else ())  # serve always chats
         if name == "train":  # `train_async` checks them again for the Python API; here a file's line is named
             check_rollout_algo(cfg.rollout, cfg.algo)
             check_rl_batch(cfg.train)
