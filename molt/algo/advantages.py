@@ -81,9 +81,7 @@ def compute_advantages(
     if inputs.rewards_b is not None and not bool(torch.isfinite(inputs.rewards_b).all()):
         raise ValueError("non-finite rewards; drop them first (filtering.filter_groups with 'nonfinite')")
     for field, source in (("values_bt", "the critic's values"), ("kl_bt", "the per-token KL (teacher or reference)")):
-        if (x := getattr(inputs, field)) is not None and (
-            bad := int((~torch.isfinite(x) & (inputs.mask_bt > 0)).sum())
-        ):
+        if (x := getattr(inputs, field)) is not None and (bad := _nonfinite_actions(x, inputs.mask_bt)):
             raise ValueError(f"{source} are NaN or inf on {bad} action tokens (a model that diverged or overflowed)")
     advantages_bt, returns_bt, metrics = estimator(inputs, params)
     metrics = {k: torch.as_tensor(v) for k, v in metrics.items()}
@@ -93,7 +91,7 @@ def compute_advantages(
                          f"scalar metrics) with [B, T] = {tuple(inputs.mask_bt.shape)}")  # fmt: skip
     if not advantages_bt.is_floating_point():
         raise ValueError(f"estimator {name!r} returned {advantages_bt.dtype} advantages: need a float tensor")
-    if bad := int((~torch.isfinite(advantages_bt) & (inputs.mask_bt > 0)).sum()):
+    if bad := _nonfinite_actions(advantages_bt, inputs.mask_bt):
         raise ValueError(f"estimator {name!r} returned NaN or inf advantages on {bad} action tokens (the policy loss "
                          "would silently drop them)")  # fmt: skip
     if info["whiten"] if params.whiten is None else params.whiten:
@@ -101,6 +99,11 @@ def compute_advantages(
     metrics |= advantage_stats(advantages_bt, inputs.mask_bt)
     metrics["return_mean"] = masked_mean(returns_bt, inputs.mask_bt)
     return advantages_bt, returns_bt, {k: v.detach() for k, v in metrics.items()}
+
+
+def _nonfinite_actions(x_bt: Tensor, mask_bt: Tensor) -> int:
+    """How many action tokens hold NaN or inf in `x_bt`."""
+    return int((~torch.isfinite(x_bt) & (mask_bt > 0)).sum())
 
 
 # --- group (outcome) estimators: one scalar per rollout, broadcast to its action tokens ---------
