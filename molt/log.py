@@ -23,15 +23,33 @@ import yaml
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
-    """Write `path` with `write(temp path)` into a temp file in the same folder, then an atomic rename."""
+    """Write `path` with `write(temp path)` into a temp file in the same folder, flushed to disk, then an atomic
+    rename (so a crash of the machine leaves the old file or the whole new one, never a renamed, cut-short one)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         write(tmp)
+        sync_tree(tmp)
         os.replace(tmp, path)
+        sync_tree(path.parent, files=False)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def sync_tree(path: Path, files: bool = True) -> None:
+    """fsync `path` (a file, or a folder with, if `files`, every file under it) so what a later rename publishes is
+    on disk; a file system that cannot sync a folder is left as it is."""
+    paths = [*path.rglob("*"), path] if path.is_dir() and files else [path]
+    for p in sorted(paths, key=lambda p: p.is_dir()):  # files first, then the folders that name them
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP) or not p.is_dir():
+                raise
+        finally:
+            os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str) -> Path:

@@ -1,8 +1,9 @@
 """RL checkpoints: an HF policy folder plus the trainer and loop state beside it, written atomically.
 
 Layout: `<run>/checkpoints/step-<N>/` (HF files and trainer_state.pt) and `<run>/checkpoints/latest` naming the
-newest complete one, written last: a crash mid-save resumes from the previous one, and its leftovers (`.step-N.*`, a
-`step-N/` without its trainer state) go at the next save. `ckpt.keep` > 0 keeps the newest that many and deletes older
+newest complete one, written last, once the folder is flushed to disk: a crash mid-save (of the process or the
+machine) resumes from the previous one, and its leftovers (`.step-N.*`, a `step-N/` without its trainer state) go at
+the next save. `ckpt.keep` > 0 keeps the newest that many and deletes older
 ones after each save. Files get the modes the user's umask gives new files, not the temp folder's 0700."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 
 from molt.config import ConfigError
-from molt.log import atomic_write, atomic_write_text
+from molt.log import atomic_write, atomic_write_text, sync_tree
 from molt.loop.rl import LoopState
 from molt.models.hf_io import share_like_new_files
 from molt.train.interface import Trainer
@@ -63,6 +64,7 @@ def save_checkpoint(run_dir: Path, trainer: Trainer, loop_state: LoopState, toke
             raise
         raise OSError(errno.EIO, f"a full disk or a file-size limit? ({e})", str(folder / "trainer_state.pt")) from e
     share_like_new_files(folder)
+    sync_tree(folder)  # on disk before `latest` names it: a machine crash never leaves a named, cut-short checkpoint
     atomic_write_text(Path(run_dir) / "checkpoints" / "latest", folder.name)
     older = sorted(step_folders(folder.parent), key=checkpoint_step)[:-keep] if keep else []
     for old in (p for p in older if p != folder):

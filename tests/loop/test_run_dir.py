@@ -302,3 +302,20 @@ def test_a_resume_given_another_config_file_is_refused(tmp_path, capsys):
         with pytest.raises(ConfigError, match="would replace"):
             make_config(str(path), **overrides)
     assert make_config(str(run / "config.yaml"), ckpt={"resume": str(run)}, train={"max_steps": 8}).ckpt.resume
+
+
+def test_a_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
+    """A machine crash after `latest` was renamed could leave it naming files the page cache never wrote."""
+    import molt.log
+
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(molt.log.os, "fsync", lambda fd: events.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
+    monkeypatch.setattr(molt.log.os, "replace", lambda a, b: events.append(("replace", str(b))) or replace(a, b))
+    run = tmp_path / "run"
+    main(["train", *TINY, "--train.max_steps", "1", "--log.run_dir", str(run)])
+    step = run / "checkpoints" / "step-1"
+    named = events.index(("replace", str(run / "checkpoints" / "latest")))
+    synced = set(events[:named])
+    assert {str(p) for p in [step, *step.rglob("*")]} <= synced
+    assert str(run / "checkpoints") in events[named:]  # the rename itself, too
