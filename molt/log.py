@@ -124,7 +124,8 @@ def start_wandb(run_path: Path, log_cfg: Any, config: dict[str, Any]) -> Any:
 
 
 class RunDir:
-    """A run's folder: `config.yaml` (loadable with --config), `metrics.jsonl`, `tb/`, checkpoints; W&B if asked."""
+    """A run's folder: `config.yaml` (loadable with --config), `metrics.jsonl`, `tb/`, checkpoints; W&B if asked.
+    Held (locked) from its creation until `close`, which leaving a `with RunDir(...)` block calls."""
 
     def __init__(
         self, path: str | os.PathLike, command: str, config: Any, tensorboard: bool = True, resumed: int | None = None
@@ -182,6 +183,12 @@ class RunDir:
     def print(self, message: str) -> None:
         elapsed = time.perf_counter() - self.start
         print(f"[{elapsed:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # also on a failure: a retry in this process finds the run directory free
 
     def close(self) -> None:
         try:

@@ -69,23 +69,20 @@ def run_eval(cfg: Config) -> EvalResult:
     torch.manual_seed(cfg.train.seed)
     threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
     torch.set_num_threads(1)  # as in training: this thread runs asyncio; the engine's thread computes
-    run, records = RunDir(cfg.log.run_dir, "eval", cfg, tensorboard=False), []
-    out = Path(cfg.eval.output) if cfg.eval.output else run.path / "results.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)  # before the samples run
-    failure_log = run.path / FAILURE_LOG
-    try:
-        metrics = asyncio.run(_eval_async(cfg, rows, inputs, threads, records, failure_log))
-    except BaseException:
-        run.close()  # frees the run directory for a retry in this process
-        raise
-    finally:
-        torch.set_num_threads(main_threads)
-        if inputs.reward:
-            inputs.reward.close()
-    for record, row in zip(records, rows, strict=True):
-        record["row"] = row
-    run.log({"checkpoint": checkpoint, **metrics})
-    run.close()
+    records: list[dict] = []
+    with RunDir(cfg.log.run_dir, "eval", cfg, tensorboard=False) as run:
+        out = Path(cfg.eval.output) if cfg.eval.output else run.path / "results.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)  # before the samples run
+        failure_log = run.path / FAILURE_LOG
+        try:
+            metrics = asyncio.run(_eval_async(cfg, rows, inputs, threads, records, failure_log))
+        finally:
+            torch.set_num_threads(main_threads)
+            if inputs.reward:
+                inputs.reward.close()
+        for record, row in zip(records, rows, strict=True):
+            record["row"] = row
+        run.log({"checkpoint": checkpoint, **metrics})
     atomic_write_text(out, "".join(json.dumps(json_safe(r)) + "\n" for r in records))
     shown = " ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items() if k != "eval/failures")
     failed, total = metrics["eval/failures"], len(rows) * cfg.eval.n_samples

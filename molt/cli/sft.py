@@ -46,8 +46,7 @@ def run_sft(cfg: Config) -> SftResult:
     stops = [tokenizer.convert_ids_to_tokens(i) for i in eos_ids(arch.stop_ids(), tokenizer)]  # the engine's
     ids, masks, pixels = tokenize_rows(tokenizer, train_rows, row_len, source, arch, stops)  # a too-long row: here
     eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, row_len, source, arch, stops)
-    run = RunDir(cfg.log.run_dir, "sft", cfg)
-    try:
+    with RunDir(cfg.log.run_dir, "sft", cfg) as run:
         precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
         model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device, precision.params)
         scaler = precision.scaler()
@@ -84,8 +83,6 @@ def run_sft(cfg: Config) -> SftResult:
             ckpt = save_pretrained(model, run.path / "checkpoint", tokenizer=tokenizer)
         if lora is not None:
             lora.save_peft(ckpt / "adapter", cfg.model.path)
-    finally:
-        run.close()  # also on a failure: a retry in this process finds the run directory free
     plot = plot_metrics(run.path, ["train/loss", "train/lr"])
     evals = f"eval loss {before['eval/loss']:.4f} -> {after['eval/loss']:.4f}" if after else "no eval rows"
     run.print(f"{evals}; checkpoint: {ckpt}; plot: {plot}")

@@ -250,11 +250,8 @@ async def train_async(cfg: Config) -> TrainResult:
     torch.set_num_threads(1)  # this thread runs asyncio only; model compute runs on the engine's thread
     try:
         inputs = load_inputs(cfg)  # before the run directory and any model: a bad row stops here
-        run = RunDir(cfg.log.run_dir or cfg.ckpt.resume, "train", cfg, resumed=resumed)
-        try:
+        with RunDir(cfg.log.run_dir or cfg.ckpt.resume, "train", cfg, resumed=resumed) as run:
             result = await _train_async(cfg, run, threads, inputs)
-        finally:
-            run.close()
     finally:
         torch.set_num_threads(main_threads)
     _summary(run, result)
