@@ -25,6 +25,7 @@ from molt.errors import UserError
 from molt.log import RunDir, atomic_write_text, check_new_run_dir, json_safe
 from molt.loop.accounting import FAILURE_LOG
 from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling
+from molt.loop.rl import rows_digest
 from molt.runtime.factory import build_engine
 
 
@@ -53,6 +54,18 @@ async def _eval_async(cfg: Config, rows: list[dict], inputs: RunInputs, threads:
         await engine.close()
 
 
+def _check_same_rows(checkpoint: Path, train_rows: list[dict]) -> None:
+    """A `molt train` checkpoint records a digest of its training rows; held out from other rows (a data file
+    edited since), the eval rows could be rows the policy trained on, silently. `--data.eval_path` names rows."""
+    state = checkpoint / "trainer_state.pt"
+    then = torch.load(state, mmap=True, weights_only=False)["loop"].get("data") if state.is_file() else None
+    now = rows_digest(train_rows)
+    before = then[0] if then else 0
+    check(not then or then == now, "data.path", f"the data's rows changed since {checkpoint} trained ({before} "
+          f"training rows then, {now[0]} now, or other rows): its held-out rows could be rows the policy trained on; "
+          "evaluate on the run's data, or name the rows to score with --data.eval_path")  # fmt: skip
+
+
 def run_eval(cfg: Config) -> EvalResult:
     """The `molt eval` command."""
     checkpoint = cfg.model.path  # a run directory's latest checkpoint, resolved by ModelConfig
@@ -60,6 +73,8 @@ def run_eval(cfg: Config) -> EvalResult:
     if cfg.log.run_dir:  # its config.yaml and metrics.jsonl would replace and join another run's
         check_new_run_dir(cfg.log.run_dir)
     inputs = load_inputs(cfg)  # data, reward and agent: errors before any model is built
+    if not cfg.data.eval_path:
+        _check_same_rows(Path(checkpoint), inputs.train_rows)
     rows = inputs.eval_rows[: cfg.eval.num_prompts]
     check(bool(rows or cfg.data.eval_path or not cfg.data.path), "data", "no held-out rows to evaluate: a data file "
           f"keeps data.num_eval={cfg.data.num_eval} rows, at most 10% of its rows, for eval: none of the "

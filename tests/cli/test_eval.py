@@ -15,7 +15,7 @@ FAST = [*TINY_RUN, "--train.max_steps", "2", "--train.lr", "1e-3", "--eval.every
         "--eval.n_samples", "3"]  # fmt: skip
 
 
-def test_molt_eval_reproduces_the_in_training_eval_of_the_checkpoint(tmp_path):
+def test_molt_eval_reproduces_the_in_training_eval_of_the_checkpoint(tmp_path, capsys):
     rows = [{"prompt": r["messages"][0]["content"], "answer": r["label"]} for r in get_task("arithmetic").rows(80, 0)]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = ["--data.path", str(tmp_path / "rows.jsonl"), "--rollout.reward", "math,format"]
@@ -41,6 +41,11 @@ def test_molt_eval_reproduces_the_in_training_eval_of_the_checkpoint(tmp_path):
           "--log.run_dir", str(tmp_path / "greedy")])  # fmt: skip
     greedy = [json.loads(line) for line in (tmp_path / "greedy" / "results.jsonl").read_text().splitlines()]
     assert all(len({s["text"] for s in r["samples"]}) == 1 for r in greedy)
+
+    # the data file edited since: its held-out rows could be rows the policy trained on
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[::-1]))
+    err = one_line(run_molt(capsys, "eval", str(tmp_path / "run"), "--log.run_dir", str(tmp_path / "edited")))
+    assert "data.path: the data's rows changed since" in err and "--data.eval_path" in err
 
     # other held-out rows: the run's training file is no longer needed
     (tmp_path / "rows.jsonl").rename(tmp_path / "moved.jsonl")
