@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from molt.agents.env import Env, Result
@@ -28,13 +29,19 @@ TOOL_CALL_RE = re.compile(r"\s*<tool_call>(.*?)</tool_call>\s*", re.S)
 
 @ENVS.register("calculator")
 class CalculatorEnv(SingleTurnEnv):
-    """A turn that is exactly one `<tool_call>expr</tool_call>` runs the calculator; any other is graded, ending it."""
+    """A turn that is exactly one `<tool_call>expr</tool_call>` runs the calculator; any other is graded, ending it.
+    `info["tool_calls"]`: the calls so far (an episode's info keeps each key's last value)."""
+
+    tool_calls = 0
 
     async def step(self, action: str) -> Result:
         if call := TOOL_CALL_RE.fullmatch(action):
-            value = calculate(call[1])
-            return Result(reward=0.0, observation=[{"role": "tool", "content": value}], info={"tool_calls": 1})
-        return await super().step(action)
+            self.tool_calls += 1
+            return Result(reward=0.0, observation=[{"role": "tool", "content": calculate(call[1])}], info=self._info())
+        return dataclasses.replace(await super().step(action), info=self._info())
+
+    def _info(self) -> dict[str, int]:
+        return {"tool_calls": self.tool_calls}
 
 
 def env_for_task(task: str) -> Env:

@@ -12,13 +12,11 @@ a missing file or function is one line naming it. A value that is not a finite n
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import inspect
 import logging
 import math
 import traceback
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +28,6 @@ from molt.threads import in_daemon_thread
 from molt.user_code import import_failure, import_user_module
 
 log = logging.getLogger(__name__)
-
-# set by evaluation while its episodes run, so training's per-step reward metrics leave them out
-EVALUATING: contextvars.ContextVar[bool] = contextvars.ContextVar("molt_evaluating", default=False)
-# set by an agent worker per rollout: its named rewards, sent back for the main process's log to add
-WORKER_REWARDS: contextvars.ContextVar[list | None] = contextvars.ContextVar("molt_worker_rewards", default=None)
 
 
 @dataclass(frozen=True)
@@ -104,35 +97,9 @@ def load_part(spec: str) -> RewardPart:
     return RewardPart(getattr(fn, "__name__", None) or spec.partition(":")[2] or "reward", fn, inline=False)
 
 
-class RewardLog:
-    """Sums of named rewards over training rollouts since the last `drain` (eval episodes excluded); one `add` per
-    scored rollout."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.rollouts = 0
-
-    def add(self, named: dict[str, float]) -> None:
-        if EVALUATING.get():
-            return
-        if (sent := WORKER_REWARDS.get()) is not None:  # in an agent worker: the main process's log adds them
-            sent.append(dict(named))
-            return
-        for key, value in named.items():
-            self.sums[key] += value
-        self.rollouts += 1
-
-    def drain(self) -> dict[str, float]:
-        """`reward/<name>` means since the last call (a rollout that did not return a name counts 0 for it, as in
-        the weighted total)."""
-        out = {f"reward/{k}": self.sums[k] / self.rollouts for k in self.sums}
-        self.sums.clear()
-        self.rollouts = 0
-        return out
-
-
 class RewardFunction:
-    """The reward of `--rollout.reward` / `--rollout.reward_weights`: named parts, weights, the log of their values."""
+    """The reward of `--rollout.reward` / `--rollout.reward_weights`: named parts and their weights; the named values
+    go into the rollout's `info` as `reward/<name>` (`reward_env.py`), which the per-step and eval metrics average."""
 
     def __init__(self, spec: str, weights: str = ""):
         self.spec = spec
@@ -153,7 +120,6 @@ class RewardFunction:
         self.seen: set[str] = set()  # named rewards returned so far
         self.unseen_warned: set[str] = set()
         self.abandoned: set[str] = set()  # parts whose thread a cancelled rollout left running (warned once)
-        self.log = RewardLog()
 
     async def _call(self, part: RewardPart, completion: str, row: dict[str, Any]) -> Any:
         if part.inline or inspect.iscoroutinefunction(part.fn):
@@ -192,7 +158,6 @@ class RewardFunction:
             log.warning("rollout.reward_weights: %s named no reward returned so far (rewards returned: %s); a name "
                         "counts 0 where it is not returned, so a misspelt one never applies", unknown,
                         sorted(self.seen))  # fmt: skip
-        self.log.add(named if agent_reward is None else named | {"agent": agent_reward})  # the agent's own, beside
         return sum(self.weights.get(k, 1.0) * v for k, v in named.items()), named
 
     def close(self) -> None:

@@ -12,9 +12,7 @@ captures its sessions exactly as in process and sends back the segments. A faili
 (`RemoteRolloutError` with the worker's traceback), a dropped one stays dropped (`WorkerDrop` keeps the reason),
 an error fatal to the run (`RunFatalError`, e.g. agent code blocking the worker's event loop past
 `rollout.step_timeout_s`) stops the run as it would in process, and a worker that dies fails the rollouts it had
-and is started again. Training's per-step `reward/<name>` metrics are fed with the named rewards the workers'
-reward functions scored (sent back with the segments, as in process: an agent's own `info["reward/..."]` is not
-one), and an `info` value that does not pickle comes back as its repr (as the rollout dump writes it).
+and is started again. An `info` value that does not pickle comes back as its repr (as the rollout dump writes it).
 
 Wire: a 4-byte length and a pickle, each way (both ends are Molt's own processes). Both ends are a `_Peer`: a call
 is `(kind, key, value)`, answered by `reply` / `error` (an exception) and ended early by `cancel`; `delta` carries a
@@ -39,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molt.agents.chat.agent import ChatRunner, local_rollout
-from molt.agents.reward_fn import EVALUATING, WORKER_REWARDS, RewardLog
 from molt.agents.runner import EpisodeLimits
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Completion, Engine, SamplingParams
@@ -85,10 +82,10 @@ def _pickles(value: Any) -> bool:
 def _portable(result: tuple[str, Any]) -> tuple[str, Any]:
     """A worker's `done` rollout with each `info` value that does not pickle replaced by its repr (the rest of a
     rollout, and every answer of the main process, always pickles)."""
-    outcome, (segments, rewards) = result
+    outcome, segments = result
     for segment in segments:
         segment.info = {k: v if _pickles(v) else repr(v) for k, v in segment.info.items()}
-    return outcome, (segments, rewards)
+    return outcome, segments
 
 
 class _Peer:
@@ -175,8 +172,8 @@ class _Peer:
 class AgentWorkers:
     """`run(row, sampling, limits, **ids)` -> a rollout's segments, run in the least busy of `n` worker processes."""
 
-    def __init__(self, setup: Callable[[], WorkerKit], engine: Engine, n: int, reward_log: RewardLog | None = None):
-        self.setup, self.engine, self.n, self.reward_log = setup, engine, n, reward_log
+    def __init__(self, setup: Callable[[], WorkerKit], engine: Engine, n: int):
+        self.setup, self.engine, self.n = setup, engine, n
         self.workers: list[_Peer] = []  # running ones; a lost worker leaves until its replacement joins
         self.joined = asyncio.Event()
         self.closing, self.fatal = False, None
@@ -219,13 +216,10 @@ class AgentWorkers:
         if self.fatal is not None:
             raise self.fatal
         worker = min(self.workers, key=lambda w: len(w.waiting))
-        outcome, value = await worker.call("run", (row, sampling, limits, kw, EVALUATING.get()))
+        outcome, value = await worker.call("run", (row, sampling, limits, kw))
         if outcome != "done":
             raise (WorkerDrop if outcome == "dropped" else RemoteRolloutError)(*value)
-        segments, rewards = value
-        for named in rewards if self.reward_log is not None else ():
-            self.reward_log.add(named)
-        return segments
+        return value
 
     async def _serve(self, worker: _Peer, index: int) -> None:
         """Answer one worker's engine calls and settle its rollouts, until it exits (then start another)."""
@@ -332,12 +326,9 @@ async def _work(sock: socket.socket) -> None:
     run_one = local_rollout(chat, engine, kit.tokenizer, kit.make_env, interrupts_ignored=True)  # SIGINT: ignored
 
     async def rollout(kind: str, job: int, value: tuple) -> tuple[str, Any]:
-        """A `run` call: (`done`, (segments, named rewards)), (`dropped`, ...) or (`failed`, ...); an error fatal
-        to the run (e.g. agent code blocked this loop: `watchdog.LoopWatchdog`) is raised, to stop it."""
-        row, sampling, limits, kw, evaluating = value
-        EVALUATING.set(evaluating)  # this task's own context
-        rewards: list[dict[str, float]] = []
-        WORKER_REWARDS.set(rewards)  # what its reward function scores, for the main process's reward log
+        """A `run` call: (`done`, segments), (`dropped`, ...) or (`failed`, ...); an error fatal to the run (e.g.
+        agent code blocked this loop: `watchdog.LoopWatchdog`) is raised, to stop it."""
+        row, sampling, limits, kw = value
         try:
             segments = await run_one(row, sampling, limits, **kw)
         except RolloutDrop as e:
@@ -346,7 +337,7 @@ async def _work(sock: socket.socket) -> None:
             raise
         except Exception as e:  # noqa: BLE001 - the agent's failure, reported to the loop
             return "failed", (describe_error(e), error_traceback(e), error_kind(e))
-        return "done", (segments, rewards)  # an info value that does not pickle comes back as its repr (`_portable`)
+        return "done", segments  # an info value that does not pickle comes back as its repr (`_portable`)
 
     try:
         await peer.serve(rollout)  # the main process closed the connection: stop

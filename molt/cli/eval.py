@@ -42,7 +42,7 @@ async def _eval_async(cfg: Config, rows: list[dict], inputs: RunInputs, threads:
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True)
     chat, workers, n = chat_runner(cfg, engine, tokenizer), None, cfg.eval.n_samples
     try:
-        workers = await agent_workers(cfg, engine, tokenizer, None)
+        workers = await agent_workers(cfg, engine, tokenizer)
         rollout = workers.run if workers else local_rollout(chat, engine, tokenizer, inputs.make_env)
         return await evaluate(tokenizer, rollout, rows=rows, limits=episode_limits(cfg), n=n, seed=cfg.eval.seed,
                               sampling=rollout_sampling(cfg, tokenizer, cfg.eval.temperature),
@@ -61,9 +61,10 @@ def _check_same_rows(checkpoint: Path, train_rows: list[dict]) -> None:
     then = torch.load(state, mmap=True, weights_only=False)["loop"].get("data") if state.is_file() else None
     now = rows_digest(train_rows)
     before = then[0] if then else 0
-    check(not then or then == now, "data.path", f"the data's rows changed since {checkpoint} trained ({before} "
-          f"training rows then, {now[0]} now, or other rows): its held-out rows could be rows the policy trained on; "
-          "evaluate on the run's data, or name the rows to score with --data.eval_path")  # fmt: skip
+    check(not then or then == now, "data.path", f"the training rows are not those {checkpoint} trained on ({before} "
+          f"then, {now[0]} now, or other rows): the data changed since, or a data flag given here splits it otherwise; "
+          "its held-out rows could be rows the policy trained on. Evaluate on the run's data and split, or name the "
+          "rows to score with --data.eval_path")  # fmt: skip
 
 
 def run_eval(cfg: Config) -> EvalResult:
@@ -73,7 +74,7 @@ def run_eval(cfg: Config) -> EvalResult:
     if cfg.log.run_dir:  # its config.yaml and metrics.jsonl would replace and join another run's
         check_new_run_dir(cfg.log.run_dir)
     inputs = load_inputs(cfg)  # data, reward and agent: errors before any model is built
-    if not cfg.data.eval_path:
+    if cfg.data.path and not cfg.data.eval_path:
         _check_same_rows(Path(checkpoint), inputs.train_rows)
     rows = inputs.eval_rows[: cfg.eval.num_prompts]
     check(bool(rows or cfg.data.eval_path or not cfg.data.path), "data", "no held-out rows to evaluate: a data file "

@@ -138,10 +138,9 @@ def worker_kit(cfg: Config, tokenizer) -> WorkerKit:
     return WorkerKit(tokenizer, make_env, chat_options(cfg), close=reward.close if reward else lambda: None)
 
 
-async def agent_workers(cfg: Config, engine: Engine, tokenizer, reward: RewardFunction | None) -> AgentWorkers | None:
-    """The run's `rollout.agent_workers` processes over `engine`, started (None when rollouts run in process);
-    training's per-step reward metrics go to `reward`'s log."""
+async def agent_workers(cfg: Config, engine: Engine, tokenizer) -> AgentWorkers | None:
+    """The run's `rollout.agent_workers` processes over `engine`, started (None when rollouts run in process)."""
     if not cfg.rollout.agent_workers:
         return None
     setup = functools.partial(worker_kit, cfg, tokenizer)
-    return await AgentWorkers(setup, engine, cfg.rollout.agent_workers, reward.log if reward else None).start()
+    return await AgentWorkers(setup, engine, cfg.rollout.agent_workers).start()

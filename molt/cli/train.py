@@ -105,7 +105,7 @@ async def _start(cfg: Config, run: RunDir, threads: int, inputs: RunInputs) -> t
         engine = runtime.start_engines(tokenizer, trainer.version)
         if state is not None:  # the engines copied the checkpoint folder (LoRA: the unmerged base): the trainer wins
             await engine.update_weights(trainer.weights(), trainer.version)
-        workers = await agent_workers(cfg, engine, tokenizer, inputs.reward)
+        workers = await agent_workers(cfg, engine, tokenizer)
     except BaseException:
         await runtime.close()  # what was placed so far (`Runtime.close` stops only the engines that started)
         raise
@@ -130,7 +130,6 @@ async def _train_async(cfg: Config, run: RunDir, threads: int, inputs: RunInputs
 
         def on_step(metrics: dict[str, Any]) -> None:
             metrics |= runtime.metrics()
-            metrics |= inputs.reward.log.drain() if inputs.reward else {}
             progress(metrics)
             if cfg.ckpt.every and loop.state.step % cfg.ckpt.every == 0:
                 saved[loop.state.step] = save()

@@ -26,8 +26,8 @@ class EvalConfig:
     temperature: float = 1.0
     """Eval sampling temperature (0 = greedy)."""
     seed: int = 12345
-    """Base sampling seed of every evaluation (sample k of row i: seed + i * n_samples + k), so training's eval
-    and `molt eval` of the same checkpoint draw the same samples."""
+    """Base sampling seed of every evaluation (sample k of row i: seed * 1000003 + i * n_samples + k), so training's
+    eval and `molt eval` of the same checkpoint draw the same samples, and other seeds other samples."""
     output: str = ""
     """`molt eval`: per-row results file (JSON lines; its folder is made). Default: <run_dir>/results.jsonl."""
 

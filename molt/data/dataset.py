@@ -2,12 +2,14 @@
 
 Files and folders (`formats.py`) are mapped and checked row by row (`rows.py`) when the run starts, before any model is
 built. Held-out rows come from `data.eval_path`, a `DatasetDict`'s test or validation split other than `data.split`, or
-a seeded shuffled split of `data.path` (`data.num_eval` rows, at most 10%)."""
+a seeded shuffled split of `data.path` (`data.num_eval` rows, at most 10%); a task's training rows leave out any
+prompt it holds out."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import random
 
 from molt.data.formats import dataset_splits, read_located
@@ -48,10 +50,11 @@ def _eval_file_rows(data) -> list[Row]:
 
 def dataset_rows(data) -> tuple[list[Row], list[Row]]:
     """(train, held-out) rows for a `DataConfig` (see the module docstring)."""
-    if not data.path:
+    if not data.path:  # a task's generator repeats prompts (arithmetic has 900 sums): none held out trains
         rows = get_task(data.task).rows(data.num_train + data.num_eval, data.seed)
         held_out = _eval_file_rows(data) if data.eval_path else rows[: data.num_eval]
-        return rows[data.num_eval :], held_out
+        prompts = {_prompt(r) for r in held_out}
+        return [r for r in rows[data.num_eval :] if _prompt(r) not in prompts], held_out
     train = file_rows(data.path, data)
     if data.shuffle:
         random.Random(data.seed).shuffle(train)
@@ -61,6 +64,10 @@ def dataset_rows(data) -> tuple[list[Row], list[Row]]:
         return train, file_rows(data.path, data, split)
     num_eval = min(data.num_eval, len(train) // 10)
     return train[num_eval:], train[:num_eval]
+
+
+def _prompt(row: Row) -> str:
+    return json.dumps(row["messages"], sort_keys=True, default=repr)
 
 
 def has_demonstrations(rows: list[Row]) -> bool:

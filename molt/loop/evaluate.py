@@ -1,9 +1,8 @@
 """Held-out evaluation: mean reward, named rewards and unbiased pass@k over n samples per prompt.
 
 Training's eval and `molt eval` share it, so both score a checkpoint the same way: the same episodes, sampling,
-seeds (`eval.seed + row * n + k`) and rewards. Episodes run with the reward functions' `EVALUATING` flag set, so
-training's per-step reward metrics leave them out. A failed sample scores 0 in every metric; its error goes, with the
-traceback of the first of each kind, to the run's `rollout_failures.log`."""
+seeds (`eval.seed * 1000003 + row * n + k`: seeds 1, 2, 3 share no samples) and rewards. A failed sample scores 0 in
+every metric; its error goes, with the traceback of the first of each kind, to the run's `rollout_failures.log`."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from molt.agents.chat.agent import CHAT_SERVER_OPTIONS, ChatRunner, last_completion_text
-from molt.agents.reward_fn import EVALUATING
 from molt.agents.runner import EpisodeLimits
 from molt.config import Config
 from molt.data.rows import row_location
@@ -58,17 +56,23 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def _named_rewards(trajs: list) -> dict[str, float]:
-    """`eval/reward/<name>` means over the episodes that report named rewards (`info["reward/<name>"]`; one that
-    did not return a name counts 0 for it, as in its reward) and the failed samples, which count 0 as in
-    `eval/reward_mean`."""
-    sums, episodes = defaultdict(float), sum(t is None for t in trajs)
-    for traj in trajs:
-        named = {k: v for k, v in traj.info.items() if k.startswith("reward/")} if traj is not None else {}
-        episodes += bool(named)
-        for key, value in named.items():
-            sums[key] += value if isinstance(value, int | float) else 0.0
-    return {f"eval/{k}": sums[k] / episodes for k in sums}
+def named_reward_means(infos: list[dict[str, Any]], prefix: str = "") -> dict[str, float]:
+    """`<prefix>reward/<name>`: the mean over all rollouts (one `info` each) of their `info["reward/<name>"]`, the
+    reward function's named parts (and an agent's own `reward/` numbers). A rollout without a name counts 0 for it:
+    one cut before its reward, a failed one (an empty info), one whose dict left the name out, as in its weighted
+    total, so with weights 1 the named means add up to the mean reward."""
+    sums: dict[str, float] = defaultdict(float)
+    for info in infos:
+        for key, value in info.items():
+            if key.startswith("reward/"):
+                sums[key] += value if isinstance(value, int | float) else 0.0
+    return {f"{prefix}{k}": v / len(infos) for k, v in sums.items()}
+
+
+def is_correct(traj: Trajectory | None) -> bool:
+    """A sample is correct when its score is 1 or more, up to float rounding (weights 0.6, 0.3, 0.1 of parts that
+    all scored 1 sum to 0.9999999999999999); a failed one (None) is not."""
+    return traj is not None and traj.score >= 1.0 - 1e-9
 
 
 def _sample_record(tokenizer, traj, error: BaseException | None) -> dict[str, Any]:
@@ -79,7 +83,7 @@ def _sample_record(tokenizer, traj, error: BaseException | None) -> dict[str, An
     info = {k: v for k, v in traj.info.items() if not k.startswith("reward/")}  # the rest of the agent's Result.info
     record = {"text": last_completion_text(tokenizer, traj), "reward": traj.reward, "score": traj.score}
     truncated = traj.truncated or traj.finish_reason == "length"  # the episode, or its last completion, was cut
-    record |= {"correct": traj.score >= 1.0, "turns": traj.num_turns, "truncated": truncated}
+    record |= {"correct": is_correct(traj), "turns": traj.num_turns, "truncated": truncated}
     return record | ({"rewards": named} if named else {}) | ({"info": info} if info else {})
 
 
@@ -104,7 +108,7 @@ async def evaluate(
         return {}
 
     async def one(i: int, row: dict, k: int):
-        s = dataclasses.replace(sampling, seed=seed + i * n + k)
+        s = dataclasses.replace(sampling, seed=seed * 1_000_003 + i * n + k)  # as training rollouts'
         try:
             segments = await rollout(row, s, limits, rollout_id=i * n + k, group_id=i)
             return segments[-1], None  # segments share reward and score
@@ -113,11 +117,7 @@ async def evaluate(
         except Exception as e:  # noqa: BLE001 - an agent failure scores 0 in eval
             return None, e
 
-    token = EVALUATING.set(True)  # copied into the episode tasks gather creates
-    try:
-        outcomes = await asyncio.gather(*(one(i, row, k) for i, row in enumerate(rows) for k in range(n)))
-    finally:
-        EVALUATING.reset(token)
+    outcomes = await asyncio.gather(*(one(i, row, k) for i, row in enumerate(rows) for k in range(n)))
     trajs, kinds = [t for t, _ in outcomes], set()
     for j, (_, error) in enumerate(outcomes):  # one line per failed sample, the first of each kind with its traceback
         if failure_log is not None and error is not None:
@@ -125,11 +125,11 @@ async def evaluate(
             line = f"eval sample {j % n} of {where} failed: {describe_error(error)}"
             log_failure(failure_log, line, error, kinds)
     rewards = [t.reward if t is not None else 0.0 for t in trajs]
-    correct = [[(t is not None and t.score >= 1.0) for t in trajs[i * n : (i + 1) * n]] for i in range(len(rows))]
+    correct = [[is_correct(t) for t in trajs[i * n : (i + 1) * n]] for i in range(len(rows))]
     metrics = {"eval/reward_mean": sum(rewards) / len(rewards), "eval/failures": sum(t is None for t in trajs)}
     for k in sorted(set(ks or {1, n})):
         metrics[f"eval/pass@{k}"] = sum(pass_at_k(n, sum(c), k) for c in correct) / len(rows)
-    metrics |= _named_rewards(trajs)
+    metrics |= named_reward_means([t.info if t is not None else {} for t in trajs], prefix="eval/")
     if results is not None:
         for i in range(len(rows)):
             samples = [_sample_record(tokenizer, *outcomes[i * n + k]) for k in range(n)]

@@ -39,7 +39,7 @@ from molt.engine.interface import Engine, SamplingParams, work_since
 from molt.errors import RolloutDrop, RunFatalError
 from molt.loop.accounting import FAILURE_LOG, Accounting, Dropped, Failed, LoopState, RolloutOutcome, Sampled
 from molt.loop.dump import ROLLOUTS, drop_shards_after, write_shard
-from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling
+from molt.loop.evaluate import chat_runner, episode_limits, evaluate, named_reward_means, rollout_sampling
 from molt.train.interface import Trainer
 
 log = logging.getLogger("molt.loop")
@@ -244,7 +244,7 @@ class RLLoop(Accounting):
             if self._due(self.cfg.eval.every):
                 metrics |= await self.evaluate()
                 self.engine_stats = self._engine_snapshot()  # eval is not a step's work
-            metrics["rollout/dropped_groups"], self.step_dropped_groups = self.step_dropped_groups, 0  # this step's
+            metrics |= self._rollout_metrics()  # after the eval: rollouts finished during it are this step's, in all
             self.history.append(metrics)
             on_step(metrics)
             if self._due(self.cfg.log.every) and (line := self.drop_line()):  # since the last such line, and why
@@ -258,29 +258,41 @@ class RLLoop(Accounting):
         return every > 0 and (self.state.step % every == 0 or self.state.step == self.cfg.train.max_steps)
 
     def _loop_metrics(self, t0: float) -> dict[str, Any]:
-        counts = {f"drop/{k}": v for k, v in self.state.drops.items()} | self._engine_metrics() | self._reward_metrics()
-        return counts | {
+        """The step's timing and engine work (an eval after it is not the step's)."""
+        return self._engine_metrics() | {
             "step": self.state.step,
             "version": self.trainer.version,
-            "rollout/tokens_per_s": self.rollout_tokens / max(time.perf_counter() - self.rollout_t0, 1e-9),
-            "rollout/rollouts": self.state.rollouts,
-            "rollout/failures": self.state.failures,
-            "rollout/buffer_groups": self.buffer.qsize(),
             "time/step_s": time.perf_counter() - t0,
             "time/elapsed_s": time.perf_counter() - self.run_t0,  # the loop's wall clock, over resumes too
             "time/sync_s": self.sync_s,
         }
 
+    def _rollout_metrics(self) -> dict[str, Any]:
+        """The rollouts' counters and rewards up to now: running totals, the groups dropped since the last step,
+        and `_reward_metrics`."""
+        counts = {f"drop/{k}": v for k, v in self.state.drops.items()} | self._reward_metrics()
+        dropped, self.step_dropped_groups = self.step_dropped_groups, 0
+        return counts | {
+            "rollout/tokens_per_s": self.rollout_tokens / max(time.perf_counter() - self.rollout_t0, 1e-9),
+            "rollout/rollouts": self.state.rollouts,
+            "rollout/failures": self.state.failures,
+            "rollout/buffer_groups": self.buffer.qsize(),
+            "rollout/dropped_groups": dropped,
+        }
+
     def _reward_metrics(self) -> dict[str, float]:
-        """The policy's mean reward over the rollouts sampled since the last step, before the group filters pick
-        what trains (`train/reward_mean` is the trained samples'), and the mean of each finite number (or bool) its
-        agent put in `Result.info`, as `rollout/info/<key>`."""
+        """Over the rollouts sampled since the last step, before the group filters pick what trains
+        (`train/reward_mean` is the trained samples'): the mean reward, each named reward (`named_reward_means`),
+        and the mean of each other finite number (or bool) the agent put in `Result.info`, as `rollout/info/<key>`
+        (over the rollouts that have it)."""
         firsts, self.step_rollouts = self.step_rollouts, []
         values: dict[str, list[float]] = {"rollout/reward_mean": [t.reward for t in firsts]}
         for traj in firsts:
             for key, value in _numbers(traj.info).items():
-                values.setdefault(f"rollout/info/{key}", []).append(value)
-        return {key: sum(v) / len(v) for key, v in values.items() if v}
+                if not key.startswith("reward/"):
+                    values.setdefault(f"rollout/info/{key}", []).append(value)
+        named = named_reward_means([_numbers(t.info) for t in firsts])
+        return {key: sum(v) / len(v) for key, v in values.items() if v} | named
 
     def _engine_metrics(self) -> dict[str, float]:
         """Engine work since the last step (`work_since`), for engines that count it in this process; Ray

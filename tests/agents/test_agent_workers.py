@@ -11,13 +11,14 @@ from worker_agents import Scripted, broken_kit, kit, scored_kit
 
 from molt.agents.chat import ChatRunner
 from molt.agents.reward_env import ScoredChatAgent
-from molt.agents.reward_fn import RewardLog, load_reward
+from molt.agents.reward_fn import load_reward
 from molt.agents.runner import EpisodeLimits
 from molt.agents.watchdog import LoopBlockedError
 from molt.agents.workers import AgentWorkers, WorkerDrop
 from molt.cli.main import parse_config
 from molt.config import ConfigError
 from molt.errors import RemoteRolloutError, RunFatalError, describe_error
+from molt.loop.evaluate import named_reward_means
 
 LIMITS = EpisodeLimits(max_turns=2, max_len=512)
 
@@ -35,8 +36,8 @@ def _strip(segments) -> list[dict]:
 
 def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exits():
     async def main():
-        engine, log = ScriptedEngine(["4140"]), RewardLog()
-        pool = await AgentWorkers(kit, engine, 2, reward_log=log).start()
+        engine = ScriptedEngine(["4140"])
+        pool = await AgentWorkers(kit, engine, 2).start()
         try:
             ok = [await pool.run(_row(do), SAMPLING, LIMITS, rollout_id=i, group_id=1) for i, do in
                   enumerate(["answer", "stream"])]  # fmt: skip
@@ -55,9 +56,9 @@ def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exit
                      enumerate(["answer", "stream"])]  # fmt: skip
         finally:
             await runner.close()
-        return ok, failed, after, pids, local, log, engine
+        return ok, failed, after, pids, local, engine
 
-    ok, (fail, drop, died, interrupted), after, pids, local, log, engine = asyncio.run(main())
+    ok, (fail, drop, died, interrupted), after, pids, local, engine = asyncio.run(main())
     assert [_strip(s) for s in ok] == [_strip(s) for s in local]  # same ids, log-probs, versions, reward, masks
     assert ok[0][0].reward == 1.0 and ok[1][0].info["text"] == "4140"
     assert len(engine.prompts) == 2 + 4  # the engine of the main process served every request
@@ -70,13 +71,12 @@ def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exit
     assert describe_error(interrupted).startswith("AgentExit: agent code raised KeyboardInterrupt, which is not an Exc")
     assert len(pids[0]) == 1 and len(pids[1]) == 2 and pids[0] < pids[1]  # the dead worker was replaced
     assert all(s[0].reward == 1.0 for s in after)
-    assert log.drain() == {}  # the agent's own info["reward/own"] is no reward metric, as in process
 
 
 def test_named_rewards_and_info_come_back_from_a_worker_as_in_process():
     async def main():
-        local_reward, log, runner = load_reward("exact"), RewardLog(), ChatRunner(ScriptedEngine(["4140"]), TOK)
-        pool = await AgentWorkers(scored_kit, ScriptedEngine(["4140"]), 1, log).start()
+        local_reward, runner = load_reward("exact"), ChatRunner(ScriptedEngine(["4140"]), TOK)
+        pool = await AgentWorkers(scored_kit, ScriptedEngine(["4140"]), 1).start()
         try:
             rows = [_row("answer"), _row("unpicklable")]
             local = [await runner.run(ScoredChatAgent(Scripted(), local_reward), r, SAMPLING, LIMITS) for r in rows]
@@ -84,10 +84,11 @@ def test_named_rewards_and_info_come_back_from_a_worker_as_in_process():
         finally:
             await pool.close()
             await runner.close()
-        return local, remote, local_reward.log.drain(), log.drain()
+        return local, remote
 
-    local, remote, local_metrics, remote_metrics = asyncio.run(main())
-    assert local_metrics == remote_metrics == {"reward/exact": 1.0, "reward/agent": 1.0}  # not the agent's reward/own
+    local, remote = asyncio.run(main())
+    local_metrics, remote_metrics = (named_reward_means([s[0].info for s in r]) for r in (local, remote))
+    assert local_metrics == remote_metrics and local_metrics["reward/exact"] == local_metrics["reward/agent"] == 1.0
     assert [s[0].reward for s in remote] == [s[0].reward for s in local] == [1.0, 1.0]
     assert callable(local[1][0].info["callback"]) and remote[1][0].info["callback"].startswith("<function")
 

@@ -37,6 +37,8 @@ def test_calculator_episode_is_token_exact():
     engine = ScriptedEngine([f"<tool_call>{row['a']}*{row['b']}</tool_call>", row["label"]])
     traj = _run(engine, env_for_task("calculator"), row)
     assert traj.reward == 1.0 and traj.num_turns == 2 and not traj.truncated
+    assert traj.info == {"tool_calls": 1}  # the count, kept by the graded turn too (a plain answer: 0)
+    assert _run(ScriptedEngine([row["label"]]), env_for_task("calculator"), row).info == {"tool_calls": 0}
     # the masked-in tokens are exactly the engine's emitted ids, in order, and nothing else
     masked = [t for t, m in zip(traj.tokens, traj.loss_mask, strict=True) if m]
     assert masked == engine.emitted[0] + engine.emitted[1]

@@ -45,7 +45,7 @@ def test_molt_eval_reproduces_the_in_training_eval_of_the_checkpoint(tmp_path, c
     # the data file edited since: its held-out rows could be rows the policy trained on
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[::-1]))
     err = one_line(run_molt(capsys, "eval", str(tmp_path / "run"), "--log.run_dir", str(tmp_path / "edited")))
-    assert "data.path: the data's rows changed since" in err and "--data.eval_path" in err
+    assert "data.path: the training rows are not those" in err and "--data.eval_path" in err
 
     # other held-out rows: the run's training file is no longer needed
     (tmp_path / "rows.jsonl").rename(tmp_path / "moved.jsonl")

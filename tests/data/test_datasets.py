@@ -224,3 +224,11 @@ def test_rows_a_rollout_would_fail_on_are_found_at_start_up(tmp_path):
         cfg = parse_config(["--data.path", str(tmp_path / f"{name}.jsonl"), "--rollout.reward", "math,format"])
         with pytest.raises(DataError, match=message):
             load_inputs(cfg)
+
+
+def test_a_tasks_held_out_prompts_never_train():
+    """arithmetic has 900 sums: every one of its 183 distinct held-out prompts was also among the training rows."""
+    for task in ("arithmetic", "calculator"):
+        train, held = dataset_rows(_data("--data.task", task))
+        assert not {json.dumps(r["messages"]) for r in held} & {json.dumps(r["messages"]) for r in train}, task
+        assert len(held) == 200 and len(train) > 1500

@@ -187,3 +187,34 @@ def test_a_resume_on_changed_training_rows_is_refused():
     with pytest.raises(ConfigError, match="data.path: the training rows changed since the checkpoint \\(20 rows then"):
         loop([*rows, rows[0]], state)
     loop([], state)  # a replay reads no rows
+
+
+def test_an_eval_steps_metrics_count_the_same_rollouts_and_named_rewards_add_up(tmp_path):
+    """Rollouts finishing during a step's eval were in `reward/<name>` and `rollout/dropped_groups` at that step but
+    in `rollout/reward_mean` and `drop/*` at the next; the named means divided by scored rollouts only."""
+    from molt.data.tasks import get_task
+
+    rows = [{"prompt": r["messages"][0]["content"], "answer": r["label"]} for r in get_task("arithmetic").rows(40, 0)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "parts.py").write_text("def reward(c, row):\n    return {'long': len(c) > 3, 'nine': '9' in c}\n")
+    result = _run(tmp_path, "run", "--train.max_steps", "3", "--data.path", str(tmp_path / "rows.jsonl"), "--rollout"
+                  ".reward", str(tmp_path / "parts.py"), "--eval.every", "1", "--eval.num_prompts", "4")  # fmt: skip
+    sampled = [m for m in result.history if "rollout/reward_mean" in m]  # a step no rollout finished before: none
+    assert sampled and all(not any(k.startswith("rollout/info/reward/") for k in m) for m in sampled)
+    for m in sampled:
+        assert m["rollout/reward_mean"] == pytest.approx(sum(v for k, v in m.items() if k.startswith("reward/"))), m
+
+
+def test_eval_seeds_share_no_samples_and_a_rounded_perfect_score_is_correct():
+    seen = {}
+
+    async def rollout(row, sampling, limits, rollout_id, group_id):
+        seen.setdefault(sampling.seed, 0)
+        seen[sampling.seed] += 1
+        return [Trajectory(reward=1.0, score=0.6 + 0.3 + 0.1)]  # 0.9999999999999999
+
+    for seed in (1, 2):
+        metrics = asyncio.run(evaluate(None, rollout, rows=[{}] * 3, sampling=SamplingParams(), limits=None, n=4,
+                                       seed=seed))  # fmt: skip
+        assert metrics["eval/pass@1"] == 1.0
+    assert len(seen) == 24 and set(seen.values()) == {1}  # seeds 1 and 2 drew 12 samples each, none shared
