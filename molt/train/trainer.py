@@ -164,12 +164,21 @@ class Trainer:
     def micro_batches(self, trajs: list[Trajectory]) -> list[MicroBatch]:
         ids = [t.tokens for t in trajs]
         row_len = max(self.cfg.rollout.max_len, max(map(len, ids)))
-        groups = [t.group_id for t in trajs] if self.cfg.train.share_prefix else None
+        groups = [self._share_key(t) for t in trajs] if self.cfg.train.share_prefix else None
         images = trajectory_pixels(trajs, self.model.cfg)
         packs = pack(ids, [t.loss_mask for t in trajs], row_len, self.cfg.train.micro_batch_tokens, images, groups)
         if self.moe_shape[0]:
             routing.attach_routing(packs, [t.routing for t in trajs], self.moe_shape)
         return [layout(p, trajs) for p in packs]
+
+    def _share_key(self, traj: Trajectory) -> object:
+        """Samples with one key share their common prompt in the packed rows: a group's, and with MoE routing
+        replayed, only those whose prompt was routed alike (one recomputed after a weight swap routed it anew, and
+        the shared prefix replays one member's routing)."""
+        if not (self.cfg.algo.routing_replay and traj.routing is not None):
+            return traj.group_id
+        prompt = next((i for i, m in enumerate(traj.loss_mask) if m), len(traj.tokens))
+        return traj.group_id, traj.routing[:prompt].numpy().tobytes()
 
     def advantages(
         self,
