@@ -46,11 +46,17 @@ def import_user_module(target: str):
         _check_siblings(path, folder)
         module_spec = importlib.util.spec_from_file_location(f"molt_agent_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_spec.name] = module
+        # also its plain name (free, or this file's older version): a reward file's `import my_env` is then the
+        # agent file's module, one module state for both, not a second copy of the file
+        held = sys.modules.get(path.stem)
+        plain = held is None or Path(getattr(held, "__file__", None) or "/").resolve() == path.resolve()
+        names = [module_spec.name] + ([path.stem] if path.stem.isidentifier() and plain else [])
+        sys.modules.update(dict.fromkeys(names, module))
         try:
             module_spec.loader.exec_module(module)
         except BaseException:
-            del sys.modules[module_spec.name]  # half run: not a module to hand out again
+            for name in names:  # half run: not a module to hand out again
+                del sys.modules[name]
             raise
         _VERSIONS[path.resolve()] = version
         return module

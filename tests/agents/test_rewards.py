@@ -3,6 +3,7 @@ and a reward-function episode through the ordinary token-exact runner (scripted 
 
 import asyncio
 import logging
+import sys
 
 import pytest
 from chat_support import SAMPLING, TOK, ScriptedEngine  # noqa: I001
@@ -264,3 +265,18 @@ def test_a_user_file_runs_once_per_version(tmp_path):
     os.utime(path, (path.stat().st_atime, path.stat().st_mtime + 10))  # a later version, whatever the clock
     edited = import_user_module(str(path))
     assert edited is not first and edited.reward("", {}) == 0.5 and edited.calls == []
+
+
+def test_a_reward_file_importing_the_agent_file_gets_the_same_module(tmp_path):
+    """The agent file ran as `molt_agent_shared_env`; the reward's `import shared_env` ran it a second time, with its
+    own module state (an Env storing ground truth for the reward: never seen)."""
+    from molt.user_code import import_user_module
+
+    (tmp_path / "shared_env.py").write_text("STATE = {}\n")
+    (tmp_path / "r_shared.py").write_text("import shared_env\n\ndef reward(c, row):\n  return len(shared_env.STATE)\n")
+    agent = import_user_module(str(tmp_path / "shared_env.py"))
+    agent.STATE["k"] = 1
+    assert import_user_module(str(tmp_path / "r_shared.py")).reward("", {}) == 1
+    (tmp_path / "time.py").write_text("X = 1\n")  # a name taken (a built-in module, no __file__): left as it is
+    import_user_module(str(tmp_path / "time.py"))
+    assert sys.modules["time"].time() > 0
