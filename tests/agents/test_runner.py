@@ -207,6 +207,24 @@ def test_agent_code_blocking_the_event_loop_stops_the_run_with_its_line():
         asyncio.run(main())
 
 
+class SleepyInit(Env):
+    """Blocks the event loop in its constructor (a sync connection to a sandbox): the run hung with no message."""
+
+    def __init__(self):
+        time.sleep(60)  # interrupted by the watchdog
+
+
+def test_an_agent_constructor_blocking_the_event_loop_stops_the_run_with_its_line():
+    row = get_task("arithmetic").rows(1, seed=8)[0]
+
+    async def main():
+        rollout = local_rollout(None, ScriptedEngine(["1"]), TOK, SleepyInit)
+        return await rollout(row, SAMPLING, EpisodeLimits(step_timeout_s=0.2))
+
+    with pytest.raises(LoopBlockedError, match=r"SleepyInit.__init__ \(.*test_runner.py:\d+\) has not returned"):
+        asyncio.run(main())
+
+
 def test_a_failure_raised_inside_a_library_names_the_agents_line():
     line = inspect.currentframe().f_lineno + 1
     for call in (lambda: json.loads("{"), lambda: httpx.URL(1)):  # the stdlib's frames, an installed package's

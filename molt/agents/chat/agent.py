@@ -242,6 +242,10 @@ def _exit_message(error: BaseException) -> str:
     return f"agent code raised {type(error).__name__}{f': {message}' if message else ''}, which is not an Exception"
 
 
+async def _construct(make_env: Callable[[], Any]) -> Any:
+    return make_env()
+
+
 def local_rollout(
     chat: ChatRunner | None, engine, tokenizer, make_env: Callable[[], Any], interrupts_ignored: bool = False
 ):
@@ -257,7 +261,9 @@ def local_rollout(
         row = copy.copy(row)  # keeps a LocatedRow's file:line
         row.update(_fresh(dict(row)))
         try:
-            agent = make_env()  # an Env: one segment; a ChatAgent: one or more, through `chat`
+            # an Env: one segment; a ChatAgent: one or more, through `chat`. Its constructor is agent code: a blocking
+            # one (a sync connection to a sandbox) is caught by the watchdog, as a blocking step is
+            agent = await within(limits.step_timeout_s, _construct(make_env), "the agent's constructor")
             if isinstance(agent, ChatAgent):
                 return await chat.run(agent, row, sampling, limits, **kw)
             return [await run_episode(engine, tokenizer, agent, row, sampling, limits, **kw)]
