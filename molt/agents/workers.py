@@ -22,6 +22,7 @@ streamed call's tokens. main -> worker: `setup` (first; `ready` answers it), `ru
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import functools
 import itertools
 import logging
@@ -245,13 +246,14 @@ class AgentWorkers:
         if self.closing:
             return
         code = await asyncio.to_thread(worker.process.wait)
-        error = RemoteRolloutError(
-            f"agent worker {index} exited (code {code}) during this rollout", "", ("worker exit", str(code))
-        )
-        for job, _ in worker.waiting.values():
-            if not job.done():
-                job.set_exception(error)
-        log.warning("agent worker %d exited with code %s; starting another", index, code)
+        jobs = [job for job, _ in worker.waiting.values() if not job.done()]
+        why = f"agent worker {index} exited (code {code}) during this rollout, one of {len(jobs)} it ran then"
+        error = RemoteRolloutError(why, "its Python stack at a crash (a fatal signal) is on stderr above",
+                                   ("worker exit", str(code)))  # fmt: skip
+        for job in jobs:
+            job.set_exception(error)
+        log.warning("agent worker %d exited with code %s (the stack of a crash is above); starting another", index,
+                    code)  # fmt: skip
         try:
             self.workers.append(await self._spawn(index))
         except RunFatalError as e:  # it cannot start: the run stops
@@ -308,6 +310,7 @@ def worker_main() -> None:
     main process's to handle: a worker ignores it and exits when the main process closes the socket."""
     import torch
 
+    faulthandler.enable()  # a segfault in agent code (a C extension) prints its Python stack to stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     asyncio.run(_work(socket.socket(fileno=int(sys.argv[1]))))

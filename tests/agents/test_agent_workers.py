@@ -34,7 +34,7 @@ def _strip(segments) -> list[dict]:
     ]
 
 
-def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exits():
+def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exits(capfd):
     async def main():
         engine = ScriptedEngine(["4140"])
         pool = await AgentWorkers(kit, engine, 2).start()
@@ -66,7 +66,8 @@ def test_rollouts_in_workers_match_in_process_and_report_failures_drops_and_exit
     assert describe_error(fail).startswith("ValueError: tool backend down [") and "worker_agents.py" in str(fail)
     assert "Traceback" in fail.traceback_text and "raise ValueError" in fail.traceback_text
     assert isinstance(drop, WorkerDrop) and drop.drop_reason == "image_over_context"
-    assert isinstance(died, RemoteRolloutError) and "exited (code 3)" in str(died)
+    assert isinstance(died, RemoteRolloutError) and "exited (code -11) during this rollout, one of" in str(died)
+    assert "Segmentation fault" in capfd.readouterr().err  # its Python stack, for the user to find the culprit
     assert isinstance(interrupted, RemoteRolloutError)  # its rollout failed; its worker lives on
     assert describe_error(interrupted).startswith("AgentExit: agent code raised KeyboardInterrupt, which is not an Exc")
     assert len(pids[0]) == 1 and len(pids[1]) == 2 and pids[0] < pids[1]  # the dead worker was replaced

@@ -3,7 +3,7 @@ row's `do`."""
 
 from __future__ import annotations
 
-import os
+import ctypes
 
 from openai import AsyncOpenAI, OpenAI
 
@@ -22,8 +22,8 @@ class ImageTooLarge(RolloutDrop):
 class Scripted(ChatAgent):
     """answer / stream: one OpenAI-SDK completion (streamed or not), reward 1 when it equals the label; hang_up: a
     stream closed after its first content chunk, then an answer; fail: raises; drop: a dropped rollout; die: the worker
-    process exits; interrupt: raises KeyboardInterrupt; block: the sync SDK client, which blocks the worker's event loop
-    (and so its server); unpicklable: an answer with a lambda in its info."""
+    process crashes (a segfault); interrupt: raises KeyboardInterrupt; block: the sync SDK client, which blocks the
+    worker's event loop (and so its server); unpicklable: an answer with a lambda in its info."""
 
     async def run(self, ctx) -> Result:
         do = ctx.row["do"]
@@ -31,8 +31,8 @@ class Scripted(ChatAgent):
             raise ValueError("tool backend down")
         if do == "drop":
             raise ImageTooLarge("the image needs 600 tokens of a 512-token budget")
-        if do == "die":
-            os._exit(3)
+        if do == "die":  # a crash in a C extension
+            ctypes.string_at(0)
         if do == "interrupt":  # the agent's own KeyboardInterrupt: the worker ignores SIGINT, so it is no Ctrl-C
             raise KeyboardInterrupt
         if do == "block":
