@@ -145,9 +145,9 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def _read_common(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
     if hf.get("use_sliding_window"):
-        raise ValueError("config.json: use_sliding_window=true is not supported")
+        raise ValueError("use_sliding_window=true is not supported")
     theta, scaling = _rope(hf)
     heads = hf["num_attention_heads"]
     defaults = dict(num_key_value_heads=heads, head_dim=hf["hidden_size"] // heads, rms_norm_eps=1e-6)
@@ -209,13 +209,34 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Transform
         raise ValueError(f"{source}: model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}")
     vision = hf.get("vision_config")
     try:
-        fields = FAMILIES[model_type](hf)
+        fields = FAMILIES[model_type](_with_family_defaults(hf))
+        return TransformerConfig(**fields, vision=vision, image_token_id=hf.get("image_token_id") if vision else None)
     except KeyError as e:
         raise ValueError(f"{source}: no {e.args[0]!r}, which a {model_type} config needs") from None
-    try:
-        return TransformerConfig(**fields, vision=vision, image_token_id=hf.get("image_token_id") if vision else None)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def _with_family_defaults(hf: dict[str, Any]) -> dict[str, Any]:
+    """`hf` with the keys it leaves out at their values in transformers' config class of its family (Qwen3-MoE's
+    8 experts per token, Qwen3's head_dim 128, Qwen2's 32768 positions, llama3 RoPE's original length), as
+    transformers loads the folder; its validation errors (a RoPE type without its parameters) as ValueErrors. The
+    model's shape has no default that could stand in: a KeyError naming the first of those it lacks."""
+    from transformers import CONFIG_MAPPING
+    from transformers.utils import logging as hf_logging
+
+    shape = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+    if missing := [key for key in shape if hf.get(key) is None]:
+        raise KeyError(missing[0])
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its warnings about the user's config: the errors below say what matters
+    try:
+        filled = CONFIG_MAPPING[hf["model_type"]](**hf).to_dict()
+    except (KeyError, TypeError) as e:  # transformers' validation
+        raise ValueError(str(e).strip("'\"")) from None
+    finally:
+        hf_logging.set_verbosity(level)
+    return filled | hf
 
 
 # Built-in presets: random-weight models for tests and the default job (vocab sized for the built-in

@@ -81,12 +81,14 @@ def load_weights(
     `model`'s parameters in place; returns the number of tensors copied. Nothing is reallocated (a running engine's
     cache and compiled state stay valid). Unknown names or shape mismatches are an error listing them, raised before
     anything is copied; with `source` (a whole checkpoint) so are missing weights, and a tied head it stores is
-    ignored (some tied checkpoints store the shared matrix twice)."""
+    ignored if it is the embedding (some tied checkpoints store the shared matrix twice), else an error."""
     params = model.state_dict(keep_vars=True)
     params |= hf_views(params, model.cfg)
     skip = "lm_head.weight" if source is not None and model.cfg.tie_word_embeddings else None
-    plan, unknown, mismatched = {}, [], []
+    plan, unknown, mismatched, stored_head = {}, [], [], None
     for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
+        if name == skip:
+            stored_head = tensor
         if IGNORED_HF_KEYS.search(name) or name == skip:
             continue
         dest = params.get(name)
@@ -104,6 +106,11 @@ def load_weights(
         raise error(f"{where}unknown names {sorted(unknown)}; shape mismatches {mismatched}")
     for dest, tensor in plan.values():
         dest.copy_(tensor)
+    embed = model.embed_tokens.weight
+    if stored_head is not None and not torch.equal(stored_head.to(embed), embed):
+        raise UserError(f"{source}: config.json has tie_word_embeddings true, but the weights hold an lm_head.weight "
+                        "other than the embedding (transformers keeps that head): set tie_word_embeddings to false "
+                        "in config.json, or drop lm_head.weight")  # fmt: skip
     return len(plan)
 
 

@@ -177,3 +177,42 @@ def test_model_folders_load_as_transformers_picks_them_and_saves_keep_what_is_be
 def test_packing_more_than_a_row_holds_names_the_row():
     with pytest.raises(ValueError, match="row 1: samples of total length 35 exceed row length 34"):
         doc_ids_from_lengths([[7, 20], [30, 5]], row_len=34)
+
+
+def test_keys_a_config_leaves_out_take_transformers_family_defaults(tmp_path):
+    """Qwen3-MoE without num_experts_per_tok ran 2 experts where transformers runs 8 (logits off by 2.7); llama3
+    RoPE without original_max_position_embeddings was an internal KeyError; a tied config storing another head
+    silently lost it (logits off by 17.7)."""
+    import json
+
+    import safetensors.torch
+    from conftest import hf_config
+
+    from molt.errors import UserError
+
+    hf = random_hf(hf_config("qwen3-moe", num_experts=8, num_experts_per_tok=8))
+    hf.save_pretrained(tmp_path / "moe")
+    config = json.loads((tmp_path / "moe/config.json").read_text())
+    (tmp_path / "moe/config.json").write_text(
+        json.dumps({k: v for k, v in config.items() if k != "num_experts_per_tok"})
+    )
+    ids_bt = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (from_pretrained(tmp_path / "moe")(ids_bt) - _hf_logits(hf, ids_bt)).abs().max() <= 1e-4
+    rope = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    (tmp_path / "moe/config.json").write_text(json.dumps(config | {"rope_parameters": rope}))
+    assert from_pretrained(tmp_path / "moe").cfg.rope_scaling["original_max_position_embeddings"] > 0
+    (tmp_path / "moe/config.json").write_text(json.dumps(config | {"rope_parameters": {"rope_type": "linear"}}))
+    with pytest.raises(ValueError, match="config.json: .*factor"):  # transformers' own check, not a tokenizer's
+        from_pretrained(tmp_path / "moe")
+
+    tied = random_hf(hf_config(tie_word_embeddings=True))
+    tied.save_pretrained(tmp_path / "tied")
+    weights = safetensors.torch.load_file(tmp_path / "tied/model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()  # the shared matrix stored twice: fine
+    safetensors.torch.save_file(weights, tmp_path / "tied/model.safetensors", metadata={"format": "pt"})
+    from_pretrained(tmp_path / "tied")
+    weights["lm_head.weight"] = torch.randn_like(weights["lm_head.weight"])
+    safetensors.torch.save_file(weights, tmp_path / "tied/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match="tie_word_embeddings true, but the weights hold an lm_head.weight other"):
+        from_pretrained(tmp_path / "tied")
