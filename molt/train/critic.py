@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from molt import algo
-from molt.config import Config
+from molt.config import Config, ConfigError
 from molt.models import Transformer, from_pretrained
 from molt.train import parallel
 from molt.train.compile import prepare_layers
@@ -58,11 +58,14 @@ class Critic:
     def __init__(self, policy: Transformer, cfg: Config, precision: Precision, shard: Callable | None = None):
         if cfg.critic.path:  # wrapped as the policy is; a copy of the policy inherits its wrapping
             body = from_pretrained(cfg.critic.path, router_fp32=cfg.model.router_fp32)
+            if body.cfg.vision is None and policy.cfg.vision is not None:
+                raise ConfigError(f"critic.path: the policy reads images but {cfg.critic.path} has no vision tower")
             prepare_layers(body, cfg.train, cfg.runtime.device)
         else:
             body = copy.deepcopy(policy)
         self.model = ValueModel(body.requires_grad_(True)).to(cfg.runtime.device, precision.params).train()
         self.clip, self.updates, self.scaler = cfg.critic.clip or None, cfg.critic.updates, precision.scaler()
+        self.path, self.skipped = cfg.critic.path, 0  # skipped: optimizer steps a float16 loss scaler left out
         self.precision, self.device, self.grad_clip = precision, cfg.runtime.device, cfg.train.grad_clip
         if shard is not None:
             shard(self.model)
@@ -87,7 +90,8 @@ class Critic:
             sums = self._update(mbs, lengths, rewards_b, denoms, gae, targets, values)
             for _ in range(num_mbs - len(mbs)):
                 self._loss(self._values(mbs[-1]), mbs[-1], denoms, *targets[-1])[0].mul(0.0).backward()
-            grad_norm, _ = clip_and_step(self.opt, self.model.parameters(), self.grad_clip, self.scaler)
+            grad_norm, stepped = clip_and_step(self.opt, self.model.parameters(), self.grad_clip, self.scaler)
+            self.skipped += not stepped
             passes.append((parallel.all_reduce_sums(sums), float(grad_norm)))
         lr = self.schedule.get_last_lr()[0]
         self.schedule.step()  # once per batch: the schedule counts policy steps
@@ -101,6 +105,7 @@ class Critic:
             "critic/return_mean": first["ret"] / n,
             "critic/clip_frac": last["clip"] / n,
             "critic/grad_norm": grad_norm,
+            "critic/skipped_steps": self.skipped,
             "critic/lr": lr,
             "time/critic_s": time.perf_counter() - t0,
         }
@@ -144,11 +149,21 @@ class Critic:
         return {"model": self.model, "optimizer": self.opt, "schedule": self.schedule}
 
     def state_dict(self) -> dict:
-        return {key: part.state_dict() for key, part in self._parts().items()}
+        return {key: part.state_dict() for key, part in self._parts().items()} | {"skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's critic; its body's architecture comes from `critic.path` (or the policy), so another
+        folder's is a ConfigError naming it."""
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as e:
+            shapes = str(e).split("\n")[1].strip() if "\n" in str(e) else str(e)
+            raise ConfigError(f"critic.path: {self.path or 'the policy'} is not the architecture of the critic this "
+                              f"checkpoint holds ({shapes}); give the folder the run's critic started from") from None
         for key, part in self._parts().items():
-            part.load_state_dict(state[key])
+            if key != "model":
+                part.load_state_dict(state[key])
+        self.skipped = state.get("skipped", 0)
 
 
 def explained_variance(sums: dict[str, float]) -> float:

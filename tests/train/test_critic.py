@@ -116,3 +116,19 @@ def test_value_clip_binds_from_the_second_critic_update_against_the_values_gae_u
     assert not torch.equal(loose.critic.model.head.weight, tight.critic.model.head.weight)
     with pytest.raises(SystemExit):  # one update per batch: V = V_old, the clip never binds
         _cfg(*GAE, "--critic.clip", "0.5")
+
+
+def test_a_critic_folder_that_cannot_serve_is_refused_by_name(tmp_path):
+    """A run directory loaded its policy as the critic, silently; a critic of another architecture on resume was an
+    internal error from load_state_dict."""
+    from molt.models import Transformer, preset
+
+    folder = save_pretrained(_model(), tmp_path / "run" / "checkpoints" / "step-1")
+    (folder.parent / "latest").write_text("step-1")
+    with pytest.raises(ConfigError, match="critic.path: .* is a `molt train` run: its checkpoints hold the policy"):
+        CriticConfig(path=str(tmp_path / "run"))
+    trainer = Trainer(_model(), _cfg(*GAE, "--critic.path", str(folder)))  # a checkpoint folder: that policy's body
+    state = trainer.critic.state_dict()
+    other = save_pretrained(Transformer(preset("tiny", vocab_size=64, hidden_size=32, num_layers=1)), tmp_path / "o")
+    with pytest.raises(ConfigError, match=r"critic.path: .*/o is not the architecture of the critic this checkpoint"):
+        Trainer(_model(), _cfg(*GAE, "--critic.path", str(other))).critic.load_state_dict(state)
