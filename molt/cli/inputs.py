@@ -52,6 +52,8 @@ def check_user_code(cfg: Config, flags: Iterable[str] = ()) -> None:
     unused settings are: only flags (a config file shared with `molt serve` may set chat settings)."""
     known = cfg.chat.tool_parser == "auto" or cfg.chat.tool_parser in PARSERS
     check(known, "chat.tool_parser", f"unknown parser; use auto or one of {sorted(PARSERS)}")
+    if cfg.rollout.replay:  # the dump holds what they made: neither runs (nor need be on this machine)
+        return
     # imports and checks the class once: errors now, not after a warm start
     agent = load_agent_class(cfg.rollout.agent) if cfg.rollout.agent else None
     if not (agent and issubclass(agent, ChatAgent)) and (chat := sorted(k for k in flags if k.startswith("chat."))):

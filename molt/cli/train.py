@@ -24,11 +24,12 @@ import yaml
 from molt.algo import ESTIMATORS
 from molt.cli.build import build_policy, build_tokenizer, check_same_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
-from molt.cli.warm_start import wants_warm_start, warm_start
+from molt.cli.warm_start import may_warm_start, wants_warm_start, warm_start
 from molt.config import Config, ConfigError, check
 from molt.config.rl import check_rollout_algo
 from molt.config.run import latest_checkpoint
 from molt.config.training import check_rl_batch
+from molt.data.dataset import dataset_rows
 from molt.engine.torch_engine import on_fresh_thread
 from molt.log import RunDir, check_new_run_dir, plot_metrics
 from molt.loop.accounting import FAILURE_LOG
@@ -88,6 +89,12 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _replay_inputs(cfg: Config) -> RunInputs:
+    """A replay's: the dump holds its batches, images included, so no agent or reward runs (their files and the data
+    may be gone); the training rows only for a warm start to imitate."""
+    return RunInputs(dataset_rows(cfg.data)[0] if may_warm_start(cfg) else [], [], None, None)
 
 
 async def _start(cfg: Config, run: RunDir, threads: int, inputs: RunInputs) -> tuple[Runtime, RLLoop]:
@@ -248,7 +255,8 @@ async def train_async(cfg: Config) -> TrainResult:
     threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
     torch.set_num_threads(1)  # this thread runs asyncio only; model compute runs on the engine's thread
     try:
-        inputs = load_inputs(cfg)  # before the run directory and any model: a bad row stops here
+        inputs = _replay_inputs(cfg) if cfg.rollout.replay else load_inputs(cfg)  # before the run directory and any
+        # model: a bad row stops here
         with RunDir(cfg.log.run_dir or cfg.ckpt.resume, "train", cfg, resumed=resumed) as run:
             result = await _train_async(cfg, run, threads, inputs)
     finally:

@@ -82,10 +82,15 @@ def _cached(checkpoint: Path) -> bool:
     return True
 
 
+def may_warm_start(cfg: Config) -> bool:
+    """Whether the run's policy is a preset to warm-start (not `--model.path`, not a resume, warm-start steps)."""
+    return not (cfg.ckpt.resume or cfg.model.path or cfg.model.warmstart_steps <= 0)
+
+
 def wants_warm_start(cfg: Config, train_rows: list[dict], say=print) -> bool:
     """Warm-start a preset (not `--model.path`, not a resume) on a task's demonstrations, or on a data file
     whose every row has an assistant turn; prompt-only data skips it, saying so."""
-    if cfg.ckpt.resume or cfg.model.path or cfg.model.warmstart_steps <= 0:
+    if not may_warm_start(cfg):
         return False
     if not cfg.data.path or has_demonstrations(train_rows):
         return True

@@ -158,8 +158,10 @@ class Critic:
             self.model.load_state_dict(state["model"])
         except RuntimeError as e:
             shapes = str(e).split("\n")[1].strip() if "\n" in str(e) else str(e)
-            raise ConfigError(f"critic.path: {self.path or 'the policy'} is not the architecture of the critic this "
-                              f"checkpoint holds ({shapes}); give the folder the run's critic started from") from None
+            raise ConfigError(
+                f"critic.path: {self.path or 'the policy'} is not the architecture of the critic this "
+                f"checkpoint holds ({shapes}); give the folder the run's critic started from"
+            ) from None
         for key, part in self._parts().items():
             if key != "model":
                 part.load_state_dict(state[key])

@@ -390,7 +390,7 @@ def test_serve_fits_its_default_context_to_a_shorter_model(tmp_path):
 
 
 def test_a_context_over_the_model_or_a_kv_cache_over_the_memory_is_one_line(molt):
-    one_line(molt("serve", "--chat.max_len", "200000"),
+    one_line(molt("serve", "--chat.max_len", "200000", "--chat.port", "0"),
              "config error: chat.max_len: (200000) is over the model's context (4096 positions")  # fmt: skip
     from molt.models import preset
     from molt.runtime.factory import check_slot_memory

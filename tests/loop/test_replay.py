@@ -75,6 +75,19 @@ def test_replay_reproduces_the_on_policy_run_bit_exactly(dumped, tmp_path, monke
     assert [m["train/loss"] for m in again.history] == [m["train/loss"] for m in history]
 
 
+def test_a_replay_needs_neither_the_data_nor_the_reward(dumped, tmp_path):
+    """The dump holds every batch (images too): a replay of a run whose data or reward file moved, or on another
+    machine, read and checked them first and failed on their absence."""
+    run, history = dumped
+    reward = run.parent / "reward.py"
+    reward.rename(run.parent / "moved.py")
+    try:
+        replay = _replay(run, tmp_path / "replay")
+    finally:
+        (run.parent / "moved.py").rename(reward)
+    assert [m["train/loss"] for m in replay.history] == [m["train/loss"] for m in history]
+
+
 CORRUPTIONS = {  # an edit of one line (the second of step 1's shard) and what the error says
     "token out of vocab": (lambda r: r["tokens"].__setitem__(0, 10**6), "field 'tokens': id 1000000"),
     "missing field": (lambda r: r.pop("loss_mask"), "field 'loss_mask': missing"),
