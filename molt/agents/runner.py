@@ -98,8 +98,8 @@ def real_number(value: Any, what: str, limit: float = math.inf) -> float:
     number = value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
     if not isinstance(number, numbers.Real):
         raise TypeError(f"{what}={reprlib.repr(value)} ({type(value).__name__}); expected a number")
-    if not math.isfinite(number):
-        raise ValueError(f"{what}={number} ({type(value).__name__}); expected a finite number")
+    if not math.isfinite(number if isinstance(number, float) or abs(number) < 2**1000 else math.inf):  # 10**400
+        raise ValueError(f"{what}={reprlib.repr(number)} ({type(value).__name__}); expected a finite number")
     if abs(number) >= limit:
         raise ValueError(f"{what}={number}; expected a magnitude below {limit:g} (rewards train in float32)")
     return float(number)

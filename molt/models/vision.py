@@ -51,7 +51,8 @@ def _image_bytes(image: Any, where: str) -> bytes:
 
 def load_image(image: Any, where: str = "image", verify: bool = False):
     """A PIL image from a PIL image, file path, raw bytes, a `data:` URI or an HF `{"bytes"/"path"}` dict; `verify`:
-    only check that it decodes (PIL's `verify`, no pixels). URLs are not fetched; images over PIL's
+    only check that it decodes (PIL's `verify`, no pixels; a JPEG decoded at 1/8 scale, as its verify reads no scan
+    data). URLs are not fetched; images over PIL's
     `MAX_IMAGE_PIXELS` (a decompression bomb: a small file of huge size) are refused."""
     from PIL import Image, UnidentifiedImageError
 
@@ -66,7 +67,9 @@ def load_image(image: Any, where: str = "image", verify: bool = False):
             raise Image.DecompressionBombError(
                 f"Image size ({loaded.width * loaded.height} pixels) exceeds limit of {limit} pixels"
             )
-        loaded.verify() if verify else loaded.load()
+        if verify and loaded.format == "JPEG":  # its verify reads no scan data (a cut-short file passed): decode at
+            loaded.draft(loaded.mode, (loaded.width // 8 or 1, loaded.height // 8 or 1))  # 1/8 scale, still all of it
+        loaded.verify() if verify and loaded.format != "JPEG" else loaded.load()
         return loaded
     except Image.DecompressionBombError as e:
         raise ImageError(f"{where}: image{named} is too large ({str(e).split(',')[0]})") from None

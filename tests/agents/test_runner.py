@@ -152,6 +152,7 @@ def test_result_numbers_and_observations_are_checked_where_they_enter_the_trajec
         (Result(reward=1.0, score="good"), TypeError, r"Result.score='good' \(str\); expected a number"),
         (Result(reward=math.nan), ValueError, r"Result.reward=nan \(float\); expected a finite number"),
         (Result(reward=-1e300), ValueError, r"Result.reward=-1e\+300; expected a magnitude below 3.4e\+38"),
+        (Result(reward=10**400), ValueError, r"Result.reward=1000.*0 \(int\); expected a finite number"),  # no float
         (Result(reward=torch.ones(2)), TypeError, r"Result.reward=.*\(Tensor\); expected a number"),
         (
             Result(reward=1.0, observation=12345),
