@@ -7,7 +7,7 @@ import torch
 from molt.config import Config, ConfigError, ModelConfig, check
 from molt.models import PRESETS, Transformer, from_pretrained, preset
 from molt.models.config import TransformerConfig
-from molt.models.tokenizer import IMAGE_PLACEHOLDER, build_builtin_tokenizer, load_tokenizer
+from molt.models.tokenizer import IMAGE_PLACEHOLDER, TEMPLATE_ARGS, build_builtin_tokenizer, load_tokenizer
 from molt.train.precision import resolve_dtype
 
 
@@ -16,7 +16,7 @@ def build_tokenizer(cfg: ModelConfig):
     cannot load, has no chat template (every prompt is rendered with it) or has more tokens than the model folder's
     vocabulary."""
     if not cfg.tokenizer and not cfg.path:
-        return build_builtin_tokenizer(image_token=PRESETS[cfg.preset].vision is not None)
+        return with_template_args(build_builtin_tokenizer(image_token=PRESETS[cfg.preset].vision is not None), cfg)
     key = "model.tokenizer" if cfg.tokenizer else "model.path"
     try:
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.path)
@@ -28,6 +28,12 @@ def build_tokenizer(cfg: ModelConfig):
     vocab = cfg.architecture().vocab_size if cfg.path else len(tokenizer)
     if len(tokenizer) > vocab:
         raise ConfigError(f"{key}: the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary {vocab}")
+    return with_template_args(tokenizer, cfg)
+
+
+def with_template_args(tokenizer, cfg: ModelConfig):
+    """`tokenizer`, rendering every chat with `--model.template_args` (it travels with it, to agent workers too)."""
+    setattr(tokenizer, TEMPLATE_ARGS, cfg.template_kwargs())
     return tokenizer
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ class ModelConfig:
     (its latest checkpoint)."""
     tokenizer: str = ""
     """Tokenizer folder. Default: `path` when loading a folder, else Molt's built-in byte tokenizer."""
+    template_args: str = ""
+    """Options of the chat template, KEY=VALUE,... with JSON values (Qwen3: enable_thinking=false), in every
+    rendering: training, eval, SFT and `molt serve` (as vLLM's chat_template_kwargs, for the whole server)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype: the engines' weights and the trainer's matmuls (`train.precision` says where the trainer's
     parameters live). auto: bfloat16 on CUDA, float32 elsewhere (bf16 matmuls are slow on most CPUs)."""
@@ -57,6 +61,19 @@ class ModelConfig:
         if self.tokenizer:
             self.tokenizer = os.path.expanduser(self.tokenizer)
             check(os.path.isdir(self.tokenizer), "model.tokenizer", f"folder {self.tokenizer!r} does not exist")
+        self.template_kwargs()  # a malformed one: an error at start-up
+
+    def template_kwargs(self) -> dict[str, object]:
+        """`template_args` as keyword arguments of the chat template (a value that is no JSON stays a string)."""
+        out = {}
+        for item in filter(None, (s.strip() for s in self.template_args.split(","))):
+            key, eq, value = (part.strip() for part in item.partition("="))
+            check(bool(eq and key.isidentifier()), "model.template_args", f"{item!r} is not KEY=VALUE")
+            try:
+                out[key] = json.loads(value)
+            except json.JSONDecodeError:
+                out[key] = value
+        return out
 
 
 def check_finite(group: object, prefix: str, allow_inf: tuple[str, ...] = ()) -> None:

@@ -175,6 +175,9 @@ def stock_fast(tokenizer: Any, *methods: str) -> bool:
     )
 
 
+TEMPLATE_ARGS = "molt_template_args"  # the tokenizer attribute holding the run's chat template options
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Message],
@@ -182,7 +185,8 @@ def render_chat(
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = False,
 ) -> str:
-    """Render `messages` (and `tools`) to text with the tokenizer's chat template."""
+    """Render `messages` (and `tools`) to text with the tokenizer's chat template, given the run's template options
+    (`TEMPLATE_ARGS`, set by the command that built the tokenizer: `--model.template_args`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template")
     return tokenizer.apply_chat_template(
@@ -190,6 +194,7 @@ def render_chat(
         tools=list(tools) if tools is not None else None,
         add_generation_prompt=add_generation_prompt,
         tokenize=False,
+        **getattr(tokenizer, TEMPLATE_ARGS, {}),
     )
 
 

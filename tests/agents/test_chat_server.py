@@ -204,6 +204,7 @@ def test_requests_the_apis_refuse_are_400s_naming_the_field(served):
         "no tools": {"tool_choice": "required"},
         "logit_bias": {"logit_bias": {"5": 10}},
         "presence_penalty": {"presence_penalty": 1},
+        "chat_template_kwargs": {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},  # was ignored
         "image_url.url": {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         "parallel_tool_calls=false is not supported by Molt's server; omit it or send true": {
             "tools": [CALC_TOOL],

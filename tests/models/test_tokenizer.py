@@ -244,3 +244,22 @@ def test_load_tokenizer_errors_name_the_path(tmp_path):
     (broken / "tokenizer.json").write_text("not json")
     with pytest.raises(ValueError, match="broken_folder"):
         load_tokenizer(broken)
+
+
+def test_template_args_reach_every_rendering_and_travel_with_the_tokenizer():
+    """Qwen3's enable_thinking=false could not be given: training and eval only ever rendered thinking mode."""
+    import pickle
+
+    from molt.cli.build import build_tokenizer
+    from molt.config import ConfigError, ModelConfig
+    from molt.models.tokenizer import apply_chat_template, render_chat
+
+    tokenizer = build_tokenizer(ModelConfig(template_args="enable_thinking=false, style=terse"))
+    tokenizer.chat_template += "{% if enable_thinking is false %}<think></think>{% endif %}{{ style }}"
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(tokenizer, messages).endswith("<think></think>terse")
+    assert apply_chat_template(pickle.loads(pickle.dumps(tokenizer)), messages) == apply_chat_template(
+        tokenizer, messages
+    )  # an agent worker's copy renders alike
+    with pytest.raises(ConfigError, match="model.template_args: 'thinking' is not KEY=VALUE"):
+        ModelConfig(template_args="thinking")
