@@ -49,7 +49,8 @@ class RolloutConfig:
     max_len: int = 192
     """Context budget per episode in tokens (prompt + actions + observations)."""
     step_timeout_s: float = 30.0
-    """Timeout of one agent call (reset/step); a timeout fails that rollout only."""
+    """Timeout of one agent call (an Env's reset/step; a ChatAgent's whole run gets step_timeout_s x max_turns, the
+    time its model calls wait included: allow for trainer steps); a timeout fails that rollout only."""
     max_failure_frac: float = 0.2
     """Stop the run when more than this fraction of rollouts failed (after 20 rollouts)."""
     filters: tuple[str, ...] = ("auto",)
