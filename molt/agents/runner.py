@@ -167,6 +167,8 @@ async def run_episode(
     name = type(env).__name__
     reset = await within(limits.step_timeout_s, env.reset(row), f"{name}.reset")
     messages = as_messages(reset, f"{name}.reset returned a first observation")  # a str: one user message
+    if not messages:  # the template would render nothing to answer (transformers' error, from its own file)
+        raise ValueError(f"{name}.reset returned no messages; expected the prompt (a str or a list of messages)")
     tools = row.get("tools")
     traj = Trajectory(**ids)
     prompt = first_prompt_ids(tokenizer, messages, tools)

@@ -179,6 +179,8 @@ def test_result_numbers_and_observations_are_checked_where_they_enter_the_trajec
 
 def test_a_reset_returning_text_is_one_user_message():
     engine = ScriptedEngine(["1"])
+    with pytest.raises(ValueError, match="Returns.reset returned no messages"):  # was transformers' own error
+        _run(ScriptedEngine(["1"]), Returns(Result(reward=1.0, terminated=True), first=[]), {"messages": []})
     traj = _run(engine, Returns(Result(reward=1.0, terminated=True), first="just a string"), {"messages": []})
     assert engine.prompts[0] == apply_chat_template(TOK, [{"role": "user", "content": "just a string"}],
                                                     add_generation_prompt=True)  # fmt: skip
