@@ -521,3 +521,15 @@ def test_a_non_streamed_request_whose_client_hangs_up_is_cancelled():
         assert engine.started.is_set() and engine.cancelled.wait(30)
     finally:
         server.stop()
+
+
+def test_tools_reach_the_template_as_sent():
+    """Re-serialised tool specs reordered their keys, so a template rendering `tools | tojson` (Qwen's) gave another
+    prompt than `apply_chat_template(tools=...)` on the request's own tools (93 tokens against 94)."""
+    import json
+
+    from molt.agents.chat.wire_openai import decode
+
+    tool = {"function": {"name": "calc", "strict": True, "parameters": {"type": "object"}}, "type": "function"}
+    request = decode({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]})
+    assert json.dumps(request.tools) == json.dumps([tool])

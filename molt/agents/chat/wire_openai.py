@@ -167,7 +167,7 @@ def decode(body: Any) -> ChatRequest:
         raise RequestError("top_logprobs needs logprobs: true")
     return ChatRequest(
         messages=[_message(m) for m in req.messages],
-        tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+        tools=list(body["tools"]) if req.tools else None,  # as sent (checked above): rendered as transformers would
         max_tokens=req.max_completion_tokens or req.max_tokens,
         stop=tuple(req.stop or ()),
         parse_tools=req.tool_choice != "none",
