@@ -267,6 +267,12 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+# rollout settings a replay never reads (the dump holds what they made): its flags are refused
+REPLAY_UNREAD = ("agent", "reward", "reward_weights", "prompts_per_step", "n_samples_per_prompt", "sync_mode", "top_p",
+                 "top_k", "max_tokens", "max_turns", "step_timeout_s", "max_failure_frac", "filters", "filter_on",
+                 "score_range", "max_in_flight", "agent_workers")  # fmt: skip
+
+
 def _refuse_inert_flags(cfg: Config, flags: frozenset[str], command_name: str) -> None:
     """A ConfigError for a flag its command would not read in this config: a preset's settings beside a model
     folder, eval settings with no eval, W&B settings with W&B off, a data file's settings without one, what a
@@ -277,7 +283,7 @@ def _refuse_inert_flags(cfg: Config, flags: frozenset[str], command_name: str) -
         keys = (f"model.{k}" for k in ("preset", "init_std", *WARM_START_FIELDS))
         inert |= dict.fromkeys(keys, "here: the model comes from --model.path")
     if command_name == "train" and not cfg.eval.every:
-        keys = (f"eval.{k}" for k in ("num_prompts", "n_samples", "temperature"))
+        keys = (f"eval.{k}" for k in ("num_prompts", "n_samples", "temperature", "seed"))
         inert |= dict.fromkeys(keys, "here: no eval runs (--eval.every 0)")
     if not cfg.log.wandb_project:
         keys = (f"log.{k}" for k in ("wandb_mode", "wandb_entity", "wandb_name"))
@@ -286,10 +292,12 @@ def _refuse_inert_flags(cfg: Config, flags: frozenset[str], command_name: str) -
         inert |= dict.fromkeys(("data.shuffle", "data.split"), "here: a built-in task's rows are generated as they are")
     if cfg.rollout.replay:
         unread = [f"runtime.{k}" for k in ENGINE if k != "engine_threads"]  # the replay's compute threads: read
-        unread += [f"rollout.{k}" for k in ("filters", "filter_on", "score_range")]
+        unread += [f"rollout.{k}" for k in REPLAY_UNREAD]
         unread += [f"eval.{k}" for k in ("num_prompts", "n_samples", "temperature", "seed", "output")]
         unread += [k for k in flags if k.startswith("chat.")]
         inert |= dict.fromkeys(unread, "with --replay, which trains on the dump's batches without an engine or eval")
+        inert["rollout.temperature"] = ("with --replay but to change its losses: the trainer's log-probs take the "
+                                        "temperature the dump was sampled at, the run's")  # fmt: skip
     for key in sorted(flags & inert.keys()):
         raise ConfigError(f"{key}: has no effect {inert[key]}; drop the flag")
 
