@@ -28,3 +28,6 @@ def test_warm_start_key_covers_every_row_and_ignores_lora(tmp_path, monkeypatch)
     assert Path(warm_start(parse_config(flags))) == second and (second / "model.safetensors").stat().st_size > 100
     third = Path(warm_start(parse_config([*flags, "--train.weight_decay", "0.1"])))  # the SFT's AdamW is the run's
     assert third != second and Path(warm_start(parse_config([*flags, "--train.lr", "1e-3"]))) == second
+    # chat template options render the demonstrations otherwise: another key (left out at their default, so the
+    # caches made before the setting existed stay valid)
+    assert Path(warm_start(parse_config([*flags, "--model.template_args", "x=1"]))) != second

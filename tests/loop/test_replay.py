@@ -128,8 +128,14 @@ def test_a_dump_shorter_than_max_steps_is_refused_before_any_model(dumped, tmp_p
 
 @pytest.mark.parametrize(
     "flag",
-    [["--eval.seed", "3"], ["--runtime.engine_compile"], ["--rollout.filters", "nonfinite"], ["--rollout.top_p", "0.5"],
-     ["--rollout.n_samples_per_prompt", "2"], ["--rollout.temperature", "0.5"]],  # fmt: skip
+    [
+        ["--eval.seed", "3"],
+        ["--runtime.engine_compile"],
+        ["--rollout.filters", "nonfinite"],
+        ["--rollout.top_p", "0.5"],
+        ["--rollout.n_samples_per_prompt", "2"],
+        ["--rollout.temperature", "0.5"],
+    ],  # fmt: skip
 )
 def test_a_flag_replay_never_reads_is_refused(dumped, flag):
     """Engine, sampling-filter, data and eval flags did nothing in a replay (no engine, no data, no eval), silently."""
