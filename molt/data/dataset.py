@@ -12,7 +12,7 @@ import gc
 import json
 import random
 
-from molt.data.formats import dataset_splits, read_located
+from molt.data.formats import DataError, dataset_splits, read_located
 from molt.data.rows import Row, parse_columns, prompt_rows
 from molt.data.tasks import get_task
 
@@ -54,7 +54,11 @@ def dataset_rows(data) -> tuple[list[Row], list[Row]]:
         rows = get_task(data.task).rows(data.num_train + data.num_eval, data.seed)
         held_out = _eval_file_rows(data) if data.eval_path else rows[: data.num_eval]
         prompts = {_prompt(r) for r in held_out}
-        return [r for r in rows[data.num_eval :] if _prompt(r) not in prompts], held_out
+        train = [r for r in rows[data.num_eval :] if _prompt(r) not in prompts]
+        if not train:
+            raise DataError(f"data.num_train: every one of the {data.num_train} generated rows of task {data.task!r} "
+                            "asks a prompt held out for eval: raise --data.num_train or lower --data.num_eval")
+        return train, held_out
     train = file_rows(data.path, data)
     if data.shuffle:
         random.Random(data.seed).shuffle(train)

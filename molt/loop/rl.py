@@ -369,7 +369,8 @@ class RLLoop(Accounting):
             return
         now, then = rows_digest(self.train_rows), self.state.data
         if then and then != now:
-            raise ConfigError(f"data.path: the training rows changed since the checkpoint ({then[0]} rows then, "
+            key = "data.path" if self.cfg.data.path else "data.task"  # a task's: another Molt may generate others
+            raise ConfigError(f"{key}: the training rows changed since the checkpoint ({then[0]} rows then, "
                               f"{now[0]} now, or other rows): its data cursor would pick other prompts, held-out ones "
                               "among them; resume on the run's data, or start a new run from its checkpoint with "
                               "--model.path")  # fmt: skip

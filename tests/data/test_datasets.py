@@ -232,3 +232,5 @@ def test_a_tasks_held_out_prompts_never_train():
         train, held = dataset_rows(_data("--data.task", task))
         assert not {json.dumps(r["messages"]) for r in held} & {json.dumps(r["messages"]) for r in train}, task
         assert len(held) == 200 and len(train) > 1500
+    with pytest.raises(DataError, match="data.num_train: every one of the 5 generated rows"):  # it hung, no rows
+        dataset_rows(_data("--data.task", "arithmetic", "--data.num_train", "5", "--data.num_eval", "3000"))
