@@ -3,7 +3,6 @@ and a reward-function episode through the ordinary token-exact runner (scripted 
 
 import asyncio
 import logging
-import sys
 
 import pytest
 from chat_support import SAMPLING, TOK, ScriptedEngine  # noqa: I001
@@ -277,6 +276,9 @@ def test_a_reward_file_importing_the_agent_file_gets_the_same_module(tmp_path):
     agent = import_user_module(str(tmp_path / "shared_env.py"))
     agent.STATE["k"] = 1
     assert import_user_module(str(tmp_path / "r_shared.py")).reward("", {}) == 1
-    (tmp_path / "time.py").write_text("X = 1\n")  # a name taken (a built-in module, no __file__): left as it is
-    import_user_module(str(tmp_path / "time.py"))
-    assert sys.modules["time"].time() > 0
+    for folder in ("a", "b"):  # an agent a/env.py, and a reward b/rew.py importing the env.py beside it: its own
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "env.py").write_text(f"WHERE = {folder!r}\n")
+    (tmp_path / "b" / "rew.py").write_text("import env\n\ndef reward(c, row):\n  return 0.0\n")
+    import_user_module(str(tmp_path / "a" / "env.py"))
+    assert import_user_module(str(tmp_path / "b" / "rew.py")).env.WHERE == "b"
