@@ -7,12 +7,18 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from molt.config.base import ConfigError, changed, check, check_bounds, expand_user
 from molt.errors import UserError
+
+# `apply_chat_template`'s own arguments, which Molt sets per rendering: no template option may replace them
+TEMPLATE_CALL = ("conversation", "tools", "documents", "chat_template", "add_generation_prompt", "tokenize",
+                 "continue_final_message", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                 "return_assistant_tokens_mask", "tokenizer_kwargs")  # fmt: skip
 
 
 @dataclass
@@ -66,9 +72,10 @@ class ModelConfig:
     def template_kwargs(self) -> dict[str, object]:
         """`template_args` as keyword arguments of the chat template (a value that is no JSON stays a string)."""
         out = {}
-        for item in filter(None, (s.strip() for s in self.template_args.split(","))):
+        for item in filter(None, (s.strip() for s in re.split(r",(?=\s*\w+\s*=)", self.template_args))):  # [1,2]
             key, eq, value = (part.strip() for part in item.partition("="))
             check(bool(eq and key.isidentifier()), "model.template_args", f"{item!r} is not KEY=VALUE")
+            check(key not in TEMPLATE_CALL, "model.template_args", f"{key} is an argument Molt sets, not an option")
             try:
                 out[key] = json.loads(value)
             except json.JSONDecodeError:

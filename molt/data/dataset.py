@@ -56,8 +56,10 @@ def dataset_rows(data) -> tuple[list[Row], list[Row]]:
         prompts = {_prompt(r) for r in held_out}
         train = [r for r in rows[data.num_eval :] if _prompt(r) not in prompts]
         if not train:
-            raise DataError(f"data.num_train: every one of the {data.num_train} generated rows of task {data.task!r} "
-                            "asks a prompt held out for eval: raise --data.num_train or lower --data.num_eval")
+            raise DataError(
+                f"data.num_train: every one of the {data.num_train} generated rows of task {data.task!r} "
+                "asks a prompt held out for eval: raise --data.num_train or lower --data.num_eval"
+            )
         return train, held_out
     train = file_rows(data.path, data)
     if data.shuffle:

@@ -244,6 +244,8 @@ def test_requests_the_apis_refuse_are_400s_naming_the_field(served):
     response = httpx.post(url + "/v1/chat/completions", content=lone, headers=auth)
     assert response.status_code == 400 and "messages[1].content" in response.json()["error"]["message"]
     assert engine.emitted == []
+    restated = {"chat_template_kwargs": {}}  # the server's own options (none here), as a vLLM agent may send them
+    assert oa.chat.completions.create(model="molt", messages=messages, max_tokens=2, extra_body=restated).choices
     defaults = oa.chat.completions.create(model="molt", messages=messages, presence_penalty=0, logit_bias={})
     assert defaults.choices[0].message.content == "hello there"
 

@@ -263,3 +263,6 @@ def test_template_args_reach_every_rendering_and_travel_with_the_tokenizer():
     )  # an agent worker's copy renders alike
     with pytest.raises(ConfigError, match="model.template_args: 'thinking' is not KEY=VALUE"):
         ModelConfig(template_args="thinking")
+    with pytest.raises(ConfigError, match="model.template_args: tokenize is an argument Molt sets"):
+        ModelConfig(template_args="tokenize=true")
+    assert ModelConfig(template_args="ids=[1, 2],on=true").template_kwargs() == {"ids": [1, 2], "on": True}

@@ -49,7 +49,7 @@ from molt.agents.images import expand_images, message_images
 from molt.agents.runner import first_prompt_ids
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import SamplingParams
-from molt.models.tokenizer import render_chat
+from molt.models.tokenizer import TEMPLATE_ARGS, render_chat
 from molt.models.vision import ImageError
 
 log = logging.getLogger("molt.chat")
@@ -311,6 +311,7 @@ class ChatServer:
             check_depth(body)
             if (where := lone_surrogate(body)) is not None:  # not text: the tokenizer would fail on it
                 raise HTTPError(400, f"{where} holds a lone UTF-16 surrogate (not valid Unicode text)")
+            self._check_template_args(body)
             chat = wire.decode(body, **options)
         except ValidationError as e:
             loc = e.errors()[0]["loc"] if e.error_count() else ()
@@ -322,6 +323,17 @@ class ChatServer:
         chat.first_try = request.headers.get("x-stainless-retry-count") == "0"  # the OpenAI and Anthropic SDKs' count
         chat.extra["decode_token"] = self._decode_token
         return chat
+
+    def _check_template_args(self, body: Any) -> None:
+        """A request's `chat_template_kwargs` (vLLM's) may only restate the server's own template options
+        (`--model.template_args`), which render every conversation of its sessions: others are a 400, not ignored."""
+        asked = body.pop("chat_template_kwargs", None) if isinstance(body, dict) else None
+        own = getattr(self.tokenizer, TEMPLATE_ARGS, {})
+        restated = isinstance(asked, dict) and all(k in own and own[k] == v for k, v in asked.items())
+        if asked is not None and not restated:
+            raise HTTPError(400, f"chat_template_kwargs={json.dumps(asked)[:80]} is not this server's template "
+                            f"options ({json.dumps(own)}, --model.template_args): they render every conversation, "
+                            "so a request may only restate them", param="chat_template_kwargs")  # fmt: skip
 
     def _warn_if_tools_ignored(self) -> None:
         """Once per server (with render_tools on): log a warning if the chat template ignores `tools`, so that

@@ -39,7 +39,6 @@ UNSUPPORTED = {
     "functions": ([],),
     "function_call": ("none", "auto"),
     "modalities": (["text"],),
-    "chat_template_kwargs": ({},),  # the server's own: `molt serve --model.template_args`
 } | dict.fromkeys(("audio", "prediction", "reasoning_effort", "web_search_options"), ())  # any value is refused
 
 
