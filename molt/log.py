@@ -41,7 +41,7 @@ def sync_tree(path: Path, files: bool = True) -> None:
     """fsync `path` (a file, or a folder with, if `files`, every file under it) so what a later rename publishes is
     on disk; a file system that cannot sync a folder is left as it is."""
     paths = [*path.rglob("*"), path] if path.is_dir() and files else [path]
-    for p in sorted(paths, key=lambda p: p.is_dir()):  # files first, then the folders that name them
+    for p in sorted((p for p in paths if not p.is_symlink()), key=lambda p: p.is_dir()):  # files, then folders
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -248,12 +248,12 @@ class AgentWorkers:
         code = await asyncio.to_thread(worker.process.wait)
         jobs = [job for job, _ in worker.waiting.values() if not job.done()]
         why = f"agent worker {index} exited (code {code}) during this rollout, one of {len(jobs)} it ran then"
-        error = RemoteRolloutError(why, "its Python stack at a crash (a fatal signal) is on stderr above",
-                                   ("worker exit", str(code)))  # fmt: skip
+        crash = code in (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGFPE, -signal.SIGILL, -signal.SIGABRT)
+        stack = "its Python stack at the crash is on stderr above" if crash else ""
         for job in jobs:
-            job.set_exception(error)
-        log.warning("agent worker %d exited with code %s (the stack of a crash is above); starting another", index,
-                    code)  # fmt: skip
+            job.set_exception(RemoteRolloutError(why, stack, ("worker exit", str(code))))
+        log.warning("agent worker %d exited with code %s%s; starting another", index, code,
+                    " (its stack is above)" if crash else "")  # fmt: skip
         try:
             self.workers.append(await self._spawn(index))
         except RunFatalError as e:  # it cannot start: the run stops

@@ -232,7 +232,7 @@ def _with_family_defaults(hf: dict[str, Any]) -> dict[str, Any]:
     hf_logging.set_verbosity_error()  # its warnings about the user's config: the errors below say what matters
     try:
         filled = CONFIG_MAPPING[hf["model_type"]](**hf).to_dict()
-    except (KeyError, TypeError) as e:  # transformers' validation
+    except Exception as e:  # noqa: BLE001 - transformers' (and huggingface_hub's) validation, in its own words
         raise ValueError(str(e).strip("'\"")) from None
     finally:
         hf_logging.set_verbosity(level)

@@ -49,10 +49,10 @@ def _image_bytes(image: Any, where: str) -> bytes:
     return bytes(image)
 
 
-def load_image(image: Any, where: str = "image", verify: bool = False):
+def load_image(image: Any, where: str = "image", verify: bool | str = False):
     """A PIL image from a PIL image, file path, raw bytes, a `data:` URI or an HF `{"bytes"/"path"}` dict; `verify`:
-    only check that it decodes (PIL's `verify`, no pixels; a JPEG decoded at 1/8 scale, as its verify reads no scan
-    data). URLs are not fetched; images over PIL's
+    only check that it decodes (PIL's `verify`, no pixels; `"scan"`: a JPEG decoded at 1/8 scale as well, since its
+    verify reads no scan data, so a cut-short file passes). URLs are not fetched; images over PIL's
     `MAX_IMAGE_PIXELS` (a decompression bomb: a small file of huge size) are refused."""
     from PIL import Image, UnidentifiedImageError
 
@@ -67,9 +67,10 @@ def load_image(image: Any, where: str = "image", verify: bool = False):
             raise Image.DecompressionBombError(
                 f"Image size ({loaded.width * loaded.height} pixels) exceeds limit of {limit} pixels"
             )
-        if verify and loaded.format == "JPEG":  # its verify reads no scan data (a cut-short file passed): decode at
-            loaded.draft(loaded.mode, (loaded.width // 8 or 1, loaded.height // 8 or 1))  # 1/8 scale, still all of it
-        loaded.verify() if verify and loaded.format != "JPEG" else loaded.load()
+        scan = verify == "scan" and loaded.format in ("JPEG", "MPO")  # MPO: a phone's JPEG with its extra frames
+        if scan:  # at 1/8 scale, still reading all of the scan data
+            loaded.draft(loaded.mode, (loaded.width // 8 or 1, loaded.height // 8 or 1))
+        loaded.verify() if verify and not scan else loaded.load()
         return loaded
     except Image.DecompressionBombError as e:
         raise ImageError(f"{where}: image{named} is too large ({str(e).split(',')[0]})") from None

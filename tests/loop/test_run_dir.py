@@ -319,3 +319,5 @@ def test_a_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
     synced = set(events[:named])
     assert {str(p) for p in [step, *step.rglob("*")]} <= synced
     assert str(run / "checkpoints") in events[named:]  # the rename itself, too
+    (step / "gone").symlink_to(tmp_path / "nowhere")  # a dangling link in a folder (it aborted the save)
+    molt.log.sync_tree(step)
