@@ -115,12 +115,21 @@ def start_wandb(run_path: Path, log_cfg: Any, config: dict[str, Any]) -> Any:
     """The Weights & Biases run of a run directory; resuming the directory resumes the same W&B run."""
     import wandb  # optional: LogConfig checked at start-up that it is installed
 
+    from molt.config import ConfigError
+
     id_file = run_path / "wandb_run_id"
     run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
     atomic_write_text(id_file, run_id)
-    return wandb.init(project=log_cfg.wandb_project, entity=log_cfg.wandb_entity or None, mode=log_cfg.wandb_mode,
-                      name=log_cfg.wandb_name or run_path.name, dir=str(run_path), id=run_id, resume="allow",
-                      config=config, reinit="create_new")  # fmt: skip
+    try:
+        return wandb.init(project=log_cfg.wandb_project, entity=log_cfg.wandb_entity or None, mode=log_cfg.wandb_mode,
+                          name=log_cfg.wandb_name or run_path.name, dir=str(run_path), id=run_id, resume="allow",
+                          config=config, reinit="create_new")  # fmt: skip
+    except wandb.errors.Error as e:  # no login (UsageError), a refused key, no network
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"log.wandb_project: W&B did not start ({why}); run `wandb login` (or set WANDB_API_KEY), "
+            "or log offline with --log.wandb_mode offline"
+        ) from None
 
 
 class RunDir:

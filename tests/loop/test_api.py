@@ -146,6 +146,19 @@ def test_wandb_offline_writes_its_run_files(tmp_path, monkeypatch):
     assert result.history[-1]["step"] == 2
 
 
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed (optional)")
+def test_wandb_without_a_login_is_one_config_line(tmp_path, monkeypatch):
+    """Online W&B (the default mode) with no login was an internal error with a traceback."""
+    import wandb
+
+    def no_login(**kw):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_login)
+    with pytest.raises(ConfigError, match=r"log.wandb_project: W&B did not start \(No API key.*--log.wandb_mode off"):
+        RunDir(tmp_path / "run", "train", molt.make_config(log={"wandb_project": "p"}))
+
+
 def test_missing_wandb_is_one_config_line(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
