@@ -322,7 +322,7 @@ def parse_command(argv: list[str]) -> Config:
         check_user_code(cfg, flags if name in ("train", "eval") else ())  # serve always chats
         if name == "train":  # `train_async` checks them again for the Python API; here a file's line is named
             check_rollout_algo(cfg.rollout, cfg.algo)
-            check_rl_batch(cfg.train)
+            check_rl_batch(cfg.train, cfg.rollout.max_len)
     except ConfigError as e:
         raise _in_file(e, args) from None
     if name == "serve" or cfg.rollout.agent:  # a chat server may run: its address must be one to listen on

@@ -240,7 +240,7 @@ def _summary(run: RunDir, result: TrainResult) -> None:
 async def train_async(cfg: Config) -> TrainResult:
     """`molt train` as a coroutine, for callers that already run an event loop (`await molt.train_async(cfg)`)."""
     check_rollout_algo(cfg.rollout, cfg.algo)  # training's: `molt eval` / `serve` may sample with top-p freely
-    check_rl_batch(cfg.train)  # before the warm start
+    check_rl_batch(cfg.train, cfg.rollout.max_len)  # before the warm start
     resumed = check_run_dir(cfg)
     tokenizer = build_tokenizer(cfg.model)  # one the model cannot take: an error before the run directory
     for key, folder in (("algo.teacher", cfg.algo.teacher), ("critic.path", cfg.critic.path)):

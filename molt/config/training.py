@@ -255,7 +255,10 @@ class TrainConfig:
         check(all(0 <= b < 1 for b in self.betas), "train.betas", "each beta must be in [0, 1)")
 
 
-def check_rl_batch(train: TrainConfig) -> None:
-    """RL training refuses `train.batch_size` (no silent no-op): it is `molt sft`'s batch."""
+def check_rl_batch(train: TrainConfig, max_len: int) -> None:
+    """RL training refuses `train.batch_size` (no silent no-op: it is `molt sft`'s batch) and needs micro-batches
+    that hold a whole episode of `rollout.max_len` tokens (`molt sft` and `molt eval` need no such thing)."""
     check(train.batch_size == TrainConfig.batch_size, "train.batch_size", "has no effect here: it is molt sft's "
           "batch; an RL step trains rollout.prompts_per_step x rollout.n_samples_per_prompt samples")  # fmt: skip
+    check(train.micro_batch_tokens >= max_len, "train.micro_batch_tokens",
+          f"({train.micro_batch_tokens}) must be >= rollout.max_len ({max_len})")  # fmt: skip

@@ -68,7 +68,7 @@ class Trainer:
 
     def __init__(self, model: Transformer, cfg: Config, fsdp: bool = False):
         """`fsdp` (a `TrainerRank`): every model it builds is FSDP2-sharded before the optimizers are built."""
-        check_rl_batch(cfg.train)
+        check_rl_batch(cfg.train, cfg.rollout.max_len)
         self.precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
         self.model, self.cfg = model.to(self.precision.params), cfg
         prepare_layers(model, cfg.train, cfg.runtime.device)  # a critic copied from it inherits the wrapping

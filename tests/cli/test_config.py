@@ -6,7 +6,7 @@ import pytest
 from conftest import small_model  # noqa: I001 - tests/conftest.py
 
 from molt.cli.config_file import load_config_file
-from molt.cli.main import main, parse_config
+from molt.cli.main import main, parse_command, parse_config
 from molt.config import Config, ConfigError
 from molt.models import save_pretrained
 
@@ -142,7 +142,7 @@ def test_impossible_rl_combination(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[rollout]\nmax_len = 2048\n[train]\nmicro_batch_tokens = 1024\n")
     with pytest.raises(ConfigError, match=r"train\.micro_batch_tokens: \(1024\) must be >= rollout\.max_len \(2048\)"):
-        load_config_file(Config, path)
+        parse_command(["train", "--config", str(path)])  # RL training's (molt sft and eval need no such micro-batch)
     path.write_text('[algo]\nestimator = "grpoo"\n')
     with pytest.raises(ConfigError, match=r"run\.toml:2: algo\.estimator: unknown; choose one of"):
         load_config_file(Config, path)
@@ -396,3 +396,14 @@ def test_w_and_b_and_data_file_flags_are_refused_where_inert_but_a_file_may_hold
     (tmp_path / "old.yaml").write_text("log:\n  wandb_mode: offline\ndata:\n  shuffle: false\n")
     cfg = parse_command(["train", "--config", str(tmp_path / "old.yaml")])
     assert cfg.log.wandb_mode == "offline" and not cfg.data.shuffle
+
+
+def test_only_rl_training_ties_micro_batches_to_rollout_max_len():
+    """`molt sft` refused --train.micro_batch_tokens below rollout.max_len, a setting it refuses as a flag."""
+    from molt.cli.main import parse_command
+    from molt.config import ConfigError
+
+    flags = ["--data.max_len", "128", "--train.micro_batch_tokens", "160"]
+    parse_command(["sft", *flags])
+    with pytest.raises(ConfigError, match=r"micro_batch_tokens: \(160\) must be >= rollout.max_len \(192\)"):
+        parse_command(["train", *flags, "--rollout.max_len", "192"])
