@@ -46,7 +46,7 @@ def make_config(config: Config | dict[str, Any] | str | os.PathLike | None = Non
     if isinstance(config, str | os.PathLike):
         from molt.cli.main import check_resume_config
 
-        path, config = config, load_config_file(Config, config, base=Config())
+        path, config = config, load_config_file(Config, config, base=Config(), overrides=overrides)
         check_resume_config(nested(overrides).get("ckpt", {}).get("resume") or config.ckpt.resume, path)
     if isinstance(config, Config):  # built afresh: a Config changed after it was made is checked again
         values = dataclasses.asdict(config)

@@ -186,11 +186,14 @@ def _known(key: str, names: list[str], prefix: str) -> None:
         raise ConfigError(f"{prefix}{key}: unknown key{hint}")
 
 
-def load_config_file(cls: type, path: str | Path, base: Any = None, skip: frozenset[str] = frozenset()) -> Any:
-    """`build` of file `path`'s values but the keys in `skip`; its errors name file, line and key."""
+def load_config_file(
+    cls: type, path: str | Path, base: Any = None, skip: frozenset[str] = frozenset(), overrides: dict | None = None
+) -> Any:
+    """`build` of file `path`'s values but the keys in `skip`, then `overrides` (checked together: a file's model
+    folder another replaces need not exist); its errors name file, line and key."""
     data, lines = read_file(path)
     try:
-        return build(cls, data, base, skip=skip)
+        return build(cls, nested(data, overrides or {}), base, skip=skip)
     except ConfigError as e:
         key = re.sub(r"(\[\d+\])+$", "", str(e).split(":", 1)[0])  # a tuple entry's line is its key's
         line = lines.get(key) or lines.get(key.rsplit(".", 1)[0])

@@ -159,6 +159,14 @@ def test_wandb_without_a_login_is_one_config_line(tmp_path, monkeypatch):
         RunDir(tmp_path / "run", "train", molt.make_config(log={"wandb_project": "p"}))
 
 
+def test_keyword_overrides_replace_a_config_files_values_before_they_are_checked(tmp_path):
+    """`make_config("recipe.toml", model={"path": ...})` failed on the file's own model folder, gone here, which the
+    keyword replaces (as `--config recipe.toml --model.path elsewhere/` does)."""
+    (tmp_path / "recipe.toml").write_text('[model]\npath = "gone/model"\n[train]\nmax_steps = 3\n')
+    config = molt.make_config(str(tmp_path / "recipe.toml"), model={"path": ""})
+    assert (config.model.path, config.train.max_steps) == ("", 3)
+
+
 def test_missing_wandb_is_one_config_line(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
