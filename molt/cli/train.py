@@ -25,7 +25,7 @@ from molt.algo import ESTIMATORS
 from molt.cli.build import build_policy, build_tokenizer, check_same_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.cli.warm_start import may_warm_start, wants_warm_start, warm_start
-from molt.config import Config, ConfigError, check
+from molt.config import AlgoConfig, Config, ConfigError, check
 from molt.config.rl import check_rollout_algo
 from molt.config.run import latest_checkpoint
 from molt.config.training import check_rl_batch
@@ -173,9 +173,11 @@ def check_run_dir(cfg: Config) -> int | None:
         old = _saved_form(saved)
         was, now = _state_shape(old), _state_shape(cfg.file_form())
         adaptive = cfg.algo.kl_target and old["algo"]["kl_target"]  # its coefficient is training state
+        horizon = "" if cfg.algo.kl_horizon == AlgoConfig.kl_horizon else f" --algo.kl_horizon {AlgoConfig.kl_horizon}"
         check(not adaptive or cfg.algo.kl_coef == old["algo"]["kl_coef"], "algo.kl_coef", "the adaptive KL "
               f"coefficient (algo.kl_target) continues from {cfg.ckpt.resume}'s checkpoint; --algo.kl_coef sets "
-              "only a new run's starting value: drop it (or --algo.kl_target 0 for a fixed coefficient)")  # fmt: skip
+              f"only a new run's starting value: drop it (or --algo.kl_target 0{horizon} for a fixed "
+              "coefficient)")  # fmt: skip
         folders = ("model.path", "model.tokenizer", "critic.path")
         moved = {k for k in folders if was[k] and now[k] and not Path(str(was[k])).exists()}
         for what in (k for k in now if now[k] != was[k] and k not in moved):  # a moved folder: its new place

@@ -321,3 +321,14 @@ def test_a_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
     assert str(run / "checkpoints") in events[named:]  # the rename itself, too
     (step / "gone").symlink_to(tmp_path / "nowhere")  # a dangling link in a folder (it aborted the save)
     molt.log.sync_tree(step)
+
+
+def test_the_adaptive_kl_refusals_remedy_works_as_given(tmp_path, capsys):
+    """Its remedy, `--algo.kl_target 0`, then failed on the run's own kl_horizon (no effect with a fixed KL)."""
+    run = tmp_path / "run"
+    kl = ["--algo.kl_coef", "0.05", "--algo.kl_target", "0.05", "--algo.kl_horizon", "100"]
+    main(["train", *TINY, *kl, "--train.max_steps", "1", "--log.run_dir", str(run)])
+    err = one_line(run_molt(capsys, "train", "--resume", str(run), "--train.max_steps", "2", "--algo.kl_coef", "0.1"))
+    remedy = err.split("(or ")[1].split(" for a fixed")[0].split()
+    assert remedy == ["--algo.kl_target", "0", "--algo.kl_horizon", "10000"]
+    main(["train", "--resume", str(run), "--train.max_steps", "2", "--algo.kl_coef", "0.1", *remedy])
