@@ -257,8 +257,8 @@ async def train_async(cfg: Config) -> TrainResult:
     threads, main_threads = cfg.runtime.threads or torch.get_num_threads(), torch.get_num_threads()
     torch.set_num_threads(1)  # this thread runs asyncio only; model compute runs on the engine's thread
     try:
-        inputs = _replay_inputs(cfg) if cfg.rollout.replay else load_inputs(cfg)  # before the run directory and any
-        # model: a bad row stops here
+        # before the run directory and any model: a bad row stops here
+        inputs = _replay_inputs(cfg) if cfg.rollout.replay else load_inputs(cfg)
         with RunDir(cfg.log.run_dir or cfg.ckpt.resume, "train", cfg, resumed=resumed) as run:
             result = await _train_async(cfg, run, threads, inputs)
     finally:
