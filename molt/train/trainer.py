@@ -178,7 +178,7 @@ class Trainer:
         if not (self.cfg.algo.routing_replay and traj.routing is not None):
             return traj.group_id
         prompt = next((i for i, m in enumerate(traj.loss_mask) if m), len(traj.tokens))
-        return traj.group_id, traj.routing[:prompt].numpy().tobytes()
+        return traj.group_id, traj.routing[:prompt].cpu().numpy().tobytes()
 
     def advantages(
         self,
