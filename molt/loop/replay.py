@@ -17,6 +17,7 @@ from typing import Any
 from molt.config import Config, ConfigError
 from molt.data.trajectory import Trajectory
 from molt.engine.torch_engine import with_threads
+from molt.log import read_metrics
 from molt.loop.dump import read_shard, rollouts_folder, shard_name, shard_steps
 from molt.loop.rl import LoopState, RLLoop
 from molt.models import TransformerConfig
@@ -98,8 +99,30 @@ class ReplayLoop(RLLoop):
         """Train on the dumped batches until `train.max_steps`; returns per-step metrics."""
         self.state.buffer = []  # a resumed live run's buffered groups: the dump has what trained instead
         self.run_t0 = time.perf_counter() - self.state.elapsed_s
+        first = self.state.step + 1
+
+        def checked(metrics: dict[str, Any]) -> None:
+            if metrics["step"] == first:
+                self._check_policy(metrics)
+            on_step(metrics)
+
         try:
-            await self.train(on_step)
+            await self.train(checked)
         finally:
             self.pool.shutdown()
         return self.history
+
+    def _check_policy(self, metrics: dict[str, Any]) -> None:
+        """Warn when the first replayed step's log-prob gap to the dump is far above the run's own at that step:
+        the policy rebuilt from config.yaml is then not the one that sampled it (another --model.path folder or
+        warm-start cache, or another Molt), and every ratio of the replay is against other weights."""
+        logged = self.folder.parent / "metrics.jsonl"
+        own = (
+            [r for r in read_metrics(self.folder.parent) if r.get("step") == metrics["step"]] if logged.exists() else []
+        )
+        then = next((r["train/logprob_diff"] for r in own if "train/logprob_diff" in r), None)
+        now = metrics.get("train/logprob_diff")
+        if then is not None and now is not None and now > 10 * then + 1e-3:
+            log.warning("replay step %d: train/logprob_diff %.3g against the run's %.3g: the policy rebuilt from its "
+                        "config.yaml is not the one that sampled the dump (a changed model folder or warm-start "
+                        "cache, or another Molt version)", metrics["step"], now, then)  # fmt: skip

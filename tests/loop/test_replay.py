@@ -88,6 +88,18 @@ def test_a_replay_needs_neither_the_data_nor_the_reward(dumped, tmp_path):
     assert [m["train/loss"] for m in replay.history] == [m["train/loss"] for m in history]
 
 
+def test_a_replay_from_another_initial_policy_is_warned_about(dumped, tmp_path, caplog):
+    """The policy is rebuilt from config.yaml: another one (here another seed's random init; in use, a changed model
+    folder or warm-start cache) trained silently against the dump's log-probs."""
+    run, history = dumped
+    with caplog.at_level("WARNING", logger="molt.loop"):
+        _replay(run, tmp_path / "same")
+    assert "is not the one that sampled the dump" not in caplog.text
+    with caplog.at_level("WARNING", logger="molt.loop"):
+        _replay(run, tmp_path / "other", "--train.seed", "7")
+    assert "replay step 1: train/logprob_diff" in caplog.text and "not the one that sampled the dump" in caplog.text
+
+
 CORRUPTIONS = {  # an edit of one line (the second of step 1's shard) and what the error says
     "token out of vocab": (lambda r: r["tokens"].__setitem__(0, 10**6), "field 'tokens': id 1000000"),
     "missing field": (lambda r: r.pop("loss_mask"), "field 'loss_mask': missing"),
