@@ -126,10 +126,9 @@ def start_wandb(run_path: Path, log_cfg: Any, config: dict[str, Any]) -> Any:
                           config=config, reinit="create_new")  # fmt: skip
     except wandb.errors.Error as e:  # no login (UsageError), a refused key, no network
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(
-            f"log.wandb_project: W&B did not start ({why}); run `wandb login` (or set WANDB_API_KEY), "
-            "or log offline with --log.wandb_mode offline"
-        ) from None
+        offline = "" if log_cfg.wandb_mode == "offline" else ", or log offline with --log.wandb_mode offline"
+        raise ConfigError(f"log.wandb_project: W&B did not start ({why}); run `wandb login` (or set WANDB_API_KEY)"
+                          f"{offline}") from None  # fmt: skip
 
 
 class RunDir:
@@ -154,7 +153,9 @@ class RunDir:
         try:
             self._open(given, config, resolved, tensorboard, resumed)
         except BaseException:
-            self.lock.close()  # a retry in this process (a notebook) must find the folder free
+            for part in (getattr(self, "metrics_file", None), getattr(self, "tb", None), self.lock):
+                if part is not None:
+                    part.close()  # a retry in this process (a notebook) must find the folder free, no writer left
             raise
 
     def _open(self, given: Path, config: Any, resolved: dict, tensorboard: bool, resumed: int | None) -> None:

@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 
 _FOLDERS: set[Path] = set()  # the folders of the user files imported so far
+_ALIASED: dict[str, Path] = {}  # plain module name -> the user file `import_user_module` also registered under it
 
 
 def import_failure(spec: str, error: Exception) -> str:
@@ -46,11 +47,19 @@ def import_user_module(target: str):
         _check_siblings(path, folder)
         module_spec = importlib.util.spec_from_file_location(f"molt_agent_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_spec.name] = module
+        # also its plain name while free (or this file's older version): a reward's `import my_env`, directly or
+        # through a helper, is the agent file's module, one module state for both, not a second copy of the file
+        held = sys.modules.get(path.stem)
+        plain = path.stem.isidentifier() and (held is None or _ALIASED.get(path.stem) == path.resolve())
+        names = [module_spec.name, *([path.stem] if plain else [])]
+        sys.modules.update(dict.fromkeys(names, module))
+        _ALIASED.update(dict.fromkeys(names[1:], path.resolve()))
         try:
             module_spec.loader.exec_module(module)
         except BaseException:
-            del sys.modules[module_spec.name]  # half run: not a module to hand out again
+            for name in names:  # half run: not a module to hand out again
+                del sys.modules[name]
+                _ALIASED.pop(name, None)
             raise
         _VERSIONS[path.resolve()] = version
         return module
@@ -61,16 +70,14 @@ def import_user_module(target: str):
 
 def _check_siblings(path: Path, folder: Path) -> None:
     """An ImportError when user file `path` imports a module name that an earlier user file's folder gave the
-    process, while `folder` holds its own of that name. A module beside it that this process imported by path
-    already (the agent file, imported by the reward file) is that module under its plain name, so both share one
-    module state (not a second copy of the file)."""
+    process, while `folder` holds its own of that name. A plain name only aliased to an earlier user file (see
+    `import_user_module`) is dropped instead: the file beside this one is its module."""
     tree = ast.parse(path.read_bytes(), str(path))
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
-    for name in sorted({n.partition(".")[0] for n in names} - set(sys.modules)):
-        sibling = (folder / f"{name}.py").resolve()
-        if sibling.is_file() and (module := _imported(sibling, sibling.stat().st_mtime)) is not None:
-            sys.modules[name] = module
+    for name in sorted({n.partition(".")[0] for n in names} & _ALIASED.keys()):
+        if (own := folder / f"{name}.py").is_file() and own.resolve() != _ALIASED[name]:
+            del sys.modules[name], _ALIASED[name]
     for name in sorted({n.partition(".")[0] for n in names} & set(sys.modules)):
         there = Path(getattr(sys.modules[name], "__file__", None) or "").resolve()
         other = there.parent.parent if there.name == "__init__.py" else there.parent

@@ -192,10 +192,14 @@ def load_config_file(
     """`build` of file `path`'s values but the keys in `skip`, then `overrides` (checked together: a file's model
     folder another replaces need not exist); its errors name file, line and key."""
     data, lines = read_file(path)
+    given = nested(overrides or {})
     try:
-        return build(cls, nested(data, overrides or {}), base, skip=skip)
+        return build(cls, nested(data, given), base, skip=skip)
     except ConfigError as e:
         key = re.sub(r"(\[\d+\])+$", "", str(e).split(":", 1)[0])  # a tuple entry's line is its key's
+        group, _, name = key.partition(".")
+        if isinstance(given.get(group), dict) and name in given[group]:  # an override's, not the file's
+            raise
         line = lines.get(key) or lines.get(key.rsplit(".", 1)[0])
         error = ConfigError(f"{path}{f':{line}' if line else ''}: {e}")
         error.key = key

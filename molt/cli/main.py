@@ -268,9 +268,10 @@ def _usage() -> str:
 
 
 # rollout settings a replay never reads (the dump holds what they made): its flags are refused
+# (not max_tokens: the overlong penalty's budget may be it)
 REPLAY_UNREAD = ("agent", "reward", "reward_weights", "prompts_per_step", "n_samples_per_prompt", "sync_mode", "top_p",
-                 "top_k", "max_tokens", "max_turns", "step_timeout_s", "max_failure_frac", "filters", "filter_on",
-                 "score_range", "max_in_flight", "agent_workers")  # fmt: skip
+                 "top_k", "max_turns", "step_timeout_s", "max_failure_frac", "filters", "filter_on", "score_range",
+                 "max_in_flight", "agent_workers")  # fmt: skip
 
 
 def _refuse_inert_flags(cfg: Config, flags: frozenset[str], command_name: str) -> None:
@@ -290,14 +291,15 @@ def _refuse_inert_flags(cfg: Config, flags: frozenset[str], command_name: str) -
         inert |= dict.fromkeys(keys, "here: W&B is off (no --log.wandb_project)")
     if not (cfg.data.path or cfg.data.eval_path):
         inert |= dict.fromkeys(("data.shuffle", "data.split"), "here: a built-in task's rows are generated as they are")
-    if cfg.rollout.replay:
+    if cfg.rollout.replay and command_name == "train":  # (`molt eval` of a replay run reads its config.yaml)
         unread = [f"runtime.{k}" for k in ENGINE if k != "engine_threads"]  # the replay's compute threads: read
         unread += [f"rollout.{k}" for k in REPLAY_UNREAD]
         unread += [f"eval.{k}" for k in ("num_prompts", "n_samples", "temperature", "seed", "output")]
         unread += [k for k in flags if k.startswith("chat.")]
         inert |= dict.fromkeys(unread, "with --replay, which trains on the dump's batches without an engine or eval")
-        inert["rollout.temperature"] = ("with --replay but to change its losses: the trainer's log-probs take the "
-                                        "temperature the dump was sampled at, the run's")  # fmt: skip
+        if cfg.config:  # the run's config.yaml holds the temperature the dump was sampled at
+            inert["rollout.temperature"] = ("with --replay but to change its losses: the trainer's log-probs take "
+                                            "the temperature the dump was sampled at, the run's")  # fmt: skip
     for key in sorted(flags & inert.keys()):
         raise ConfigError(f"{key}: has no effect {inert[key]}; drop the flag")
 

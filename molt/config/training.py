@@ -15,10 +15,10 @@ from typing import Literal
 from molt.config.base import ConfigError, changed, check, check_bounds, expand_user
 from molt.errors import UserError
 
-# `apply_chat_template`'s own arguments, which Molt sets per rendering: no template option may replace them
-TEMPLATE_CALL = ("conversation", "tools", "documents", "chat_template", "add_generation_prompt", "tokenize",
-                 "continue_final_message", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-                 "return_assistant_tokens_mask", "tokenizer_kwargs")  # fmt: skip
+# `apply_chat_template`'s arguments that Molt sets per rendering, or that would make it return other than the text
+TEMPLATE_CALL = ("conversation", "tools", "add_generation_prompt", "tokenize", "continue_final_message", "padding",
+                 "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                 "tokenizer_kwargs")  # fmt: skip
 
 
 @dataclass

@@ -116,13 +116,15 @@ class ReplayLoop(RLLoop):
         """Warn when the first replayed step's log-prob gap to the dump is far above the run's own at that step:
         the policy rebuilt from config.yaml is then not the one that sampled it (another --model.path folder or
         warm-start cache, or another Molt), and every ratio of the replay is against other weights."""
-        logged = self.folder.parent / "metrics.jsonl"
-        own = (
-            [r for r in read_metrics(self.folder.parent) if r.get("step") == metrics["step"]] if logged.exists() else []
-        )
+        try:  # the run beside the dump (a copied rollouts folder has none: no check)
+            rows = read_metrics(self.folder.parent) if (self.folder.parent / "metrics.jsonl").exists() else []
+        except ConfigError:  # a mangled metrics.jsonl: no check, not a stopped replay
+            rows = []
+        own = [r for r in rows if r.get("step") == metrics["step"]]
         then = next((r["train/logprob_diff"] for r in own if "train/logprob_diff" in r), None)
         now = metrics.get("train/logprob_diff")
         if then is not None and now is not None and now > 10 * then + 1e-3:
             log.warning("replay step %d: train/logprob_diff %.3g against the run's %.3g: the policy rebuilt from its "
                         "config.yaml is not the one that sampled the dump (a changed model folder or warm-start "
-                        "cache, or another Molt version)", metrics["step"], now, then)  # fmt: skip
+                        "cache, another Molt version), or it computes otherwise (another --model.dtype, "
+                        "--train.precision or device)", metrics["step"], now, then)  # fmt: skip

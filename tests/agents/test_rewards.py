@@ -282,3 +282,6 @@ def test_a_reward_file_importing_the_agent_file_gets_the_same_module(tmp_path):
     (tmp_path / "b" / "rew.py").write_text("import env\n\ndef reward(c, row):\n  return 0.0\n")
     import_user_module(str(tmp_path / "a" / "env.py"))
     assert import_user_module(str(tmp_path / "b" / "rew.py")).env.WHERE == "b"
+    (tmp_path / "helpers.py").write_text("import shared_env\n")  # through a helper module: the same one too
+    (tmp_path / "r_helped.py").write_text("import helpers\n\ndef reward(c, row):\n  return 0.0\n")
+    assert import_user_module(str(tmp_path / "r_helped.py")).helpers.shared_env is agent

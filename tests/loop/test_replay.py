@@ -73,6 +73,8 @@ def test_replay_reproduces_the_on_policy_run_bit_exactly(dumped, tmp_path, monke
     # the rollouts folder names the dump as well as its run directory
     again = _replay(run / "rollouts", tmp_path / "again", "--config", str(run / "config.yaml"))
     assert [m["train/loss"] for m in again.history] == [m["train/loss"] for m in history]
+    # `molt eval` of the replay run reads its config.yaml (rollout.replay set): the replay's refusals are train's
+    assert parse_command(["eval", str(tmp_path / "replay"), "--rollout.max_tokens", "8"]).rollout.max_tokens == 8
 
 
 def test_a_replay_needs_neither_the_data_nor_the_reward(dumped, tmp_path):
