@@ -184,7 +184,7 @@ def test_a_resume_on_changed_training_rows_is_refused():
 
     state = loop(rows).snapshot()
     loop(rows, state)  # the same rows: resumes
-    with pytest.raises(ConfigError, match="data.path: the training rows changed since the checkpoint \\(20 rows then"):
+    with pytest.raises(ConfigError, match="data.task: the training rows changed since the checkpoint \\(20 rows then"):
         loop([*rows, rows[0]], state)
     loop([], state)  # a replay reads no rows
 
