@@ -31,3 +31,7 @@ def test_warm_start_key_covers_every_row_and_ignores_lora(tmp_path, monkeypatch)
     # chat template options render the demonstrations otherwise: another key (left out at their default, so the
     # caches made before the setting existed stay valid)
     assert Path(warm_start(parse_config([*flags, "--model.template_args", "x=1"]))) != second
+    from molt.cli.warm_start import _key_fields
+    from molt.config import ModelConfig
+
+    assert "template_args" not in _key_fields(ModelConfig(), "router_fp32", "template_args")

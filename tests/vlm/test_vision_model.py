@@ -84,6 +84,7 @@ def test_bad_images_are_clear_errors(tmp_path):
     (tmp_path / "cut.jpg").write_bytes((tmp_path / "whole.jpg").read_bytes()[:2000])
     with pytest.raises(ImageError, match=r"cut\.jpg' \(2000 bytes\): image file is truncated"):
         load_image(str(tmp_path / "cut.jpg"), verify="scan")
+    assert load_image(str(tmp_path / "cut.jpg"), verify=True).format == "JPEG"  # a served image's sniff: no decode
 
 
 def test_image_placeholders_in_an_assistant_turn_carry_no_loss():
