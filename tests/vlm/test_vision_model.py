@@ -150,3 +150,16 @@ def test_wrapped_base64_and_wide_or_float_grey_images_decode_as_a_viewer_shows_t
     buffer = io.BytesIO()
     floats.save(buffer, format="TIFF")
     assert np.asarray(rgb_image(buffer.getvalue()))[0, :, 0].tolist() == [0, 128, 255]
+
+
+def test_a_text_only_critic_beside_a_vlm_policy_is_refused_at_start_up(tmp_path):
+    """It was an internal error at the first step (the critic body has no vision tower to read the pixels)."""
+    from molt.cli.main import parse_config
+    from molt.config import ConfigError
+    from molt.train.critic import Critic
+    from molt.train.precision import Precision
+
+    folder = save_pretrained(Transformer(preset("tiny", vocab_size=len(TOK))), tmp_path / "text")
+    cfg = parse_config(["--algo.estimator", "gae", "--critic.path", str(folder)])
+    with pytest.raises(ConfigError, match="critic.path: the policy reads images but .*text has no vision tower"):
+        Critic(small_vlm(), cfg, Precision.of("float32", "mixed", "cpu"))
