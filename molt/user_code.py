@@ -76,8 +76,11 @@ def _check_siblings(path: Path, folder: Path) -> None:
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
     for name in sorted({n.partition(".")[0] for n in names} & _ALIASED.keys()):
-        if (own := folder / f"{name}.py").is_file() and own.resolve() != _ALIASED[name]:
-            del sys.modules[name], _ALIASED[name]
+        own, held = folder / f"{name}.py", getattr(sys.modules.get(name), "__file__", None)
+        if own.is_file() and own.resolve() != _ALIASED[name]:
+            aliased = _ALIASED.pop(name)
+            if held is not None and Path(held).resolve() == aliased:  # still that alias (not replaced since)
+                del sys.modules[name]
     for name in sorted({n.partition(".")[0] for n in names} & set(sys.modules)):
         there = Path(getattr(sys.modules[name], "__file__", None) or "").resolve()
         other = there.parent.parent if there.name == "__init__.py" else there.parent
