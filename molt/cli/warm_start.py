@@ -39,7 +39,8 @@ def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
     data = _key_fields(cfg.data, "eval_path", "split", "columns", "system_prompt", "shuffle")
     sample = rows if cfg.data.path else rows[:8]  # a file's every row (it may change); a task's follow its seed
     model = _key_fields(cfg.model, "router_fp32", "template_args")
-    fields = dict(model=model, data=data, seed=cfg.train.seed, sample=sample, version=1)
+    # version 2: a task's training rows leave out its held-out prompts (rows the first 8 do not show changed)
+    fields = dict(model=model, data=data, seed=cfg.train.seed, sample=sample, version=2)
     fields |= {"freeze_router": True} if cfg.train.freeze_router else {}  # the warm start freezes it too
     if moved := changed(cfg.train, *OPTIMIZER):  # the SFT's AdamW and precision are the run's
         fields["train"] = {k: getattr(cfg.train, k) for k in sorted(moved)}
