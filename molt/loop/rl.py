@@ -287,12 +287,12 @@ class RLLoop(Accounting):
         (over the rollouts that have it)."""
         firsts, self.step_rollouts = self.step_rollouts, []
         values: dict[str, list[float]] = {"rollout/reward_mean": [t.reward for t in firsts]}
-        for traj in firsts:
-            for key, value in _numbers(traj.info).items():
+        infos = [_numbers(t.info) for t in firsts]
+        for info in infos:
+            for key, value in info.items():
                 if not key.startswith("reward/"):
                     values.setdefault(f"rollout/info/{key}", []).append(value)
-        named = named_reward_means([_numbers(t.info) for t in firsts])
-        return {key: sum(v) / len(v) for key, v in values.items() if v} | named
+        return {key: sum(v) / len(v) for key, v in values.items() if v} | named_reward_means(infos)
 
     def _engine_metrics(self) -> dict[str, float]:
         """Engine work since the last step (`work_since`), for engines that count it in this process; Ray
