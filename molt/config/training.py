@@ -64,9 +64,9 @@ class ModelConfig:
         check_finite(self, "model")
         check_bounds(self, init_std="> 0", warmstart_lr="> 0", warmstart_steps=">= 0 (0 = no warm start)")
         self.path = self.path and check_model_folder(self.path, "model.path")  # a run directory: its latest checkpoint
-        if self.tokenizer:
-            self.tokenizer = os.path.expanduser(self.tokenizer)
-            check(os.path.isdir(self.tokenizer), "model.tokenizer", f"folder {self.tokenizer!r} does not exist")
+        expand_user(self, "tokenizer")
+        check(not self.tokenizer or os.path.isdir(self.tokenizer), "model.tokenizer",
+              f"folder {self.tokenizer!r} does not exist")  # fmt: skip
         self.template_kwargs()  # a malformed one: an error at start-up
 
     def template_kwargs(self) -> dict[str, object]:
