@@ -20,12 +20,12 @@ from molt.agents.chat.agent import local_rollout
 from molt.cli.build import build_policy
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
 from molt.config import Config, check
+from molt.data.dataset import rows_digest
 from molt.engine.torch_engine import on_fresh_thread
 from molt.errors import UserError
 from molt.log import RunDir, atomic_write_text, check_new_run_dir, json_safe
 from molt.loop.accounting import FAILURE_LOG
 from molt.loop.evaluate import chat_runner, episode_limits, evaluate, rollout_sampling
-from molt.loop.rl import rows_digest
 from molt.runtime.factory import build_engine
 
 

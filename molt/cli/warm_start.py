@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from molt import cache_root
 from molt.config import Config, ConfigError, TrainConfig
 from molt.config.base import changed
-from molt.data.dataset import dataset_rows, has_demonstrations
+from molt.data.dataset import dataset_rows, has_demonstrations, rows_digest
 
 OPTIMIZER = ("weight_decay", "betas", "grad_clip", "min_lr_ratio", "precision")  # the run's, used by the SFT too
 
@@ -37,10 +37,11 @@ def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
     """Path of an SFT checkpoint of the preset on the task's demonstrations (trained once, then cached)."""
     rows = train_rows if train_rows is not None else dataset_rows(cfg.data)[0]
     data = _key_fields(cfg.data, "eval_path", "split", "columns", "system_prompt", "shuffle")
-    sample = rows if cfg.data.path else rows[:8]  # a file's every row (it may change); a task's follow its seed
+    # a file's every row (it may change); a task's count and three of its rows (as a resume checks them: a change of
+    # its generated rows, such as held-out prompts leaving them, moves those)
+    sample = rows if cfg.data.path else rows_digest(rows)
     model = _key_fields(cfg.model, "router_fp32", "template_args")
-    # version 2: a task's training rows leave out its held-out prompts (rows the first 8 do not show changed)
-    fields = dict(model=model, data=data, seed=cfg.train.seed, sample=sample, version=2)
+    fields = dict(model=model, data=data, seed=cfg.train.seed, sample=sample, version=1)
     fields |= {"freeze_router": True} if cfg.train.freeze_router else {}  # the warm start freezes it too
     if moved := changed(cfg.train, *OPTIMIZER):  # the SFT's AdamW and precision are the run's
         fields["train"] = {k: getattr(cfg.train, k) for k in sorted(moved)}

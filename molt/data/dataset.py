@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
 import random
 
@@ -74,6 +75,14 @@ def dataset_rows(data) -> tuple[list[Row], list[Row]]:
 
 def _prompt(row: Row) -> str:
     return json.dumps(row["messages"], sort_keys=True, default=repr)
+
+
+def rows_digest(rows: list[dict]) -> list:
+    """[count, digest of the first, middle and last rows]: rows appended, removed or edited move them (the rows are
+    shuffled over the whole list when read)."""
+    picks = [rows[i] for i in sorted({0, len(rows) // 2, len(rows) - 1})] if rows else []
+    text = json.dumps(picks, sort_keys=True, default=lambda o: type(o).__name__)  # images: by kind only
+    return [len(rows), hashlib.sha256(text.encode()).hexdigest()[:16]]
 
 
 def has_demonstrations(rows: list[Row]) -> bool:

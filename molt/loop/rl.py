@@ -15,8 +15,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import hashlib
-import json
 import logging
 import math
 import random
@@ -34,6 +32,7 @@ from molt.agents.runner import EpisodeLimits, real_number
 from molt.agents.watchdog import SWALLOWED
 from molt.agents.workers import AgentWorkers
 from molt.config import Config, ConfigError
+from molt.data.dataset import rows_digest
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Engine, SamplingParams, work_since
 from molt.errors import RolloutDrop, RunFatalError
@@ -400,14 +399,6 @@ def _numbers(info: dict) -> dict[str, float]:
         with contextlib.suppress(TypeError, ValueError, OverflowError):
             out[key] = real_number(value, key)
     return out
-
-
-def rows_digest(rows: list[dict]) -> list:
-    """[count, digest of the first, middle and last rows]: rows appended, removed or edited move them (the rows are
-    shuffled over the whole list when read)."""
-    picks = [rows[i] for i in sorted({0, len(rows) // 2, len(rows) - 1})] if rows else []
-    text = json.dumps(picks, sort_keys=True, default=lambda o: type(o).__name__)  # images: by kind only
-    return [len(rows), hashlib.sha256(text.encode()).hexdigest()[:16]]
 
 
 def row_index(group_index: int, num_rows: int, seed: int) -> int:
