@@ -263,7 +263,7 @@ def _eval_args(target: str, args: list[str]) -> list[str]:
 def _usage() -> str:
     lines = ["usage: molt <command> [--config FILE] [--group.field VALUE ...]", "", "commands:"]
     lines += [f"  {name:<8} {(fn.__doc__ or '').strip().splitlines()[0]}" for name, fn in COMMANDS.items()]
-    lines += ["", "`molt <command> --help` lists every flag with its help text and default."]
+    lines += ["", "`molt <command> --help` lists every flag with its help text and default; `molt --version`."]
     return "\n".join(lines)
 
 
@@ -410,6 +410,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return
+    if argv[0] == "--version":
+        from molt import __version__
+
+        print(f"molt {__version__}")
         return
     name = argv[0]
     if name not in COMMANDS:

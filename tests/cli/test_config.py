@@ -1,5 +1,6 @@
 """The config tree and its CLI: flags, files, overrides, and clear errors."""
 
+import importlib.metadata
 import socket
 
 import pytest
@@ -136,6 +137,8 @@ def test_help_lists_commands_and_fields(capsys):
         main(["sft", "--help"])
     out = capsys.readouterr().out
     assert "--train.lr" in out and "Peak learning rate" in out
+    main(["--version"])  # the installed package's version, which setuptools reads from molt.__version__
+    assert capsys.readouterr().out == f"molt {importlib.metadata.version('molt')}\n"
 
 
 def test_impossible_rl_combination(tmp_path):
