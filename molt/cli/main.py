@@ -48,11 +48,11 @@ BACKEND = _all_but("runtime", "device", "threads", *ENGINE)  # backend and Ray's
 SAMPLING = ("temperature", "top_p", "top_k")  # rollout settings `molt serve` reads (max_tokens is chat's)
 EPISODE = ("agent", "reward", "reward_weights", "top_p", "top_k", "max_tokens", "max_turns", "max_len")
 EPISODE += ("step_timeout_s", "agent_workers")  # rollout settings `molt eval` reads (temperature is eval's)
-NO_RL = ("algo", "critic", "ckpt", *BACKEND, *WARM_START)  # what `molt sft`, `eval` and `serve` do not read
+NO_RL = ("algo", "critic", *BACKEND, *WARM_START)  # what `molt sft`, `eval` and `serve` do not read
 SFT_UNUSED = (*NO_RL, "rollout", "eval", "chat", *(f"runtime.{k}" for k in ENGINE))
 SFT_UNUSED += tuple(f"train.{k}" for k in RL_TRAINER)
-EVAL_UNUSED = (*NO_RL, *_all_but("rollout", *EPISODE), *_all_but("train", "seed"), "eval.every", "log.every")
-SERVE_UNUSED = (*NO_RL, "data", "eval", "log", *_all_but("rollout", *SAMPLING), *_all_but("train", "seed"))
+EVAL_UNUSED = (*NO_RL, "ckpt", *_all_but("rollout", *EPISODE), *_all_but("train", "seed"), "eval.every", "log.every")
+SERVE_UNUSED = (*NO_RL, "ckpt", "data", "eval", "log", *_all_but("rollout", *SAMPLING), *_all_but("train", "seed"))
 
 
 def command(name: str, unused: tuple[str, ...] = (), **defaults: dict):
@@ -79,7 +79,9 @@ def train(cfg: Config) -> object:
 
 @command("sft", unused=SFT_UNUSED, train={"lr": 2e-3, "max_steps": 150})
 def sft(cfg: Config) -> object:
-    """Supervised fine-tuning on chat data (loss on assistant tokens); writes an HF checkpoint."""
+    """Supervised fine-tuning on chat data (loss on assistant tokens); writes an HF checkpoint.
+
+    `--ckpt.every N` also saves resumable checkpoints: `molt sft --resume RUN_DIR` continues the run."""
     from molt.cli.sft import run_sft
 
     return run_sft(cfg)
@@ -196,13 +198,16 @@ def _alias(args: list[str], short: str, flag: str, missing: str) -> tuple[list[s
     return args, value
 
 
-def _resume_args(args: list[str]) -> list[str]:
+def _resume_args(args: list[str], command_name: str) -> list[str]:
     """`--resume DIR` = `--ckpt.resume DIR` with the run's own config.yaml as the config file, continuing in DIR
-    (wherever the run was first written; a later `--log.run_dir` still wins)."""
+    (wherever the run was first written; a later `--log.run_dir` still wins); DIR must be a run of this command."""
+    from molt.loop.checkpoint import check_written_by
+
     missing = "--resume needs a run directory, e.g. --resume runs/train-<time>"
     args, run_dir = _alias(args, "--resume", "--ckpt.resume", missing)
     if run_dir is None:
         return args
+    check_written_by(run_dir, command_name)  # before its config.yaml, whose settings the other command may refuse
     return ["--config", str(run_config(run_dir)), "--log.run_dir", str(Path(run_dir).resolve()), *args]
 
 
@@ -315,7 +320,7 @@ def parse_command(argv: list[str]) -> Config:
         rest = ["--model.path", *rest]  # `molt serve CHECKPOINT`
     if name == "eval" and rest and not rest[0].startswith("-"):
         rest = _eval_args(rest[0], rest[1:])  # `molt eval CHECKPOINT|RUN_DIR`
-    args = _resume_args(_replay_args(rest))
+    args = _resume_args(_replay_args(rest), name)
     cfg = parse_config(args, prog=f"molt {name}", command_name=name)
     check_resume_config(cfg.ckpt.resume, cfg.config)  # as parsed: `--ckpt.resume=RUN`, or set by the file itself
     flags = _flag_keys(args)
@@ -430,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"molt {name}", e)
     except KeyboardInterrupt:
         how, code = ("terminated (SIGTERM)", 143) if _TERMINATED else ("interrupted", 130)
-        kept = " (the run directory keeps the checkpoints saved so far)" if name == "train" else ""
+        kept = " (the run directory keeps the checkpoints saved so far)" if name in ("train", "sft") else ""
         print(f"molt {name}: {how}{kept}", file=sys.stderr)
         if any(t.name == "molt-build" and t.is_alive() for t in threading.enumerate()):
             sys.stderr.flush()  # a warm start or model load still runs torch on its thread: exiting the

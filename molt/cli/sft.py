@@ -6,23 +6,24 @@ only LoRA adapters train, and the checkpoint holds the merged weights plus the a
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
 from molt.cli.build import architecture, build_model, build_tokenizer
-from molt.config import Config
+from molt.cli.train import check_run_dir
+from molt.config import Config, check
+from molt.config.run import latest_checkpoint
 from molt.engine.interface import eos_ids
-from molt.log import RunDir, check_new_run_dir, plot_metrics
-from molt.models import save_pretrained
-from molt.train.lora import LoRA
-from molt.train.optim import build_optimizer
+from molt.log import RunDir, plot_metrics, read_metrics
+from molt.loop.accounting import LoopState
+from molt.loop.checkpoint import load_training_state, save_checkpoint
+from molt.train.lora import save_policy
 from molt.train.packing import pack
 from molt.train.precision import Precision
-from molt.train.routing import freeze_routers
-from molt.train.sft import evaluate, sft_rows, shuffled_batches, tokenize_rows, train_step
+from molt.train.sft import SftTrainer, evaluate, sft_rows, shuffled_batches, tokenize_rows
 
 
 @dataclass
@@ -34,40 +35,34 @@ class SftResult:
 
 
 def run_sft(cfg: Config) -> SftResult:
-    """The `molt sft` command."""
+    """The `molt sft` command; `--ckpt.every N` also saves resumable `checkpoints/step-N/` (`molt sft --resume RUN`)."""
     torch.manual_seed(cfg.train.seed)
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
-    if cfg.log.run_dir:
-        check_new_run_dir(cfg.log.run_dir)
-    train_rows, eval_rows = sft_rows(cfg)  # a bad data file: an error before the run directory and the model
+    resumed = check_run_dir(cfg, "sft")
+    train_rows, eval_rows, digest = sft_rows(cfg)  # a bad data file: an error before the run directory and the model
     tokenizer, source = build_tokenizer(cfg.model), cfg.data.path or f"task {cfg.data.task}"
     row_len, mb, arch = cfg.data.max_len, cfg.train.micro_batch_tokens, architecture(cfg.model, tokenizer)
     stops = [tokenizer.convert_ids_to_tokens(i) for i in eos_ids(arch.stop_ids(), tokenizer)]  # the engine's
     ids, masks, pixels = tokenize_rows(tokenizer, train_rows, row_len, source, arch, stops)  # a too-long row: here
     eval_ids, eval_masks, eval_pixels = tokenize_rows(tokenizer, eval_rows, row_len, source, arch, stops)
-    with RunDir(cfg.log.run_dir, "sft", cfg) as run:
-        precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
-        model = build_model(cfg.model, tokenizer, cfg.train.seed, cfg.runtime.device, precision.params)
-        scaler = precision.scaler()
+    with RunDir(cfg.log.run_dir or cfg.ckpt.resume, "sft", cfg, resumed=resumed) as run:
+        trainer, start = _trainer(cfg, tokenizer, digest)
         eval_batches = [b.to(cfg.runtime.device) for b in pack(eval_ids, eval_masks, row_len, mb, eval_pixels)]
-        run.print(f"model {model.num_params() / 1e6:.2f}M params, {len(ids)} train / {len(eval_ids)} eval samples")
-        tr = cfg.train
-        freeze_routers(model, cfg)  # `train.freeze_router`: before the optimizer, which takes requires_grad params
-        lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
-        opt, schedule = build_optimizer(lora.parameters() if lora is not None else model.parameters(), tr)
-        before = evaluate(model, eval_batches) if eval_batches else {}
-        if before:
-            run.log({"step": 0, **before})  # as molt train logs its eval before the first step
+        where = f"resumed at step {start}, " if start else ""
+        run.print(f"{where}model {trainer.model.num_params() / 1e6:.2f}M params, {len(ids)} train / "
+                  f"{len(eval_ids)} eval samples")  # fmt: skip
+        before = _eval_before(run, trainer.model, eval_batches, start)
         sampler = shuffled_batches(len(ids), cfg.train.batch_size, cfg.train.seed)
-        for step in range(1, cfg.train.max_steps + 1):
+        for _ in range(start):
+            next(sampler)  # a resumed run draws the batches the run would have drawn
+        for step in range(start + 1, cfg.train.max_steps + 1):
             t0 = time.perf_counter()
             picked = next(sampler)
             batches = pack(
                 [ids[i] for i in picked], [masks[i] for i in picked], row_len, mb, [pixels[i] for i in picked]
             )
-            batches = [b.to(cfg.runtime.device) for b in batches]
-            metrics = train_step(model, opt, schedule, batches, cfg.train.grad_clip, precision, scaler)
+            metrics = trainer.step([b.to(cfg.runtime.device) for b in batches])
             dt = time.perf_counter() - t0
             metrics |= {"step": step, "train/tokens_per_s": sum(b.num_tokens for b in batches) / dt, "time/step_s": dt}
             run.log(metrics)
@@ -76,14 +71,40 @@ def run_sft(cfg: Config) -> SftResult:
                     f"step {step}/{cfg.train.max_steps} loss {metrics['train/loss']:.4f} "
                     f"lr {metrics['train/lr']:.2e} {metrics['train/tokens_per_s']:.0f} tok/s"
                 )
-        after = evaluate(model, eval_batches) if eval_batches else {}
+            if cfg.ckpt.every and step % cfg.ckpt.every == 0:
+                state = LoopState(step=step, drops={}, data=digest)
+                save_checkpoint(run.path, trainer, state, tokenizer, cfg.ckpt.keep)
+        after = evaluate(trainer.model, eval_batches) if eval_batches else {}
         if after:
             run.log({"step": cfg.train.max_steps, **after})
-        with lora.merged() if lora is not None else contextlib.nullcontext():
-            ckpt = save_pretrained(model, run.path / "checkpoint", tokenizer=tokenizer)
-        if lora is not None:
-            lora.save_peft(ckpt / "adapter", cfg.model.path)
+        ckpt = save_policy(trainer.model, trainer.lora, run.path / "checkpoint", tokenizer, cfg.model.path)
     plot = plot_metrics(run.path, ["train/loss", "train/lr"])
-    evals = f"eval loss {before['eval/loss']:.4f} -> {after['eval/loss']:.4f}" if after else "no eval rows"
+    evals = f"eval loss {before['eval/loss']:.4f} -> {after['eval/loss']:.4f}" if after and before else "no eval rows"
     run.print(f"{evals}; checkpoint: {ckpt}; plot: {plot}")
     return SftResult(str(run.path), str(ckpt), before, after)
+
+
+def _trainer(cfg: Config, tokenizer, digest: list) -> tuple[SftTrainer, int]:
+    """The model (a resume's from its latest checkpoint) and its trainer, restored on a resume; the step it is at."""
+    precision = Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device)
+    folder = latest_checkpoint(cfg.ckpt.resume) if cfg.ckpt.resume else None
+    model_cfg = dataclasses.replace(cfg.model, path=str(folder), tokenizer="") if folder else cfg.model
+    trainer = SftTrainer(build_model(model_cfg, tokenizer, cfg.train.seed, cfg.runtime.device, precision.params), cfg,
+                         precision)  # fmt: skip
+    if folder is None:
+        return trainer, 0
+    state = load_training_state(folder, trainer)
+    check(not state.data or state.data == digest, "data.path" if cfg.data.path else "data.task", f"the training "
+          f"rows changed since {folder} ({state.data and state.data[0]} rows then, {digest[0]} now, or other rows); "
+          "resume on the run's data, or start a new run from its checkpoint with --model.path")  # fmt: skip
+    return trainer, state.step
+
+
+def _eval_before(run: RunDir, model, eval_batches: list, start: int) -> dict[str, float]:
+    """The held-out loss before training, logged as step 0; a resumed run's from its metrics.jsonl."""
+    if start:
+        return next((row for row in read_metrics(run.path) if row.get("step") == 0 and "eval/loss" in row), {})
+    before = evaluate(model, eval_batches) if eval_batches else {}
+    if before:
+        run.log({"step": 0, **before})  # as molt train logs its eval before the first step
+    return before

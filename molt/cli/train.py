@@ -33,7 +33,7 @@ from molt.data.dataset import dataset_rows
 from molt.engine.torch_engine import on_fresh_thread
 from molt.log import RunDir, check_new_run_dir, plot_metrics
 from molt.loop.accounting import FAILURE_LOG
-from molt.loop.checkpoint import checkpoint_step, load_training_state, save_checkpoint
+from molt.loop.checkpoint import check_written_by, checkpoint_step, load_training_state, save_checkpoint
 from molt.loop.dump import rollouts_folder
 from molt.loop.replay import ReplayLoop, replay_folder
 from molt.loop.rl import RLLoop
@@ -154,14 +154,15 @@ async def _train_async(cfg: Config, run: RunDir, threads: int, inputs: RunInputs
     return TrainResult(str(run.path), str(ckpt), before, after, history, time.perf_counter() - t0)
 
 
-def check_run_dir(cfg: Config) -> int | None:
-    """Start-up checks of the run directory: a new run needs an empty one; a resume needs a checkpoint to go on
-    from, short of `train.max_steps`, and settings its trainer state can hold. Each failure is one ConfigError
-    line, before any data or model is read. Returns the step a resume goes on from (None: a new run)."""
+def check_run_dir(cfg: Config, command: str = "train") -> int | None:
+    """Start-up checks of the run directory: a new run needs an empty one; a resume needs a checkpoint `command`
+    wrote to go on from, short of `train.max_steps`, and settings its trainer state can hold. Each failure is one
+    ConfigError line, before any data or model is read. Returns the step a resume goes on from (None: a new run)."""
     if not cfg.ckpt.resume:
         if cfg.log.run_dir:
             check_new_run_dir(cfg.log.run_dir)
         return None
+    check_written_by(cfg.ckpt.resume, command)  # (the CLI checks it before the run's config.yaml is read)
     step = checkpoint_step(latest_checkpoint(cfg.ckpt.resume))  # ckpt.resume checked it exists
     check(step < cfg.train.max_steps, "ckpt.resume", f"{cfg.ckpt.resume} is finished (its latest checkpoint is "
           f"step {step}, train.max_steps is {cfg.train.max_steps}); raise --train.max_steps to train it "

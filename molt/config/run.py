@@ -49,7 +49,8 @@ class CkptConfig:
     """Checkpoints and resume."""
 
     every: int = 0
-    """Save a checkpoint every N steps (0 = only at the end)."""
+    """Save a checkpoint every N steps (0 = only at the end). `molt sft`: resumable `checkpoints/step-N/` beside
+    the final `checkpoint/` (0 = none)."""
     keep: int = 0
     """Keep the newest N checkpoints, deleting older ones after each save (0 = keep all)."""
     resume: str = ""
@@ -73,14 +74,14 @@ def check_resumable(run_dir: str) -> None:
     check(Path(run_dir).is_dir(), "ckpt.resume", f"run directory {run_dir!r} does not exist")
     pointer = Path(run_dir) / "checkpoints" / "latest"
     sft = (Path(run_dir) / "checkpoint").is_dir() and not pointer.exists()
-    check(not sft, "ckpt.resume", f"{run_dir} is a `molt sft` run, which keeps no training state to resume; start RL "
-          f"from its model: --model.path {run_dir}")  # fmt: skip
+    check(not sft, "ckpt.resume", f"{run_dir} is a `molt sft` run that kept no training state (a run with "
+          f"--ckpt.every N does); start from its model: --model.path {run_dir}")  # fmt: skip
     check(pointer.exists(), "ckpt.resume", f"{run_dir} has no completed checkpoint (no checkpoints/latest)")
     folder = latest_checkpoint(run_dir)
     check(folder.is_dir(), "ckpt.resume", f"{pointer} names {folder.name}, which is gone; write the newest step-N "
           "folder left there into it to resume from that step")  # fmt: skip
     check((folder / "trainer_state.pt").exists(), "ckpt.resume",
-          f"{folder} has no trainer_state.pt (not an RL checkpoint Molt can resume)")  # fmt: skip
+          f"{folder} has no trainer_state.pt (not a checkpoint Molt can resume)")  # fmt: skip
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""RL checkpoints: an HF policy folder plus the trainer and loop state beside it, written atomically.
+"""Checkpoints: an HF policy folder plus the trainer and loop state beside it, written atomically (`molt train`'s, and
+`molt sft`'s, whose `SftTrainer` saves its state the same way).
 
 Layout: `<run>/checkpoints/step-<N>/` (HF files and trainer_state.pt) and `<run>/checkpoints/latest` naming the
 newest complete one, written last, once the folder is flushed to disk: a crash mid-save (of the process or the
@@ -9,6 +10,7 @@ ones after each save. Files get the modes the user's umask gives new files, not 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import pickle
@@ -19,7 +21,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from molt.config import ConfigError
+from molt.config import ConfigError, check
+from molt.config.run import latest_checkpoint
 from molt.log import atomic_write, atomic_write_text, sync_tree
 from molt.loop.rl import LoopState
 from molt.models.hf_io import share_like_new_files
@@ -80,6 +83,17 @@ def step_folders(checkpoints: Path) -> list[Path]:
 def checkpoint_step(folder: Path) -> int:
     """The loop step a checkpoint folder `step-<N>` was written at."""
     return int(folder.name.rsplit("-", 1)[1])
+
+
+def check_written_by(run_dir: str, command: str) -> None:
+    """A ConfigError naming ckpt.resume when `molt <command> --resume run_dir` would resume another command's run
+    (its latest trainer state says which; one that cannot be read is left to the checks that read it)."""
+    state = {}
+    with contextlib.suppress(OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # tensors not read (mmap)
+        state = torch.load(latest_checkpoint(run_dir) / "trainer_state.pt", mmap=True, weights_only=False)
+    other = state.get("command", "train") if isinstance(state, dict) else command
+    check(not state or other == command, "ckpt.resume", f"{run_dir} is a `molt {other}` run: resume it with `molt "
+          f"{other} --resume {run_dir}`, or start from its model with --model.path {run_dir}")  # fmt: skip
 
 
 def load_training_state(folder: Path, trainer: Trainer) -> LoopState:

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from molt.config import ConfigError
+from molt.models import save_pretrained
 
 log = logging.getLogger("molt.train")
 TARGETS = {t: f"self_attn.{t}_proj" for t in "qkvo"} | {t: f"mlp.{t}_proj" for t in ("gate", "up", "down")}
@@ -106,6 +107,14 @@ class LoRA(nn.Module):
         for name, linear in self.linears.items():
             linear.weight.copy_(weights[f"{name}.weight"])
 
+    def resume_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What a resume needs beside the HF folder (which holds merged weights): the adapters and the base weights."""
+        return {"adapters": self.state_dict(), "base": self.base_weights()}
+
+    def load_resume_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.load_state_dict(state["adapters"])
+        self.load_base_weights(state["base"])
+
     @contextlib.contextmanager
     def merged(self) -> Iterator[None]:
         """The model holds the merged weights and runs without hooks inside the block (an HF export)."""
@@ -147,6 +156,15 @@ class LoRA(nn.Module):
             for ab, weight in self.adapters[_key(name)].named_parameters()  # lora_A, lora_B
         }
         save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def save_policy(model: nn.Module, lora: LoRA | None, folder: str | Path, tokenizer, base_model: str = "") -> Path:
+    """`model` as an HF folder; with `lora` its merged weights, plus the adapters in PEFT format in `adapter/`."""
+    with lora.merged() if lora is not None else contextlib.nullcontext():
+        folder = save_pretrained(model, folder, tokenizer=tokenizer)
+    if lora is not None:
+        lora.save_peft(Path(folder) / "adapter", base_model)
+    return Path(folder)
 
 
 def _key(name: str) -> str:

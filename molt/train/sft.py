@@ -3,42 +3,49 @@
 Samples are tokenized once (assistant spans derived from the chat template), packed into dense
 rows, and trained with a global token-mean cross-entropy: each step's gradient is the gradient of
 (sum of token losses) / (number of loss tokens in the step), however it is split into micro-batches.
+`SftTrainer` holds the model, its optimizer and LoRA adapters, with the `save` / `load` that RL checkpoints use.
 The command that assembles a run of them is `molt/cli/sft.py`."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from jinja2 import TemplateError
 
 from molt.config import Config
-from molt.data.dataset import dataset_rows
+from molt.data.dataset import dataset_rows, rows_digest
 from molt.data.formats import DataError
 from molt.data.rows import row_location
 from molt.data.tasks import get_task
 from molt.models import Transformer
 from molt.models.tokenizer import HistoryRerendered, assistant_mask, render_chat
 from molt.models.vision import ImageError, expand_row_images
+from molt.train.lora import LoRA, save_policy
+from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch
 from molt.train.precision import Precision, clip_and_step
+from molt.train.routing import freeze_routers
+from molt.train.trainer import resume_optimizer
 
 
-def sft_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
+def sft_rows(cfg: Config) -> tuple[list[dict], list[dict], list]:
     """(train, eval) conversations: from `data.path` (10% held out) or the task's demonstrations; `data.eval_path`'s
-    rows as they are."""
+    rows as they are; and the `rows_digest` of the training rows read (a task's rows, not its demonstrations: as
+    `molt eval` and `molt train` digest them)."""
     train, held_out = dataset_rows(cfg.data)
     if cfg.data.path:
-        return train, held_out
+        return train, held_out, rows_digest(train)
     task, rng = get_task(cfg.data.task), random.Random(cfg.data.seed)
 
     def demo(row: dict) -> dict:
         return {"messages": task.demonstration(row, rng), "tools": row.get("tools")}
 
     held_out = held_out if cfg.data.eval_path else [demo(r) for r in held_out]  # drawn first, as they always were
-    return [demo(r) for r in train], held_out
+    return [demo(r) for r in train], held_out, rows_digest(train)
 
 
 def tokenize_rows(
@@ -155,6 +162,46 @@ def train_step(
         "train/lr": lr,
         "train/skipped": int(not finite),
     }
+
+
+class SftTrainer:
+    """`molt sft`'s model (its routers frozen when asked), optimizer, schedule, loss scaler and LoRA adapters; its
+    `save` / `load` are the `Trainer` protocol's, so `molt sft` checkpoints and resumes as `molt train` does."""
+
+    sharded = False
+
+    def __init__(self, model: Transformer, cfg: Config, precision: Precision):
+        tr = cfg.train
+        freeze_routers(model, cfg)  # `train.freeze_router`: before the optimizer, which takes requires_grad params
+        self.model, self.cfg, self.precision, self.scaler = model, cfg, precision, precision.scaler()
+        self.lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
+        self.opt, self.schedule = build_optimizer(self.lora.parameters() if self.lora else model.parameters(), tr)
+        self.version = self.num_skipped_steps = 0
+
+    def step(self, batches: list[PackedBatch]) -> dict[str, float]:
+        metrics = train_step(self.model, self.opt, self.schedule, batches, self.cfg.train.grad_clip, self.precision,
+                             self.scaler)  # fmt: skip
+        self.version += 1
+        self.num_skipped_steps += metrics["train/skipped"]
+        return metrics
+
+    def save(self, folder: Path, tokenizer) -> dict:
+        """The model as an HF folder (LoRA: merged, the adapters in `adapter/`); returns the training state."""
+        save_policy(self.model, self.lora, folder, tokenizer, self.cfg.model.path)
+        state = {"optimizer": self.opt.state_dict(), "schedule": self.schedule.state_dict(), "command": "sft"}
+        state["scalers"] = {"policy": self.scaler.state_dict()} if self.scaler is not None else {}
+        return state | ({"lora": self.lora.resume_state()} if self.lora is not None else {})
+
+    def load(self, folder: Path, state: dict) -> None:
+        """Restore what `save` returned (the weights come from the HF folder when the model is built), then this
+        config's optimizer settings (a new --train.lr applies from the resumed step)."""
+        self.opt.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        if self.scaler is not None and "policy" in state["scalers"]:
+            self.scaler.load_state_dict(state["scalers"]["policy"])
+        if self.lora is not None:
+            self.lora.load_resume_state(state["lora"])
+        resume_optimizer(self.opt, self.schedule, self.cfg.train)
 
 
 def shuffled_batches(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:

@@ -34,13 +34,13 @@ from molt import algo
 from molt.config import Config, TrainConfig
 from molt.config.training import check_rl_batch
 from molt.data.trajectory import Trajectory
-from molt.models import Transformer, save_pretrained
+from molt.models import Transformer
 from molt.train import parallel, routing
 from molt.train.batch import MicroBatch, check_tokens, layout, padded, per_sample, trajectory_pixels
 from molt.train.compile import prepare_layers
 from molt.train.critic import Critic
 from molt.train.logprobs import token_logprobs, token_logprobs_entropy
-from molt.train.lora import LoRA
+from molt.train.lora import LoRA, save_policy
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch, pack
 from molt.train.precision import Precision, clip_and_step
@@ -111,7 +111,7 @@ class Trainer:
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
         if self.lora is not None:
-            state["lora"] = {"adapters": self.lora.state_dict(), "base": self.lora.base_weights()}
+            state["lora"] = self.lora.resume_state()
         return state
 
     def load_extra_state(self, state: dict) -> None:
@@ -126,8 +126,7 @@ class Trainer:
             if key in (state.get("scalers") or {}):
                 scaler.load_state_dict(state["scalers"][key])
         if self.lora is not None and state.get("lora") is not None:
-            self.lora.load_state_dict(state["lora"]["adapters"])
-            self.lora.load_base_weights(state["lora"]["base"])
+            self.lora.load_resume_state(state["lora"])
         resume_optimizer(self.opt, self.schedule, self.cfg.train)
         if self.critic is not None:
             resume_optimizer(self.critic.opt, self.critic.schedule, self.critic.train_cfg)
@@ -145,10 +144,7 @@ class Trainer:
     def save(self, folder: Path, tokenizer) -> dict:
         """The policy as an HF folder (with LoRA its merged weights, plus the adapters in PEFT format in `adapter/`);
         returns the optimizer, schedule and extra models' state."""
-        with self.lora.merged() if self.lora is not None else contextlib.nullcontext():
-            save_pretrained(self.model, folder, tokenizer)
-        if self.lora is not None:
-            self.lora.save_peft(Path(folder) / "adapter", self.cfg.model.path)
+        save_policy(self.model, self.lora, folder, tokenizer, self.cfg.model.path)
         ref = self.ref.state_dict() if self.ref is not None else None
         return {"optimizer": self.opt.state_dict(), "schedule": self.schedule.state_dict(), "ref": ref,
                 **self.extra_state()}  # fmt: skip

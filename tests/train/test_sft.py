@@ -11,6 +11,7 @@ from molt.cli.main import parse_config
 from molt.cli.sft import run_sft
 from molt.data.formats import DataError, read_located
 from molt.data.rows import prompt_rows
+from molt.log import read_metrics
 from molt.models import from_pretrained
 
 
@@ -151,7 +152,7 @@ def test_lora_sft_trains_only_adapters_and_saves_merged_and_peft(tmp_path):
 def test_sft_refuses_rl_flags_and_a_used_run_dir(tmp_path, capsys):
     from molt.cli.main import main
 
-    for flag, value in (("--ckpt.every", "1"), ("--rollout.n_samples_per_prompt", "3"), ("--algo.estimator", "rloo")):
+    for flag, value in (("--critic.lr", "1"), ("--rollout.n_samples_per_prompt", "3"), ("--algo.estimator", "rloo")):
         with pytest.raises(SystemExit):
             main(["sft", flag, value, "--log.run_dir", str(tmp_path / "never")])
         group = flag[2:].split(".")[0]
@@ -165,6 +166,45 @@ def test_sft_refuses_rl_flags_and_a_used_run_dir(tmp_path, capsys):
     assert "already holds a run" in capsys.readouterr().err
 
 
+def test_sft_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, capsys, monkeypatch):
+    """`--ckpt.every 2` saves resumable checkpoints; a run stopped after step 2 and resumed logs the losses of an
+    unstopped run (LoRA adapters, optimizer, schedule and the data order restored), each step once; `molt train`
+    refuses to resume it."""
+    from conftest import one_line, run_molt
+
+    from molt.cli.main import main
+    from molt.train.sft import SftTrainer
+
+    flags = ["--train.max_steps", "4", "--train.warmup_steps", "1", "--data.num_train", "24", "--data.num_eval", "4"]
+    flags += ["--train.batch_size", "4", "--train.lora_rank", "2", "--ckpt.every", "2"]
+    main(["sft", *flags, "--log.run_dir", str(tmp_path / "whole")])
+    step = SftTrainer.step
+
+    def stop_after_two(self, batches):
+        if self.version == 2:
+            raise KeyboardInterrupt
+        return step(self, batches)
+
+    monkeypatch.setattr(SftTrainer, "step", stop_after_two)
+    with pytest.raises(SystemExit):
+        main(["sft", *flags, "--log.run_dir", str(tmp_path / "stopped")])
+    monkeypatch.setattr(SftTrainer, "step", step)
+    assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["latest", "step-2"]
+    err = one_line(run_molt(capsys, "train", "--resume", str(tmp_path / "stopped")))
+    assert f"is a `molt sft` run: resume it with `molt sft --resume {tmp_path / 'stopped'}`" in err
+    main(["sft", "--resume", str(tmp_path / "stopped")])
+    whole, resumed = (read_metrics(tmp_path / name) for name in ("whole", "stopped"))
+    assert [m["step"] for m in resumed] == [0, 1, 2, 3, 4, 4]  # eval before, steps, eval after: each once
+    for a, b in zip(whole, resumed, strict=True):
+        assert {
+            k: v for k, v in a.items() if "/" in k and not k.startswith(("time/", "train/tokens"))
+        } == pytest.approx(
+            {k: v for k, v in b.items() if "/" in k and not k.startswith(("time/", "train/tokens"))}, rel=1e-5
+        )
+    err = one_line(run_molt(capsys, "sft", "--resume", str(tmp_path / "stopped")))
+    assert "is finished (its latest checkpoint is step 4" in err
+
+
 def test_sft_image_errors_name_the_file_and_line(tmp_path):
     from molt.train.sft import sft_rows, tokenize_rows
 
@@ -173,7 +213,7 @@ def test_sft_image_errors_name_the_file_and_line(tmp_path):
     bad = {"messages": [{"role": "user", "content": [{"type": "image", "image": "nope.png"}]}, row["messages"][1]]}
     path.write_text("".join(json.dumps(r) + "\n" for r in [row] * 9 + [bad] + [row] * 10))
     cfg = parse_config(["--data.path", str(path), "--model.preset", "tiny-vlm"], command_name="sft")
-    train, held_out = sft_rows(cfg)
+    train, held_out, _ = sft_rows(cfg)
     model_cfg = build_model(cfg.model, build_tokenizer(cfg.model), 0).cfg
     with pytest.raises(DataError, match=r"rows\.jsonl:10: image 0: image file 'nope.png' does not exist"):
         tokenize_rows(build_tokenizer(cfg.model), held_out + train, 256, str(path), model_cfg)
