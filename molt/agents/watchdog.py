@@ -1,10 +1,12 @@
 """Time limits on agent code, which runs on the rollouts' event loop: `within` awaits one agent call under a
-timeout that says what ran past which limit; `LoopWatchdog` stops the run when agent code blocks that loop (a sync
-SDK client, `time.sleep`), which no asyncio timeout can interrupt. Knows nothing of engines or trainers."""
+timeout that says what ran past which limit (`paused` stops it while the model generates); `LoopWatchdog` stops
+the run when agent code blocks that loop (a sync SDK client, `time.sleep`), which no asyncio timeout can interrupt.
+Knows nothing of engines or trainers."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import signal
@@ -12,6 +14,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -36,20 +39,36 @@ class _Interrupt(BaseException):
     retry on any `Exception` passes it on; `within` turns it into a LoopBlockedError."""
 
 
-async def within(timeout_s: float, awaitable, what: str, knob: str = "rollout.step_timeout_s") -> Any:
-    """`await awaitable`, or a TimeoutError saying what ran past which limit (asyncio's own has no message)."""
-    dog = _WATCHDOGS.get(asyncio.get_running_loop())
+async def within(
+    timeout_s: float,
+    awaitable,
+    what: str,
+    knob: str = "rollout.step_timeout_s",
+    on_scope: Callable[[asyncio.Timeout], None] | None = None,
+) -> Any:
+    """`await awaitable`, or a TimeoutError saying what ran past which limit (asyncio's own has no message);
+    `on_scope` gets its timeout scope, which `paused` stops while the model generates."""
+    loop = asyncio.get_running_loop()
+    dog = _WATCHDOGS.get(loop)
     if dog is not None and dog.stopped:  # agent code blocked this loop before: the run is stopping
         if asyncio.iscoroutine(awaitable):
             awaitable.close()  # never started
         raise LoopBlockedError(dog.stopped)
-    late = f"{what} did not finish within {timeout_s:g}s ({knob})"
-    ignored = None  # agent code that catches the timeout's cancellation cannot be stopped: say so
-    if math.isfinite(timeout_s):
-        ignored = asyncio.get_running_loop().call_later(timeout_s + IGNORED_S, log.warning, "%s and ignored its "
-                                                        "cancellation: %s; it still runs", late, SWALLOWED)  # fmt: skip
+    late, timer = f"{what} did not finish within {timeout_s:g}s ({knob})", []
+
+    def warn_if_ignored() -> None:  # agent code that catches the timeout's cancellation cannot be stopped: say so
+        when = scope.when()
+        if when is None or loop.time() < when + IGNORED_S:  # paused, or its deadline moved on: look again then
+            timer.append(loop.call_at((loop.time() if when is None else when) + IGNORED_S, warn_if_ignored))
+        else:
+            log.warning("%s and ignored its cancellation: %s; it still runs", late, SWALLOWED)
+
     try:
         async with asyncio.timeout(timeout_s) as scope:
+            if math.isfinite(timeout_s):
+                timer.append(loop.call_at(scope.when() + IGNORED_S, warn_if_ignored))
+            if on_scope is not None:
+                on_scope(scope)
             result = await awaitable
     except TimeoutError as e:
         if not scope.expired():
@@ -58,11 +77,29 @@ async def within(timeout_s: float, awaitable, what: str, knob: str = "rollout.st
     except _Interrupt as e:
         raise LoopBlockedError(str(e)) from e
     finally:
-        if ignored is not None:
-            ignored.cancel()
+        for handle in timer:
+            handle.cancel()
     if scope.expired():  # it caught the timeout's CancelledError and went on: a late result is not used
         raise TimeoutError(f"{late} and caught its cancellation: {SWALLOWED}")
     return result
+
+
+@contextlib.contextmanager
+def paused(scope: asyncio.Timeout | None) -> Iterator[None]:
+    """`scope`'s deadline stopped inside the block and moved on by its duration after (a ChatAgent's budget does not
+    count the time its model calls take: they wait for the engine, which trainer steps and other rollouts share)."""
+    when = scope.when() if scope is not None and not scope.expired() else None
+    if when is None:
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    left = when - loop.time()
+    scope.reschedule(None)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(RuntimeError):  # the scope is finished (its call ended meanwhile)
+            scope.reschedule(loop.time() + left)
 
 
 def _agent_frame(frame: FrameType | None) -> FrameType | None:

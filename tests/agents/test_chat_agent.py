@@ -116,6 +116,28 @@ def test_agent_failures_are_clear_errors():
     assert over.value.drop_reason == "prompt_over_context"  # dropped and counted, as with the built-in Env
 
 
+class SlowEngine(ScriptedEngine):
+    async def generate_group(self, *args, **kwargs):
+        await asyncio.sleep(1.0)  # the engine busy with a trainer step and other rollouts
+        return await super().generate_group(*args, **kwargs)
+
+
+class Dawdling(CompactingAgent):
+    async def run(self, ctx):
+        await asyncio.sleep(2.5)  # its own time
+        return await super().run(ctx)
+
+
+def test_the_agents_time_budget_leaves_out_its_model_calls():
+    """A ChatAgent's budget (step_timeout_s x max_turns = 2 s here) counts its own time, not the 3 s its three model
+    calls wait for a busy engine; its own 2.5 s exceed it."""
+    limits = EpisodeLimits(max_turns=4, max_len=512, step_timeout_s=0.5)
+    segments = _run(ChatRunner(SlowEngine(["one", "two", "three"]), TOK), CompactingAgent(), limits)
+    assert len(segments) == 2
+    with pytest.raises(TimeoutError, match=r"Dawdling.run did not finish within 2s \(rollout.step_timeout_s x max"):
+        _run(ChatRunner(SlowEngine(["one", "two", "three"]), TOK), Dawdling(), limits)
+
+
 class AnthropicAgent(ChatAgent):
     async def run(self, ctx):
         async with AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0) as client:

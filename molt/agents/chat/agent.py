@@ -1,10 +1,10 @@
 """`ChatAgent`: an ordinary async program that drives the policy through the OpenAI or Anthropic SDK.
 
 `ChatRunner` owns one chat server per runner process (started on first use, on the running loop) and
-turns one `ChatAgent.run(ctx)` (within `step_timeout_s x max_turns`) into its session's trajectory
-segments, each stamped with the rollout's reward, score, ids and segment index. The agent must use async
-clients (`AsyncOpenAI`, `AsyncAnthropic`) or run sync ones in a thread: the server shares its event loop (one
-blocked past `step_timeout_s` stops the run: `watchdog.LoopWatchdog`)."""
+turns one `ChatAgent.run(ctx)` (within `step_timeout_s x max_turns` of its own time: its model calls do not count)
+into its session's trajectory segments, each stamped with the rollout's reward, score, ids and segment index.
+The agent must use async clients (`AsyncOpenAI`, `AsyncAnthropic`) or run sync ones in a thread: the server shares
+its event loop (one blocked past `step_timeout_s` stops the run: `watchdog.LoopWatchdog`)."""
 
 from __future__ import annotations
 
@@ -174,8 +174,12 @@ class ChatRunner:
             clients=self.clients,
         )
         name, budget_s = type(agent).__name__, limits.step_timeout_s * limits.max_turns
+
+        def hold(scope: asyncio.Timeout) -> None:
+            session.budget = scope  # stopped while its model calls generate
+
         try:
-            result = await within(budget_s, agent.run(ctx), f"{name}.run", "rollout.step_timeout_s x max_turns")
+            result = await within(budget_s, agent.run(ctx), f"{name}.run", "rollout.step_timeout_s x max_turns", hold)
         finally:
             segments = server.close_session(session.id)
         result = check_result(result, f"{name}.run")

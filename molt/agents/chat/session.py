@@ -51,6 +51,7 @@ from molt.agents.runner import (
     observation_ids,
     record_completion,
 )
+from molt.agents.watchdog import paused
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Completion, ContextLengthError, SamplingParams
 from molt.models.tokenizer import render_chat
@@ -119,6 +120,7 @@ class Session:
         self.last_reply: TurnReply | None = None
         self.num_turns = 0
         self.truncated = self.closed = False
+        self.budget: asyncio.Timeout | None = None  # the agent's time limit, stopped while the engine generates
 
     async def turn(self, request: ChatRequest) -> TurnReply:
         """Answer one request (idempotent for retries); raises SessionClosed, RequestError, GenerationError."""
@@ -209,7 +211,8 @@ class Session:
         args = (plan.context, sampling) if on_tokens is None else (plan.context, sampling, on_tokens)
         try:
             generate = self.engine.generate_group if on_tokens is None else self.engine.generate_streamed
-            completions = await generate(*args, session_id=self.id, **pixels_arg(plan.images))
+            with paused(self.budget):
+                completions = await generate(*args, session_id=self.id, **pixels_arg(plan.images))
         except ContextLengthError as e:
             if self.honor_sampling:
                 raise ContextLengthExceeded(str(e)) from e
