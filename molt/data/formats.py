@@ -140,7 +140,19 @@ def _json_or_none(text: str) -> Any:
 
 
 def _arrow_rows(path: Path, table) -> Located:
-    return [(f"{path} row {i}", row) for i, row in enumerate(table.to_pylist())]
+    """A table's rows as the JSON objects they were written from: Arrow gives every struct (a message, a tool call's
+    arguments, a tool schema) the fields of all rows' structs, None where one had none, so nested None fields are
+    left out (a row's own null inside a struct too: Arrow cannot tell them apart); top-level columns stay."""
+    return [
+        (f"{path} row {i}", {k: _without_nulls(v) for k, v in row.items()}) for i, row in enumerate(table.to_pylist())
+    ]
+
+
+def _without_nulls(value: Any) -> Any:
+    """`value` with None-valued keys removed from every dict inside it."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return [_without_nulls(v) for v in value] if isinstance(value, list) else value
 
 
 @READERS.register("parquet")

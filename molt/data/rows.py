@@ -82,7 +82,7 @@ def _place_images(messages: list[dict[str, Any]], images: list[Any], where: str)
     (copies; a DataError when the counts differ, so no image is dropped)."""
     messages = [m | {"content": [dict(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
                 for m in messages]  # fmt: skip
-    parts = [p for m in messages for p in m["content"] if isinstance(m.get("content"), list) and isinstance(p, dict)]
+    parts = [p for m in messages if isinstance(m.get("content"), list) for p in m["content"] if isinstance(p, dict)]
     empty = [p for p in parts if p.get("type") == "image" and p.get("image") is None]
     if len(empty) != len(images):
         raise DataError(f"{where}: the images column holds {len(images)} image(s) for the {len(empty)} image part(s) "

@@ -50,6 +50,31 @@ def test_every_format_and_a_column_mapping_load_the_same_rows(tmp_path):
     assert file_rows(data.path, data)[0]["messages"] == [{"role": "user", "content": "What is 2+2?"}]  # mapping wins
 
 
+def _call(name: str, arguments: dict) -> dict:
+    return {
+        "role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+    }
+
+
+CHATS = [  # OpenAI-style tool-call turns (no content), weights on some turns, calls with other arguments per row
+    {"messages": [{"role": "user", "content": "add 1 and 2"}, _call("add", {"a": 1, "b": 2}),
+                  {"role": "tool", "content": "3"}, {"role": "assistant", "content": "3", "weight": 1}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather in Oslo?"},
+                  _call("weather", {"city": "Oslo"}), {"role": "tool", "content": "rain"},
+                  {"role": "assistant", "content": "Rain.", "weight": 0}, {"role": "user", "content": "again"},
+                  {"role": "assistant", "content": "Rain."}]},
+]  # fmt: skip
+
+
+def test_chat_rows_with_tool_calls_read_the_same_from_every_format(tmp_path):
+    """Arrow gives every message the fields of all rows' messages (None where a row had none): a `weight` on a system
+    turn, a `city` argument in `add`'s call; the rows read back as written, and a tool-call turn needs no content."""
+    for name in _write_all(tmp_path, CHATS):
+        data = _data("--data.path", str(tmp_path / name))
+        assert file_rows(data.path, data) == CHATS, name
+
+
 def test_held_out_split_is_seeded_shuffled_or_from_eval_path_or_test_split(tmp_path):
     _write_all(tmp_path, ROWS)
     path, cols = str(tmp_path / "rows.jsonl"), ["--data.columns", "prompt=question"]
