@@ -56,9 +56,10 @@ def tokenize_rows(
     sample, or, where the template renders earlier turns otherwise once later ones follow (Qwen3's reasoning), one
     per assistant turn, each as it was generated: the conversation up to it, its earlier turns as context.
 
-    A too-long row, one without targets or with an unusable image is a DataError naming the row (file:line).
+    A row without targets or with an unusable image is a DataError naming the row (file:line); too-long rows one
+    naming how many and the first three.
     Image placeholders never carry loss, even in an assistant turn."""
-    ids, masks, pixels = [], [], []
+    ids, masks, pixels, too_long = [], [], [], []
     for i, row in enumerate(rows):
         where = row_location(row, f"{source} row {i}")
         for messages, (row_ids, row_mask) in _segments(tokenizer, row, end_of_turn, where):
@@ -67,13 +68,17 @@ def tokenize_rows(
             except ImageError as e:
                 raise DataError(str(e)) from None
             if len(row_ids) > max_len:
-                raise DataError(f"{where}: {len(row_ids)} tokens exceed data.max_len={max_len}; raise "
-                                "--data.max_len or shorten the row")  # fmt: skip
+                too_long.append((where, len(row_ids)))
             if not any(row_mask):
                 raise DataError(f"{where}: no assistant tokens to train on (molt sft needs an assistant turn per row)")
             ids.append(row_ids)
             masks.append(row_mask)
             pixels.append(row_pixels)
+    if too_long:  # all of them at once: a large dataset is mended in one pass
+        named = ", ".join(f"{where} ({n} tokens)" for where, n in too_long[:3])
+        more = f" and {len(too_long) - 3} more" if len(too_long) > 3 else ""
+        raise DataError(f"{too_long[0][0]}: {len(too_long)} of {len(ids)} samples exceed data.max_len={max_len}: "
+                        f"{named}{more}; raise --data.max_len or shorten them")  # fmt: skip
     return ids, masks, pixels
 
 

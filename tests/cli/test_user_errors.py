@@ -157,9 +157,10 @@ def test_too_long_row_names_the_file_line(tmp_path, molt):
         '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
         ('{"messages": [{"role": "user", "content": "%s"}, {"role": "assistant", "content": "yo"}]}' % ("x" * 300)),
     )
-    (tmp_path / "chats.jsonl").write_text("\n".join([short] * 2 + [long]) + "\n")
+    (tmp_path / "chats.jsonl").write_text("\n".join([short] * 2 + [long] * 5) + "\n")
     flags = ("--data.path", "chats.jsonl", "--data.no_shuffle", "--data.num_eval", "0", "--log.run_dir", "run")
-    one_line(molt("sft", *flags), "chats.jsonl:3:", "data.max_len")
+    err = one_line(molt("sft", *flags), "chats.jsonl:3: 5 of 7 samples exceed data.max_len=256: chats.jsonl:3 (")
+    assert "chats.jsonl:5 (" in err and "and 2 more; raise --data.max_len" in err  # all at once, the first named
     assert not (tmp_path / "run").exists()  # found before the run directory is written
 
 
