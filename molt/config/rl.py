@@ -319,9 +319,11 @@ class CriticConfig:
         check(self.updates > 1 or not changed(self, "clip"), "critic.clip", "has no effect here: with one critic "
               "update per batch V = V_old, so the clip never binds; add --critic.updates 2 or more")  # fmt: skip
         run = bool(self.path) and os.path.isdir(os.path.join(self.path, "checkpoints"))
-        check(not run, "critic.path", f"{self.path} is a `molt train` run: its checkpoints hold the policy, and the "
-              "critic it trained lives in their trainer_state.pt, for --resume; give the critic's model folder (or a "
-              "checkpoint folder, for a body that starts as that policy)")  # fmt: skip
+        run = run and not os.path.isdir(os.path.join(self.path, "checkpoint"))  # a finished `molt sft` run: its model
+        check(not run, "critic.path", f"{self.path} is a `molt train` run (or an unfinished `molt sft` one): its "
+              "checkpoints hold the policy, and the critic it trained lives in their trainer_state.pt, for --resume; "
+              "give the critic's model folder (or a checkpoint folder, for a body that starts as that "
+              "policy)")  # fmt: skip
         self.path = self.path and check_model_folder(self.path, "critic.path")
 
 

@@ -125,8 +125,10 @@ def test_a_critic_folder_that_cannot_serve_is_refused_by_name(tmp_path):
 
     folder = save_pretrained(_model(), tmp_path / "run" / "checkpoints" / "step-1")
     (folder.parent / "latest").write_text("step-1")
-    with pytest.raises(ConfigError, match="critic.path: .* is a `molt train` run: its checkpoints hold the policy"):
+    with pytest.raises(ConfigError, match=r"critic.path: .* is a `molt train` run \(or an unfinished `molt sft`"):
         CriticConfig(path=str(tmp_path / "run"))
+    save_pretrained(_model(), tmp_path / "run" / "checkpoint")  # a finished `molt sft` run: its final model
+    assert CriticConfig(path=str(tmp_path / "run")).path == str(tmp_path / "run" / "checkpoint")
     trainer = Trainer(_model(), _cfg(*GAE, "--critic.path", str(folder)))  # a checkpoint folder: that policy's body
     state = trainer.critic.state_dict()
     other = save_pretrained(Transformer(preset("tiny", vocab_size=64, hidden_size=32, num_layers=1)), tmp_path / "o")
