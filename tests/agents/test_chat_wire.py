@@ -210,6 +210,67 @@ def test_first_chunk_arrives_before_the_generation_ends():
     asyncio.run(run())
 
 
+class HeldEngine(GatedEngine):
+    """Its non-streamed generation waits for `gate` too."""
+
+    async def generate_group(self, prompt_token_ids, sampling=None, *, request_id=None, session_id=None):
+        return await self.generate_streamed(prompt_token_ids, sampling, lambda delta: None)
+
+
+def test_in_process_clients_time_out_as_socket_clients_do():
+    """The SDKs' `timeout` (httpx's read timeout) bounds the wait for the response and for each chunk of a stream,
+    in process as over a socket (in process it was ignored: a 1 ms timeout waited out the whole generation). The
+    request then ends as a client that hangs up: its generation is aborted and nothing recorded."""
+
+    async def aborted(count: int) -> bool:
+        for _ in range(200):  # over a socket the server sees the disconnect a little later
+            if engine.aborted > count:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    async def run() -> None:
+        server = await ChatServer(engine, TOK, api_key=KEY).start()
+        pools = {"direct": ClientPool(server), "asgi": ClientPool(server.app)}
+        try:
+            for path in ("direct", "asgi", "http"):
+                session = server.open_session(GREEDY, max_len=256)
+                base, options = f"{server.url}/s/{session.id}/v1", {"max_retries": 0, "timeout": 0.2}
+                pool = pools.get(path)
+                client = (
+                    pool.client("openai", base, KEY, **options)
+                    if pool
+                    else openai.AsyncOpenAI(base_url=base, api_key=KEY, **options)
+                )
+                engine.gate, count = asyncio.Event(), engine.aborted
+                with pytest.raises(openai.APITimeoutError):
+                    await asyncio.wait_for(client.chat.completions.create(model="molt", messages=MESSAGES), 10)
+                assert await aborted(count), path
+                stream = await client.chat.completions.create(model="molt", messages=MESSAGES, stream=True)
+                assert [c async for c in _until_content(stream)]  # then the engine holds the rest
+                with pytest.raises(openai.APITimeoutError):  # as the SDK reports a socket's read timeout
+                    await asyncio.wait_for(_drain(stream), 10)
+                assert await aborted(count + 1) and server.close_session(session.id) == [], path
+            session = server.open_session(GREEDY, max_len=256)  # the Anthropic SDK, per-request timeout
+            client = pools["direct"].client("anthropic", f"{server.url}/s/{session.id}", KEY, max_retries=0)
+            with pytest.raises(anthropic.APITimeoutError):
+                await client.messages.create(model="molt", max_tokens=8, messages=MESSAGES, timeout=0.2)
+            assert await aborted(count + 2) and server.close_session(session.id) == []
+        finally:
+            for pool in pools.values():
+                await pool.close()
+            await server.stop()
+
+    engine = HeldEngine()
+    engine.aborted = 0
+    asyncio.run(run())
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
 async def _until_content(stream):
     """The stream's chunks up to and including its first one with content."""
     async for chunk in stream:

@@ -5,7 +5,10 @@ loop, as in training. The request is exactly the HTTP request the SDK would send
 capture) without TCP, HTTP/1.1 framing and the connection pool. Responses stream chunk by chunk, and a client
 that closes the response early is a disconnect to the app, which aborts the generation. With a `ChatServer`
 the completion routes skip the ASGI stack too: `direct_route` names the handler FastAPI would call, which gets
-the same Starlette `Request` and returns the same `Response` (`_direct`).
+the same Starlette `Request` and returns the same `Response` (`_direct`). The request's read timeout (httpx's
+`timeout` extension, which the SDKs set from their `timeout`) bounds the wait for the response head and for each body
+chunk, as a socket read's would: past it, the request ends as a client that hangs up (the generation is aborted) and
+`httpx.ReadTimeout` is raised, which the SDKs retry and report as their timeout error.
 Works with `httpx` and `httpx2` (the SDKs use either): the classes are built per httpx module."""
 
 from __future__ import annotations
@@ -69,6 +72,23 @@ class _Exchange:
                 await self.task
 
 
+@contextlib.asynccontextmanager
+async def _read_deadline(httpx, request):
+    """Raises `httpx.ReadTimeout` when the block runs past the request's read timeout (cancelling what it awaits)."""
+    seconds = request.extensions.get("timeout", {}).get("read")
+    if seconds is None:
+        yield
+        return
+    deadline = asyncio.timeout(seconds)
+    try:
+        async with deadline:
+            yield
+    except TimeoutError:
+        if not deadline.expired():  # the app's own TimeoutError
+            raise
+        raise httpx.ReadTimeout(f"the chat server sent nothing for {seconds} s", request=request) from None
+
+
 def _scope(request) -> dict[str, Any]:
     """The request's ASGI scope; a session named in its header is the `/s/{session}` prefix its path lacks."""
     url, session = request.url, request.headers.get(SESSION_HEADER)
@@ -101,7 +121,7 @@ def _one_body(body: bytes):
     return receive
 
 
-async def _direct(httpx, handler, scope: dict[str, Any], body: bytes):
+async def _direct(httpx, request, handler, scope: dict[str, Any], body: bytes):
     """`handler`'s response to the request as an httpx response. A streamed body runs on as a server's would, whether
     or not the client reads it (a client that stops reading without closing must not stall the session); closing it
     early closes the handler's stream, which aborts the generation, as a disconnect does."""
@@ -131,7 +151,7 @@ async def _direct(httpx, handler, scope: dict[str, Any], body: bytes):
 
     task = asyncio.ensure_future(pump())
     task.add_done_callback(lambda done: done.cancelled() or done.exception())  # a body nobody reads: no warning
-    return httpx.Response(response.status_code, headers=headers, stream=_body_class(httpx)(read(), close))
+    return httpx.Response(response.status_code, headers=headers, stream=_body_class(httpx)(read(), close, request))
 
 
 @functools.cache
@@ -139,11 +159,19 @@ def _body_class(httpx) -> type:
     """A streamed httpx response body over the app's chunks; closing it calls `on_close` (ending the app's work)."""
 
     class Body(httpx.AsyncByteStream):
-        def __init__(self, chunks, on_close):
-            self.chunks, self.on_close = chunks, on_close
+        def __init__(self, chunks, on_close, request):
+            self.chunks, self.on_close, self.request = chunks, on_close, request
 
         async def __aiter__(self):
-            async for chunk in self.chunks:
+            while True:
+                try:
+                    async with _read_deadline(httpx, self.request):
+                        chunk = await anext(self.chunks, _END)
+                except httpx.ReadTimeout:
+                    await self.aclose()  # a client that stops waiting hangs up: the generation is aborted
+                    raise
+                if chunk is _END:
+                    return
                 yield chunk.encode() if isinstance(chunk, str) else chunk
 
         async def aclose(self) -> None:
@@ -167,17 +195,18 @@ def transport_class(httpx) -> type:
             scope, body, exchange = _scope(request), await request.aread(), None
             handler = self.route(scope["method"], scope["path"]) if self.route is not None else None
             try:
-                if handler is not None:
-                    return await _direct(httpx, handler, scope, body)
-                exchange = _Exchange(self.app, scope, body)
-                head = await exchange.head
-            except asyncio.CancelledError:
+                async with _read_deadline(httpx, request):
+                    if handler is not None:
+                        return await _direct(httpx, request, handler, scope, body)
+                    exchange = _Exchange(self.app, scope, body)
+                    head = await exchange.head
+            except (asyncio.CancelledError, httpx.ReadTimeout):
                 if exchange is not None:
                     await exchange.close()
                 raise
             except Exception as e:  # noqa: BLE001 - the app failed before answering: like a dropped connection
                 raise httpx.RemoteProtocolError(f"chat server failed: {type(e).__name__}: {e}") from e
-            stream = _body_class(httpx)(exchange.iter_body(), exchange.close)
+            stream = _body_class(httpx)(exchange.iter_body(), exchange.close, request)
             return httpx.Response(head["status"], headers=head.get("headers", []), stream=stream)
 
     return InProcessTransport
