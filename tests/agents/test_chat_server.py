@@ -250,6 +250,52 @@ def test_requests_the_apis_refuse_are_400s_naming_the_field(served):
     assert defaults.choices[0].message.content == "hello there"
 
 
+def test_tool_definitions_the_apis_refuse_are_400s_naming_the_field(served):
+    """Bad tool names, a name given twice, a schema that is not an object's, an Anthropic tool without `input_schema`:
+    OpenAI and Anthropic answer 400, and so does Molt (it rendered and generated them) naming the field."""
+    server, engine = served
+    session = server.open()
+    oa, an = _openai(server, session), _anthropic(server, session)
+    messages, schema = [{"role": "user", "content": "hi"}], CALC_TOOL["function"]["parameters"]
+
+    def tool(name: str = "calculate", parameters: dict = schema) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+    openai_refused = [
+        ([tool("bad name!")], "tools.0.function.name"),
+        ([tool("")], "tools.0.function.name"),
+        ([tool("x" * 65)], "tools.0.function.name"),
+        ([CALC_TOOL, CALC_TOOL], "tools"),
+        ([tool(parameters={"type": "banana"})], "tools.0.function.parameters"),
+        ([CALC_TOOL, tool("listing", {"type": "array", "items": {"type": "string"}})], "tools.1.function.parameters"),
+    ]
+    for tools, field in openai_refused:
+        with pytest.raises(openai.BadRequestError, match=f"invalid request: {field}: ") as refused:
+            oa.chat.completions.create(model="molt", messages=messages, tools=tools)
+        assert refused.value.param == field
+    anthropic_refused = [
+        ([{"name": "calculate", "description": "calc"}], "tools.0.input_schema"),
+        ([ANTHROPIC_TOOL | {"name": "bad name!"}], "tools.0.name"),
+        ([ANTHROPIC_TOOL, ANTHROPIC_TOOL], "tools"),
+        ([ANTHROPIC_TOOL | {"input_schema": {"type": "banana"}}], "tools.0.input_schema"),
+    ]
+    for tools, field in anthropic_refused:
+        with pytest.raises(anthropic.BadRequestError, match=f"invalid request: {field}: "):
+            an.messages.create(model="molt", max_tokens=8, messages=messages, tools=tools)
+    assert engine.emitted == []
+    with pytest.raises(openai.BadRequestError) as refused:  # RequestErrors name their field too
+        oa.chat.completions.create(model="molt", messages=messages, tools=[CALC_TOOL], tool_choice="nope")
+    assert refused.value.param == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as refused:
+        oa.chat.completions.create(model="molt", messages=messages, tool_choice="required")
+    assert refused.value.param == "tool_choice"
+    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content: Input should be") as refused:
+        oa.chat.completions.create(model="molt", messages=[{"role": "user", "content": 5}])
+    assert refused.value.param == "messages.0.content"  # not messages.0.content.str, pydantic's union branch
+    valid = [tool("calc-2_B", {}), tool("noparams", None)]  # an empty schema and none at all are fine
+    assert oa.chat.completions.create(model="molt", messages=messages, tools=valid).choices
+
+
 def test_models_retrieve_knows_the_name_and_its_aliases():
     server = ServerThread(ScriptedEngine(), api_key=KEY, model_aliases=("Org/base",))
     try:

@@ -306,7 +306,7 @@ def test_serve_mode_context_seed_stop_and_max_tokens(served):
     client = _openai(served)
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model="molt", messages=[{"role": "user", "content": "x " * 200}])
-    assert error.value.body["code"] == "context_length_exceeded"
+    assert (error.value.body["code"], error.value.param) == ("context_length_exceeded", "messages")  # as OpenAI's
     kw = {"model": "molt", "messages": MESSAGES, "temperature": 1.0, "max_tokens": 40}
     a, b = (client.chat.completions.create(seed=7, **kw) for _ in range(2))
     assert a.choices[0].message.content == b.choices[0].message.content  # seeded

@@ -19,15 +19,22 @@ class SessionClosed(LookupError):
 
 class RequestError(ValueError):
     """The request is well-formed JSON but cannot be served: an invalid or unsupported option, messages the template
-    cannot render (HTTP 400, as the OpenAI and Anthropic APIs answer)."""
+    cannot render (HTTP 400, as the OpenAI and Anthropic APIs answer); `param`: the field at fault, if one is."""
 
     status, code = 400, None
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthExceeded(RequestError):
     """Serve mode: the prompt leaves no room to generate (OpenAI's `context_length_exceeded`)."""
 
     code = "context_length_exceeded"
+
+    def __init__(self, message: str):
+        super().__init__(message, "messages")
 
 
 class GenerationError(RuntimeError):

@@ -88,8 +88,17 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+UNION_TAGS = frozenset(("str", "int", "float", "bool", "none"))  # pydantic's names of a union's simple branches
+
+
+def _field(loc: tuple) -> str:
+    """A validation error's location as a dotted path, without the union branch pydantic names in it
+    (`messages.0.content.str` -> `messages.0.content`): field names are identifiers, branches types."""
+    return ".".join(str(x) for x in loc if not isinstance(x, str) or (x.isidentifier() and x not in UNION_TAGS))
+
+
 def _summary(error: ValidationError, limit: int = 3) -> str:
-    parts = [f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in error.errors()[:limit]]
+    parts = [f"{_field(e['loc']) or 'body'}: {e['msg']}" for e in error.errors()[:limit]]
     more = error.error_count() - limit
     return "invalid request: " + "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
 
@@ -315,7 +324,7 @@ class ChatServer:
             chat = wire.decode(body, **options)
         except ValidationError as e:
             loc = e.errors()[0]["loc"] if e.error_count() else ()
-            raise HTTPError(400, _summary(e), param=".".join(str(x) for x in loc) or None) from None
+            raise HTTPError(400, _summary(e), param=_field(loc) or None) from None
         self._check_model(chat.extra.get("model") or "")
         if chat.tools:
             self._warn_if_tools_ignored()

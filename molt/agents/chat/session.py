@@ -77,12 +77,14 @@ class _Plan:
 def forced_prefix(parser: Parser, request: ChatRequest) -> str:
     """The tool-call opening a tool_choice required / named request forces (RequestError where it cannot)."""
     if not request.tools:
-        raise RequestError("tool_choice requires a tool call, but the request offers no tools")
+        raise RequestError("tool_choice requires a tool call, but the request offers no tools", "tool_choice")
     names = [t.get("function", {}).get("name") for t in request.tools]
     if request.force_tool and request.force_tool not in names:
-        raise RequestError(f"tool_choice names {request.force_tool!r}, not one of the request's tools {names}")
+        message = f"tool_choice names {request.force_tool!r}, not one of the request's tools {names}"
+        raise RequestError(message, "tool_choice")
     if (prefix := call_prefix(parser, request.force_tool)) is None:
-        raise RequestError("tool_choice required/named needs a tool-call format (chat.tool_parser hermes/molt)")
+        message = "tool_choice required/named needs a tool-call format (chat.tool_parser hermes/molt)"
+        raise RequestError(message, "tool_choice")
     return prefix
 
 

@@ -2,8 +2,9 @@
 
 Decoding: top-level `system` becomes the first message; assistant `text` blocks are the content and `tool_use` blocks
 its tool calls; each user `tool_result` block becomes a `tool` message (in order, before the user's remaining text; its
-images kept); `tools` (`input_schema`) become OpenAI function schemas so one template path renders both wires. Base64
-`image` blocks become image parts (for a VLM policy; a `url` or `file` source is a 400, never fetched), as are OpenAI
+images kept); `tools` (unique names, an object's `input_schema` required) become OpenAI function schemas so one
+template path renders both wires. Base64 `image` blocks become image parts (for a VLM policy; a `url` or `file` source
+is a 400, never fetched), as are OpenAI
 `image_url` parts with a data URI (`ChatContext.messages` hold those, so one list drives both SDKs); document blocks are
 refused (400). `max_tokens` is required (not by `count_tokens`); `top_k` applies in serve mode; a final assistant
 message (a prefill to continue), the `UNSUPPORTED` options (`thinking`, `output_config`) and
@@ -24,7 +25,7 @@ from pydantic import Field, field_validator
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, function_call, refuse_unsupported, text_content
 from molt.agents.chat.replies import RequestError, TextDelta, TurnReply
-from molt.agents.chat.wire_openai import NOT_FETCHED, WireModel, pieces
+from molt.agents.chat.wire_openai import NOT_FETCHED, TOOL_NAME, WireModel, object_schema, pieces, unique_names
 
 # options Molt does not implement, with the values that ask for nothing: any other value is a 400, never ignored
 UNSUPPORTED = {"thinking": ({"type": "disabled"},), "output_config": ({},), "mcp_servers": ([],)}
@@ -69,9 +70,11 @@ class MessageIn(WireModel):
 
 
 class ToolIn(WireModel):
-    name: str
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
-    input_schema: dict[str, Any] = Field(default_factory=dict)
+    input_schema: dict[str, Any]  # required, as Anthropic's API requires it
+
+    _object = field_validator("input_schema")(object_schema)
 
 
 class ToolChoice(WireModel):
@@ -92,7 +95,7 @@ class ToolChoice(WireModel):
             return ""
         if self.type == "tool":
             if not self.name:
-                raise RequestError("tool_choice type 'tool' needs a name")
+                raise RequestError("tool_choice type 'tool' needs a name", "tool_choice")
             return self.name
         return None
 
@@ -109,6 +112,12 @@ class MessagesRequest(WireModel):
     top_k: int | None = Field(default=None, ge=0)
     stop_sequences: list[str] | None = Field(default=None, max_length=8)
     stream: bool = False
+
+    @field_validator("tools")
+    @classmethod
+    def _unique(cls, tools):
+        unique_names([t.name for t in tools or ()])
+        return tools
 
     @field_validator("stop_sequences")
     @classmethod

@@ -2,7 +2,8 @@
 
 Decoding: `developer` becomes `system`; content is a string or text and `image_url` parts (base64 data URIs only, for a
 VLM policy: a URL or path is a 400, never fetched or read; audio is refused with 400); tool-call arguments are decoded
-from JSON. `n` samples share the prompt; `seed` and `top_k` (vLLM's extra) apply in serve mode; `tool_choice` required /
+from JSON; tools need unique names of `TOOL_NAME`'s form and `parameters` describing an object (else 400, as OpenAI
+answers). `n` samples share the prompt; `seed` and `top_k` (vLLM's extra) apply in serve mode; `tool_choice` required /
 named opens the reply with a tool call of the request's tools; `response_format` other than `text`, `top_logprobs`
 without `logprobs`, and the options of `UNSUPPORTED` set to anything but their no-op values are refused (400).
 
@@ -42,11 +43,25 @@ UNSUPPORTED = {
 } | dict.fromkeys(("audio", "prediction", "reasoning_effort", "web_search_options"), ())  # any value is refused
 
 
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # a tool's name, on both APIs
 NOT_FETCHED = "image URLs and paths are not fetched; send the image as a base64 data URI (data:image/png;base64,...)"
 
 
 class WireModel(BaseModel):  # both wires' schemas: unknown fields are ignored
     model_config = ConfigDict(extra="ignore")
+
+
+def object_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tool's JSON schema, which must describe an object (its `type`, if given, is "object"), as both APIs check."""
+    if schema is not None and schema.get("type", "object") != "object":
+        raise ValueError(f"a tool's schema must describe an object (type 'object'), not {schema['type']!r}")
+    return schema
+
+
+def unique_names(names: list[str]) -> None:
+    """Tools share a request's namespace: a name given twice is refused (OpenAI and Anthropic answer 400)."""
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        raise ValueError(f"tool names must be unique; {', '.join(map(repr, twice))} given more than once")
 
 
 class ImageUrl(WireModel):
@@ -89,9 +104,11 @@ class MessageIn(WireModel):
 
 class FunctionSpec(WireModel):
     model_config = ConfigDict(extra="allow")
-    name: str
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+
+    _object = field_validator("parameters")(object_schema)
 
 
 class ToolSpec(WireModel):
@@ -122,6 +139,12 @@ class CompletionRequest(WireModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    @field_validator("tools")
+    @classmethod
+    def _unique(cls, tools):
+        unique_names([t.function.name for t in tools or ()])
+        return tools
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, stop):
@@ -151,7 +174,9 @@ def _forced_tool(choice: str | dict[str, Any] | None) -> str | None:
         return ""
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str) or not name:
-        raise RequestError("tool_choice must be none, auto, required or {type: function, function: {name}}")
+        raise RequestError(
+            "tool_choice must be none, auto, required or {type: function, function: {name}}", "tool_choice"
+        )
     return name
 
 
