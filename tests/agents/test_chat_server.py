@@ -125,6 +125,21 @@ def test_anthropic_tool_use_plain_and_streaming(served):
     assert "<tool_response>\n4140\n</tool_response>" in TOK.decode(segment.tokens)
 
 
+def test_anthropic_empty_reply_is_one_empty_text_block_plain_and_streamed(served):
+    """A stop sequence cutting the reply at its start: the plain reply holds one empty text block, and so does the
+    streamed one (it had no content block at all: `content=[]`)."""
+    server, _ = served
+    client = _anthropic(server, server.open())
+    kw = {"model": "molt", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": ["he"]}
+    plain = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    events = [event.type for event in client.messages.create(stream=True, **kw)]
+    assert [(b.type, b.text) for b in plain.content] == [(b.type, b.text) for b in final.content] == [("text", "")]
+    assert plain.stop_reason == final.stop_reason == "stop_sequence"
+    assert events == ["message_start", "content_block_start", "content_block_stop", "message_delta", "message_stop"]
+
+
 def test_idempotent_retry_does_not_duplicate_tokens(served):
     """A retry (an SDK's x-stainless-retry-count > 0, or a client that counts none) gets the cached reply; an SDK's
     first try of an identical request (best-of-k by repeated calls) samples anew."""

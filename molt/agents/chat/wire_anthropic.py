@@ -240,9 +240,9 @@ def _tool_use_events(index: int, call) -> Iterator[str]:
 
 
 async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, request: ChatRequest) -> AsyncIterator[str]:
-    """message_start (with the prompt's tokens, once the first event has them), text deltas as generated, tool_use
-    blocks (input_json_delta pieces), message_delta, message_stop; the events one session event brings go out as one
-    chunk (each chunk costs the client a read)."""
+    """message_start (with the prompt's tokens, once the first event has them), text deltas as generated (an empty
+    reply: an empty text block), tool_use blocks (input_json_delta pieces), message_delta, message_stop; the events one
+    session event brings go out as one chunk (each chunk costs the client a read)."""
     start = _head(model, []) | {"stop_reason": None, "stop_sequence": None}
     parts, sent, text_open = [], "", False
     async for event in events:
@@ -258,6 +258,9 @@ async def stream(events: AsyncIterator[TextDelta | TurnReply], model: str, reque
                 yield "".join(parts)
                 parts = []
             continue
+        if not text_open and not event.tool_calls:  # an empty reply: one empty text block, as `encode` gives
+            parts.append(TEXT_START)
+            text_open = True
         if text_open:
             parts.append(TEXT_STOP)
         for k, call in enumerate(event.tool_calls):
