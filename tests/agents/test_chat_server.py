@@ -109,7 +109,7 @@ def test_anthropic_tool_use_plain_and_streaming(served):
     )
     assert reply.stop_reason == "tool_use" and reply.usage.output_tokens == len(engine.emitted[0])
     (block,) = reply.content
-    assert block.type == "tool_use" and block.input == {"expression": "12*345"}
+    assert block.type == "tool_use" and block.input == {"expression": "12*345"} and block.id.startswith("toolu_")
     messages += [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "4140"}]},
@@ -122,7 +122,11 @@ def test_anthropic_tool_use_plain_and_streaming(served):
     assert final.usage.input_tokens == len(engine.prompts[1]) and final.usage.output_tokens == 5
     (segment,) = server.server.close_session(session.id)
     assert masked_ids(segment) == engine.emitted[0] + engine.emitted[1]
-    assert "<tool_response>\n4140\n</tool_response>" in TOK.decode(segment.tokens)
+    assert "<tool_response>\n4140\n</tool_response>" in TOK.decode(segment.tokens)  # the tool_result matched
+    client = _anthropic(server, server.open())
+    with client.messages.stream(model="molt", max_tokens=100, messages=messages[:1], tools=[ANTHROPIC_TOOL]) as stream:
+        (streamed,) = stream.get_final_message().content
+    assert streamed.type == "tool_use" and streamed.id.startswith("toolu_")  # as Anthropic's ids (were call_...)
 
 
 def test_anthropic_empty_reply_is_one_empty_text_block_plain_and_streamed(served):

@@ -9,7 +9,7 @@ is a 400, never fetched), as are OpenAI
 refused (400). `max_tokens` is required (not by `count_tokens`); `top_k` applies in serve mode; a final assistant
 message (a prefill to continue), the `UNSUPPORTED` options (`thinking`, `output_config`) and
 `tool_choice.disable_parallel_tool_use` true are refused (400): Molt's reply is always a new turn, captured token-exact.
-Encoding: `text` and `tool_use` content blocks, `stop_reason` (end_turn, max_tokens, tool_use,
+Encoding: `text` and `tool_use` content blocks (ids `toolu_...`), `stop_reason` (end_turn, max_tokens, tool_use,
 stop_sequence) and `usage`; `tool_choice` any / tool opens the reply with a call of the request's
 tools. Streaming sends the standard event sequence as the engine generates: text deltas live, then each
 `tool_use` block with its input in `input_json_delta` pieces."""
@@ -203,9 +203,18 @@ def _head(model: str, content: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": model, "content": content}
 
 
+def _tool_use_id(call_id: str) -> str:
+    """A tool call's id as Anthropic's look (`toolu_...`; the parser's are OpenAI's `call_...`). Only the wire
+    shows it: a `tool_result` names the id its client got, and a request continues a segment by its messages'
+    fingerprints, which leave ids out, after the reply's own tokens (never re-rendered from its id)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def encode(reply: TurnReply, model: str, request: ChatRequest) -> dict[str, Any]:
     blocks = [{"type": "text", "text": reply.content}] if reply.content or not reply.tool_calls else []
-    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in reply.tool_calls]
+    blocks += [
+        {"type": "tool_use", "id": _tool_use_id(c.id), "name": c.name, "input": c.arguments} for c in reply.tool_calls
+    ]
     return _head(model, blocks) | _stop(reply) | {"usage": _usage(reply)}
 
 
@@ -231,7 +240,7 @@ def _text_delta(text: str) -> str:
 
 
 def _tool_use_events(index: int, call) -> Iterator[str]:
-    block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+    block = {"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name, "input": {}}
     yield _event("content_block_start", {"index": index, "content_block": block})
     for piece in pieces(_json(call.arguments)):
         delta = {"type": "input_json_delta", "partial_json": piece}
