@@ -57,7 +57,8 @@ class RolloutConfig:
     filters: tuple[str, ...] = ("auto",)
     """Group filters (dropped groups are refilled from new prompts): nonfinite, all-equal, score-range; `auto`:
     nonfinite all-equal where the estimator compares a rollout with its group, else (reinforce, gae,
-    on_policy_distill: an all-equal group still carries signal there) nonfinite only."""
+    on_policy_distill: an all-equal group still carries signal there) nonfinite only (`auto my-filter`: those and
+    a plugin's)."""
     score_range: tuple[float, float] = (0.0, 1.0)
     """The `score-range` filter keeps a group whose mean reward (or score) is strictly inside (low, high) (DAPO's
     0 < mean < 1: drops the groups all failed or all solved)."""
@@ -105,9 +106,8 @@ class RolloutConfig:
         """The group filters a run with `estimator` applies: `filters`, with `auto` resolved for it."""
         from molt.algo import ESTIMATORS
 
-        if self.filters != ("auto",):
-            return self.filters
-        return ("nonfinite", "all-equal") if ESTIMATORS.info(estimator)["group_baseline"] else ("nonfinite",)
+        auto = ("nonfinite", "all-equal") if ESTIMATORS.info(estimator)["group_baseline"] else ("nonfinite",)
+        return tuple(dict.fromkeys(f for name in self.filters for f in (auto if name == "auto" else (name,))))
 
     @property
     def episodes_in_flight(self) -> int:
@@ -331,9 +331,8 @@ def check_filter_names(rollout: RolloutConfig) -> None:
     """`rollout.filters` name registered filters; checked by `Config` once `algo.plugins` registered their own."""
     from molt.algo.filtering import GROUP_FILTERS
 
-    unknown = [f for f in rollout.filters if f not in GROUP_FILTERS and rollout.filters != ("auto",)]
-    alone = "auto stands alone, or " if "auto" in unknown else ""
-    check(not unknown, "rollout.filters", f"unknown {unknown}; {alone}choose from {GROUP_FILTERS.names()}{OWN}")
+    unknown = [f for f in rollout.filters if f not in GROUP_FILTERS and f != "auto"]
+    check(not unknown, "rollout.filters", f"unknown {unknown}; choose from auto, {GROUP_FILTERS.names()}{OWN}")
 
 
 def check_rollout_algo(rollout: RolloutConfig, algo: AlgoConfig) -> None:

@@ -46,6 +46,20 @@ def test_unknown_filter_is_an_error():
         filter_groups(torch.zeros(2), torch.zeros(2, dtype=torch.long), filters=["bogus"])
 
 
+def test_auto_beside_other_filters_is_the_estimators_set_and_those():
+    """`--rollout.filters auto my-filter` adds a (plugin's) filter to the default set; it was refused."""
+    from molt.config import ConfigError
+    from molt.config.rl import RolloutConfig, check_filter_names
+
+    both = RolloutConfig(filters=("auto", "score-range"))
+    check_filter_names(both)
+    assert both.group_filters("grpo") == ("nonfinite", "all-equal", "score-range")
+    assert both.group_filters("reinforce") == ("nonfinite", "score-range")
+    assert RolloutConfig(filters=("nonfinite", "auto")).group_filters("grpo") == ("nonfinite", "all-equal")
+    with pytest.raises(ConfigError, match=r"rollout.filters: unknown \['nope'\]; choose from auto, "):
+        check_filter_names(RolloutConfig(filters=("auto", "nope")))
+
+
 def test_overlong_penalty_dapo_shape():
     # max 10, buffer 4: free up to 6 tokens, then linear to -1 at 10, -1 beyond.
     lengths = torch.tensor([5, 6, 8, 10, 12])
