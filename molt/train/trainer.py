@@ -8,10 +8,11 @@ Megatron-style trainers do).
 
 Order of one step:
 1. micro-batches and step denominators;
-2. per-token signals: the teacher's no-grad log-probs (`--algo.teacher`: reverse KL of the sampled tokens) and
-   the critic's pass (`gae`, `Critic.train`: values V_old for GAE, then `--critic.updates` value-loss updates);
-3. advantages over the whole batch (group statistics, whitening) from the shaped rewards (overlong penalty,
-   clip), values and teacher KL;
+2. per-token signals: the critic's no-grad values V_old (`Critic.values`, an estimator that needs `values_bt`)
+   and the teacher's no-grad log-probs (`--algo.teacher`: reverse KL of the sampled tokens);
+3. advantages and returns over the whole batch (group statistics, whitening) from the shaped rewards (overlong
+   penalty, clip), values and teacher KL; the critic's `--critic.updates` value-loss updates toward the run's
+   estimator's returns (`Critic.train`);
 4. the policy's forward + loss + backward per micro-batch, one optimizer step.
 LoRA (`--train.lora_rank`): only the adapters train; `weights()` and checkpoints give the merged policy. The
 KL-loss coefficient `--algo.kl_coef` adapts toward `--algo.kl_target` when set (`train/kl_coef`). A resume trains
@@ -184,6 +185,11 @@ class Trainer:
     ) -> tuple[list[list[float]], dict]:
         """Per-token advantages of every trajectory (over the whole step batch), from the rewards and, where the run
         has them, the critic's `values` and the reverse KL to the teacher (`teacher_kl`)."""
+        advantages, _, metrics = self._estimate(trajs, values, teacher_kl)
+        return advantages, metrics
+
+    def _estimate(self, trajs: list[Trajectory], values, teacher_kl) -> tuple[list, list, dict]:
+        """`advantages` plus the estimator's un-whitened returns per token (the critic's targets)."""
         algo_cfg = self.cfg.algo
         distill = algo_cfg.needs("kl_bt")
         rewards_b, shaping_metrics = self.rewards(trajs)
@@ -195,12 +201,13 @@ class Trainer:
             values_bt=padded(values) if values is not None else None,
             kl_bt=padded(teacher_kl) if teacher_kl is not None and distill else None,
         )
-        adv_bt, _, metrics = algo.compute_advantages(algo_cfg.estimator, inputs, self._advantage_params())
+        adv_bt, returns_bt, metrics = algo.compute_advantages(algo_cfg.estimator, inputs, self._advantage_params())
         metrics |= shaping_metrics
         if teacher_kl is not None and not distill:  # distillation added to the task estimator's advantage
             adv_bt, kl_metrics = algo.add_teacher_kl(adv_bt, padded(teacher_kl), inputs.mask_bt, algo_cfg.teacher_coef)
             metrics |= kl_metrics
-        return [adv_bt[b, : len(t.tokens)].tolist() for b, t in enumerate(trajs)], metrics
+        per_row = lambda x_bt: [x_bt[b, : len(t.tokens)].tolist() for b, t in enumerate(trajs)]  # noqa: E731
+        return per_row(adv_bt), per_row(returns_bt), metrics
 
     def rewards(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, dict]:
         """Each trajectory's reward [B] as the estimator and the critic's returns see it, and the shaping metrics: the
@@ -209,10 +216,10 @@ class Trainer:
         lengths_b = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32)
         return algo.shape_rewards(rewards_b, lengths_b, self.shaping, torch.tensor([t.rollout_id for t in trajs]))
 
-    def _advantage_params(self, whiten: bool | None = None) -> algo.AdvantageParams:
+    def _advantage_params(self) -> algo.AdvantageParams:
         a = self.cfg.algo
         coef = a.teacher_coef if a.needs("kl_bt") else 0.0  # its advantage: -coef * kl
-        return algo.AdvantageParams(a.gamma, a.lam, coef, whiten=a.whiten if whiten is None else whiten)
+        return algo.AdvantageParams(a.gamma, a.lam, coef, whiten=a.whiten)
 
     def step(self, trajs: list[Trajectory], shard: list[int] | None = None) -> dict[str, float]:
         """One optimizer step on `trajs` (complete groups); returns scalar metrics. Data parallel, every rank gets the
@@ -225,15 +232,17 @@ class Trainer:
         denoms = denoms.all_reduced(parallel.all_reduce_sum)
         num_mbs = parallel.all_reduce_max(len(mbs))  # before any forward: FSDP collectives must line up
         values, model_metrics = None, {}
-        if self.critic is not None:  # the critic updates here, before the policy (`Critic.train`)
-            lengths, gae = [len(t.tokens) for t in mine], self._advantage_params(whiten=False)
-            values, model_metrics = self.critic.train(mbs, lengths, self.rewards(mine)[0], denoms, gae, num_mbs)
+        if self.critic is not None:  # V_old, before the estimator; the critic fits its returns after (`Critic`)
+            values = self.critic.values(mbs, [len(t.tokens) for t in mine], num_mbs)
         teacher_kl = self._teacher_kl(mbs, mine, model_metrics, num_mbs) if self.teacher is not None else None
         if shard is not None:  # each rank scored its own samples; the advantages see the whole batch
             values, teacher_kl = parallel.gather_samples(shard, len(trajs), values, teacher_kl)
-        advantages, adv_metrics = self.advantages(trajs, values, teacher_kl)
+        advantages, returns, adv_metrics = self._estimate(trajs, values, teacher_kl)
         if shard is not None:
-            advantages = [advantages[i] for i in shard]
+            advantages, returns = [advantages[i] for i in shard], [returns[i] for i in shard]
+            values = values and [values[i] for i in shard]
+        if self.critic is not None:
+            model_metrics |= self.critic.train(mbs, values, returns, denoms, num_mbs)
         sums: dict[str, float] = {"micro_batches": len(mbs)}
         self.step_tokens = int(parallel.all_reduce_sum(torch.tensor(sum(mb.packed.num_tokens for mb in mbs))))
         for mb in mbs:

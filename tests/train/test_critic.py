@@ -134,3 +134,26 @@ def test_a_critic_folder_that_cannot_serve_is_refused_by_name(tmp_path):
     other = save_pretrained(Transformer(preset("tiny", vocab_size=64, hidden_size=32, num_layers=1)), tmp_path / "o")
     with pytest.raises(ConfigError, match=r"critic.path: .*/o is not the architecture of the critic this checkpoint"):
         Trainer(_model(), _cfg(*GAE, "--critic.path", str(other))).critic.load_state_dict(state)
+
+
+def test_the_critic_fits_the_returns_of_the_runs_own_estimator():
+    """A registered estimator that needs `values_bt` and returns gae's returns x10: the critic's targets are those
+    returns (critic/return_mean = train/return_mean), not gae's; before, the critic always regressed on gae's."""
+    from molt import algo
+
+    @algo.ESTIMATORS.register("gae_x10", whiten=True, needs=("rewards_b", "values_bt"), uses_kl=False,
+                              group_baseline=False)  # fmt: skip
+    def gae_x10(inputs, params):
+        advantages_bt, returns_bt, metrics = algo.ESTIMATORS.get("gae")(inputs, params)
+        return advantages_bt, 10 * returns_bt, metrics
+
+    try:
+        model = _model()
+        trajs = _trajs(model)
+        own = Trainer(copy.deepcopy(model), _cfg("--algo.estimator", "gae_x10", "--critic.lr", "3e-3")).step(trajs)
+        gae = Trainer(copy.deepcopy(model), _cfg(*GAE)).step(trajs)
+        assert own["critic/return_mean"] == pytest.approx(own["train/return_mean"], rel=1e-5)
+        assert own["critic/return_mean"] == pytest.approx(10 * gae["critic/return_mean"], rel=1e-5)
+        assert own["critic/value_loss"] > 10 * gae["critic/value_loss"]  # V_old = 0 (zero head): 0.5 * R^2
+    finally:
+        algo.ESTIMATORS._fns.pop("gae_x10"), algo.ESTIMATORS._info.pop("gae_x10")
