@@ -14,6 +14,14 @@ from typing import Any, Generic, TypeVar
 F = TypeVar("F")
 
 
+class VariantError(ValueError):
+    """A registered variant returned what its family does not take (NaN, a wrong shape or dtype): names it."""
+
+    def __init__(self, message: str, kind: str, name: str):
+        super().__init__(message)
+        self.kind, self.name = kind, name
+
+
 class Registry(Generic[F]):
     """A named family of interchangeable variants (functions or classes), each with optional static info."""
 
@@ -22,8 +30,10 @@ class Registry(Generic[F]):
         kind: str,
         required: tuple[str, ...] = (),
         check: Callable[[str, dict[str, Any]], str | None] | None = None,
+        flag: str = "",
     ) -> None:
         self.kind, self.required = kind, required  # `required`: the info keys every variant must give
+        self.flag = flag  # the config key that picks a variant (`algo.policy_loss`), for messages
         self.check = check  # (name, info) -> what is wrong with them, or None
         self._fns: dict[str, F] = {}
         self._info: dict[str, dict[str, Any]] = {}
@@ -58,6 +68,11 @@ class Registry(Generic[F]):
         """Static metadata given at registration (a copy)."""
         self.get(name)
         return dict(self._info[name])
+
+    def problem(self, name: str, text: str) -> VariantError:
+        """The error `KIND 'NAME' TEXT (--FLAG NAME)` about what variant `name` returned."""
+        picked = f" (--{self.flag} {name})" if self.flag else ""
+        return VariantError(f"{self.kind} {name!r} {text}{picked}", self.kind, name)
 
     def names(self) -> list[str]:
         return sorted(self._fns)

@@ -60,7 +60,10 @@ def _check_info(name: str, info: dict) -> str | None:
 
 
 ESTIMATORS: Registry[Estimator] = Registry(
-    "advantage estimator", required=("whiten", "needs", "uses_kl", "group_baseline"), check=_check_info
+    "advantage estimator",
+    required=("whiten", "needs", "uses_kl", "group_baseline"),
+    check=_check_info,
+    flag="algo.estimator",
 )
 GroupAdvantage = Callable[[Tensor, RolloutGroups, AdvantageParams], Tensor]
 
@@ -72,7 +75,7 @@ def compute_advantages(
     params = params or AdvantageParams()
     estimator, info = ESTIMATORS.get(name), ESTIMATORS.info(name)
     if missing := [field for field in info["needs"] if getattr(inputs, field) is None]:
-        raise ValueError(f"estimator {name!r} needs {', '.join(missing)}")
+        raise ESTIMATORS.problem(name, f"needs {', '.join(missing)}")
     if inputs.kl_bt is not None and params.kl_coef != 0 and not info["uses_kl"]:
         raise ValueError(
             f"estimator {name!r} ignores a per-token KL reward; add the KL as a loss term instead "
@@ -87,13 +90,15 @@ def compute_advantages(
     metrics = {k: torch.as_tensor(v) for k, v in metrics.items()}
     shapes = [tuple(x.shape) for x in (advantages_bt, returns_bt)] + [(k, tuple(v.shape)) for k, v in metrics.items()]
     if shapes != [tuple(inputs.mask_bt.shape)] * 2 + [(k, ()) for k in metrics]:
-        raise ValueError(f"estimator {name!r} returned shapes {shapes}: need (advantages [B, T], returns [B, T], "
-                         f"scalar metrics) with [B, T] = {tuple(inputs.mask_bt.shape)}")  # fmt: skip
-    if not advantages_bt.is_floating_point():
-        raise ValueError(f"estimator {name!r} returned {advantages_bt.dtype} advantages: need a float tensor")
-    if bad := _nonfinite_actions(advantages_bt, inputs.mask_bt):
-        raise ValueError(f"estimator {name!r} returned NaN or inf advantages on {bad} action tokens (the policy loss "
-                         "would silently drop them)")  # fmt: skip
+        raise ESTIMATORS.problem(name, f"returned shapes {shapes}: need (advantages [B, T], returns [B, T], "
+                                 f"scalar metrics) with [B, T] = {tuple(inputs.mask_bt.shape)}")  # fmt: skip
+    if not (advantages_bt.is_floating_point() and returns_bt.is_floating_point()):
+        raise ESTIMATORS.problem(name, f"returned {advantages_bt.dtype} advantages and {returns_bt.dtype} returns: "
+                                 "need float tensors")  # fmt: skip
+    for what, x_bt in (("advantages", advantages_bt), ("returns", returns_bt)):
+        if bad := _nonfinite_actions(x_bt, inputs.mask_bt):
+            raise ESTIMATORS.problem(name, f"returned NaN or inf {what} on {bad} action tokens (the policy loss "
+                                     "would silently drop them, the critic regress on them)")  # fmt: skip
     if info["whiten"] if params.whiten is None else params.whiten:
         advantages_bt = masked_whiten(advantages_bt, inputs.mask_bt)
     metrics |= advantage_stats(advantages_bt, inputs.mask_bt)

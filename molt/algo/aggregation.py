@@ -55,7 +55,7 @@ def step_denominators(mask_bts: Sequence[Tensor], group_ids_bs: Sequence[Tensor]
 
 
 AGGREGATIONS: Registry[Callable[..., Tensor]] = Registry(
-    "loss aggregation", check=bool_info("needs_norm_len", "needs_group_ids")
+    "loss aggregation", check=bool_info("needs_norm_len", "needs_group_ids"), flag="algo.loss_agg"
 )
 
 
@@ -76,9 +76,12 @@ def aggregate(
         raise ValueError(f"loss aggregation {name!r} needs norm_len (a constant, e.g. the max new tokens)")
     loss = fn(loss_bt, mask_bt, denoms, group_ids_b=group_ids_b, norm_len=norm_len)
     if not isinstance(loss, Tensor) or loss.dim() != 0:
-        raise ValueError(
-            f"loss aggregation {name!r} returned {tuple(getattr(loss, 'shape', ()))}: need a scalar tensor"
-        )
+        raise AGGREGATIONS.problem(name, f"returned {tuple(getattr(loss, 'shape', ()))}: need a scalar tensor")
+    # its own doing only from per-token losses finite on the action tokens (a float16 overflow upstream is the loss
+    # scaler's to skip)
+    if not bool(torch.isfinite(loss.detach())) and bool((torch.isfinite(loss_bt.detach()) | ~mask_bt.bool()).all()):
+        raise AGGREGATIONS.problem(name, f"returned {float(loss.detach())} from per-token losses finite on the "
+                                   "action tokens (a division by a zero count? floor it at 1)")  # fmt: skip
     return loss
 
 

@@ -34,8 +34,9 @@ IS_LEVELS: Registry[Level] = Registry(
     check=lambda name, info: (
         None if isinstance(m := info["modes"], tuple | list) and m else f"modes={m!r} must be a tuple of IS mode names"
     ),
+    flag="algo.is_level",
 )
-IS_MODES: Registry[Mode] = Registry("IS correction mode")
+IS_MODES: Registry[Mode] = Registry("IS correction mode", flag="algo.is_mode")
 
 
 @dataclass(frozen=True)

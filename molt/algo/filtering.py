@@ -29,6 +29,7 @@ GroupFilter = Callable[[Tensor, RolloutGroups, FilterParams], Tensor]
 GROUP_FILTERS: Registry[GroupFilter] = Registry(
     "group filter",
     check=lambda name, info: "'auto' is --rollout.filters' own word (the default set)" if name == "auto" else None,
+    flag="rollout.filters",
 )
 
 
@@ -68,9 +69,9 @@ def filter_groups(
     for name in filters:
         drop_g = GROUP_FILTERS.get(name)(scores_r, groups, params)
         if not (isinstance(drop_g, Tensor) and drop_g.dtype == torch.bool and drop_g.shape == dropped_g.shape):
-            raise ValueError(f"group filter {name!r} returned {getattr(drop_g, 'dtype', type(drop_g).__name__)} "
-                             f"{tuple(getattr(drop_g, 'shape', ()))}: need a bool [G] = {tuple(dropped_g.shape)} mask, "
-                             "True = drop the group")  # fmt: skip
+            raise GROUP_FILTERS.problem(name, f"returned {getattr(drop_g, 'dtype', type(drop_g).__name__)} "
+                                        f"{tuple(getattr(drop_g, 'shape', ()))}: need a bool [G] = "
+                                        f"{tuple(dropped_g.shape)} mask, True = drop the group")  # fmt: skip
         metrics[f"filter_{name.replace('-', '_')}_frac"] = drop_g.to(torch.float32).mean()
         dropped_g |= drop_g
     metrics["filter_keep_frac"] = (~dropped_g).to(torch.float32).mean()

@@ -19,13 +19,20 @@ from molt.registry import Registry
 KL_CLAMP = 10.0
 
 KLEstimator = Callable[[Tensor], Tensor]
-KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", flag="algo.kl_estimator")
 
 
 def kl_estimate(name: str, logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tensor) -> Tensor:
     """Per-token KL(policy || base) estimate [B, T] with estimator `name`; zero off the mask."""
     log_ratio_bt = finite_log_ratio(logp_bt, base_logp_bt, mask_bt)
-    return torch.where(mask_bt.bool(), KL_ESTIMATORS.get(name)(log_ratio_bt), 0.0)
+    kl_bt = KL_ESTIMATORS.get(name)(log_ratio_bt)
+    if not isinstance(kl_bt, Tensor) or kl_bt.shape != log_ratio_bt.shape or not kl_bt.is_floating_point():
+        raise KL_ESTIMATORS.problem(name, f"returned a {getattr(kl_bt, 'dtype', type(kl_bt).__name__)} "
+                                    f"{tuple(getattr(kl_bt, 'shape', ()))}: need a per-token float KL shaped like "
+                                    f"its log-ratio [B, T] = {tuple(log_ratio_bt.shape)}")  # fmt: skip
+    if bad := int((~torch.isfinite(kl_bt.detach()) & mask_bt.bool()).sum()):
+        raise KL_ESTIMATORS.problem(name, f"returned NaN or inf on {bad} action tokens from a finite log-ratio")
+    return torch.where(mask_bt.bool(), kl_bt, 0.0)
 
 
 @KL_ESTIMATORS.register("k1")

@@ -61,9 +61,7 @@ def policy_objective(batch: PolicyBatch, denoms: StepDenominators, params: Objec
     old_logp_bt = batch.logp_bt.detach() if batch.old_logp_bt is None else batch.old_logp_bt
     surrogate = POLICY_LOSSES.get(params.policy_loss)
     loss_bt, metrics = surrogate(batch.logp_bt, old_logp_bt, batch.advantages_bt, mask_bt, params.surrogate)
-    if loss_bt.shape != mask_bt.shape or not loss_bt.is_floating_point():
-        raise ValueError(f"policy loss {params.policy_loss!r} returned a {loss_bt.dtype} {tuple(loss_bt.shape)} "
-                         f"loss: need a per-token float loss [B, T] = {tuple(mask_bt.shape)}")  # fmt: skip
+    metrics = _checked_surrogate(params.policy_loss, loss_bt, metrics, mask_bt)
     if params.is_correction.level is not None and batch.rollout_logp_bt is None:
         raise ValueError("IS correction needs rollout_logp_bt (the rollout engine's log-probs)")
     if batch.rollout_logp_bt is not None:
@@ -83,3 +81,30 @@ def policy_objective(batch: PolicyBatch, denoms: StepDenominators, params: Objec
         if params.entropy_coef:
             loss = loss - params.entropy_coef * aggregate("token-mean", entropy_bt, mask_bt, denoms)
     return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def _checked_surrogate(name: str, loss_bt: Tensor, metrics: Metrics, mask_bt: Tensor) -> Metrics:
+    """Policy loss `name`'s metrics as 0-dim tensors, after checking that it returned a per-token float loss [B, T],
+    finite on the action tokens (a NaN there would skip every optimizer step, naming nothing), and 0-dim metrics."""
+    if not isinstance(loss_bt, Tensor) or loss_bt.shape != mask_bt.shape or not loss_bt.is_floating_point():
+        raise POLICY_LOSSES.problem(name, f"returned a {getattr(loss_bt, 'dtype', type(loss_bt).__name__)} "
+                                    f"{tuple(getattr(loss_bt, 'shape', ()))} loss: need a per-token float loss "
+                                    f"[B, T] = {tuple(mask_bt.shape)}")  # fmt: skip
+    if bad := int((~torch.isfinite(loss_bt.detach()) & mask_bt.bool()).sum()):
+        raise POLICY_LOSSES.problem(name, f"returned NaN or inf on {bad} action tokens: drop the tokens it cannot "
+                                    "score (loss 0 there; masked.sanitized_log_ratio)")  # fmt: skip
+    if not isinstance(metrics, dict):
+        raise POLICY_LOSSES.problem(name, f"returned {type(metrics).__name__} metrics: need a dict of numbers")
+    checked = {}
+    for key, value in metrics.items():
+        value = value if isinstance(value, Tensor) else torch.as_tensor(value) if _is_number(value) else None
+        if value is None or value.dim() != 0:
+            shape = tuple(value.shape) if value is not None else type(metrics[key]).__name__
+            raise POLICY_LOSSES.problem(name, f"returned metric {key!r} of shape {shape}: need a 0-dim number "
+                                        "(e.g. masked.masked_mean of a per-token value)")  # fmt: skip
+        checked[key] = value
+    return checked
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -37,7 +37,9 @@ class SurrogateParams:
 
 
 Surrogate = Callable[[Tensor, Tensor, Tensor, Tensor, SurrogateParams], tuple[Tensor, Metrics]]
-POLICY_LOSSES: Registry[Surrogate] = Registry("policy loss", check=bool_info("pg_at_ratio_one"))
+POLICY_LOSSES: Registry[Surrogate] = Registry(
+    "policy loss", check=bool_info("pg_at_ratio_one"), flag="algo.policy_loss"
+)
 
 
 def _prepare(

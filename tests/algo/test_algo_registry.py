@@ -237,3 +237,39 @@ def test_plugins_register_variants_the_config_then_knows(tmp_path):
             GROUP_FILTERS._fns.pop(name, None)
             GROUP_FILTERS._info.pop(name, None)
         sys.modules.pop("molt_agent_my_variants", None)
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("kind", "fn", "problem"),
+    [
+        ("loss", lambda lp, old, a, m, p: (lp * NAN, {}), "returned NaN or inf on 6 action tokens"),
+        ("loss", lambda lp, old, a, m, p: (-a * lp, {"w": a[0]}), "returned metric 'w' of shape (3,): need a 0-dim"),
+        ("agg", lambda loss, m, d, **k: loss.sum() / 0.0, "returned inf from per-token losses finite"),
+        ("kl", lambda x: x * NAN, "returned NaN or inf on 6 action tokens"),
+        ("kl", lambda x: x.mean(), "returned a torch.float32 (): need a per-token float KL shaped like its log-ratio"),
+    ],
+)
+def test_own_variants_returning_nan_or_a_scalar_kl_are_named_with_their_flag(kind, fn, problem):
+    """A policy loss, aggregation or KL estimator returning NaN on action tokens skipped every optimizer step and
+    ended "done" with unchanged weights; a KL estimator's scalar broadcast and trained a negative KL; a per-token
+    metric failed in float(). Each is now an error naming the variant and its flag."""
+    import torch
+
+    from molt.algo import ObjectiveParams, PolicyBatch, policy_objective, step_denominators
+
+    registry, field, flag = {"loss": (POLICY_LOSSES, "policy_loss", "algo.policy_loss"),
+                             "agg": (AGGREGATIONS, "loss_agg", "algo.loss_agg"),
+                             "kl": (KL_ESTIMATORS, "kl_estimator", "algo.kl_estimator")}[kind]  # fmt: skip
+    registry.register("own")(fn)
+    try:
+        mask = torch.ones(2, 3)
+        logp = torch.full((2, 3), -1.0, requires_grad=True)
+        batch = PolicyBatch(logp, mask, -torch.ones(2, 3), ref_logp_bt=torch.full((2, 3), -1.5))
+        params = ObjectiveParams(**{field: "own"}, kl_loss_coef=0.1)
+        with pytest.raises(ValueError, match=f"'own' {re.escape(problem)}.*\\(--{flag} own\\)"):
+            policy_objective(batch, step_denominators([mask]), params)
+    finally:
+        del registry._fns["own"], registry._info["own"]
