@@ -26,6 +26,12 @@ class UserError(Exception):
     kind = "error"
 
 
+class VariantFailure(UserError):
+    """A variant of your own (`--algo.plugins`) failed at run time: its message names it, its flag and its file."""
+
+    kind = "error in your variant"
+
+
 class RolloutDrop(Exception):
     """A rollout that cannot run as asked (its prompt or an image does not fit the context): the loop drops its
     group, counted under `drop_reason`, instead of counting a failed rollout."""

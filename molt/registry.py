@@ -2,16 +2,23 @@
 
 Every named variant a config flag or a file picks (`--algo.estimator grpo`, `--runtime.engine vllm`, a data
 format, a tool-call parser) is registered under its name in a `Registry` and looked up by it; an unknown or
-duplicate name, or a variant registered without the info its family requires, is a ValueError. Imports
-nothing, so every stage may use it."""
+duplicate name, or a variant registered without the info its family requires (or, for a family with a call form,
+one that cannot be called so), is a ValueError. Each variant's origin (its file and line) is kept, so a failure of
+a variant registered outside Molt (`variant_failure`) is told from a bug in Molt's own. Imports nothing, so every
+stage may use it."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+import inspect
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 F = TypeVar("F")
+MOLT_DIR = str(Path(__file__).resolve().parent)  # where Molt's own variants are defined
 
 
 class VariantError(ValueError):
@@ -31,12 +38,15 @@ class Registry(Generic[F]):
         required: tuple[str, ...] = (),
         check: Callable[[str, dict[str, Any]], str | None] | None = None,
         flag: str = "",
+        call: tuple[tuple[str, ...], tuple[str, ...]] | None = None,
     ) -> None:
         self.kind, self.required = kind, required  # `required`: the info keys every variant must give
         self.flag = flag  # the config key that picks a variant (`algo.policy_loss`), for messages
         self.check = check  # (name, info) -> what is wrong with them, or None
+        self.call = call  # (positional, keyword) argument names every variant is called with; None = unchecked
         self._fns: dict[str, F] = {}
         self._info: dict[str, dict[str, Any]] = {}
+        self._origin: dict[str, tuple[str, int]] = {}  # name -> (file, line) where the variant is defined
 
     def register(self, name: str, **info: Any) -> Callable[[F], F]:
         """Decorator: register `fn` under `name`; `info` is static metadata read by callers."""
@@ -52,9 +62,21 @@ class Registry(Generic[F]):
             raise ValueError(f"{self.kind} {name!r}: register it with {given} (every {self.kind} states them)")
         if self.check is not None and (problem := self.check(name, info)):
             raise ValueError(f"{self.kind} {name!r}: {problem}")
+        if self.call is not None and (problem := _call_problem(variant, *self.call)):
+            raise ValueError(f"{self.kind} {name!r}: {problem}")
         self._fns[name] = variant
         self._info[name] = info
+        self._origin[name] = _origin(variant)
         return variant
+
+    def origin(self, name: str) -> str:
+        """`file:line` where variant `name` is defined (or was registered)."""
+        self.get(name)
+        return "{}:{}".format(*self._origin[name])
+
+    def from_user(self, name: str) -> bool:
+        """Whether variant `name` is defined outside Molt (a plugin, your script): its failures are yours."""
+        return name in self._origin and not self._origin[name][0].startswith(MOLT_DIR)
 
     def get(self, name: str) -> F:
         """The variant registered as `name`; ValueError naming the choices otherwise."""
@@ -85,6 +107,56 @@ class Registry(Generic[F]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {self.names()})"
+
+
+def _origin(variant: object) -> tuple[str, int]:
+    """(file, line) of `variant`'s definition: a function's code, a class's source, else the registering call."""
+    code = getattr(variant, "__code__", None)
+    if code is not None:
+        return code.co_filename, code.co_firstlineno
+    try:
+        return inspect.getsourcefile(variant) or "?", inspect.getsourcelines(variant)[1]
+    except (TypeError, OSError):
+        frame = sys._getframe(1)  # noqa: SLF001 - the caller outside this module and functools
+        while frame.f_back is not None and frame.f_code.co_filename in (__file__, functools.__file__):
+            frame = frame.f_back
+        return frame.f_code.co_filename, frame.f_lineno
+
+
+def _call_problem(variant: object, positional: tuple[str, ...], keywords: tuple[str, ...]) -> str | None:
+    """Why `variant` cannot be called with the arguments `positional` and keywords `keywords`, or None."""
+    try:
+        signature = inspect.signature(variant)
+    except (TypeError, ValueError):  # a builtin without a signature: not checked
+        return None
+    try:
+        signature.bind(*positional, **dict.fromkeys(keywords))
+    except TypeError as e:
+        form = ", ".join([*positional, *(f"{k}=..." for k in keywords)])
+        name = getattr(variant, "__name__", type(variant).__name__)
+        return f"{name}{signature} cannot be called as fn({form}), as Molt calls it: {e}"
+    return None
+
+
+def variant_failure(error: BaseException, registries: Iterable[Registry]) -> str | None:
+    """What went wrong, naming the variant, its flag and where it is defined, when `error` is the failure of a variant
+    registered outside Molt (its bad output, `VariantError`, or an exception raised in its code); else None (a
+    failure in Molt's own variants or code is Molt's)."""
+    registries = list(registries)
+    if isinstance(error, VariantError):
+        for r in registries:
+            if r.kind == error.kind and r.from_user(error.name):
+                return f"{error}; it is defined at {r.origin(error.name)}"
+        return None
+    codes = {getattr(r.get(n), "__code__", None): (r, n) for r in registries for n in r if r.from_user(n)}
+    for frame, _ in reversed(list(traceback.walk_tb(error.__traceback__))):
+        if (found := codes.get(frame.f_code)) is not None:
+            r, name = found
+            flag = f"--{r.flag} {name}, " if r.flag else ""
+            user = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(MOLT_DIR)]
+            at = f" at {user[-1].filename}:{user[-1].lineno}" if user else ""
+            return f"{r.kind} {name!r} ({flag}defined at {r.origin(name)}) raised {type(error).__name__}{at}: {error}"
+    return None
 
 
 def bool_info(*keys: str) -> Callable[[str, dict[str, Any]], str | None]:

@@ -64,6 +64,7 @@ ESTIMATORS: Registry[Estimator] = Registry(
     required=("whiten", "needs", "uses_kl", "group_baseline"),
     check=_check_info,
     flag="algo.estimator",
+    call=(("inputs", "params"), ()),
 )
 GroupAdvantage = Callable[[Tensor, RolloutGroups, AdvantageParams], Tensor]
 

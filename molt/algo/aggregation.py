@@ -55,7 +55,10 @@ def step_denominators(mask_bts: Sequence[Tensor], group_ids_bs: Sequence[Tensor]
 
 
 AGGREGATIONS: Registry[Callable[..., Tensor]] = Registry(
-    "loss aggregation", check=bool_info("needs_norm_len", "needs_group_ids"), flag="algo.loss_agg"
+    "loss aggregation",
+    check=bool_info("needs_norm_len", "needs_group_ids"),
+    flag="algo.loss_agg",
+    call=(("loss_bt", "mask_bt", "denoms"), ("group_ids_b", "norm_len")),
 )
 
 

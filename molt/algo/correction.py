@@ -35,8 +35,11 @@ IS_LEVELS: Registry[Level] = Registry(
         None if isinstance(m := info["modes"], tuple | list) and m else f"modes={m!r} must be a tuple of IS mode names"
     ),
     flag="algo.is_level",
+    call=(("log_ratio_bt", "mask_bt"), ()),
 )
-IS_MODES: Registry[Mode] = Registry("IS correction mode", flag="algo.is_mode")
+IS_MODES: Registry[Mode] = Registry(
+    "IS correction mode", flag="algo.is_mode", call=(("ratio_bt", "stat_bt", "low", "high"), ())
+)
 
 
 @dataclass(frozen=True)

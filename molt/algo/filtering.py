@@ -30,6 +30,7 @@ GROUP_FILTERS: Registry[GroupFilter] = Registry(
     "group filter",
     check=lambda name, info: "'auto' is --rollout.filters' own word (the default set)" if name == "auto" else None,
     flag="rollout.filters",
+    call=(("scores_r", "groups", "params"), ()),
 )
 
 

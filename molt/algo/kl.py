@@ -19,7 +19,7 @@ from molt.registry import Registry
 KL_CLAMP = 10.0
 
 KLEstimator = Callable[[Tensor], Tensor]
-KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", flag="algo.kl_estimator")
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", flag="algo.kl_estimator", call=(("log_ratio_bt",), ()))
 
 
 def kl_estimate(name: str, logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tensor) -> Tensor:

@@ -38,7 +38,10 @@ class SurrogateParams:
 
 Surrogate = Callable[[Tensor, Tensor, Tensor, Tensor, SurrogateParams], tuple[Tensor, Metrics]]
 POLICY_LOSSES: Registry[Surrogate] = Registry(
-    "policy loss", check=bool_info("pg_at_ratio_one"), flag="algo.policy_loss"
+    "policy loss",
+    check=bool_info("pg_at_ratio_one"),
+    flag="algo.policy_loss",
+    call=(("logp_bt", "old_logp_bt", "advantages_bt", "mask_bt", "params"), ()),
 )
 
 

@@ -26,7 +26,7 @@ import tyro
 from molt.config import Config, ConfigError, check
 from molt.config.rl import check_rollout_algo
 from molt.config.training import check_rl_batch
-from molt.errors import RunFatalError, UserError
+from molt.errors import RunFatalError, UserError, VariantFailure
 
 COMMANDS: dict[str, Callable[[Config], object]] = {}
 DEFAULTS: dict[str, dict] = {}
@@ -115,7 +115,15 @@ STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EI
 
 
 def _internal_error(name: str, e: Exception) -> NoReturn:
-    """Not the user's doing: a bug in Molt, shown in full."""
+    """Not the user's doing: a bug in Molt, shown in full; unless a variant of the user's own failed (its output
+    refused by Molt's checks, or an exception in its code), a user error naming it, its flag and its file."""
+    from molt.algo import FAMILIES
+    from molt.registry import variant_failure
+
+    if (problem := variant_failure(e, FAMILIES)) is not None:
+        failure = VariantFailure(problem)
+        failure.__cause__ = e  # MOLT_TRACEBACK=1 shows where
+        fail(f"molt {name}", failure)
     traceback.print_exception(e)
     print(f"molt {name}: internal error: {type(e).__name__}: {e}\n  this is a bug in Molt (not in your config, "
           "data or agent); please report it with the traceback above", file=sys.stderr)  # fmt: skip

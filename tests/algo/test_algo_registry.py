@@ -273,3 +273,29 @@ def test_own_variants_returning_nan_or_a_scalar_kl_are_named_with_their_flag(kin
             policy_objective(batch, step_denominators([mask]), params)
     finally:
         del registry._fns["own"], registry._info["own"]
+
+
+def test_a_variant_that_cannot_be_called_as_its_family_calls_it_is_refused_when_registered(tmp_path):
+    """A policy loss without `params`, an aggregation without `**_` for the keywords: bare TypeErrors at the first
+    step ("takes 4 positional arguments but 5 were given"); now refused at registration, and from a plugin a config
+    error naming its file and line."""
+    from molt import make_config
+    from molt.config import ConfigError
+
+    with pytest.raises(
+        ValueError, match=r"policy loss 'four': <lambda>\(lp, old, a, m\) cannot be called as fn\(logp_bt, "
+    ):
+        POLICY_LOSSES.register("four")(lambda lp, old, a, m: (lp, {}))
+    with pytest.raises(ValueError, match="loss aggregation 'plain': .* unexpected keyword argument 'group_ids_b'"):
+        AGGREGATIONS.register("plain")(lambda loss_bt, mask_bt, denoms: loss_bt.sum())
+    assert "four" not in POLICY_LOSSES and "plain" not in AGGREGATIONS
+    plugin = tmp_path / "short_kl.py"
+    plugin.write_text("from molt import algo\n\n\n@algo.KL_ESTIMATORS.register('k0')\ndef k0():\n    return 0\n")
+    try:
+        problem = "ValueError: KL estimator 'k0': k0\\(\\) cannot be called as fn\\(log_ratio_bt\\)"
+        with pytest.raises(
+            ConfigError, match=f"algo.plugins: importing .* failed at {re.escape(str(plugin))}:4: {problem}"
+        ):
+            make_config({"algo.plugins": [str(plugin)]})
+    finally:
+        sys.modules.pop("molt_agent_short_kl", None), sys.modules.pop("short_kl", None)

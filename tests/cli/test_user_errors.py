@@ -426,3 +426,53 @@ def test_a_write_the_machine_refuses_is_one_line_naming_the_file(monkeypatch, ca
     with pytest.raises(SystemExit):
         main(["train"])
     assert "internal error: TimeoutError" in capsys.readouterr().err
+
+
+PLUGIN = """import torch
+from molt import algo
+
+
+@algo.POLICY_LOSSES.register("nan-loss")
+def nan_loss(logp_bt, old_logp_bt, advantages_bt, mask_bt, params):
+    return -advantages_bt * logp_bt * float("nan"), {}
+
+
+@algo.POLICY_LOSSES.register("index-loss")
+def index_loss(logp_bt, old_logp_bt, advantages_bt, mask_bt, params):
+    return helper(logp_bt), {}
+
+
+def helper(logp_bt):
+    return logp_bt[999]
+"""
+
+
+def test_a_failure_of_your_own_variant_is_a_user_error_naming_its_flag_and_file(tmp_path, molt, monkeypatch):
+    """A plugin's policy loss returning NaN (refused by Molt's check) or raising in its own code was "internal error
+    ... a bug in Molt"; now one line, exit code 2, naming the variant, its flag and the plugin's file and line. The
+    same check failing for a built-in variant stays Molt's bug."""
+    from molt.algo import POLICY_LOSSES
+
+    (tmp_path / "rw.py").write_text("def fn(completion, row):\n    return len(set(completion)) / 10\n")
+    (tmp_path / "plugin.py").write_text(PLUGIN)
+    run = ("train", *FAST, "--rollout.reward", "rw.py:fn", "--algo.plugins", "plugin.py")
+    try:
+        nan = molt(*run, "--algo.policy_loss", "nan-loss", shared_cache=True)
+        where = f"(--algo.policy_loss nan-loss); it is defined at {tmp_path / 'plugin.py'}:5"
+        line = one_line(nan, "error in your variant: policy loss 'nan-loss' returned NaN or inf on", where)
+        assert "bug in Molt" not in line
+        raised = molt(*run, "--algo.policy_loss", "index-loss", shared_cache=True)
+        one_line(raised, "policy loss 'index-loss' (--algo.policy_loss index-loss, defined at ", "plugin.py:10) raised "
+                 f"IndexError at {tmp_path / 'plugin.py'}:16: index 999 is out of bounds")  # fmt: skip
+    finally:
+        for name in ("nan-loss", "index-loss"):
+            POLICY_LOSSES._fns.pop(name, None), POLICY_LOSSES._info.pop(name, None)
+        sys.modules.pop("molt_agent_plugin", None), sys.modules.pop("plugin", None)
+    from molt.cli import main as cli
+
+    def built_in_fails(cfg):
+        raise POLICY_LOSSES.problem("ppo", "returned NaN or inf on 3 action tokens")
+
+    monkeypatch.setitem(cli.COMMANDS, "train", built_in_fails)
+    built_in = molt("train")
+    assert built_in.returncode == 1 and "internal error" in built_in.stderr and "bug in Molt" in built_in.stderr
