@@ -2,15 +2,16 @@
 
 Every named variant a config flag or a file picks (`--algo.estimator grpo`, `--runtime.engine vllm`, a data
 format, a tool-call parser) is registered under its name in a `Registry` and looked up by it; an unknown or
-duplicate name, or a variant registered without the info its family requires (or, for a family with a call form,
-one that cannot be called so), is a ValueError. Each variant's origin (its file and line) is kept, so a failure of
-a variant registered outside Molt (`variant_failure`) is told from a bug in Molt's own. Imports nothing, so every
-stage may use it."""
+duplicate name (but a new version from the same file: an edited plugin imported again), or a variant registered
+without the info its family requires (or, for a family with a call form, one that cannot be called so), is a
+ValueError. Each variant's origin (its file and line) is kept, so a failure of a variant registered outside Molt
+(`variant_failure`) is told from a bug in Molt's own. Imports nothing, so every stage may use it."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -47,6 +48,7 @@ class Registry(Generic[F]):
         self._fns: dict[str, F] = {}
         self._info: dict[str, dict[str, Any]] = {}
         self._origin: dict[str, tuple[str, int]] = {}  # name -> (file, line) where the variant is defined
+        self._namespace: dict[str, dict | None] = {}  # name -> the globals of the module run that defined it
 
     def register(self, name: str, **info: Any) -> Callable[[F], F]:
         """Decorator: register `fn` under `name`; `info` is static metadata read by callers."""
@@ -54,9 +56,9 @@ class Registry(Generic[F]):
 
     def add(self, name: str, variant: F, **info: Any) -> F:
         """Register `variant` under `name` (the decorator's work, for values that are not defined by a `def`)."""
-        if name in self._fns:
+        if name in self._fns and not self._rerun(name, variant):
             owner = getattr(self._fns[name], "__name__", repr(self._fns[name]))
-            raise ValueError(f"{self.kind} {name!r} is already registered (by {owner})")
+            raise ValueError(f"{self.kind} {name!r} is already registered (by {owner} at {self.origin(name)})")
         if missing := [key for key in self.required if key not in info]:
             given = ", ".join(f"{key}=..." for key in missing)
             raise ValueError(f"{self.kind} {name!r}: register it with {given} (every {self.kind} states them)")
@@ -66,8 +68,16 @@ class Registry(Generic[F]):
             raise ValueError(f"{self.kind} {name!r}: {problem}")
         self._fns[name] = variant
         self._info[name] = info
-        self._origin[name] = _origin(variant)
+        self._origin[name], self._namespace[name] = _origin(variant), _namespace(variant)
         return variant
+
+    def _rerun(self, name: str, variant: F) -> bool:
+        """Whether `variant` is a new version of `name`'s variant: defined in the same file outside Molt, by a new run
+        of it (an edited plugin imported again: its module's namespace is new), so it may replace it."""
+        old_file, new_file = self._origin[name][0], _origin(variant)[0]
+        same_file = os.path.realpath(old_file) == os.path.realpath(new_file) and self.from_user(name)
+        namespace = _namespace(variant)
+        return same_file and namespace is not None and namespace is not self._namespace[name]
 
     def origin(self, name: str) -> str:
         """`file:line` where variant `name` is defined (or was registered)."""
@@ -121,6 +131,14 @@ def _origin(variant: object) -> tuple[str, int]:
         while frame.f_back is not None and frame.f_code.co_filename in (__file__, functools.__file__):
             frame = frame.f_back
         return frame.f_code.co_filename, frame.f_lineno
+
+
+def _namespace(variant: object) -> dict | None:
+    """The globals of the module run that defined `variant` (a function's, or its module's now), or None."""
+    namespace = getattr(variant, "__globals__", None)
+    if namespace is None and (module := sys.modules.get(getattr(variant, "__module__", None) or "")) is not None:
+        namespace = vars(module)
+    return namespace
 
 
 def _call_problem(variant: object, positional: tuple[str, ...], keywords: tuple[str, ...]) -> str | None:

@@ -299,3 +299,38 @@ def test_a_variant_that_cannot_be_called_as_its_family_calls_it_is_refused_when_
             make_config({"algo.plugins": [str(plugin)]})
     finally:
         sys.modules.pop("molt_agent_short_kl", None), sys.modules.pop("short_kl", None)
+
+
+def test_an_edited_plugin_imported_again_replaces_its_own_variants(tmp_path):
+    """A notebook edits its plugin and builds the config again: the file ran anew but its names were refused ("policy
+    loss 'clip_cov' is already registered (by clip_cov)"). A new version from the same file now replaces them; a
+    name taken by another file, or a built-in one, is still refused."""
+    import os
+
+    from molt import make_config
+    from molt.config import ConfigError
+
+    plugin, other, builtin = tmp_path / "nb_algo.py", tmp_path / "other_algo.py", tmp_path / "my_ppo.py"
+    source = (
+        "from molt import algo\n\nSCALE = {}\n\n\n@algo.POLICY_LOSSES.register('clip_cov')\n"
+        "def clip_cov(logp_bt, old_logp_bt, advantages_bt, mask_bt, params):\n    return -SCALE * logp_bt, {{}}\n"
+    )
+    other.write_text(source.format(3.0))
+    builtin.write_text(source.format(1.0).replace("'clip_cov'", "'ppo'"))
+    modules = ("molt_agent_nb_algo", "nb_algo", "molt_agent_other_algo", "other_algo", "molt_agent_my_ppo", "my_ppo")
+    try:
+        for version, scale in enumerate((1.0, 2.0)):
+            plugin.write_text(source.format(scale))
+            os.utime(plugin, (1_000_000 + version, 1_000_000 + version))  # a new version, whatever the clock
+            make_config({"algo.plugins": [str(plugin)]})
+            assert POLICY_LOSSES.get("clip_cov").__globals__["SCALE"] == scale
+        with pytest.raises(
+            ConfigError, match=r"policy loss 'clip_cov' is already registered \(by clip_cov at .*nb_algo"
+        ):
+            make_config({"algo.plugins": [str(other)]})
+        with pytest.raises(ConfigError, match=r"policy loss 'ppo' is already registered \(by ppo at .*policy_loss.py"):
+            make_config({"algo.plugins": [str(builtin)]})
+    finally:
+        POLICY_LOSSES._fns.pop("clip_cov", None), POLICY_LOSSES._info.pop("clip_cov", None)
+        for name in modules:
+            sys.modules.pop(name, None)
