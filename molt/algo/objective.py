@@ -61,7 +61,10 @@ def policy_objective(batch: PolicyBatch, denoms: StepDenominators, params: Objec
     old_logp_bt = batch.logp_bt.detach() if batch.old_logp_bt is None else batch.old_logp_bt
     surrogate = POLICY_LOSSES.get(params.policy_loss)
     loss_bt, metrics = surrogate(batch.logp_bt, old_logp_bt, batch.advantages_bt, mask_bt, params.surrogate)
-    metrics = _checked_surrogate(params.policy_loss, loss_bt, metrics, mask_bt)
+    inputs_ok_bt = (
+        torch.isfinite(batch.logp_bt.detach()) & torch.isfinite(old_logp_bt) & torch.isfinite(batch.advantages_bt)
+    )
+    metrics = _checked_surrogate(params.policy_loss, loss_bt, metrics, mask_bt.bool() & inputs_ok_bt)
     if params.is_correction.level is not None and batch.rollout_logp_bt is None:
         raise ValueError("IS correction needs rollout_logp_bt (the rollout engine's log-probs)")
     if batch.rollout_logp_bt is not None:
@@ -85,7 +88,8 @@ def policy_objective(batch: PolicyBatch, denoms: StepDenominators, params: Objec
 
 def _checked_surrogate(name: str, loss_bt: Tensor, metrics: Metrics, mask_bt: Tensor) -> Metrics:
     """Policy loss `name`'s metrics as 0-dim tensors, after checking that it returned a per-token float loss [B, T],
-    finite on the action tokens (a NaN there would skip every optimizer step, naming nothing), and 0-dim metrics."""
+    finite on the action tokens whose inputs are finite (`mask_bt`: a NaN there would skip every optimizer step,
+    naming nothing; a float16 overflow upstream is the loss scaler's to skip), and 0-dim metrics."""
     if not isinstance(loss_bt, Tensor) or loss_bt.shape != mask_bt.shape or not loss_bt.is_floating_point():
         raise POLICY_LOSSES.problem(name, f"returned a {getattr(loss_bt, 'dtype', type(loss_bt).__name__)} "
                                     f"{tuple(getattr(loss_bt, 'shape', ()))} loss: need a per-token float loss "
