@@ -5,7 +5,7 @@ tokens; per-sample tensors are [B]. See docs/algorithms.md for the formulas and 
 
 from molt.algo.advantages import ESTIMATORS, AdvantageInputs, AdvantageParams, add_teacher_kl, compute_advantages
 from molt.algo.aggregation import AGGREGATIONS, StepDenominators, aggregate, step_denominators
-from molt.algo.correction import IS_LEVELS, IS_MODES, ISCorrectionParams, is_correction
+from molt.algo.correction import IS_LEVELS, IS_MODES, ISCorrectionParams, is_correction, level_modes
 from molt.algo.filtering import (
     GROUP_FILTERS,
     FilterParams,
@@ -56,6 +56,6 @@ __all__ = ["AGGREGATIONS", "ESTIMATORS", "GROUP_FILTERS", "IS_LEVELS", "IS_MODES
            "FixedKLController", "ISCorrectionParams", "ObjectiveParams", "PolicyBatch", "Registry",
            "RewardShapingParams", "StepDenominators", "SurrogateParams", "adaptive_kl_coef", "add_teacher_kl",
            "aggregate", "clip_rewards", "compute_advantages", "expert_load", "filter_groups", "is_correction",
-           "kl_estimate", "load_balance_loss", "load_imbalance", "make_kl_controller", "mask_truncated",
+           "kl_estimate", "level_modes", "load_balance_loss", "load_imbalance", "make_kl_controller", "mask_truncated",
            "overlong_penalty", "own_variants", "policy_objective", "register_own", "rollout_totals",
            "routing_agreement", "shape_rewards", "step_denominators", "value_loss"]  # fmt: skip

@@ -52,15 +52,21 @@ class ISCorrectionParams:
     def __post_init__(self) -> None:
         if self.level is None:
             return
-        allowed = IS_LEVELS.info(self.level)["modes"]
+        allowed = level_modes(self.level)
         IS_MODES.get(self.mode)
         if self.mode not in allowed:
-            raise ValueError(
-                f"IS correction level {self.level!r} does not support mode {self.mode!r} "
-                f"(allowed: {', '.join(allowed)}); the geometric mean is a filter statistic, not a weight"
-            )
+            why = "; the geometric mean is a filter statistic, not a weight" if self.level == "geo" else ""
+            raise ValueError(f"IS correction level {self.level!r} does not support mode {self.mode!r} "
+                             f"(allowed: {', '.join(allowed)}){why}")  # fmt: skip
         if not 0 <= self.low <= 1 <= self.high:
             raise ValueError(f"IS correction band must satisfy 0 <= low <= 1 <= high, got [{self.low}, {self.high}]")
+
+
+def level_modes(level: str) -> tuple[str, ...]:
+    """The IS modes `level` takes: those it was registered with, then each mode registered with `levels=` naming it
+    (a mode of your own: `IS_MODES.add("soft", fn, levels=("token", "seq"))`)."""
+    own = tuple(IS_LEVELS.info(level)["modes"])
+    return own + tuple(m for m in IS_MODES.names() if m not in own and level in IS_MODES.info(m).get("levels", ()))
 
 
 @IS_LEVELS.register("token", modes=("mask", "clip", "trunc"))

@@ -216,7 +216,8 @@ class AlgoConfig:
               "needs --algo.teacher PATH (the teacher's HF model folder)")  # fmt: skip
         self.teacher = self.teacher and check_model_folder(self.teacher, "algo.teacher")
         check(not self.teacher or self.teacher_coef > 0, "algo.teacher_coef", "must be > 0 with algo.teacher")
-        check(self.is_level == "none" or self.is_level in algo.IS_LEVELS, "algo.is_level", "token, seq, geo or none")
+        check(self.is_level == "none" or self.is_level in algo.IS_LEVELS, "algo.is_level",
+              f"unknown {self.is_level!r}; choose from {[*algo.IS_LEVELS.names(), 'none']}{OWN}")  # fmt: skip
         check_bounds(self, moe_aux_coef=">= 0", kl_coef=">= 0 (0 = no KL term, no reference model)")
         check(self.kl_target >= 0 and self.kl_horizon > 0, "algo.kl_target", "kl_target >= 0, kl_horizon > 0")
         check(self.reward_clip >= 0, "algo.reward_clip", "must be >= 0 (0 = off)")
@@ -226,10 +227,10 @@ class AlgoConfig:
         check(min(self.overlong_buffer, self.overlong_max_len) >= 0, "algo.overlong_buffer", "must be >= 0")
         check_bounds(self, overlong_coef="> 0", entropy_coef=">= 0 (0 = no entropy bonus)")
         check(0 <= self.is_low <= 1 <= self.is_high, "algo.is_low", "the IS band needs 0 <= is_low <= 1 <= is_high")
-        modes = algo.IS_LEVELS.info(self.is_level)["modes"] if self.is_level != "none" else (self.is_mode,)
+        modes = algo.level_modes(self.is_level) if self.is_level != "none" else (self.is_mode,)
+        geo = " (a geometric mean is a filter statistic, not a weight)" if self.is_level == "geo" else ""
         check(self.is_mode in modes, "algo.is_mode", f"--algo.is_level {self.is_level} takes only mode "
-              f"{' or '.join(modes)} (a geometric mean is a filter statistic, not a weight), not {self.is_mode!r}; "
-              f"add --algo.is_mode {modes[0]}")  # fmt: skip
+              f"{' or '.join(modes)}{geo}, not {self.is_mode!r}; add --algo.is_mode {modes[0]}")  # fmt: skip
         check(self.kl_estimator != "k1" or not (self.kl_coef or self.kl_target), "algo.kl_estimator", "k1 cannot be "
               "the KL loss: its expected gradient is 0 (E[grad log pi] = 0), so the term would do nothing while "
               "train/kl moves; use k2 (its expected gradient is KL(policy || ref)'s) or k3 "

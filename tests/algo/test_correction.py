@@ -76,3 +76,27 @@ def test_weights_are_detached_and_nan_safe():
 def test_invalid_combinations_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ISCorrectionParams(**kwargs)
+
+
+def test_a_mode_of_your_own_names_the_levels_it_takes():
+    """An IS mode registered with `levels=` serves those built-in levels (it was refused with a message about
+    geometric means even for token); an unknown level lists the registered ones."""
+    from molt.algo import IS_MODES
+    from molt.config import ConfigError
+    from molt.config.rl import AlgoConfig
+
+    soft = lambda ratio_bt, stat_bt, low, high: (stat_bt.clamp(low, high), stat_bt > high)  # noqa: E731
+    IS_MODES.add("soft", soft, levels=("token",))
+    try:
+        assert AlgoConfig(is_level="token", is_mode="soft").is_mode == "soft"
+        with pytest.raises(ConfigError, match=r"is_level seq takes only mode mask or clip or trunc, not 'soft'; add"):
+            AlgoConfig(is_level="seq", is_mode="soft")
+        with pytest.raises(ValueError, match=r"does not support mode 'soft' \(allowed: mask, clip, trunc\)$"):
+            ISCorrectionParams("seq", "soft")
+        with pytest.raises(
+            ConfigError, match=r"is_level: unknown 'tokn'; choose from \['geo', 'seq', 'token', 'none'\]"
+        ):
+            AlgoConfig(is_level="tokn")
+    finally:
+        for table in (IS_MODES._fns, IS_MODES._info, IS_MODES._origin, IS_MODES._namespace):
+            table.pop("soft")
