@@ -1,6 +1,5 @@
-"""The PPO critic (`--algo.estimator gae`, or any estimator that needs `values_bt`): the policy's architecture with
-a scalar value head, its optimizer. `values` gives V_old for the estimator; `train` fits the returns it computed
-on the whole batch (so an estimator of your own gets a critic of its own returns).
+"""The PPO critic (`--algo.estimator gae`, or one of your own that needs `values_bt`): the policy's architecture
+with a scalar value head, its optimizer; it regresses on the run's estimator's returns.
 
 `ValueModel` wraps a `Transformer` body (final hidden states; the LM head is dropped) and a zero-initialised
 `Linear(hidden, 1)` head, so the model code stays free of RL. Values come out in the packed layout of the
@@ -23,12 +22,13 @@ from molt import algo
 from molt.config import Config, ConfigError
 from molt.models import Transformer, from_pretrained
 from molt.train import parallel
-from molt.train.batch import per_sample
 from molt.train.compile import prepare_layers
 from molt.train.logprobs import laid_out_rows, packed_hidden
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch
 from molt.train.precision import Precision, clip_and_step
+
+Returns = Callable[[object, torch.Tensor, torch.Tensor], torch.Tensor]  # (micro-batch, mask_bt, values_bt) -> [B, T]
 
 SUMS = ("loss", "clip", "n", "value", "ret", "ret2", "err", "err2")
 
@@ -69,7 +69,6 @@ class Critic:
         self.model = ValueModel(body.requires_grad_(True)).to(cfg.runtime.device, precision.params).train()
         self.clip, self.updates, self.scaler = cfg.critic.clip or None, cfg.critic.updates, precision.scaler()
         self.path, self.skipped = cfg.critic.path, 0  # skipped: optimizer steps a float16 loss scaler left out
-        self.forward_s = 0.0  # the last `values` pass's time
         self.precision, self.device, self.grad_clip = precision, cfg.runtime.device, cfg.train.grad_clip
         if shard is not None:
             shard(self.model)
@@ -77,35 +76,22 @@ class Critic:
         self.train_cfg = dataclasses.replace(cfg.train, lr=cfg.critic.lr or cfg.train.lr)  # its optimizer's settings
         self.opt, self.schedule = build_optimizer(self.model.parameters(), self.train_cfg)
 
-    @torch.no_grad()
-    def values(self, mbs: list, lengths: list[int], num_mbs: int) -> list[list[float]]:
-        """V_old: the values at every token of every sample before the update (what the estimator reads), one
-        no-grad forward per micro-batch (repeats of the last up to `num_mbs`, so every rank's FSDP collectives
-        line up). The targets come after, from the estimator on the whole batch (`train`)."""
+    def train(self, mbs: list, lengths: list[int], returns: Returns, denoms,
+              num_mbs: int) -> tuple[list[list[float]], dict[str, float]]:  # fmt: skip
+        """Values at every token of every sample (before the update) and `--critic.updates` critic optimizer steps.
+
+        `mbs`: the trainer's micro-batches of samples of `lengths` tokens; `returns(mb, mask_bt, values_bt)`: the
+        run's estimator's returns of a micro-batch's rows from their values. The first update's forward gives V_old
+        (what the estimator reads) and each row's returns, the targets of every update:
+        forward, clipped value loss (token-mean over the step: `denoms`) and backward per micro-batch, then one
+        optimizer step. The clip bounds V - V_old, so it binds from the second update on. A rank runs zero-scaled
+        repeats of its last micro-batch up to `num_mbs`, so every rank's FSDP collectives line up."""
         t0 = time.perf_counter()
         values: list[list[float]] = [[] for _ in lengths]
-        for mb in mbs:
-            values_bt = self._values(mb)
-            for b, i in enumerate(mb.samples):
-                values[i] = values_bt[b, : lengths[i]].tolist()
-        for _ in range(num_mbs - len(mbs)):
-            self._values(mbs[-1])
-        self.forward_s = time.perf_counter() - t0
-        return values
-
-    def train(self, mbs: list, values: list[list[float]], returns: list[list[float]], denoms,
-              num_mbs: int) -> dict[str, float]:  # fmt: skip
-        """`--critic.updates` critic optimizer steps toward `returns`, the run's estimator's (un-whitened) returns.
-
-        `mbs`: the trainer's micro-batches; `values` (V_old, from `values`) and `returns` hold one list per sample.
-        Each update: forward, clipped value loss (token-mean over the step: `denoms`) and backward per micro-batch,
-        then one optimizer step. The clip bounds V - V_old, so it binds from the second update on. A rank runs
-        zero-scaled repeats of its last micro-batch up to `num_mbs`, so every rank's FSDP collectives line up."""
-        t0 = time.perf_counter()
-        targets = [(per_sample(values, mb).to(self.device), per_sample(returns, mb).to(self.device)) for mb in mbs]
+        targets: list[tuple[torch.Tensor, torch.Tensor]] = []  # per micro-batch: (V_old, returns)
         passes = []
         for _ in range(self.updates):
-            sums = self._update(mbs, denoms, targets)
+            sums = self._update(mbs, lengths, returns, denoms, targets, values)
             for _ in range(num_mbs - len(mbs)):
                 self._loss(self._values(mbs[-1]), mbs[-1], denoms, *targets[-1])[0].mul(0.0).backward()
             grad_norm, stepped = clip_and_step(self.opt, self.model.parameters(), self.grad_clip, self.scaler)
@@ -115,7 +101,7 @@ class Critic:
         self.schedule.step()  # once per batch: the schedule counts policy steps
         (first, _), (last, grad_norm) = passes[0], passes[-1]
         n = max(first["n"], 1.0)
-        return {
+        return values, {
             "critic/value_loss": first["loss"],  # at V_old: the loss of the values the estimator used
             "critic/value_loss_last": last["loss"],
             "critic/explained_variance": explained_variance(first),
@@ -125,22 +111,26 @@ class Critic:
             "critic/grad_norm": grad_norm,
             "critic/skipped_steps": self.skipped,
             "critic/lr": lr,
-            "time/critic_s": self.forward_s + time.perf_counter() - t0,
+            "time/critic_s": time.perf_counter() - t0,
         }
 
-    def _update(self, mbs, denoms, targets) -> dict[str, float]:
-        """One update's forward + clipped value loss + backward per micro-batch, against `targets` (V_old and the
-        returns per micro-batch). Sums for the metrics."""
+    def _update(self, mbs, lengths, returns: Returns, denoms, targets, values) -> dict[str, float]:
+        """One update's forward + clipped value loss + backward per micro-batch; the first one fills `targets`
+        (V_old and the estimator's returns) and `values` (V_old per sample). Sums for the metrics."""
         sums = dict.fromkeys(SUMS, 0.0)
-        for mb, (old_bt, returns_bt) in zip(mbs, targets, strict=True):
+        for k, mb in enumerate(mbs):
             values_bt = self._values(mb)
             mask_bt = mb.mask_bt.to(values_bt.device)
-            loss, clip_frac = self._loss(values_bt, mb, denoms, old_bt, returns_bt)
+            if k == len(targets):  # the first update: these are V_old
+                targets.append((values_bt.detach(), returns(mb, mask_bt, values_bt.detach())))
+                for b, i in enumerate(mb.samples):
+                    values[i] = values_bt[b, : lengths[i]].detach().tolist()
+            loss, clip_frac = self._loss(values_bt, mb, denoms, *targets[k])
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            values_bt, returns_bt = values_bt.detach(), torch.where(mask_bt.bool(), returns_bt, 0.0)
+            returns_bt, values_bt = targets[k][1], values_bt.detach()
             err_bt = (returns_bt - values_bt) * mask_bt
-            batch = dict(loss=loss.detach(), n=mask_bt, value=values_bt * mask_bt, ret=returns_bt,
-                         ret2=returns_bt**2, err=err_bt, err2=err_bt**2)  # fmt: skip
+            batch = dict(loss=loss.detach(), n=mask_bt, value=values_bt * mask_bt, ret=returns_bt, ret2=returns_bt**2,
+                         err=err_bt, err2=err_bt**2)  # fmt: skip
             for key, value in batch.items():
                 sums[key] += float(value.sum())
             sums["clip"] += clip_frac * float(mask_bt.sum())

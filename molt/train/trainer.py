@@ -8,11 +8,11 @@ Megatron-style trainers do).
 
 Order of one step:
 1. micro-batches and step denominators;
-2. per-token signals: the critic's no-grad values V_old (`Critic.values`, an estimator that needs `values_bt`)
-   and the teacher's no-grad log-probs (`--algo.teacher`: reverse KL of the sampled tokens);
-3. advantages and returns over the whole batch (group statistics, whitening) from the shaped rewards (overlong
-   penalty, clip), values and teacher KL; the critic's `--critic.updates` value-loss updates toward the run's
-   estimator's returns (`Critic.train`);
+2. per-token signals: the teacher's no-grad log-probs (`--algo.teacher`: reverse KL of the sampled tokens) and
+   the critic's pass (`Critic.train`: values V_old for the estimator, then `--critic.updates` value-loss updates
+   toward its returns);
+3. advantages over the whole batch (group statistics, whitening) from the shaped rewards (overlong penalty,
+   clip), values and teacher KL;
 4. the policy's forward + loss + backward per micro-batch, one optimizer step.
 LoRA (`--train.lora_rank`): only the adapters train; `weights()` and checkpoints give the merged policy. The
 KL-loss coefficient `--algo.kl_coef` adapts toward `--algo.kl_target` when set (`train/kl_coef`). A resume trains
@@ -39,7 +39,7 @@ from molt.models import Transformer
 from molt.train import parallel, routing
 from molt.train.batch import MicroBatch, check_tokens, layout, padded, per_sample, trajectory_pixels
 from molt.train.compile import prepare_layers
-from molt.train.critic import Critic
+from molt.train.critic import Critic, Returns
 from molt.train.logprobs import token_logprobs, token_logprobs_entropy
 from molt.train.lora import LoRA, save_policy
 from molt.train.optim import build_optimizer
@@ -185,11 +185,6 @@ class Trainer:
     ) -> tuple[list[list[float]], dict]:
         """Per-token advantages of every trajectory (over the whole step batch), from the rewards and, where the run
         has them, the critic's `values` and the reverse KL to the teacher (`teacher_kl`)."""
-        advantages, _, metrics = self._estimate(trajs, values, teacher_kl)
-        return advantages, metrics
-
-    def _estimate(self, trajs: list[Trajectory], values, teacher_kl) -> tuple[list, list, dict]:
-        """`advantages` plus the estimator's un-whitened returns per token (the critic's targets)."""
         algo_cfg = self.cfg.algo
         distill = algo_cfg.needs("kl_bt")
         rewards_b, shaping_metrics = self.rewards(trajs)
@@ -201,13 +196,12 @@ class Trainer:
             values_bt=padded(values) if values is not None else None,
             kl_bt=padded(teacher_kl) if teacher_kl is not None and distill else None,
         )
-        adv_bt, returns_bt, metrics = algo.compute_advantages(algo_cfg.estimator, inputs, self._advantage_params())
+        adv_bt, _, metrics = algo.compute_advantages(algo_cfg.estimator, inputs, self._advantage_params())
         metrics |= shaping_metrics
         if teacher_kl is not None and not distill:  # distillation added to the task estimator's advantage
             adv_bt, kl_metrics = algo.add_teacher_kl(adv_bt, padded(teacher_kl), inputs.mask_bt, algo_cfg.teacher_coef)
             metrics |= kl_metrics
-        per_row = lambda x_bt: [x_bt[b, : len(t.tokens)].tolist() for b, t in enumerate(trajs)]  # noqa: E731
-        return per_row(adv_bt), per_row(returns_bt), metrics
+        return [adv_bt[b, : len(t.tokens)].tolist() for b, t in enumerate(trajs)], metrics
 
     def rewards(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, dict]:
         """Each trajectory's reward [B] as the estimator and the critic's returns see it, and the shaping metrics: the
@@ -216,10 +210,25 @@ class Trainer:
         lengths_b = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32)
         return algo.shape_rewards(rewards_b, lengths_b, self.shaping, torch.tensor([t.rollout_id for t in trajs]))
 
-    def _advantage_params(self) -> algo.AdvantageParams:
+    def _critic_returns(self, trajs: list[Trajectory]) -> Returns:
+        """The critic's targets for a micro-batch: the run's estimator's returns (never whitened) from its rows' own
+        shaped rewards, group and rollout ids and values. Per micro-batch, so one critic forward gives both V_old and
+        the update's loss: exact for returns that depend on the row alone (gae's, any lambda-return)."""
+        rewards_b, params = self.rewards(trajs)[0], self._advantage_params(whiten=False)
+        ids_b = torch.tensor([(t.group_id, t.rollout_id) for t in trajs])
+
+        def returns(mb: MicroBatch, mask_bt: torch.Tensor, values_bt: torch.Tensor) -> torch.Tensor:
+            rows, device = torch.tensor(mb.samples), mask_bt.device
+            (groups, rollouts), rewards = ids_b[rows].to(device).T, rewards_b[rows].to(device)
+            inputs = algo.AdvantageInputs(mask_bt, rewards, groups, rollouts, values_bt=values_bt)
+            return algo.compute_advantages(self.cfg.algo.estimator, inputs, params)[1]
+
+        return returns
+
+    def _advantage_params(self, whiten: bool | None = None) -> algo.AdvantageParams:
         a = self.cfg.algo
         coef = a.teacher_coef if a.needs("kl_bt") else 0.0  # its advantage: -coef * kl
-        return algo.AdvantageParams(a.gamma, a.lam, coef, whiten=a.whiten)
+        return algo.AdvantageParams(a.gamma, a.lam, coef, whiten=a.whiten if whiten is None else whiten)
 
     def step(self, trajs: list[Trajectory], shard: list[int] | None = None) -> dict[str, float]:
         """One optimizer step on `trajs` (complete groups); returns scalar metrics. Data parallel, every rank gets the
@@ -232,17 +241,15 @@ class Trainer:
         denoms = denoms.all_reduced(parallel.all_reduce_sum)
         num_mbs = parallel.all_reduce_max(len(mbs))  # before any forward: FSDP collectives must line up
         values, model_metrics = None, {}
-        if self.critic is not None:  # V_old, before the estimator; the critic fits its returns after (`Critic`)
-            values = self.critic.values(mbs, [len(t.tokens) for t in mine], num_mbs)
+        if self.critic is not None:  # the critic updates here, before the policy (`Critic.train`)
+            lengths = [len(t.tokens) for t in mine]
+            values, model_metrics = self.critic.train(mbs, lengths, self._critic_returns(mine), denoms, num_mbs)
         teacher_kl = self._teacher_kl(mbs, mine, model_metrics, num_mbs) if self.teacher is not None else None
         if shard is not None:  # each rank scored its own samples; the advantages see the whole batch
             values, teacher_kl = parallel.gather_samples(shard, len(trajs), values, teacher_kl)
-        advantages, returns, adv_metrics = self._estimate(trajs, values, teacher_kl)
+        advantages, adv_metrics = self.advantages(trajs, values, teacher_kl)
         if shard is not None:
-            advantages, returns = [advantages[i] for i in shard], [returns[i] for i in shard]
-            values = values and [values[i] for i in shard]
-        if self.critic is not None:
-            model_metrics |= self.critic.train(mbs, values, returns, denoms, num_mbs)
+            advantages = [advantages[i] for i in shard]
         sums: dict[str, float] = {"micro_batches": len(mbs)}
         self.step_tokens = int(parallel.all_reduce_sum(torch.tensor(sum(mb.packed.num_tokens for mb in mbs))))
         for mb in mbs:
