@@ -2,11 +2,11 @@
 
 Decoding: top-level `system` becomes the first message; assistant `text` blocks are the content and `tool_use` blocks
 its tool calls; each user `tool_result` block becomes a `tool` message (in order, before the user's remaining text; its
-images kept); `tools` (unique names, an object's `input_schema` required) become OpenAI function schemas so one
-template path renders both wires. Base64 `image` blocks become image parts (for a VLM policy; a `url` or `file` source
-is a 400, never fetched), as are OpenAI
-`image_url` parts with a data URI (`ChatContext.messages` hold those, so one list drives both SDKs); document blocks are
-refused (400). `max_tokens` is required (not by `count_tokens`); `top_k` applies in serve mode; a final assistant
+images kept); `tools` (unique names; `input_schema` an object's, or none for a typed client tool such as `bash`)
+become OpenAI function schemas so one template path renders both wires. Base64 `image` blocks become image parts
+(for a VLM policy; a `url` or `file` source is a 400, never fetched), as are OpenAI `image_url` parts with a data URI
+(`ChatContext.messages` hold those, so one list drives both SDKs); document blocks are refused (400). `max_tokens`
+is required (not by `count_tokens`); `top_k` applies in serve mode; a final assistant
 message (a prefill to continue), the `UNSUPPORTED` options (`thinking`, `output_config`) and
 `tool_choice.disable_parallel_tool_use` true are refused (400): Molt's reply is always a new turn, captured token-exact.
 Encoding: `text` and `tool_use` content blocks (ids `toolu_...`), `stop_reason` (end_turn, max_tokens, tool_use,
@@ -72,7 +72,7 @@ class MessageIn(WireModel):
 class ToolIn(WireModel):
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
-    input_schema: dict[str, Any]  # required, as Anthropic's API requires it
+    input_schema: dict[str, Any] = Field(default_factory=dict)  # none: a typed client tool (bash, text_editor)
 
     _object = field_validator("input_schema")(object_schema)
 

@@ -2,7 +2,7 @@
 
 Decoding: `developer` becomes `system`; content is a string or text and `image_url` parts (base64 data URIs only, for a
 VLM policy: a URL or path is a 400, never fetched or read; audio is refused with 400); tool-call arguments are decoded
-from JSON; tools need unique names of `TOOL_NAME`'s form and `parameters` describing an object (else 400, as OpenAI
+from JSON; tools need unique names without whitespace and `parameters` describing an object (else 400, as OpenAI
 answers). `n` samples share the prompt; `seed` and `top_k` (vLLM's extra) apply in serve mode; `tool_choice` required /
 named opens the reply with a tool call of the request's tools; `response_format` other than `text`, `top_logprobs`
 without `logprobs`, and the options of `UNSUPPORTED` set to anything but their no-op values are refused (400).
@@ -43,7 +43,7 @@ UNSUPPORTED = {
 } | dict.fromkeys(("audio", "prediction", "reasoning_effort", "web_search_options"), ())  # any value is refused
 
 
-TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # a tool's name, on both APIs
+TOOL_NAME = r"^[^\s]{1,128}$"  # a tool's name: looser than either API (MCP's dotted names, long prefixed ones)
 NOT_FETCHED = "image URLs and paths are not fetched; send the image as a base64 data URI (data:image/png;base64,...)"
 
 
@@ -53,8 +53,9 @@ class WireModel(BaseModel):  # both wires' schemas: unknown fields are ignored
 
 def object_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     """A tool's JSON schema, which must describe an object (its `type`, if given, is "object"), as both APIs check."""
-    if schema is not None and schema.get("type", "object") != "object":
-        raise ValueError(f"a tool's schema must describe an object (type 'object'), not {schema['type']!r}")
+    kind = (schema or {}).get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise ValueError(f"a tool's schema must describe an object (type 'object'), not {kind!r}")
     return schema
 
 
