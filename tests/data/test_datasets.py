@@ -63,8 +63,9 @@ CHATS = [  # OpenAI-style tool-call turns (no content), weights on some turns, c
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather in Oslo?"},
                   _call("weather", {"city": "Oslo"}), {"role": "tool", "content": "rain"},
                   {"role": "assistant", "content": "Rain.", "weight": 0}, {"role": "user", "content": "again"},
-                  {"role": "assistant", "content": "Rain."}]},
+                  {"role": "assistant", "content": "Rain."}], "extra_info": {"index": 1, "hint": "umbrella"}},
 ]  # fmt: skip
+CHATS[0]["extra_info"] = {"index": 0, "hint": None}  # a struct column keeps its nulls, as JSON rows hold them
 
 
 def test_chat_rows_with_tool_calls_read_the_same_from_every_format(tmp_path):
