@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 F = TypeVar("F")
-MOLT_DIR = str(Path(__file__).resolve().parent)  # where Molt's own variants are defined
+MOLT_DIR = str(Path(__file__).resolve().parent) + os.sep  # where Molt's own variants are defined (not molt_x/)
 
 
 class VariantError(ValueError):
@@ -86,7 +86,7 @@ class Registry(Generic[F]):
 
     def from_user(self, name: str) -> bool:
         """Whether variant `name` is defined outside Molt (a plugin, your script): its failures are yours."""
-        return name in self._origin and not self._origin[name][0].startswith(MOLT_DIR)
+        return name in self._origin and not _in_molt(self._origin[name][0])
 
     def get(self, name: str) -> F:
         """The variant registered as `name`; ValueError naming the choices otherwise."""
@@ -117,6 +117,11 @@ class Registry(Generic[F]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {self.names()})"
+
+
+def _in_molt(filename: str) -> bool:
+    """Whether `filename` is one of Molt's own files."""
+    return os.path.realpath(filename).startswith(MOLT_DIR)
 
 
 def _origin(variant: object) -> tuple[str, int]:
@@ -171,7 +176,7 @@ def variant_failure(error: BaseException, registries: Iterable[Registry]) -> str
         if (found := codes.get(frame.f_code)) is not None:
             r, name = found
             flag = f"--{r.flag} {name}, " if r.flag else ""
-            user = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(MOLT_DIR)]
+            user = [f for f in traceback.extract_tb(error.__traceback__) if not _in_molt(f.filename)]
             at = f" at {user[-1].filename}:{user[-1].lineno}" if user else ""
             return f"{r.kind} {name!r} ({flag}defined at {r.origin(name)}) raised {type(error).__name__}{at}: {error}"
     return None

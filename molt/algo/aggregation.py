@@ -80,9 +80,10 @@ def aggregate(
     loss = fn(loss_bt, mask_bt, denoms, group_ids_b=group_ids_b, norm_len=norm_len)
     if not isinstance(loss, Tensor) or loss.dim() != 0:
         raise AGGREGATIONS.problem(name, f"returned {tuple(getattr(loss, 'shape', ()))}: need a scalar tensor")
-    # its own doing only from per-token losses finite on the action tokens (a float16 overflow upstream is the loss
-    # scaler's to skip)
-    if not bool(torch.isfinite(loss.detach())) and bool((torch.isfinite(loss_bt.detach()) | ~mask_bt.bool()).all()):
+    # yours (a host sync, so not for the built-ins): its own doing only from per-token losses finite on the action
+    # tokens (a float16 overflow upstream is the loss scaler's to skip)
+    finite = not AGGREGATIONS.from_user(name) or bool(torch.isfinite(loss.detach()))
+    if not finite and bool((torch.isfinite(loss_bt.detach()) | ~mask_bt.bool()).all()):
         raise AGGREGATIONS.problem(name, f"returned {float(loss.detach())} from per-token losses finite on the "
                                    "action tokens (a division by a zero count? floor it at 1)")  # fmt: skip
     return loss

@@ -30,7 +30,7 @@ def kl_estimate(name: str, logp_bt: Tensor, base_logp_bt: Tensor, mask_bt: Tenso
         raise KL_ESTIMATORS.problem(name, f"returned a {getattr(kl_bt, 'dtype', type(kl_bt).__name__)} "
                                     f"{tuple(getattr(kl_bt, 'shape', ()))}: need a per-token float KL shaped like "
                                     f"its log-ratio [B, T] = {tuple(log_ratio_bt.shape)}")  # fmt: skip
-    if bad := int((~torch.isfinite(kl_bt.detach()) & mask_bt.bool()).sum()):
+    if KL_ESTIMATORS.from_user(name) and (bad := int((~torch.isfinite(kl_bt.detach()) & mask_bt.bool()).sum())):
         raise KL_ESTIMATORS.problem(name, f"returned NaN or inf on {bad} action tokens from a finite log-ratio")
     return torch.where(mask_bt.bool(), kl_bt, 0.0)
 

@@ -61,10 +61,11 @@ def policy_objective(batch: PolicyBatch, denoms: StepDenominators, params: Objec
     old_logp_bt = batch.logp_bt.detach() if batch.old_logp_bt is None else batch.old_logp_bt
     surrogate = POLICY_LOSSES.get(params.policy_loss)
     loss_bt, metrics = surrogate(batch.logp_bt, old_logp_bt, batch.advantages_bt, mask_bt, params.surrogate)
-    inputs_ok_bt = (
-        torch.isfinite(batch.logp_bt.detach()) & torch.isfinite(old_logp_bt) & torch.isfinite(batch.advantages_bt)
-    )
-    metrics = _checked_surrogate(params.policy_loss, loss_bt, metrics, mask_bt.bool() & inputs_ok_bt)
+    scored_bt = None  # the action tokens with finite inputs, where a loss of your own must be finite (a host sync)
+    if POLICY_LOSSES.from_user(params.policy_loss):
+        finite_bt = torch.isfinite(batch.logp_bt.detach()) & torch.isfinite(old_logp_bt)
+        scored_bt = mask_bt.bool() & finite_bt & torch.isfinite(batch.advantages_bt)
+    metrics = _checked_surrogate(params.policy_loss, loss_bt, metrics, mask_bt, scored_bt)
     if params.is_correction.level is not None and batch.rollout_logp_bt is None:
         raise ValueError("IS correction needs rollout_logp_bt (the rollout engine's log-probs)")
     if batch.rollout_logp_bt is not None:
@@ -86,15 +87,15 @@ def policy_objective(batch: PolicyBatch, denoms: StepDenominators, params: Objec
     return loss, {name: value.detach() for name, value in metrics.items()}
 
 
-def _checked_surrogate(name: str, loss_bt: Tensor, metrics: Metrics, mask_bt: Tensor) -> Metrics:
-    """Policy loss `name`'s metrics as 0-dim tensors, after checking that it returned a per-token float loss [B, T],
-    finite on the action tokens whose inputs are finite (`mask_bt`: a NaN there would skip every optimizer step,
-    naming nothing; a float16 overflow upstream is the loss scaler's to skip), and 0-dim metrics."""
+def _checked_surrogate(name: str, loss_bt: Tensor, metrics: Metrics, mask_bt: Tensor, scored_bt) -> Metrics:
+    """Policy loss `name`'s metrics as 0-dim tensors, after checking that it returned a per-token float loss [B, T]
+    and 0-dim metrics, and, where `scored_bt` is given (a loss of your own), finite on those tokens: a NaN there
+    would skip every optimizer step, naming nothing (a float16 overflow upstream is the loss scaler's to skip)."""
     if not isinstance(loss_bt, Tensor) or loss_bt.shape != mask_bt.shape or not loss_bt.is_floating_point():
         raise POLICY_LOSSES.problem(name, f"returned a {getattr(loss_bt, 'dtype', type(loss_bt).__name__)} "
                                     f"{tuple(getattr(loss_bt, 'shape', ()))} loss: need a per-token float loss "
                                     f"[B, T] = {tuple(mask_bt.shape)}")  # fmt: skip
-    if bad := int((~torch.isfinite(loss_bt.detach()) & mask_bt.bool()).sum()):
+    if scored_bt is not None and (bad := int((~torch.isfinite(loss_bt.detach()) & scored_bt).sum())):
         raise POLICY_LOSSES.problem(name, f"returned NaN or inf on {bad} action tokens: drop the tokens it cannot "
                                     "score (loss 0 there; masked.sanitized_log_ratio)")  # fmt: skip
     if not isinstance(metrics, dict):
