@@ -49,6 +49,7 @@ class Registry(Generic[F]):
         self._info: dict[str, dict[str, Any]] = {}
         self._origin: dict[str, tuple[str, int]] = {}  # name -> (file, line) where the variant is defined
         self._namespace: dict[str, dict | None] = {}  # name -> the globals of the module run that defined it
+        self._user: dict[str, bool] = {}  # name -> defined outside Molt
 
     def register(self, name: str, **info: Any) -> Callable[[F], F]:
         """Decorator: register `fn` under `name`; `info` is static metadata read by callers."""
@@ -69,6 +70,7 @@ class Registry(Generic[F]):
         self._fns[name] = variant
         self._info[name] = info
         self._origin[name], self._namespace[name] = _origin(variant), _namespace(variant)
+        self._user[name] = not _in_molt(self._origin[name][0])  # asked per micro-batch: resolved once
         return variant
 
     def _rerun(self, name: str, variant: F) -> bool:
@@ -86,7 +88,7 @@ class Registry(Generic[F]):
 
     def from_user(self, name: str) -> bool:
         """Whether variant `name` is defined outside Molt (a plugin, your script): its failures are yours."""
-        return name in self._origin and not _in_molt(self._origin[name][0])
+        return self._user.get(name, False)
 
     def get(self, name: str) -> F:
         """The variant registered as `name`; ValueError naming the choices otherwise."""
