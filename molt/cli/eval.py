@@ -58,7 +58,11 @@ def _check_same_rows(checkpoint: Path, train_rows: list[dict]) -> None:
     """A `molt train` checkpoint records a digest of its training rows; held out from other rows (a data file
     edited since), the eval rows could be rows the policy trained on, silently. `--data.eval_path` names rows."""
     state = checkpoint / "trainer_state.pt"
-    then = torch.load(state, mmap=True, weights_only=False)["loop"].get("data") if state.is_file() else None
+    then = (
+        torch.load(state, mmap=True, map_location="cpu", weights_only=False)["loop"].get("data")
+        if state.is_file()
+        else None
+    )
     now = rows_digest(train_rows)
     before = then[0] if then else 0
     check(not then or then == now, "data.path", f"the training rows are not those {checkpoint} trained on ({before} "

@@ -89,8 +89,9 @@ def check_written_by(run_dir: str, command: str) -> None:
     """A ConfigError naming ckpt.resume when `molt <command> --resume run_dir` would resume another command's run
     (its latest trainer state says which; one that cannot be read is left to the checks that read it)."""
     state = {}
-    with contextlib.suppress(OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # tensors not read (mmap)
-        state = torch.load(latest_checkpoint(run_dir) / "trainer_state.pt", mmap=True, weights_only=False)
+    with contextlib.suppress(OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # tensors mapped, not read
+        state = torch.load(latest_checkpoint(run_dir) / "trainer_state.pt", mmap=True, map_location="cpu",
+                           weights_only=False)  # fmt: skip
     other = state.get("command", "train") if isinstance(state, dict) else command
     check(not state or other == command, "ckpt.resume", f"{run_dir} is a `molt {other}` run: resume it with `molt "
           f"{other} --resume {run_dir}`, or start from its model with --model.path {run_dir}")  # fmt: skip
