@@ -299,6 +299,8 @@ def _refuse_inert_flags(cfg: Config, flags: frozenset[str], command_name: str) -
     if command_name == "train" and not cfg.eval.every:
         keys = (f"eval.{k}" for k in ("num_prompts", "n_samples", "temperature", "seed"))
         inert |= dict.fromkeys(keys, "here: no eval runs (--eval.every 0)")
+    if command_name == "sft" and not cfg.ckpt.every:
+        inert["ckpt.keep"] = "here: molt sft keeps resumable checkpoints only with --ckpt.every N"
     if not cfg.log.wandb_project:
         keys = (f"log.{k}" for k in ("wandb_mode", "wandb_entity", "wandb_name"))
         inert |= dict.fromkeys(keys, "here: W&B is off (no --log.wandb_project)")
@@ -436,6 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     _TERMINATED.clear()
     main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers may be set
     on_term = signal.signal(signal.SIGTERM, _terminate) if main_thread else None  # `timeout`, Slurm, k8s: as Ctrl-C
+    cfg = None
     try:
         cfg = parse_command(argv)
         COMMANDS[name](cfg)
@@ -443,7 +446,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"molt {name}", e)
     except KeyboardInterrupt:
         how, code = ("terminated (SIGTERM)", 143) if _TERMINATED else ("interrupted", 130)
-        kept = " (the run directory keeps the checkpoints saved so far)" if name in ("train", "sft") else ""
+        saves = name == "train" or (name == "sft" and cfg is not None and cfg.ckpt.every)
+        kept = " (the run directory keeps the checkpoints saved so far)" if saves else ""
         print(f"molt {name}: {how}{kept}", file=sys.stderr)
         if any(t.name == "molt-build" and t.is_alive() for t in threading.enumerate()):
             sys.stderr.flush()  # a warm start or model load still runs torch on its thread: exiting the

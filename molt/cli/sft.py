@@ -71,7 +71,7 @@ def run_sft(cfg: Config) -> SftResult:
                     f"step {step}/{cfg.train.max_steps} loss {metrics['train/loss']:.4f} "
                     f"lr {metrics['train/lr']:.2e} {metrics['train/tokens_per_s']:.0f} tok/s"
                 )
-            if cfg.ckpt.every and step % cfg.ckpt.every == 0:
+            if cfg.ckpt.every and (step % cfg.ckpt.every == 0 or step == cfg.train.max_steps):  # the last: finished
                 state = LoopState(step=step, drops={}, data=digest)
                 save_checkpoint(run.path, trainer, state, tokenizer, cfg.ckpt.keep)
         after = evaluate(trainer.model, eval_batches) if eval_batches else {}

@@ -157,6 +157,9 @@ def test_sft_refuses_rl_flags_and_a_used_run_dir(tmp_path, capsys):
             main(["sft", flag, value, "--log.run_dir", str(tmp_path / "never")])
         group = flag[2:].split(".")[0]
         assert f"{flag[2:]}: `molt sft` does not use the {group} settings" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sft", "--ckpt.keep", "2", "--log.run_dir", str(tmp_path / "never")])
+    assert "ckpt.keep: has no effect here: molt sft keeps resumable checkpoints only with" in capsys.readouterr().err
     assert not (tmp_path / "never").exists()
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "config.yaml").write_text("{}")
@@ -175,7 +178,7 @@ def test_sft_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, capsys, m
     from molt.cli.main import main
     from molt.train.sft import SftTrainer
 
-    flags = ["--train.max_steps", "4", "--train.warmup_steps", "1", "--data.num_train", "24", "--data.num_eval", "4"]
+    flags = ["--train.max_steps", "5", "--train.warmup_steps", "1", "--data.num_train", "24", "--data.num_eval", "4"]
     flags += ["--train.batch_size", "4", "--train.lora_rank", "2", "--ckpt.every", "2"]
     main(["sft", *flags, "--log.run_dir", str(tmp_path / "whole")])
     step = SftTrainer.step
@@ -194,7 +197,7 @@ def test_sft_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, capsys, m
     assert f"is a `molt sft` run: resume it with `molt sft --resume {tmp_path / 'stopped'}`" in err
     main(["sft", "--resume", str(tmp_path / "stopped")])
     whole, resumed = (read_metrics(tmp_path / name) for name in ("whole", "stopped"))
-    assert [m["step"] for m in resumed] == [0, 1, 2, 3, 4, 4]  # eval before, steps, eval after: each once
+    assert [m["step"] for m in resumed] == [0, 1, 2, 3, 4, 5, 5]  # eval before, steps, eval after: each once
     for a, b in zip(whole, resumed, strict=True):
         assert {
             k: v for k, v in a.items() if "/" in k and not k.startswith(("time/", "train/tokens"))
@@ -202,7 +205,7 @@ def test_sft_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, capsys, m
             {k: v for k, v in b.items() if "/" in k and not k.startswith(("time/", "train/tokens"))}, rel=1e-5
         )
     err = one_line(run_molt(capsys, "sft", "--resume", str(tmp_path / "stopped")))
-    assert "is finished (its latest checkpoint is step 4" in err
+    assert "is finished (its latest checkpoint is step 5" in err  # the last step is saved too
 
 
 def test_sft_image_errors_name_the_file_and_line(tmp_path):
