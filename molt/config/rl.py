@@ -50,7 +50,8 @@ class RolloutConfig:
     """Context budget per episode in tokens (prompt + actions + observations)."""
     step_timeout_s: float = 30.0
     """Timeout of one agent call (an Env's reset/step; a ChatAgent's whole run gets step_timeout_s x max_turns, the
-    time its model calls take not counted); a timeout fails that rollout only. Agent code
+    time its model calls take not counted: its SDK client's own `timeout`, 600 s by default, bounds each of those, as
+    over a socket); a timeout fails that rollout only. Agent code
     (a constructor too) that blocks the event loop this long stops the run, naming its line."""
     max_failure_frac: float = 0.2
     """Stop the run when more than this fraction of rollouts failed (after 20 rollouts)."""
