@@ -19,7 +19,7 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from molt import cache_root
-from molt.config import Config, ConfigError, TrainConfig
+from molt.config import CkptConfig, Config, ConfigError, TrainConfig
 from molt.config.base import changed
 from molt.data.dataset import dataset_rows, has_demonstrations, rows_digest
 
@@ -71,7 +71,7 @@ def _train(cfg: Config, folder: Path) -> None:
     train = dataclasses.replace(cfg.train, max_steps=steps, lr=cfg.model.warmstart_lr, batch_size=32,
                                 warmup_steps=min(10, steps), **lora_off)  # fmt: skip
     log = dataclasses.replace(cfg.log, run_dir=str(folder), wandb_project="")  # a cache, not a run
-    run_sft(dataclasses.replace(cfg, train=train, log=log))
+    run_sft(dataclasses.replace(cfg, train=train, log=log, ckpt=CkptConfig()))  # the run's checkpoints are not its
 
 
 def _cached(checkpoint: Path) -> bool:

@@ -15,9 +15,10 @@ def test_warm_start_key_covers_every_row_and_ignores_lora(tmp_path, monkeypatch)
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     flags = ["--data.path", str(data), "--rollout.reward", "exact", "--model.warmstart_steps", "1"]
-    cfg = parse_config([*flags, "--train.lora_rank", "4", "--train.lora_alpha", "8"])
+    cfg = parse_config([*flags, "--train.lora_rank", "4", "--train.lora_alpha", "8", "--ckpt.every", "1"])
     first = Path(warm_start(cfg))
     assert not (first / "adapter").exists()  # all weights trained, not adapters
+    assert not (first.parent / "checkpoints").exists()  # the run's --ckpt.every is not the cached SFT's
     rows[-1]["messages"][1]["content"] = "changed"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     second = Path(warm_start(parse_config(flags)))
