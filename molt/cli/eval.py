@@ -8,7 +8,6 @@ samples failed, `rollout_failures.log`; a user error when every sample failed.""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from molt.agents.chat.agent import local_rollout
 from molt.cli.build import build_policy
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
+from molt.cli.main import run_async
 from molt.config import Config, check
 from molt.data.dataset import rows_digest
 from molt.engine.torch_engine import on_fresh_thread
@@ -95,7 +95,7 @@ def run_eval(cfg: Config) -> EvalResult:
         out.parent.mkdir(parents=True, exist_ok=True)  # before the samples run
         failure_log = run.path / FAILURE_LOG
         try:
-            metrics = asyncio.run(_eval_async(cfg, rows, inputs, threads, records, failure_log))
+            metrics = run_async(_eval_async(cfg, rows, inputs, threads, records, failure_log))
         finally:
             torch.set_num_threads(main_threads)
             if inputs.reward:

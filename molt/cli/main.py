@@ -6,6 +6,7 @@ traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import errno
@@ -17,9 +18,9 @@ import sys
 import threading
 import traceback
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import tyro
 
@@ -28,6 +29,7 @@ from molt.config.rl import check_rollout_algo
 from molt.config.training import check_rl_batch
 from molt.errors import RunFatalError, UserError, VariantFailure
 
+R = TypeVar("R")
 COMMANDS: dict[str, Callable[[Config], object]] = {}
 DEFAULTS: dict[str, dict] = {}
 UNUSED: dict[str, tuple[str, ...]] = {}  # command -> config groups (and keys) whose flags it refuses
@@ -420,6 +422,35 @@ def _terminate(signum: int, frame) -> None:
     signal.raise_signal(signal.SIGINT)
 
 
+def run_async(coro: Coroutine[Any, Any, R]) -> R:
+    """`asyncio.run(coro)`, SIGTERM cancelling it on its event loop as Ctrl-C does (a KeyboardInterrupt once its
+    clean-up ran), also where SIGINT is ignored (a background job's), where `_terminate` could only raise the
+    interrupt wherever the process then was (in torch's threads' teardown: an abort)."""
+
+    async def cancellable() -> R:
+        loop, task, before = asyncio.get_running_loop(), asyncio.current_task(), signal.getsignal(signal.SIGTERM)
+        if threading.current_thread() is not threading.main_thread():
+            return await coro
+
+        def on_term() -> None:
+            _TERMINATED.append(signal.SIGTERM)
+            task.cancel()
+
+        loop.add_signal_handler(signal.SIGTERM, on_term)
+        try:
+            return await coro
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, before)
+
+    try:
+        return asyncio.run(cancellable())
+    except asyncio.CancelledError:
+        if not _TERMINATED:
+            raise
+        raise KeyboardInterrupt from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `molt` executable (commands' return values are for programmatic use)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -476,5 +507,7 @@ def main(argv: list[str] | None = None) -> None:
             signal.signal(signal.SIGTERM, on_term)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m molt.cli.main`: run the imported module, whose state the commands share
+    from molt.cli.main import main as imported
+
+    imported()

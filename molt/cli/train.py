@@ -24,6 +24,7 @@ import yaml
 from molt.algo import ESTIMATORS
 from molt.cli.build import build_policy, build_tokenizer, check_same_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
+from molt.cli.main import run_async
 from molt.cli.warm_start import may_warm_start, wants_warm_start, warm_start
 from molt.config import AlgoConfig, Config, ConfigError, check
 from molt.config.rl import check_rollout_algo
@@ -306,4 +307,4 @@ def run_train(cfg: Config) -> TrainResult:
         pass  # no running loop: run below, outside this block, so a failure's traceback does not start with it
     else:
         return _on_worker_loop(cfg)
-    return asyncio.run(train_async(cfg))
+    return run_async(train_async(cfg))

@@ -85,6 +85,24 @@ def test_ctrl_c_then_resume_of_the_moved_run_dir(tmp_path):
     assert steps == list(range(1, 9))  # rows logged after the resumed checkpoint were dropped, none twice
 
 
+def test_sigterm_to_a_background_job_stops_it_as_ctrl_c_does(tmp_path):
+    """`molt train ... &` in a script runs with SIGINT ignored: SIGTERM (`kill`, `timeout`, Slurm) raised the interrupt
+    from its signal handler wherever the process was, so the run's clean-up did not run (agent workers started
+    again while it shut down, an abort at exit); it now cancels the run on its event loop."""
+    args = [*TINY, "--train.max_steps", "40", "--rollout.agent_workers", "1", "--log.every", "1", "--log.run_dir"]
+    command = [sys.executable, "-m", "molt.cli.main", "train", *args, str(tmp_path / "run")]
+    background = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 - as a shell starts `cmd &`
+    molt = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, preexec_fn=background)
+    for line in molt.stderr:
+        if "step 3/40" in line:
+            molt.send_signal(signal.SIGTERM)
+            break
+    err = molt.stderr.read()
+    assert molt.wait(timeout=120) == 143, err
+    assert err.strip().splitlines()[-1].startswith("molt train: terminated (SIGTERM)"), err
+    assert "starting another" not in err and "Event loop is closed" not in err and "pending" not in err, err
+
+
 def test_ctrl_c_during_the_warm_start_stops_at_once(tmp_path):
     env = {**os.environ, "MOLT_CACHE": str(tmp_path / "cache")}
     args = [*TINY, "--model.warmstart_steps", "100000", "--log.every", "1", "--log.run_dir", str(tmp_path / "run")]
