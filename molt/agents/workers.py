@@ -197,15 +197,19 @@ class AgentWorkers:
         command = [sys.executable, "-c", WORKER_MAIN, str(theirs.fileno())]
         process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env)
         theirs.close()
-        worker = _Peer(*await asyncio.open_unix_connection(sock=ours), process)
-        info = {"vision": self.engine.vision, "image_token_id": self.engine.image_token_id}
-        worker.send(("setup", index, (self.setup, info)))
         try:
+            worker = _Peer(*await asyncio.open_unix_connection(sock=ours), process)
+            info = {"vision": self.engine.vision, "image_token_id": self.engine.image_token_id}
+            worker.send(("setup", index, (self.setup, info)))
             await _receive(worker.reader)  # "ready": setup() returned
         except (asyncio.IncompleteReadError, ConnectionError):
             code = await asyncio.to_thread(process.wait)
             error = f"agent worker {index} exited (code {code}) before it was ready; its error is above"
             raise RunFatalError(error) from None
+        except BaseException:  # cancelled while it starts (the run is stopping): it must not outlive the run
+            process.kill()
+            process.wait()
+            raise
         worker.reading = asyncio.create_task(self._serve(worker, index))
         return worker
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from chat_support import SAMPLING, TOK, ScriptedEngine, in_process_and_in_a_worker
 from conftest import small_model  # noqa: I001 - tests/conftest.py
-from worker_agents import Scripted, broken_kit, kit, scored_kit
+from worker_agents import Scripted, broken_kit, kit, scored_kit, slow_kit
 
 from molt.agents.chat import ChatRunner
 from molt.agents.reward_env import ScoredChatAgent
@@ -159,3 +159,21 @@ def test_a_stream_a_worker_hangs_up_on_is_aborted_in_the_main_process_and_not_re
     assert pending == 0 and segment.num_turns == 1  # one recorded request: the stream left nothing behind
     abandoned = stats["decode_tokens"] - segment.num_action_tokens  # measured: 6 of its 200
     assert abandoned < 100, abandoned  # the abandoned stream stopped well before its 200 tokens
+
+
+def test_a_run_stopped_while_its_workers_start_leaves_none_behind(monkeypatch):
+    """Cancelled while a worker ran its setup (a Ctrl-C at start-up), the worker process outlived the run."""
+    import subprocess
+
+    started, popen = [], subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **kw: started.append(popen(*a, **kw)) or started[-1])
+
+    async def main():
+        task = asyncio.create_task(AgentWorkers(slow_kit, ScriptedEngine(["4140"]), 1).start())
+        await asyncio.sleep(2)  # the worker is importing or in its setup
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert len(started) == 1 and started[0].poll() is not None  # killed and reaped, not left running

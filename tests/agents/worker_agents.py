@@ -68,3 +68,11 @@ def scored_kit() -> WorkerKit:
 
 def broken_kit() -> WorkerKit:
     raise ImportError("no module named 'my_tools'")
+
+
+def slow_kit() -> WorkerKit:
+    """A setup that takes its time (loading a large tool index)."""
+    import time
+
+    time.sleep(60)
+    return kit()
