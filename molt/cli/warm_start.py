@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,12 @@ def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
             with open(folder.parent / f"{key}.lock", "w") as lock:  # runs sharing the cache train it once
-                fcntl.flock(lock, fcntl.LOCK_EX)  # the others wait, then find it cached
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # the others wait, then find it cached
+                    print(f"waiting for another run's warm start of this model and data ({lock.name})",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    fcntl.flock(lock, fcntl.LOCK_EX)
                 if not _cached(folder / "checkpoint"):
                     _train(cfg, folder)
         except (OSError, SafetensorError) as e:  # a full disk, a read-only cache

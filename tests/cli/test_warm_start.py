@@ -36,3 +36,24 @@ def test_warm_start_key_covers_every_row_and_ignores_lora(tmp_path, monkeypatch)
     from molt.config import ModelConfig
 
     assert "template_args" not in _key_fields(ModelConfig(), "router_fp32", "template_args")
+
+
+def test_a_run_waiting_for_anothers_warm_start_says_so(tmp_path, monkeypatch, capfd):
+    """Runs sharing the cache train a warm start once; the one that waited for the other's said nothing for minutes."""
+    import fcntl
+
+    import molt.cli.warm_start as ws
+
+    monkeypatch.setenv("MOLT_CACHE", str(tmp_path / "cache"))
+    calls, flock = [], fcntl.flock
+
+    def held_by_another_run(fd, op):  # the first try finds the lock taken; the blocking wait then gets it
+        calls.append(op)
+        if len(calls) == 1:
+            raise BlockingIOError
+        return flock(fd, op)
+
+    monkeypatch.setattr(ws.fcntl, "flock", held_by_another_run)  # (fcntl's own: the run directory's lock passes)
+    assert Path(warm_start(parse_config(["--model.warmstart_steps", "1", "--data.num_train", "8"]))).is_dir()
+    assert calls[:2] == [fcntl.LOCK_EX | fcntl.LOCK_NB, fcntl.LOCK_EX]
+    assert "waiting for another run's warm start of this model and data" in capfd.readouterr().err
