@@ -93,7 +93,9 @@ def load_part(spec: str) -> RewardPart:
     path = Path(spec.partition(":")[0])
     if path.suffix == ".py" and not path.exists():
         raise ValueError(f"rollout.reward: reward file {str(path)!r} does not exist")
-    fn = _user_function(spec, path.stat().st_mtime if path.suffix == ".py" else 0.0)
+    # a file: imported once per version; a module's attribute (`__main__:fn` in a notebook): looked up each time, so
+    # a cell that redefines it is the one the next run uses
+    fn = _user_function(spec, path.stat().st_mtime) if path.suffix == ".py" else _user_function.__wrapped__(spec, 0.0)
     return RewardPart(getattr(fn, "__name__", None) or spec.partition(":")[2] or "reward", fn, inline=False)
 
 

@@ -65,6 +65,25 @@ def test_make_config_refuses_what_is_not_a_config_and_takes_paths_and_numpy_numb
     assert type(cfg.train.max_steps) is int and type(cfg.train.lr) is float
 
 
+def test_a_notebook_cell_that_redefines_its_reward_or_agent_is_used_by_the_next_run(monkeypatch):
+    """`__main__:fn` / `__main__:Agent` are looked up anew: the first definition was served for the whole process."""
+    import sys
+
+    from molt.agents import Env
+    from molt.agents.chat.agent import load_agent_class
+    from molt.agents.reward_fn import load_part
+
+    async def step(self, action):  # an Env's one method
+        return None
+
+    main = sys.modules["__main__"]
+    for version in (0.25, 0.75):
+        monkeypatch.setattr(main, "cell_reward", lambda completion, row, v=version: v, raising=False)
+        monkeypatch.setattr(main, "CellAgent", type("CellAgent", (Env,), {"v": version, "step": step}), raising=False)
+        assert load_part("__main__:cell_reward").fn("", {}) == version
+        assert load_agent_class("__main__:CellAgent").v == version
+
+
 def test_train_from_inside_a_running_event_loop(tmp_path):
     """A notebook cell: `await molt.train_async(...)`, and the blocking `molt.train(...)` on a worker thread."""
 

@@ -75,9 +75,12 @@ def load_agent_class(spec: str) -> type:
 
     Checked before any model is built: the module imports, the class exists, overrides `async step` (an
     Env) or `async run` (a ChatAgent) and takes no constructor arguments. Any problem is a ConfigError
-    naming `rollout.agent` (and the file's line when importing it failed). Imported once per file version."""
+    naming `rollout.agent` (and the file's line when importing it failed). A file is imported once per version; a
+    module's class (`__main__:MyAgent` in a notebook) is looked up each time (a cell may redefine it)."""
     path = Path(spec.split(":")[0])
-    return _checked_agent_class(spec, path.stat().st_mtime if path.suffix == ".py" and path.exists() else 0.0)
+    if path.suffix == ".py" and path.exists():
+        return _checked_agent_class(spec, path.stat().st_mtime)
+    return _checked_agent_class.__wrapped__(spec, 0.0)
 
 
 @functools.cache
