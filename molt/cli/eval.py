@@ -8,6 +8,7 @@ samples failed, `rollout_failures.log`; a user error when every sample failed.""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from molt.agents.chat.agent import local_rollout
 from molt.cli.build import build_policy
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
-from molt.cli.main import run_async
+from molt.cli.main import interruptible
 from molt.config import Config, check
 from molt.data.dataset import rows_digest
 from molt.engine.torch_engine import on_fresh_thread
@@ -37,6 +38,7 @@ class EvalResult:
     rows: list[dict[str, Any]]
 
 
+@interruptible
 async def _eval_async(cfg: Config, rows: list[dict], inputs: RunInputs, threads: int, out: list, failure_log: Path):
     tokenizer, model = await on_fresh_thread(build_policy, cfg, threads=threads)  # the engine puts it in eval mode
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True)
@@ -95,7 +97,7 @@ def run_eval(cfg: Config) -> EvalResult:
         out.parent.mkdir(parents=True, exist_ok=True)  # before the samples run
         failure_log = run.path / FAILURE_LOG
         try:
-            metrics = run_async(_eval_async(cfg, rows, inputs, threads, records, failure_log))
+            metrics = asyncio.run(_eval_async(cfg, rows, inputs, threads, records, failure_log))
         finally:
             torch.set_num_threads(main_threads)
             if inputs.reward:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import functools
 import inspect
 import os
 import signal
@@ -18,9 +19,9 @@ import sys
 import threading
 import traceback
 import typing
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn, ParamSpec, TypeVar
 
 import tyro
 
@@ -29,7 +30,7 @@ from molt.config.rl import check_rollout_algo
 from molt.config.training import check_rl_batch
 from molt.errors import RunFatalError, UserError, VariantFailure
 
-R = TypeVar("R")
+P, R = ParamSpec("P"), TypeVar("R")
 COMMANDS: dict[str, Callable[[Config], object]] = {}
 DEFAULTS: dict[str, dict] = {}
 UNUSED: dict[str, tuple[str, ...]] = {}  # command -> config groups (and keys) whose flags it refuses
@@ -422,33 +423,35 @@ def _terminate(signum: int, frame) -> None:
     signal.raise_signal(signal.SIGINT)
 
 
-def run_async(coro: Coroutine[Any, Any, R]) -> R:
-    """`asyncio.run(coro)`, SIGTERM cancelling it on its event loop as Ctrl-C does (a KeyboardInterrupt once its
-    clean-up ran), also where SIGINT is ignored (a background job's), where `_terminate` could only raise the
-    interrupt wherever the process then was (in torch's threads' teardown: an abort)."""
+def interruptible(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """`fn` run so that SIGINT (Ctrl-C, a notebook's interrupt) and SIGTERM (`timeout`, Slurm) cancel it on its event
+    loop: its clean-up runs, then a KeyboardInterrupt is raised (SIGTERM noted in `_TERMINATED`). On the main thread,
+    for each signal not ignored (a background job ignores SIGINT). Raised from a signal handler instead, the interrupt
+    lands wherever the process is: in torch's threads' teardown (an abort), or in a notebook cell awaiting the run
+    (which then goes on in the background)."""
 
-    async def cancellable() -> R:
-        loop, task, before = asyncio.get_running_loop(), asyncio.current_task(), signal.getsignal(signal.SIGTERM)
-        if threading.current_thread() is not threading.main_thread():
-            return await coro
-
-        def on_term() -> None:
-            _TERMINATED.append(signal.SIGTERM)
-            task.cancel()
-
-        loop.add_signal_handler(signal.SIGTERM, on_term)
+    @functools.wraps(fn)
+    async def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        loop, task, main = asyncio.get_running_loop(), asyncio.current_task(), threading.main_thread()
+        before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        caught = [s for s, handler in before.items() if threading.current_thread() is main and handler is not None
+                  and handler != signal.SIG_IGN]  # fmt: skip
+        arrived: list[int] = []
+        for each in caught:
+            loop.add_signal_handler(each, lambda s=each: arrived.append(s) or task.cancel())
         try:
-            return await coro
+            return await fn(*args, **kwargs)
+        except asyncio.CancelledError:
+            if not arrived:
+                raise
+            _TERMINATED.extend(s for s in arrived if s == signal.SIGTERM)
+            raise KeyboardInterrupt from None
         finally:
-            loop.remove_signal_handler(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, before)
+            for each in caught:
+                loop.remove_signal_handler(each)
+                signal.signal(each, before[each])
 
-    try:
-        return asyncio.run(cancellable())
-    except asyncio.CancelledError:
-        if not _TERMINATED:
-            raise
-        raise KeyboardInterrupt from None
+    return run
 
 
 def main(argv: list[str] | None = None) -> None:

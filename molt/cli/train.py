@@ -24,7 +24,7 @@ import yaml
 from molt.algo import ESTIMATORS
 from molt.cli.build import build_policy, build_tokenizer, check_same_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
-from molt.cli.main import run_async
+from molt.cli.main import interruptible
 from molt.cli.warm_start import may_warm_start, wants_warm_start, warm_start
 from molt.config import AlgoConfig, Config, ConfigError, check
 from molt.config.rl import check_rollout_algo
@@ -241,6 +241,7 @@ def _summary(run: RunDir, result: TrainResult) -> None:
     )
 
 
+@interruptible
 async def train_async(cfg: Config) -> TrainResult:
     """`molt train` as a coroutine, for callers that already run an event loop (`await molt.train_async(cfg)`)."""
     check_rollout_algo(cfg.rollout, cfg.algo)  # training's: `molt eval` / `serve` may sample with top-p freely
@@ -307,4 +308,4 @@ def run_train(cfg: Config) -> TrainResult:
         pass  # no running loop: run below, outside this block, so a failure's traceback does not start with it
     else:
         return _on_worker_loop(cfg)
-    return run_async(train_async(cfg))
+    return asyncio.run(train_async(cfg))

@@ -153,6 +153,29 @@ def test_ctrl_c_stops_a_blocking_train_inside_a_running_event_loop(tmp_path, mon
     assert not [t for t in threading.enumerate() if t.name.startswith("molt-run")]
 
 
+def test_ctrl_c_stops_an_awaited_train_async_on_the_notebooks_loop(tmp_path, monkeypatch):
+    """A kernel's interrupt during `await molt.train_async(...)` raised KeyboardInterrupt in the cell but left the run
+    going on the kernel's loop (writing its metrics, holding its run directory); it now cancels the run first."""
+    log_step = Progress.__call__
+
+    def interrupt_after_step_one(progress, metrics):
+        log_step(progress, metrics)
+        if metrics["step"] == 1:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    monkeypatch.setattr(Progress, "__call__", interrupt_after_step_one)
+    kernel = asyncio.new_event_loop()  # a notebook's loop: it outlives each cell
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            kernel.run_until_complete(molt.train_async(molt.make_config(TINY, train={"max_steps": 20},
+                                                                        log={"run_dir": str(tmp_path)})))  # fmt: skip
+        assert not asyncio.all_tasks(kernel)  # nothing of the run left on the kernel's loop
+        assert not [t for t in threading.enumerate() if t.name.startswith("molt-engine")]
+        assert len(read_metrics(tmp_path)) <= 3
+    finally:
+        kernel.close()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed (optional)")
 def test_wandb_offline_writes_its_run_files(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
