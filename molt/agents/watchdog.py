@@ -173,9 +173,13 @@ class LoopWatchdog:
                 log.error("%s; the run cannot go on until it returns", message)
 
 
-def watch_loop(step_timeout_s: float) -> None:
+def watch_loop(step_timeout_s: float, new_run: bool = False) -> None:
     """Start the running event loop's `LoopWatchdog` (once per loop), for blocks longer than `step_timeout_s` (at
-    least 1 s: a sync step of a few ms is no hang, whatever the timeout)."""
-    loop = asyncio.get_running_loop()
+    least 1 s: a sync step of a few ms is no hang, whatever the timeout). `new_run`: a run starts on a loop an earlier
+    one watched (a notebook's): its limit holds, and the earlier run's blocked agent code no longer stops it."""
+    loop, limit_s = asyncio.get_running_loop(), max(step_timeout_s, 1.0)
     if loop not in _WATCHDOGS:
-        _WATCHDOGS[loop] = LoopWatchdog(loop, max(step_timeout_s, 1.0))
+        _WATCHDOGS[loop] = LoopWatchdog(loop, limit_s)
+    elif new_run:
+        dog = _WATCHDOGS[loop]
+        dog.limit_s, dog.every_s, dog.stopped = limit_s, min(0.5, limit_s / 4), ""

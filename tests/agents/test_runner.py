@@ -210,6 +210,27 @@ def test_agent_code_blocking_the_event_loop_stops_the_run_with_its_line():
         asyncio.run(main())
 
 
+class Dozy(Env):
+    async def step(self, action):
+        time.sleep(4)  # over the second run's 1 s, under the first run's 30 s
+        return Result(reward=1.0)
+
+
+def test_each_run_on_a_notebooks_loop_gets_its_own_watchdog_limit_and_a_fresh_start():
+    """The first run on a loop fixed its watchdog's limit for every later run there (a notebook's), and a run
+    stopped by blocking agent code stopped every later one at once."""
+    row = get_task("arithmetic").rows(1, seed=8)[0]
+
+    async def main():
+        returns = lambda: Returns(Result(reward=1.0, terminated=True))  # noqa: E731
+        await local_rollout(None, ScriptedEngine(["1"]), TOK, returns)(row, SAMPLING, EpisodeLimits(step_timeout_s=30))
+        with pytest.raises(LoopBlockedError, match=r"Dozy.step \(.*\) has not returned for 1s"):
+            await local_rollout(None, ScriptedEngine(["1"]), TOK, Dozy)(row, SAMPLING, EpisodeLimits(step_timeout_s=1))
+        return await local_rollout(None, ScriptedEngine(["1"]), TOK, returns)(row, SAMPLING, EpisodeLimits())
+
+    assert asyncio.run(main())[0].reward == 1.0
+
+
 class SleepyInit(Env):
     """Blocks the event loop in its constructor (a sync connection to a sandbox): the run hung with no message."""
 

@@ -263,8 +263,12 @@ def local_rollout(
     rollout as `AgentExit`, but a `KeyboardInterrupt` stops the run unless `interrupts_ignored` (an agent worker,
     which ignores SIGINT: there it can only be the agent's own)."""
 
+    armed = False  # the run's first rollout arms the loop's watchdog for this run
+
     async def rollout(row: dict, sampling, limits: EpisodeLimits, **kw) -> list[Trajectory]:
-        watch_loop(limits.step_timeout_s)
+        nonlocal armed
+        watch_loop(limits.step_timeout_s, new_run=not armed)
+        armed = True
         row = copy.copy(row)  # keeps a LocatedRow's file:line
         row.update(_fresh(dict(row)))
         try:
