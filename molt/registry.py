@@ -74,12 +74,14 @@ class Registry(Generic[F]):
         return variant
 
     def _rerun(self, name: str, variant: F) -> bool:
-        """Whether `variant` is a new version of `name`'s variant: defined in the same file outside Molt, by a new run
-        of it (an edited plugin imported again: its module's namespace is new), so it may replace it."""
+        """Whether `variant` is a new version of `name`'s variant, so it may replace it: defined in the same file
+        outside Molt by a new run of it (an edited plugin imported again: its module's namespace is new), or both in
+        `__main__` (a notebook cell run again: each run is a file of its own, the namespace the same)."""
         old_file, new_file = self._origin[name][0], _origin(variant)[0]
         same_file = os.path.realpath(old_file) == os.path.realpath(new_file) and self.from_user(name)
-        namespace = _namespace(variant)
-        return same_file and namespace is not None and namespace is not self._namespace[name]
+        namespace, main = _namespace(variant), getattr(sys.modules.get("__main__"), "__dict__", None)
+        notebook = namespace is not None and namespace is main and self._namespace[name] is main
+        return notebook or (same_file and namespace is not None and namespace is not self._namespace[name])
 
     def origin(self, name: str) -> str:
         """`file:line` where variant `name` is defined (or was registered)."""

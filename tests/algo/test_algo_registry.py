@@ -334,3 +334,24 @@ def test_an_edited_plugin_imported_again_replaces_its_own_variants(tmp_path):
         POLICY_LOSSES._fns.pop("clip_cov", None), POLICY_LOSSES._info.pop("clip_cov", None)
         for name in modules:
             sys.modules.pop(name, None)
+
+
+def test_a_notebook_cell_that_registers_a_variant_runs_again():
+    """Each run of a cell is a file of its own in `__main__`: running it again was refused as a second definition."""
+    main = sys.modules["__main__"].__dict__
+    cell = "@GROUP_FILTERS.register('cell_filter')\ndef cell_filter(scores_r, groups, params):\n    return {}\n"
+    main["GROUP_FILTERS"] = GROUP_FILTERS  # the cell's import
+    try:
+        for run in range(2):  # the cell, edited, run again
+            exec(compile(cell.replace("{}", f"{{{run}}}"), f"/tmp/ipykernel_1/{run}.py", "exec"), main)
+            assert GROUP_FILTERS.get("cell_filter")(None, None, None) == {run}
+    finally:
+        main.pop("cell_filter", None), main.pop("GROUP_FILTERS", None)
+        for table in (
+            GROUP_FILTERS._fns,
+            GROUP_FILTERS._info,
+            GROUP_FILTERS._origin,
+            GROUP_FILTERS._namespace,
+            GROUP_FILTERS._user,
+        ):
+            table.pop("cell_filter", None)
