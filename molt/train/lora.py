@@ -34,18 +34,17 @@ class Adapter(nn.Module):
     """One low-rank update: A [r, d_in] (Kaiming-uniform, as PEFT), B [d_out, r] (zeros); float32 beside a bf16 base
     too (as PEFT): a bf16 A and its AdamW state lose most updates (`--train.precision pure`), for a few MB."""
 
-    def __init__(self, linear: nn.Linear, rank: int):
+    def __init__(self, linear: nn.Linear, rank: int, generator: torch.Generator):
         super().__init__()
-        like = dict(device=linear.weight.device, dtype=torch.float32)
-        self.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, **like))
-        self.lora_B = nn.Parameter(torch.zeros(linear.out_features, rank, **like))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        a = nn.init.kaiming_uniform_(torch.empty(rank, linear.in_features), a=math.sqrt(5), generator=generator)
+        self.lora_A = nn.Parameter(a.to(linear.weight.device))
+        self.lora_B = nn.Parameter(torch.zeros(linear.out_features, rank, device=linear.weight.device))
 
 
 class LoRA(nn.Module):
     """The adapters of one model, keyed by the targeted modules' names (`layers.N.self_attn.q_proj`)."""
 
-    def __init__(self, model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...]):
+    def __init__(self, model: nn.Module, rank: int, alpha: float, targets: tuple[str, ...], seed: int = 0):
         super().__init__()
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         pattern = re.compile(rf"layers\.\d+\.({'|'.join(re.escape(TARGETS[t]) for t in targets)})")
@@ -60,7 +59,8 @@ class LoRA(nn.Module):
         if getattr(model, "vision", None) is not None:  # a VLM: the LM's linears only (docs/vlm.md)
             log.warning("LoRA adapts the language model's layers; the vision tower and its projector stay frozen")
         model.requires_grad_(False)
-        self.adapters = nn.ModuleDict({_key(n): Adapter(m, rank) for n, m in self.linears.items()})
+        generator = torch.Generator().manual_seed(seed)  # the same adapters in every process (Ray ranks, a replay)
+        self.adapters = nn.ModuleDict({_key(n): Adapter(m, rank, generator) for n, m in self.linears.items()})
         self.enabled = True
         for name, linear in self.linears.items():
             linear.register_forward_hook(self._hook(linear, self.adapters[_key(name)]))

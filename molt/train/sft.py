@@ -179,7 +179,7 @@ class SftTrainer:
         tr = cfg.train
         freeze_routers(model, cfg)  # `train.freeze_router`: before the optimizer, which takes requires_grad params
         self.model, self.cfg, self.precision, self.scaler = model, cfg, precision, precision.scaler()
-        self.lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
+        self.lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets, tr.seed) if tr.lora_rank else None
         self.opt, self.schedule = build_optimizer(self.lora.parameters() if self.lora else model.parameters(), tr)
         self.version = self.num_skipped_steps = 0
 

@@ -86,7 +86,7 @@ class Trainer:
         shard = functools.partial(parallel.parallelize, compute_dtype=mixed) if fsdp else None
         self.critic = Critic(model, cfg, self.precision, shard) if a.needs("values_bt") else None
         self.teacher = load_teacher(a.teacher, model, cfg.runtime.device, self.precision.compute) if a.teacher else None
-        self.lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets) if tr.lora_rank else None
+        self.lora = LoRA(model, tr.lora_rank, tr.lora_alpha, tr.lora_targets, tr.seed) if tr.lora_rank else None
         # the KL reference is the initial policy: with LoRA, the frozen base itself (adapters off), no copy
         self.ref = copy.deepcopy(model).eval().requires_grad_(False) if a.kl_coef > 0 and self.lora is None else None
         if fsdp:  # LoRA adapters stay whole on every rank (`parallel.sum_replicated_grads`)

@@ -40,6 +40,18 @@ def test_zero_init_adapters_leave_the_model_unchanged_and_count_r_times_d_in_plu
     assert model.state_dict().keys() == base.state_dict().keys()  # names unchanged: sync and HF export work
 
 
+def test_the_adapters_start_from_train_seed_whatever_ran_before():
+    """Drawn from the global RNG, the adapters depended on what a process did before building the trainer, so the
+    local backend and Ray's ranks (which re-seed first) trained LoRA from other starting adapters."""
+    starts = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)  # other work before the trainer is built
+        starts.append(Trainer(_model(), _cfg(*LORA)).lora.state_dict())
+    assert starts[0].keys() == starts[1].keys() and all(torch.equal(starts[0][k], starts[1][k]) for k in starts[0])
+    other = Trainer(_model(), _cfg(*LORA, "--train.seed", "7")).lora.state_dict()
+    assert not all(torch.equal(other[k], starts[0][k]) for k in other)  # the seed sets them
+
+
 def test_merged_forward_equals_the_adapter_forward_and_a_copy_is_the_plain_base():
     model = _model()
     lora = LoRA(model, rank=4, alpha=8.0, targets=("q", "v", "down"))
