@@ -81,11 +81,25 @@ class Placement:
 
 
 def get(refs, what: str):
-    """`ray.get` whose failures name what failed and include the actor's traceback."""
+    """`ray.get` whose failures name what failed and include the actor's traceback; of several refs, one whose actor
+    died is named first (ray.get raises the first failure in list order: a peer's broken-connection error)."""
     try:
         return ray.get(refs)
     except ray.exceptions.RayError as e:
-        raise ActorFailedError(f"{what} failed:\n{e}") from e
+        died = next(filter(None, map(_death, refs if isinstance(refs, list) else [])), None)
+        cause = f" an actor died (its peers' errors follow from it):\n{died}" if died else f"\n{e}"
+        raise ActorFailedError(f"{what} failed:{cause}") from e
+
+
+def _death(ref) -> str | None:
+    """The error of `ref`'s actor if it died (the ref done), else None."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayActorError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001 - not done, or another failure: not a death
+        return None
+    return None
 
 
 def kill(actors: Sequence[Any]) -> None:

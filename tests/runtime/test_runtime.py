@@ -56,3 +56,26 @@ def test_the_engine_interface_declares_what_an_engine_may_report():
     engine = Minimal()
     assert dict(engine.stats) == {}  # no counters: the loop reports no engine work
     assert asyncio.run(engine.run_on_engine_thread(lambda a, b: a + b, 2, 3)) == 5  # default: a worker thread
+
+
+def test_a_dead_actor_is_named_before_its_peers_broken_connections(monkeypatch):
+    """ray.get of several ranks raises the first failure in list order: when rank 1 died, rank 0's gloo error
+    ("Connection closed by peer") hid which actor died."""
+    import ray.exceptions
+
+    from molt.runtime import cluster
+    from molt.runtime.cluster import ActorFailedError
+
+    failures = {"rank0": ray.exceptions.RaySystemError("gloo: Connection closed by peer"),
+                "rank1": ray.exceptions.ActorDiedError()}  # fmt: skip
+
+    def get(refs, timeout=None):
+        raise failures["rank0"] if isinstance(refs, list) else failures[refs]
+
+    monkeypatch.setattr(cluster.ray, "get", get)
+    with pytest.raises(ActorFailedError, match=r"trainer step failed: an actor died \(its peers' errors follow from "
+                       r"it\):\nThe actor died unexpectedly"):  # fmt: skip
+        cluster.get(["rank0", "rank1"], "trainer step")
+    failures["rank1"] = failures["rank0"]  # no death: the first failure, as before
+    with pytest.raises(ActorFailedError, match=r"trainer step failed:\n.*gloo: Connection closed by peer"):
+        cluster.get(["rank0", "rank1"], "trainer step")
