@@ -311,6 +311,7 @@ def _refuse_inert_flags(cfg: Config, flags: frozenset[str], command_name: str) -
         inert |= dict.fromkeys(("data.shuffle", "data.split"), "here: a built-in task's rows are generated as they are")
     if cfg.rollout.replay and command_name == "train":  # (`molt eval` of a replay run reads its config.yaml)
         unread = [f"runtime.{k}" for k in ENGINE if k != "engine_threads"]  # the replay's compute threads: read
+        unread += ["runtime.engines", "runtime.engine_restarts", "runtime.engine_timeout_s"]  # Ray's replicas
         unread += [f"rollout.{k}" for k in REPLAY_UNREAD]
         unread += [f"eval.{k}" for k in ("num_prompts", "n_samples", "temperature", "seed", "output")]
         unread += [k for k in flags if k.startswith("chat.")]

@@ -121,6 +121,7 @@ class Config:
         check(not (ro.agent_workers and self.chat.port), "chat.port",
               "must be 0 with rollout.agent_workers: each worker runs its own chat server on a free port")  # fmt: skip
         ranks = self.runtime.trainer_ranks
+        self.runtime.check_placement(0 if ro.replay else self.runtime.engines)
         check(ro.prompts_per_step >= ranks, "runtime.trainer_ranks",
               f"({ranks}) must be <= rollout.prompts_per_step: each rank trains whole groups")  # fmt: skip
         check(tr.micro_batch_tokens >= self.data.max_len, "train.micro_batch_tokens", f"({tr.micro_batch_tokens}) "

@@ -171,6 +171,13 @@ class RuntimeConfig:
         dense_text = not model_cfg.num_moe_layers() and model_cfg.vision is None
         return "paged" if self.device.startswith("cuda") and dense_text and not self.engine_compile else "slot"
 
+    def check_placement(self, engines: int) -> None:
+        """`num_cpus` holds the actors a run places: `engines` replicas (none for a replay) and the trainer ranks."""
+        need = (engines + self.trainer_ranks) * self.cpus_per_actor
+        check(not self.num_cpus or self.num_cpus >= need, "runtime.num_cpus", f"({self.num_cpus}) must be >= "
+              f"(engines + trainer_ranks) x cpus_per_actor = {need:g}, or the actors cannot be placed (a replay "
+              "places no engine)")  # fmt: skip
+
     def __post_init__(self) -> None:
         check(self.threads >= 0 and self.engine_threads >= 0, "runtime.threads", "thread counts must be >= 0")
         check_bounds(self, collective_timeout_s="> 0", engine_timeout_s=">= 0 (0: off)")
@@ -195,9 +202,6 @@ class RuntimeConfig:
               "is not HOST:PORT (e.g. 10.0.0.1:6379, as `ray start --head` prints) or auto (RAY_ADDRESS)")  # fmt: skip
         check_bounds(self, sync_chunk_mb="> 0", engine_restarts=">= 0", num_cpus=">= 0 (0 = enough for every actor)")
         check(not (self.num_cpus and self.address), "runtime.num_cpus", "sizes a local cluster; not with address")
-        need = (self.engines + self.trainer_ranks) * self.cpus_per_actor
-        check(not self.num_cpus or self.num_cpus >= need, "runtime.num_cpus", f"({self.num_cpus}) must be >= "
-              f"(engines + trainer_ranks) x cpus_per_actor = {need:g}, or the actors cannot be placed")  # fmt: skip
         cuda = self.device.startswith("cuda")  # KV-cache and CUDA settings that cannot act here: refused, not ignored
         for key in changed(self, "kv_cache", "kv_gb", "kv_memory_fraction", "cuda_graphs"):
             check(torch_engine, f"runtime.{key}", "sets the built-in engine (runtime.engine torch)")

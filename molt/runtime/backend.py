@@ -33,9 +33,10 @@ class RayRuntime(Runtime):
         self.router: Router | None = None
         self.engine_stats: dict[int, dict] = {}  # each replica's counters as of the previous step's metrics
         try:  # a failure here (placement, a rank) ends the connection this run started, as a finished run does
-            self.placement = cluster.Placement(rt, rt.engines + rt.trainer_ranks, local=self.started and not rt.address)
+            engines = 0 if cfg.rollout.replay else rt.engines  # a replay trains on its dump: no engine
+            self.placement = cluster.Placement(rt, engines + rt.trainer_ranks, local=self.started and not rt.address)
             self.model_ref = ray.put(model)
-            options = [self.placement.options(rt.engines + r, f"molt-rank-{r}") for r in range(rt.trainer_ranks)]
+            options = [self.placement.options(engines + r, f"molt-rank-{r}") for r in range(rt.trainer_ranks)]
             self.ranks = [spawn_rank(cfg, self.model_ref, r, rt.trainer_ranks, o) for r, o in enumerate(options)]
             self.trainer = RayTrainer(cfg, self.ranks)
         except BaseException:

@@ -149,6 +149,7 @@ def test_a_dump_shorter_than_max_steps_is_refused_before_any_model(dumped, tmp_p
         ["--rollout.top_p", "0.5"],
         ["--rollout.n_samples_per_prompt", "2"],
         ["--rollout.temperature", "0.5"],
+        ["--runtime.engines", "2", "--runtime.backend", "ray"],  # Ray's replicas: a replay places none
     ],  # fmt: skip
 )
 def test_a_flag_replay_never_reads_is_refused(dumped, flag):
@@ -156,6 +157,17 @@ def test_a_flag_replay_never_reads_is_refused(dumped, flag):
     run, _ = dumped
     with pytest.raises(ConfigError, match=f"{flag[0][2:]}: has no effect with --replay"):
         parse_command(["train", "--replay", str(run), *flag])
+
+
+def test_a_replay_on_ray_places_only_its_trainer_ranks(dumped, capsys):
+    """It reserved a bundle for every engine replica it never starts (an idle GPU each), and refused a --num_cpus
+    that holds only the ranks."""
+    run, _ = dumped
+    flags = ["--runtime.backend", "ray", "--runtime.trainer_ranks", "2", "--runtime.num_cpus", "2"]
+    assert parse_command(["train", "--replay", str(run), *flags]).runtime.num_cpus == 2
+    with pytest.raises(SystemExit):
+        parse_command(["train", *flags, "--rollout.prompts_per_step", "2"])  # a run: engines too
+    assert "runtime.num_cpus: (2) must be >= (engines + trainer_ranks)" in capsys.readouterr().err
 
 
 def test_a_resumed_run_may_not_replay_its_own_dump(dumped, tmp_path):
