@@ -157,7 +157,9 @@ def check_prompt(
         prompt = [operator.index(t) for t in prompt_token_ids]  # ints (numpy's and torch's too); 1.5 is no token id
     except TypeError:
         kinds = sorted({type(t).__name__ for t in prompt_token_ids})
-        raise ValueError(f"prompt_token_ids must be integers, got {', '.join(kinds)}") from None
+        mapping = isinstance(prompt_token_ids, Mapping)  # `apply_chat_template`'s BatchEncoding
+        hint = "; a tokenizer's output (a mapping): pass its ['input_ids']" if mapping else ""
+        raise ValueError(f"prompt_token_ids must be integers, got {', '.join(kinds)}{hint}") from None
     if not prompt:
         raise ValueError("prompt_token_ids is empty")
     if len(prompt) >= max_len:

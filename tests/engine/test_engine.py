@@ -240,6 +240,8 @@ def test_abort_frees_cache_and_too_long_fails_cleanly(pair):
             await engine.generate(list(range(48)), SamplingParams())
         with pytest.raises(ValueError, match="prompt_token_ids must be integers, got float"):
             await engine.generate([1, 1.5], SamplingParams())  # was truncated to token 1, silently
+        with pytest.raises(ValueError, match=r"got str; a tokenizer's output \(a mapping\): pass its \['input_ids'\]"):
+            await engine.generate({"input_ids": [1, 2], "attention_mask": [1, 1]}, SamplingParams())
         at_limit = await engine.generate(list(range(40)), SamplingParams(max_tokens=30))
         return aborted, at_limit
 
