@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
@@ -27,6 +28,8 @@ from molt.train.logprobs import laid_out_rows, packed_hidden
 from molt.train.optim import build_optimizer
 from molt.train.packing import PackedBatch
 from molt.train.precision import Precision, clip_and_step
+
+log = logging.getLogger("molt.train")
 
 Returns = Callable[[object, torch.Tensor, torch.Tensor], torch.Tensor]  # (micro-batch, mask_bt, values_bt) -> [B, T]
 
@@ -59,6 +62,10 @@ class Critic:
     forward then runs without autocast (FSDP2 casts the parameters)."""
 
     def __init__(self, policy: Transformer, cfg: Config, precision: Precision, shard: Callable | None = None):
+        if algo.ESTIMATORS.info(cfg.algo.estimator)["group_baseline"]:  # one of your own: its targets are per row
+            log.warning("--algo.estimator %s compares a rollout with its group, but the critic's targets are its "
+                        "returns computed per micro-batch, which may split a group (docs/algorithms.md)",
+                        cfg.algo.estimator)  # fmt: skip
         if cfg.critic.path:  # wrapped as the policy is; a copy of the policy inherits its wrapping
             body = from_pretrained(cfg.critic.path, router_fp32=cfg.model.router_fp32)
             if body.cfg.vision is None and policy.cfg.vision is not None:

@@ -210,17 +210,19 @@ class Trainer:
         lengths_b = torch.tensor([t.num_action_tokens for t in trajs], dtype=torch.float32)
         return algo.shape_rewards(rewards_b, lengths_b, self.shaping, torch.tensor([t.rollout_id for t in trajs]))
 
-    def _critic_returns(self, trajs: list[Trajectory]) -> Returns:
+    def _critic_returns(self, trajs: list[Trajectory], teacher_kl: list[list[float]] | None) -> Returns:
         """The critic's targets for a micro-batch: the run's estimator's returns (never whitened) from its rows' own
-        shaped rewards, group and rollout ids and values. Per micro-batch, so one critic forward gives both V_old and
-        the update's loss: exact for returns that depend on the row alone (gae's, any lambda-return)."""
+        shaped rewards, group and rollout ids, teacher KL and values. Per micro-batch, so one critic forward gives both
+        V_old and the update's loss: exact for returns that depend on the row alone (gae's, any lambda-return)."""
         rewards_b, params = self.rewards(trajs)[0], self._advantage_params(whiten=False)
         ids_b = torch.tensor([(t.group_id, t.rollout_id) for t in trajs])
+        distill = teacher_kl is not None and self.cfg.algo.needs("kl_bt")
 
         def returns(mb: MicroBatch, mask_bt: torch.Tensor, values_bt: torch.Tensor) -> torch.Tensor:
             rows, device = torch.tensor(mb.samples), mask_bt.device
             (groups, rollouts), rewards = ids_b[rows].to(device).T, rewards_b[rows].to(device)
-            inputs = algo.AdvantageInputs(mask_bt, rewards, groups, rollouts, values_bt=values_bt)
+            kl_bt = per_sample(teacher_kl, mb).to(device) if distill else None
+            inputs = algo.AdvantageInputs(mask_bt, rewards, groups, rollouts, kl_bt=kl_bt, values_bt=values_bt)
             return algo.compute_advantages(self.cfg.algo.estimator, inputs, params)[1]
 
         return returns
@@ -241,10 +243,11 @@ class Trainer:
         denoms = denoms.all_reduced(parallel.all_reduce_sum)
         num_mbs = parallel.all_reduce_max(len(mbs))  # before any forward: FSDP collectives must line up
         values, model_metrics = None, {}
-        if self.critic is not None:  # the critic updates here, before the policy (`Critic.train`)
-            lengths = [len(t.tokens) for t in mine]
-            values, model_metrics = self.critic.train(mbs, lengths, self._critic_returns(mine), denoms, num_mbs)
         teacher_kl = self._teacher_kl(mbs, mine, model_metrics, num_mbs) if self.teacher is not None else None
+        if self.critic is not None:  # the critic updates here, before the policy (`Critic.train`)
+            lengths, returns = [len(t.tokens) for t in mine], self._critic_returns(mine, teacher_kl)
+            values, critic_metrics = self.critic.train(mbs, lengths, returns, denoms, num_mbs)
+            model_metrics |= critic_metrics
         if shard is not None:  # each rank scored its own samples; the advantages see the whole batch
             values, teacher_kl = parallel.gather_samples(shard, len(trajs), values, teacher_kl)
         advantages, adv_metrics = self.advantages(trajs, values, teacher_kl)

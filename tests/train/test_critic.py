@@ -157,3 +157,23 @@ def test_the_critic_fits_the_returns_of_the_runs_own_estimator():
         assert own["critic/value_loss"] > 10 * gae["critic/value_loss"]  # V_old = 0 (zero head): 0.5 * R^2
     finally:
         algo.ESTIMATORS._fns.pop("gae_x10"), algo.ESTIMATORS._info.pop("gae_x10")
+
+
+def test_an_estimator_of_values_and_a_teachers_kl_gets_both_for_the_critics_targets(tmp_path):
+    """An estimator of your own that needs values_bt and kl_bt (GAE on the teacher's KL): the critic's targets lacked
+    the KL ('needs kl_bt', blamed on the estimator) once they came from the run's estimator."""
+    from molt import algo
+
+    needs = ("rewards_b", "values_bt", "kl_bt")
+    gae = algo.ESTIMATORS.get("gae")
+    algo.ESTIMATORS.add("gae_distill", lambda inputs, params: gae(inputs, params), whiten=True, needs=needs,
+                        uses_kl=True, group_baseline=False)  # fmt: skip
+    try:
+        model = _model()
+        teacher = str(save_pretrained(copy.deepcopy(model), tmp_path / "teacher"))
+        cfg = _cfg("--algo.estimator", "gae_distill", "--algo.teacher", teacher)
+        metrics = Trainer(copy.deepcopy(model), cfg).step(_trajs(model))
+        assert metrics["critic/return_mean"] == pytest.approx(metrics["train/return_mean"], rel=1e-5)
+    finally:
+        for table in (algo.ESTIMATORS._fns, algo.ESTIMATORS._info, algo.ESTIMATORS._origin, algo.ESTIMATORS._user):
+            table.pop("gae_distill")
