@@ -76,11 +76,13 @@ class Registry(Generic[F]):
     def _rerun(self, name: str, variant: F) -> bool:
         """Whether `variant` is a new version of `name`'s variant, so it may replace it: defined in the same file
         outside Molt by a new run of it (an edited plugin imported again: its module's namespace is new), or both in
-        `__main__` (a notebook cell run again: each run is a file of its own, the namespace the same)."""
+        `__main__` from another file or the same line (a notebook cell run again, edited or not: a kernel names a
+        cell's code by its text; not a second definition in one script)."""
         old_file, new_file = self._origin[name][0], _origin(variant)[0]
         same_file = os.path.realpath(old_file) == os.path.realpath(new_file) and self.from_user(name)
         namespace, main = _namespace(variant), getattr(sys.modules.get("__main__"), "__dict__", None)
-        notebook = namespace is not None and namespace is main and self._namespace[name] is main
+        rerun = not same_file or self._origin[name] == _origin(variant)  # another cell, or this one run again
+        notebook = namespace is not None and namespace is main and self._namespace[name] is main and rerun
         return notebook or (same_file and namespace is not None and namespace is not self._namespace[name])
 
     def origin(self, name: str) -> str:

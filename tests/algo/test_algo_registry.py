@@ -345,6 +345,9 @@ def test_a_notebook_cell_that_registers_a_variant_runs_again():
         for run in range(2):  # the cell, edited, run again
             exec(compile(cell.replace("{}", f"{{{run}}}"), f"/tmp/ipykernel_1/{run}.py", "exec"), main)
             assert GROUP_FILTERS.get("cell_filter")(None, None, None) == {run}
+        exec(compile(cell, "/tmp/ipykernel_1/1.py", "exec"), main)  # a cell run again unchanged: its file's name
+        with pytest.raises(ValueError, match="group filter 'cell_filter' is already registered"):  # two in one file
+            exec(compile("\n" + cell, "/tmp/ipykernel_1/1.py", "exec"), main)
     finally:
         main.pop("cell_filter", None), main.pop("GROUP_FILTERS", None)
         for table in (
