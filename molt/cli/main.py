@@ -426,10 +426,11 @@ def _terminate(signum: int, frame) -> None:
 
 def interruptible(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     """`fn` run so that SIGINT (Ctrl-C, a notebook's interrupt) and SIGTERM (`timeout`, Slurm) cancel it on its event
-    loop: its clean-up runs, then a KeyboardInterrupt is raised (SIGTERM noted in `_TERMINATED`). On the main thread,
-    for each signal not ignored (a background job ignores SIGINT). Raised from a signal handler instead, the interrupt
-    lands wherever the process is: in torch's threads' teardown (an abort), or in a notebook cell awaiting the run
-    (which then goes on in the background)."""
+    loop: its clean-up runs, then a KeyboardInterrupt is raised (SIGTERM noted in `_TERMINATED`); a second signal
+    raises it at once (out of code blocking the loop), as asyncio.run's own Ctrl-C does. On the main thread, for each
+    signal not ignored (a background job ignores SIGINT). Raised from the first signal's handler instead, the
+    interrupt landed wherever the process was: in torch's threads' teardown (an abort), or in a notebook cell awaiting
+    the run (which then went on in the background)."""
 
     @functools.wraps(fn)
     async def run(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -438,18 +439,26 @@ def interruptible(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         caught = [s for s, handler in before.items() if threading.current_thread() is main and handler is not None
                   and handler != signal.SIG_IGN]  # fmt: skip
         arrived: list[int] = []
+
+        def on_signal(signum: int, frame) -> None:
+            arrived.append(signum)
+            if len(arrived) > 1 or task.done():
+                raise KeyboardInterrupt
+            task.cancel()
+            loop.call_soon_threadsafe(lambda: None)  # wakes a loop waiting in select()
+
         for each in caught:
-            loop.add_signal_handler(each, lambda s=each: arrived.append(s) or task.cancel())
+            signal.signal(each, on_signal)
         try:
             return await fn(*args, **kwargs)
         except asyncio.CancelledError:
             if not arrived:
                 raise
-            _TERMINATED.extend(s for s in arrived if s == signal.SIGTERM)
+            task.uncancel()
             raise KeyboardInterrupt from None
         finally:
+            _TERMINATED.extend(s for s in arrived[:1] if s == signal.SIGTERM)
             for each in caught:
-                loop.remove_signal_handler(each)
                 signal.signal(each, before[each])
 
     return run

@@ -3,6 +3,7 @@ leaves a resumable run (no rollout counted failed), a resumed run goes on in its
 with each step logged once, and checkpoints are readable by the group with an interrupted save's temp folders
 removed at the next save."""
 
+import asyncio
 import json
 import os
 import shutil
@@ -101,6 +102,29 @@ def test_sigterm_to_a_background_job_stops_it_as_ctrl_c_does(tmp_path):
     assert molt.wait(timeout=120) == 143, err
     assert err.strip().splitlines()[-1].startswith("molt train: terminated (SIGTERM)"), err
     assert "starting another" not in err and "Event loop is closed" not in err and "pending" not in err, err
+
+
+def test_a_second_ctrl_c_gets_out_of_code_blocking_the_loop():
+    """The first cancels the run (its clean-up runs once the loop is free); a second raises at once, out of sync code
+    blocking the loop, as asyncio.run's own Ctrl-C does (it waited for that code to return)."""
+    import threading
+    import time
+
+    from molt.cli.main import interruptible
+
+    finished = []
+
+    @interruptible
+    async def blocked():
+        time.sleep(30)  # a sync call in agent code or a long load
+        finished.append(True)
+
+    main = threading.main_thread().ident
+    for delay in (0.3, 0.6):
+        threading.Timer(delay, signal.pthread_kill, (main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(blocked())
+    assert not finished and signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
 def test_ctrl_c_during_the_warm_start_stops_at_once(tmp_path):
