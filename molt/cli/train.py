@@ -279,9 +279,10 @@ def _on_worker_loop(cfg: Config) -> TrainResult:
         running.set_result((asyncio.get_running_loop(), asyncio.current_task()))
         return await train_async(cfg)
 
-    # Ctrl-C raises here while this call blocks the host's loop (asyncio.run's own handler would only cancel a task)
+    # Ctrl-C and SIGTERM raise here while this call blocks the host's loop (asyncio.run's handler only cancels a task)
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler) if main else None
+    signals = [s for s in (signal.SIGINT, signal.SIGTERM) if main and signal.getsignal(s) not in (signal.SIG_IGN, None)]
+    previous = {s: signal.signal(s, signal.default_int_handler) for s in signals}
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
             done = pool.submit(asyncio.run, run())
@@ -295,8 +296,8 @@ def _on_worker_loop(cfg: Config) -> TrainResult:
                     done.result()
                 raise
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for each, handler in previous.items():
+            signal.signal(each, handler)
 
 
 def run_train(cfg: Config) -> TrainResult:

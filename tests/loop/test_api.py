@@ -133,14 +133,16 @@ def test_your_own_estimator_and_loss_are_wired_by_their_registry_info(tmp_path, 
         molt.make_config(TINY, algo={"policy_loss": "pg"})
 
 
-def test_ctrl_c_stops_a_blocking_train_inside_a_running_event_loop(tmp_path, monkeypatch):
-    """A notebook's interrupt during `molt.train` cancels the run on its worker thread and waits for its clean-up."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_stops_a_blocking_train_inside_a_running_event_loop(tmp_path, monkeypatch, signum):
+    """A notebook's interrupt (or SIGTERM, which killed the process) during `molt.train` cancels the run on its worker
+    thread and waits for its clean-up."""
     log_step = Progress.__call__
 
     def interrupt_after_step_one(progress, metrics):
         log_step(progress, metrics)
         if metrics["step"] == 1:
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            signal.pthread_kill(threading.main_thread().ident, signum)
 
     monkeypatch.setattr(Progress, "__call__", interrupt_after_step_one)
 
