@@ -293,6 +293,7 @@ def test_tool_definitions_the_apis_refuse_are_400s_naming_the_field(served):
             oa.chat.completions.create(model="molt", messages=messages, tools=tools)
         assert refused.value.param == field
     anthropic_refused = [
+        ([{"name": "calculate", "description": "calc"}], "tools.0"),  # a custom tool needs its schema
         ([ANTHROPIC_TOOL | {"name": "bad name!"}], "tools.0.name"),
         ([ANTHROPIC_TOOL, ANTHROPIC_TOOL], "tools"),
         ([ANTHROPIC_TOOL | {"input_schema": {"type": "banana"}}], "tools.0.input_schema"),

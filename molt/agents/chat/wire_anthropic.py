@@ -20,7 +20,7 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from molt.agents.chat.ids import new_id
 from molt.agents.chat.messages import ChatRequest, function_call, refuse_unsupported, text_content
@@ -70,11 +70,19 @@ class MessageIn(WireModel):
 
 
 class ToolIn(WireModel):
+    type: str | None = None  # "custom" (or none): a function with its schema; else a typed client tool (bash_...)
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
-    input_schema: dict[str, Any] = Field(default_factory=dict)  # none: a typed client tool (bash, text_editor)
+    input_schema: dict[str, Any] | None = None
 
     _object = field_validator("input_schema")(object_schema)
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ToolIn:
+        if self.input_schema is None and self.type in (None, "custom"):
+            raise ValueError("input_schema: required for a custom tool (only a typed client tool such as "
+                             "bash_20250124 may leave it out)")  # fmt: skip
+        return self
 
 
 class ToolChoice(WireModel):
@@ -174,7 +182,8 @@ def decode(body: Any, counting: bool = False) -> ChatRequest:
     messages = [{"role": "system", "content": text_content(_text(req.system))}] if req.system else []
     messages += [message for m in req.messages for message in _messages(m)]
     specs = [
-        {"name": t.name, "description": t.description or "", "parameters": t.input_schema} for t in req.tools or ()
+        {"name": t.name, "description": t.description or "", "parameters": t.input_schema or {}}
+        for t in req.tools or ()
     ]
     return ChatRequest(
         messages=messages,
