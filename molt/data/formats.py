@@ -142,8 +142,8 @@ def _json_or_none(text: str) -> Any:
 def _arrow_rows(path: Path, table) -> Located:
     """A table's rows as the JSON objects they were written from. Arrow gives the objects in a column of lists (chat
     messages, tools, a completion's turns) the fields of all rows' objects, None where one had none: those None
-    fields are left out (a row's own null there too: Arrow cannot tell them apart); other columns stay as read
-    (a struct column such as `extra_info` keeps its nulls, as a JSON row holds them)."""
+    fields are left out (a row's own null there too: Arrow cannot tell them apart); other columns stay as read (a
+    struct column such as `extra_info` keeps a row's nulls, and every row's objects hold all rows' keys)."""
     rows = table.to_pylist()
     return [(f"{path} row {i}", {k: _without_nulls(v) if isinstance(v, list) else v for k, v in row.items()})
             for i, row in enumerate(rows)]  # fmt: skip
