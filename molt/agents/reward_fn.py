@@ -54,8 +54,13 @@ def parse_weights(spec: str) -> dict[str, float]:
 
 
 @functools.cache
-def _user_function(spec: str, mtime: float) -> Callable[..., Any]:
-    """The function `spec` names, imported once per file version."""
+def _file_function(spec: str, mtime: float) -> Callable[..., Any]:
+    """The function of file `spec`, imported once per file version."""
+    return _user_function(spec)
+
+
+def _user_function(spec: str) -> Callable[..., Any]:
+    """The function `spec` names, checked."""
     target, _, name = spec.partition(":")
     name = name or "reward"
     try:
@@ -95,7 +100,7 @@ def load_part(spec: str) -> RewardPart:
         raise ValueError(f"rollout.reward: reward file {str(path)!r} does not exist")
     # a file: imported once per version; a module's attribute (`__main__:fn` in a notebook): looked up each time, so
     # a cell that redefines it is the one the next run uses
-    fn = _user_function(spec, path.stat().st_mtime) if path.suffix == ".py" else _user_function.__wrapped__(spec, 0.0)
+    fn = _file_function(spec, path.stat().st_mtime) if path.suffix == ".py" else _user_function(spec)
     return RewardPart(getattr(fn, "__name__", None) or spec.partition(":")[2] or "reward", fn, inline=False)
 
 

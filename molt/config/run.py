@@ -49,10 +49,10 @@ class CkptConfig:
     """Checkpoints and resume."""
 
     every: int = 0
-    """Save a checkpoint every N steps (0 = only at the end). `molt sft`: resumable `checkpoints/step-N/` beside
-    the final `checkpoint/` (0 = none)."""
+    """Save a checkpoint every N steps (0 = only at the end). `molt sft`: resumable `checkpoints/step-N/` every N
+    steps and at the last, beside the final `checkpoint/` (0 = none)."""
     keep: int = 0
-    """Keep the newest N checkpoints, deleting older ones after each save (0 = keep all)."""
+    """Keep the newest N checkpoints, deleting older ones after each save (0 = keep all; `molt sft`: with every)."""
     resume: str = ""
     """Run directory to resume from (its latest checkpoint and trainer state)."""
 

@@ -79,12 +79,16 @@ def load_agent_class(spec: str) -> type:
     module's class (`__main__:MyAgent` in a notebook) is looked up each time (a cell may redefine it)."""
     path = Path(spec.split(":")[0])
     if path.suffix == ".py" and path.exists():
-        return _checked_agent_class(spec, path.stat().st_mtime)
-    return _checked_agent_class.__wrapped__(spec, 0.0)
+        return _file_agent_class(spec, path.stat().st_mtime)
+    return _checked_agent_class(spec)
 
 
 @functools.cache
-def _checked_agent_class(spec: str, mtime: float) -> type:
+def _file_agent_class(spec: str, mtime: float) -> type:
+    return _checked_agent_class(spec)
+
+
+def _checked_agent_class(spec: str) -> type:
     try:
         cls = load_agent(spec, bases=(Env, ChatAgent))
     except Exception as e:  # noqa: BLE001 - the user's module failed to import, or names nothing usable
