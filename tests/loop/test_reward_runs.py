@@ -111,3 +111,38 @@ def test_reward_function_scores_an_agents_final_answer(tmp_path, agent):
     assert last["rollout/failures"] == 0 and last["eval/failures"] == 0
     assert {"eval/reward/exact", "eval/reward/format", "eval/reward/agent"} <= set(last)
     assert any("reward/agent" in m and "reward/exact" in m for m in result.history)
+
+
+def test_a_reward_model_scores_the_completions(files, tmp_path, monkeypatch):
+    """examples/reward_model.py: a local sequence-classification folder as the reward (RLHF); its score of a rollout
+    is the model's output for the prompt and the completion in its chat template."""
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from molt.agents.env import prompt_messages
+    from molt.agents.reward_fn import load_reward
+    from molt.models.tokenizer import build_builtin_tokenizer
+
+    tokenizer = build_builtin_tokenizer()
+    config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                      num_labels=1, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    rm = transformers.Qwen2ForSequenceClassification(config).eval()
+    rm.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    monkeypatch.setenv("MOLT_REWARD_MODEL", str(tmp_path / "rm"))
+    example = Path(__file__).parents[2] / "examples" / "reward_model.py"
+    score = load_reward(f"{example}:score").parts[0].fn
+    row = {"messages": [{"role": "user", "content": "12+30="}], "answer": "42"}
+    text = tokenizer.apply_chat_template([*prompt_messages(row["messages"]), {"role": "assistant", "content": "42"}],
+                                         tokenize=False)  # fmt: skip
+    with torch.no_grad():
+        expected = float(rm(**tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0])
+    assert score("42", row) == pytest.approx(expected, abs=1e-5) and score("42", row) != score("41", row)
+    result = run_train(parse_config([*FAST, "--data.path", str(files / "rows.jsonl"), "--rollout.reward",
+                                     f"{example}:score", "--train.max_steps", "1", "--log.run_dir",
+                                     str(tmp_path / "run")]))  # fmt: skip
+    assert result.history[-1]["rollout/failures"] == 0 and "reward/score" in result.history[-1]
