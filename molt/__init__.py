@@ -1,6 +1,7 @@
 """Molt: reinforcement learning of language-model agents, compact and PyTorch-native.
 
-The Python API mirrors `molt train`: `molt.train(config)`, or `await molt.train_async(config)` inside an event loop.
+The Python API mirrors `molt train` and `molt eval`: `molt.train(config)`, `molt.evaluate(target)`, or `await
+molt.train_async(config)` / `await molt.evaluate_async(target)` inside an event loop.
 `config` is a `Config`, a nested or dotted dict (`{"train.max_steps": 20}`) or a TOML/YAML path; keyword arguments
 override groups of it. Heavy modules are imported on the first call. `molt.train` stays the function although a
 subpackage `molt/train/` exists: import its modules with `from molt.train.trainer import Trainer`."""
@@ -15,11 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from molt.cli.eval import EvalResult
     from molt.cli.train import TrainResult
     from molt.config import Config
 
 __version__ = "0.1.0"
-__all__ = ["cache_root", "make_config", "train", "train_async"]
+__all__ = ["cache_root", "evaluate", "evaluate_async", "make_config", "train", "train_async"]
 
 
 def cache_root() -> Path:
@@ -81,6 +83,39 @@ async def train_async(
     from molt.cli.train import train_async as run
 
     return await run(make_config(config, **overrides))
+
+
+def evaluate(target: str | os.PathLike, config: Any = None, **overrides: Any) -> EvalResult:
+    """`molt eval TARGET` from Python: score a checkpoint, a run directory (its latest checkpoint) or a model folder
+    on held-out rows; returns its `EvalResult` (metrics, per-row samples, the eval's run directory). A run's
+    config.yaml is the config (its data, agent, reward and eval settings) unless `config` is given; keyword arguments
+    override groups of it, as for `train` (`eval={"n_samples": 8}`). Inside a running event loop (a notebook cell) it
+    runs on a worker thread, as `molt.train` does; prefer `await molt.evaluate_async(...)` there."""
+    from molt.cli.eval import run_eval
+
+    return run_eval(_eval_config(target, config, overrides))
+
+
+async def evaluate_async(target: str | os.PathLike, config: Any = None, **overrides: Any) -> EvalResult:
+    """`molt.evaluate` as a coroutine on the caller's event loop."""
+    from molt.cli.eval import eval_async
+
+    return await eval_async(_eval_config(target, config, overrides))
+
+
+def _eval_config(target: str | os.PathLike, config: Any, overrides: dict[str, Any]) -> Config:
+    """The config `molt eval TARGET` resolves: the target's run's config.yaml (not its run directory or tokenizer; not
+    its training file when `data.eval_path` names the rows to score) unless `config` is given, then `overrides`."""
+    from molt.cli.config_file import nested
+    from molt.cli.main import run_of
+
+    given, run = nested(overrides), run_of(str(target)) if config is None else None
+    base: dict[str, Any] = {"model.path": str(target), "log.run_dir": ""}
+    if run is not None:
+        config, base["model.tokenizer"] = str(run / "config.yaml"), ""
+        if "eval_path" in given.get("data", {}) and "path" not in given.get("data", {}):
+            base["data.path"] = ""  # the run's training file need not exist any more
+    return make_config(config, **nested(base, given))
 
 
 class _Package(types.ModuleType):

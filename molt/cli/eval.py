@@ -8,7 +8,6 @@ samples failed, `rollout_failures.log`; a user error when every sample failed.""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from molt.agents.chat.agent import local_rollout
 from molt.cli.build import build_policy
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
-from molt.cli.main import interruptible
+from molt.cli.main import interruptible, run_sync
 from molt.config import Config, check
 from molt.data.dataset import rows_digest
 from molt.engine.torch_engine import on_fresh_thread
@@ -38,7 +37,6 @@ class EvalResult:
     rows: list[dict[str, Any]]
 
 
-@interruptible
 async def _eval_async(cfg: Config, rows: list[dict], inputs: RunInputs, threads: int, out: list, failure_log: Path):
     tokenizer, model = await on_fresh_thread(build_policy, cfg, threads=threads)  # the engine puts it in eval mode
     engine = build_engine(cfg, model, tokenizer, threads=threads, owned=True)
@@ -74,7 +72,13 @@ def _check_same_rows(checkpoint: Path, train_rows: list[dict]) -> None:
 
 
 def run_eval(cfg: Config) -> EvalResult:
-    """The `molt eval` command."""
+    """The `molt eval` command, from synchronous code (`run_sync`: a notebook's running loop too)."""
+    return run_sync(eval_async, cfg)
+
+
+@interruptible
+async def eval_async(cfg: Config) -> EvalResult:
+    """`molt eval` on the running event loop (`await molt.evaluate_async(...)`)."""
     checkpoint = cfg.model.path  # a run directory's latest checkpoint, resolved by ModelConfig
     check(bool(checkpoint), "model.path", "molt eval needs a checkpoint: `molt eval CHECKPOINT|RUN_DIR|MODEL_FOLDER`")
     if cfg.log.run_dir:  # its config.yaml and metrics.jsonl would replace and join another run's
@@ -97,7 +101,7 @@ def run_eval(cfg: Config) -> EvalResult:
         out.parent.mkdir(parents=True, exist_ok=True)  # before the samples run
         failure_log = run.path / FAILURE_LOG
         try:
-            metrics = asyncio.run(_eval_async(cfg, rows, inputs, threads, records, failure_log))
+            metrics = await _eval_async(cfg, rows, inputs, threads, records, failure_log)
         finally:
             torch.set_num_threads(main_threads)
             if inputs.reward:

@@ -20,6 +20,7 @@ import threading
 import traceback
 import typing
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NoReturn, ParamSpec, TypeVar
 
@@ -251,7 +252,7 @@ def _replay_args(args: list[str]) -> list[str]:
     return ["--config", str(run / "config.yaml"), "--log.run_dir", "", "--ckpt.resume", "", *args]
 
 
-def _run_of(target: str) -> Path | None:
+def run_of(target: str) -> Path | None:
     """The run directory `target` is (or is a checkpoint of), if any: `molt train`'s (checkpoints/STEP) or
     `molt sft`'s (checkpoint/)."""
     path = Path(target)
@@ -266,7 +267,7 @@ def _eval_args(target: str, args: list[str]) -> list[str]:
     """`molt eval TARGET` = `--model.path TARGET`, with the run's config.yaml as the config file when TARGET
     is a run or one of its checkpoints (its data, rollout and eval settings; not its run_dir; not its training data
     when `--data.eval_path` names the rows to score)."""
-    run = _run_of(target)
+    run = run_of(target)
     base = ["--model.path", target]
     if run is not None and _config_path(args) is None:
         reset = ["--log.run_dir", "", "--model.tokenizer", ""]  # eval reads no ckpt settings
@@ -462,6 +463,47 @@ def interruptible(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
                 signal.signal(each, before[each])
 
     return run
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def run_sync(fn: Callable[P, Awaitable[R]], *args: P.args, **kwargs: P.kwargs) -> R:
+    """`asyncio.run(fn(...))` from synchronous code: on this thread, or, when it already runs an event loop (a
+    notebook cell), on a worker thread with its own loop (asyncio.run refuses to nest), where an interrupt or SIGTERM
+    here cancels the run, waits for its clean-up (engines closed, rollouts cancelled), then re-raises."""
+    if not _loop_running():
+        return asyncio.run(fn(*args, **kwargs))
+    running: Future[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = Future()
+
+    async def run() -> R:
+        running.set_result((asyncio.get_running_loop(), asyncio.current_task()))
+        return await fn(*args, **kwargs)
+
+    # Ctrl-C and SIGTERM raise here while this call blocks the host's loop (asyncio.run's handler only cancels a task)
+    main = threading.current_thread() is threading.main_thread()
+    signals = [s for s in (signal.SIGINT, signal.SIGTERM) if main and signal.getsignal(s) not in (signal.SIG_IGN, None)]
+    previous = {s: signal.signal(s, signal.default_int_handler) for s in signals}
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
+            done = pool.submit(asyncio.run, run())
+            try:
+                return done.result()
+            except KeyboardInterrupt:
+                loop, task = running.result()
+                with contextlib.suppress(RuntimeError):  # its loop is closed: the run just ended
+                    loop.call_soon_threadsafe(task.cancel)
+                with contextlib.suppress(Exception, asyncio.CancelledError):  # a second Ctrl-C stops the wait
+                    done.result()
+                raise
+    finally:
+        for each, handler in previous.items():
+            signal.signal(each, handler)
 
 
 def main(argv: list[str] | None = None) -> None:

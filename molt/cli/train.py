@@ -6,14 +6,9 @@ trains on a rollout dump and no engine is started (`molt/loop/replay.py`)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-import signal
 import sys
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +19,7 @@ import yaml
 from molt.algo import ESTIMATORS
 from molt.cli.build import build_policy, build_tokenizer, check_same_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
-from molt.cli.main import interruptible
+from molt.cli.main import interruptible, run_sync
 from molt.cli.warm_start import may_warm_start, wants_warm_start, warm_start
 from molt.config import AlgoConfig, Config, ConfigError, check
 from molt.config.rl import check_rollout_algo
@@ -270,43 +265,6 @@ async def train_async(cfg: Config) -> TrainResult:
     return result
 
 
-def _on_worker_loop(cfg: Config) -> TrainResult:
-    """`train_async(cfg)` on a worker thread with its own event loop; a KeyboardInterrupt here (a notebook's
-    interrupt) cancels the run there, waits for its clean-up (engines closed, rollouts cancelled), then re-raises."""
-    running: Future[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = Future()
-
-    async def run() -> TrainResult:
-        running.set_result((asyncio.get_running_loop(), asyncio.current_task()))
-        return await train_async(cfg)
-
-    # Ctrl-C and SIGTERM raise here while this call blocks the host's loop (asyncio.run's handler only cancels a task)
-    main = threading.current_thread() is threading.main_thread()
-    signals = [s for s in (signal.SIGINT, signal.SIGTERM) if main and signal.getsignal(s) not in (signal.SIG_IGN, None)]
-    previous = {s: signal.signal(s, signal.default_int_handler) for s in signals}
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
-            done = pool.submit(asyncio.run, run())
-            try:
-                return done.result()
-            except KeyboardInterrupt:
-                loop, task = running.result()
-                with contextlib.suppress(RuntimeError):  # its loop is closed: the run just ended
-                    loop.call_soon_threadsafe(task.cancel)
-                with contextlib.suppress(Exception, asyncio.CancelledError):  # a second Ctrl-C stops the wait
-                    done.result()
-                raise
-    finally:
-        for each, handler in previous.items():
-            signal.signal(each, handler)
-
-
 def run_train(cfg: Config) -> TrainResult:
-    """The `molt train` command, from synchronous code: on this thread, or on a worker thread with its own event
-    loop when this thread already runs one (a notebook), since `asyncio.run` refuses to nest."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass  # no running loop: run below, outside this block, so a failure's traceback does not start with it
-    else:
-        return _on_worker_loop(cfg)
-    return asyncio.run(train_async(cfg))
+    """The `molt train` command, from synchronous code (`run_sync`: a notebook's running loop too)."""
+    return run_sync(train_async, cfg)

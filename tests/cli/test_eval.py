@@ -28,6 +28,19 @@ def test_molt_eval_reproduces_the_in_training_eval_of_the_checkpoint(tmp_path, c
     assert evaluated["checkpoint"].endswith("step-2")
     assert {k: evaluated[k] for k in trained} == trained
     assert "eval/pass@2" in evaluated  # every k up to n
+    import asyncio
+
+    import molt  # the Python API: the same eval, in a script and awaited on a running loop (a notebook's)
+
+    scripted = molt.evaluate(tmp_path / "run", log={"run_dir": str(tmp_path / "api")})
+    awaited = asyncio.run(molt.evaluate_async(tmp_path / "run", log={"run_dir": str(tmp_path / "api2")}))
+
+    async def cell():  # the blocking call inside a running loop: on a worker thread (asyncio.run refuses to nest)
+        return molt.evaluate(tmp_path / "run", log={"run_dir": str(tmp_path / "api3")})
+
+    in_loop = asyncio.run(cell())
+    expected = {k: v for k, v in evaluated.items() if k != "checkpoint"}
+    assert scripted.metrics == awaited.metrics == in_loop.metrics == expected
     results = [json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").read_text().splitlines()]
     assert len(results) == 6 and all(len(r["samples"]) == 3 for r in results)
     assert {"text", "reward", "correct", "rewards"} <= set(results[0]["samples"][0])
