@@ -427,11 +427,11 @@ def _terminate(signum: int, frame) -> None:
 
 def interruptible(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     """`fn` run so that SIGINT (Ctrl-C, a notebook's interrupt) and SIGTERM (`timeout`, Slurm) cancel it on its event
-    loop: its clean-up runs, then a KeyboardInterrupt is raised (SIGTERM noted in `_TERMINATED`); a second signal
-    raises it at once (out of code blocking the loop), as asyncio.run's own Ctrl-C does. On the main thread, for each
-    signal not ignored (a background job ignores SIGINT). Raised from the first signal's handler instead, the
-    interrupt landed wherever the process was: in torch's threads' teardown (an abort), or in a notebook cell awaiting
-    the run (which then went on in the background)."""
+    loop: its clean-up runs, then a KeyboardInterrupt is raised (SIGTERM noted in `_TERMINATED`); a signal while the
+    loop has not got to the previous one (code blocking it) raises at once, and a later one cancels the clean-up too.
+    On the main thread, for each signal not ignored (a background job ignores SIGINT). Raised from the first signal's
+    handler instead, the interrupt landed wherever the process was: in torch's threads' teardown (an abort), or in a
+    notebook cell awaiting the run (which then went on in the background)."""
 
     @functools.wraps(fn)
     async def run(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -440,13 +440,18 @@ def interruptible(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         caught = [s for s, handler in before.items() if threading.current_thread() is main and handler is not None
                   and handler != signal.SIG_IGN]  # fmt: skip
         arrived: list[int] = []
+        pending: list[bool] = []  # a cancel asked for that the loop has not run yet: it is blocked
+
+        def cancel() -> None:
+            pending.clear()
+            task.cancel()  # (a no-op once the run returned: a signal at its very end keeps its result)
 
         def on_signal(signum: int, frame) -> None:
             arrived.append(signum)
-            if len(arrived) > 1 or task.done():
+            if pending or task.done():  # the loop never got to the first: out of the code blocking it
                 raise KeyboardInterrupt
-            task.cancel()
-            loop.call_soon_threadsafe(lambda: None)  # wakes a loop waiting in select()
+            pending.append(True)
+            loop.call_soon_threadsafe(cancel)  # on the loop, between two steps of the run
 
         for each in caught:
             signal.signal(each, on_signal)
@@ -489,19 +494,20 @@ def run_sync(fn: Callable[P, Awaitable[R]], *args: P.args, **kwargs: P.kwargs) -
     main = threading.current_thread() is threading.main_thread()
     signals = [s for s in (signal.SIGINT, signal.SIGTERM) if main and signal.getsignal(s) not in (signal.SIG_IGN, None)]
     previous = {s: signal.signal(s, signal.default_int_handler) for s in signals}
+    pool, done = ThreadPoolExecutor(1, thread_name_prefix="molt-run"), None
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="molt-run") as pool:
-            done = pool.submit(asyncio.run, run())
-            try:
-                return done.result()
-            except KeyboardInterrupt:
-                loop, task = running.result()
-                with contextlib.suppress(RuntimeError):  # its loop is closed: the run just ended
-                    loop.call_soon_threadsafe(task.cancel)
-                with contextlib.suppress(Exception, asyncio.CancelledError):  # a second Ctrl-C stops the wait
-                    done.result()
-                raise
+        done = pool.submit(asyncio.run, run())
+        try:
+            return done.result()
+        except KeyboardInterrupt:
+            loop, task = running.result()
+            with contextlib.suppress(RuntimeError):  # its loop is closed: the run just ended
+                loop.call_soon_threadsafe(task.cancel)
+            with contextlib.suppress(Exception, asyncio.CancelledError):  # a second Ctrl-C stops the wait
+                done.result()
+            raise
     finally:
+        pool.shutdown(wait=done is None or done.done())  # a second Ctrl-C: the clean-up goes on without this call
         for each, handler in previous.items():
             signal.signal(each, handler)
 

@@ -127,6 +127,22 @@ def test_a_second_ctrl_c_gets_out_of_code_blocking_the_loop():
     assert not finished and signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
+def test_a_signal_after_the_runs_last_await_keeps_its_result():
+    """Cancelled from the signal handler, a run past its last await (writing its summary) lost its result to a bare
+    CancelledError; the cancel now waits for the loop, by when the run has returned."""
+    import os
+
+    from molt.cli.main import interruptible
+
+    @interruptible
+    async def finishing():
+        await asyncio.sleep(0)
+        os.kill(os.getpid(), signal.SIGINT)  # arrives during the synchronous tail
+        return "done"
+
+    assert asyncio.run(finishing()) == "done"
+
+
 def test_ctrl_c_during_the_warm_start_stops_at_once(tmp_path):
     env = {**os.environ, "MOLT_CACHE": str(tmp_path / "cache")}
     args = [*TINY, "--model.warmstart_steps", "100000", "--log.every", "1", "--log.run_dir", str(tmp_path / "run")]
