@@ -40,10 +40,18 @@ def _reward_model() -> dict:
 
 
 def render(tokenizer, messages: list[dict]) -> str:
-    """The conversation as the reward model reads it: its chat template, else the turns one per line."""
+    """The conversation as the reward model reads it (a text model: a message's text parts, an image as `[image]`):
+    its chat template, else the turns one per line."""
+    messages = [m | {"content": _text(m.get("content"))} for m in messages]
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template(messages, tokenize=False)
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def _text(content) -> str:
+    if not isinstance(content, list):
+        return content or ""
+    return "".join(p.get("text", "") if p.get("type") == "text" else "[image]" for p in content if isinstance(p, dict))
 
 
 @torch.no_grad()
@@ -51,7 +59,8 @@ def score(completion: str, row: dict) -> float:
     """The reward model's score of the completion as the answer to the row's prompt."""
     rm = _reward_model()
     messages = [*prompt_messages(row["messages"]), {"role": "assistant", "content": completion}]
+    context = min(rm["tokenizer"].model_max_length, getattr(rm["model"].config, "max_position_embeddings", 1 << 30))
     inputs = rm["tokenizer"](render(rm["tokenizer"], messages), return_tensors="pt", truncation=True,
-                             add_special_tokens=False)  # fmt: skip
+                             max_length=context, add_special_tokens=not rm["tokenizer"].chat_template)  # fmt: skip
     with _LOCK:  # one forward at a time on the shared model
         return float(rm["model"](**inputs.to(rm["device"])).logits[0, 0])

@@ -128,7 +128,8 @@ def test_a_reward_model_scores_the_completions(files, tmp_path, monkeypatch):
     tokenizer = build_builtin_tokenizer()
     config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                      num_labels=1, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                                      num_labels=1, pad_token_id=tokenizer.pad_token_id,
+                                      max_position_embeddings=128)  # fmt: skip
     torch.manual_seed(0)
     rm = transformers.Qwen2ForSequenceClassification(config).eval()
     rm.save_pretrained(tmp_path / "rm")
@@ -142,6 +143,10 @@ def test_a_reward_model_scores_the_completions(files, tmp_path, monkeypatch):
     with torch.no_grad():
         expected = float(rm(**tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0])
     assert score("42", row) == pytest.approx(expected, abs=1e-5) and score("42", row) != score("41", row)
+    long = {"messages": [{"role": "user", "content": "7+" * 300}]}  # over the reward model's 128 positions: cut left
+    parts = [{"type": "image", "image": b"png"}, {"type": "text", "text": "What?"}]  # a VLM's prompt: text only
+    image = {"messages": [{"role": "user", "content": parts}]}
+    assert all(isinstance(score("42", r), float) for r in (long, image))
     result = run_train(parse_config([*FAST, "--data.path", str(files / "rows.jsonl"), "--rollout.reward",
                                      f"{example}:score", "--train.max_steps", "1", "--log.run_dir",
                                      str(tmp_path / "run")]))  # fmt: skip
