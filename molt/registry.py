@@ -73,6 +73,11 @@ class Registry(Generic[F]):
         self._user[name] = not _in_molt(self._origin[name][0])  # asked per micro-batch: resolved once
         return variant
 
+    def remove(self, name: str) -> None:
+        """Forget variant `name` (a notebook's or a test's own; registering it again then starts afresh)."""
+        for table in (self._fns, self._info, self._origin, self._namespace, self._user):
+            table.pop(name, None)
+
     def _rerun(self, name: str, variant: F) -> bool:
         """Whether `variant` is a new version of `name`'s variant, so it may replace it: defined in the same file
         outside Molt by a new run of it (an edited plugin imported again: its module's namespace is new), or both in

@@ -350,11 +350,4 @@ def test_a_notebook_cell_that_registers_a_variant_runs_again():
             exec(compile("\n" + cell, "/tmp/ipykernel_1/1.py", "exec"), main)
     finally:
         main.pop("cell_filter", None), main.pop("GROUP_FILTERS", None)
-        for table in (
-            GROUP_FILTERS._fns,
-            GROUP_FILTERS._info,
-            GROUP_FILTERS._origin,
-            GROUP_FILTERS._namespace,
-            GROUP_FILTERS._user,
-        ):
-            table.pop("cell_filter", None)
+        GROUP_FILTERS.remove("cell_filter")

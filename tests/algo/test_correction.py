@@ -98,5 +98,4 @@ def test_a_mode_of_your_own_names_the_levels_it_takes():
         ):
             AlgoConfig(is_level="tokn")
     finally:
-        for table in (IS_MODES._fns, IS_MODES._info, IS_MODES._origin, IS_MODES._namespace, IS_MODES._user):
-            table.pop("soft")
+        IS_MODES.remove("soft")

@@ -156,7 +156,7 @@ def test_the_critic_fits_the_returns_of_the_runs_own_estimator():
         assert own["critic/return_mean"] == pytest.approx(10 * gae["critic/return_mean"], rel=1e-5)
         assert own["critic/value_loss"] > 10 * gae["critic/value_loss"]  # V_old = 0 (zero head): 0.5 * R^2
     finally:
-        algo.ESTIMATORS._fns.pop("gae_x10"), algo.ESTIMATORS._info.pop("gae_x10")
+        algo.ESTIMATORS.remove("gae_x10")
 
 
 def test_an_estimator_of_values_and_a_teachers_kl_gets_both_for_the_critics_targets(tmp_path):
@@ -175,5 +175,4 @@ def test_an_estimator_of_values_and_a_teachers_kl_gets_both_for_the_critics_targ
         metrics = Trainer(copy.deepcopy(model), cfg).step(_trajs(model))
         assert metrics["critic/return_mean"] == pytest.approx(metrics["train/return_mean"], rel=1e-5)
     finally:
-        for table in (algo.ESTIMATORS._fns, algo.ESTIMATORS._info, algo.ESTIMATORS._origin, algo.ESTIMATORS._user):
-            table.pop("gae_distill")
+        algo.ESTIMATORS.remove("gae_distill")
