@@ -220,7 +220,24 @@ def _resume_args(args: list[str], command_name: str) -> list[str]:
     if run_dir is None:
         return args
     check_written_by(run_dir, command_name)  # before its config.yaml, whose settings the other command may refuse
+    _check_same_backend(run_dir, args)
     return ["--config", str(run_config(run_dir)), "--log.run_dir", str(Path(run_dir).resolve()), *args]
+
+
+def _check_same_backend(run_dir: str, args: list[str]) -> None:
+    """A ConfigError when `--runtime.backend` in `args` is not the one `run_dir` was trained with, before the run's
+    config.yaml is read (its Ray settings would be blamed instead: the checkpoint's layout is what differs)."""
+    import yaml
+
+    given = [v for f, v in zip(args, [*args[1:], ""], strict=True) if f == "--runtime.backend"]
+    given += [a.split("=", 1)[1] for a in args if a.startswith("--runtime.backend=")]
+    if not given:
+        return
+    with contextlib.suppress(OSError, yaml.YAMLError, AttributeError):
+        was = (yaml.safe_load(run_config(run_dir).read_text()).get("runtime") or {}).get("backend", "local")
+        check(given[-1] == was, "ckpt.resume", f"runtime.backend is {given[-1]} here but {was} in {run_dir}; its "
+              "checkpoint holds the other training state (ray writes sharded ones): keep the run's backend, or start "
+              f"a new run from its policy with --model.path {run_dir}")  # fmt: skip
 
 
 def check_resume_config(run_dir: str | None, path: str | os.PathLike | None) -> None:

@@ -236,6 +236,11 @@ def test_resume_refuses_settings_its_checkpoint_state_cannot_hold(tmp_path, caps
     resume = ("train", "--resume", str(adaptive), "--train.max_steps", "2")
     err = one_line(run_molt(capsys, *resume, "--algo.kl_coef", "0.5"))
     assert "algo.kl_coef: the adaptive KL coefficient (algo.kl_target) continues from" in err
+    saved = yaml.safe_load((run / "config.yaml").read_text())  # as a Ray run writes it: the backend and its settings
+    saved["runtime"] |= {"backend": "ray", "engines": 2}
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    err = one_line(run_molt(capsys, "train", "--resume", str(run), "--runtime.backend", "local"))
+    assert f"ckpt.resume: runtime.backend is local here but ray in {run}" in err  # not its runtime.engines line
 
 
 def test_resume_after_the_model_folder_moved_takes_its_new_place(tmp_path, capsys):
