@@ -7,6 +7,7 @@ only LoRA adapters train, and the checkpoint holds the merged weights plus the a
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 
@@ -34,8 +35,9 @@ class SftResult:
     eval_after: dict[str, float]
 
 
-def run_sft(cfg: Config) -> SftResult:
-    """The `molt sft` command; `--ckpt.every N` also saves resumable `checkpoints/step-N/` (`molt sft --resume RUN`)."""
+def run_sft(cfg: Config, stop: threading.Event | None = None) -> SftResult:
+    """The `molt sft` command; `--ckpt.every N` also saves resumable `checkpoints/step-N/` (`molt sft --resume RUN`).
+    `stop` (a run's warm start on its build thread): set, the next step raises KeyboardInterrupt."""
     torch.manual_seed(cfg.train.seed)
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
@@ -57,6 +59,8 @@ def run_sft(cfg: Config) -> SftResult:
         for _ in range(start):
             next(sampler)  # a resumed run draws the batches the run would have drawn
         for step in range(start + 1, cfg.train.max_steps + 1):
+            if stop is not None and stop.is_set():  # the run that wanted it was cancelled
+                raise KeyboardInterrupt
             t0 = time.perf_counter()
             picked = next(sampler)
             batches = pack(

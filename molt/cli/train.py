@@ -6,8 +6,10 @@ trains on a rollout dump and no engine is started (`molt/loop/replay.py`)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +51,11 @@ class TrainResult:
     seconds: float
 
 
-def _policy(cfg: Config, train_rows: list[dict], warm: bool):
-    """(tokenizer, trainer model): resumed, loaded, or warm-started preset."""
-    folder = latest_checkpoint(cfg.ckpt.resume) if cfg.ckpt.resume else warm_start(cfg, train_rows) if warm else None
+def _policy(cfg: Config, train_rows: list[dict], warm: bool, stop: threading.Event):
+    """(tokenizer, trainer model): resumed, loaded, or warm-started preset (`stop` set: the warm start stops)."""
+    folder = (
+        latest_checkpoint(cfg.ckpt.resume) if cfg.ckpt.resume else warm_start(cfg, train_rows, stop) if warm else None
+    )
     model_cfg = dataclasses.replace(cfg.model, path=str(folder), tokenizer="") if folder else cfg.model
     return build_policy(cfg, model_cfg, Precision.of(cfg.model.dtype, cfg.train.precision, cfg.runtime.device).params)
 
@@ -97,7 +101,12 @@ async def _start(cfg: Config, run: RunDir, threads: int, inputs: RunInputs) -> t
     """The runtime (policy trainer, extra models, engines) and the loop over them; a resume restores both.
     `rollout.replay`: the trainer alone and the loop over the dump (no engine is built)."""
     warm = wants_warm_start(cfg, inputs.train_rows, run.print)
-    tokenizer, model = await on_fresh_thread(_policy, cfg, inputs.train_rows, warm, threads=threads)
+    stop = threading.Event()  # cancelled (a notebook's interrupt), the run stops its warm start's thread too
+    try:
+        tokenizer, model = await on_fresh_thread(_policy, cfg, inputs.train_rows, warm, stop, threads=threads)
+    except asyncio.CancelledError:
+        stop.set()
+        raise
     runtime = start_runtime(cfg, model, threads)
     try:
         trainer = runtime.trainer

@@ -14,6 +14,7 @@ import hashlib
 import json
 import shutil
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,9 @@ def _key_fields(group: Any, *newer: str) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(group).items() if k not in newer or k in moved}
 
 
-def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
-    """Path of an SFT checkpoint of the preset on the task's demonstrations (trained once, then cached)."""
+def warm_start(cfg: Config, train_rows: list[dict] | None = None, stop: threading.Event | None = None) -> str:
+    """Path of an SFT checkpoint of the preset on the task's demonstrations (trained once, then cached); `stop` set
+    stops its training (the run was cancelled)."""
     rows = train_rows if train_rows is not None else dataset_rows(cfg.data)[0]
     data = _key_fields(cfg.data, "eval_path", "split", "columns", "system_prompt", "shuffle")
     # a file's every row (it may change); a task's count and three of its rows (as a resume checks them: a change of
@@ -59,7 +61,7 @@ def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
                           file=sys.stderr, flush=True)  # fmt: skip
                     fcntl.flock(lock, fcntl.LOCK_EX)
                 if not _cached(folder / "checkpoint"):
-                    _train(cfg, folder)
+                    _train(cfg, folder, stop)
         except (OSError, SafetensorError) as e:  # a full disk, a read-only cache
             raise ConfigError(
                 f"warm start: cannot write the cache {folder} ({e}); free space or set MOLT_CACHE"
@@ -67,7 +69,7 @@ def warm_start(cfg: Config, train_rows: list[dict] | None = None) -> str:
     return str(folder / "checkpoint")
 
 
-def _train(cfg: Config, folder: Path) -> None:
+def _train(cfg: Config, folder: Path, stop: threading.Event | None = None) -> None:
     """`molt sft` of the preset into `folder`: the run's settings, the warm start's steps and lr, no LoRA."""
     from molt.cli.sft import run_sft
 
@@ -77,7 +79,8 @@ def _train(cfg: Config, folder: Path) -> None:
     train = dataclasses.replace(cfg.train, max_steps=steps, lr=cfg.model.warmstart_lr, batch_size=32,
                                 warmup_steps=min(10, steps), **lora_off)  # fmt: skip
     log = dataclasses.replace(cfg.log, run_dir=str(folder), wandb_project="")  # a cache, not a run
-    run_sft(dataclasses.replace(cfg, train=train, log=log, ckpt=CkptConfig()))  # the run's checkpoints are not its
+    ckpt = CkptConfig()  # the run's checkpoint settings are not the cached SFT's
+    run_sft(dataclasses.replace(cfg, train=train, log=log, ckpt=ckpt), stop)
 
 
 def _cached(checkpoint: Path) -> bool:

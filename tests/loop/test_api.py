@@ -178,6 +178,32 @@ def test_ctrl_c_stops_an_awaited_train_async_on_the_notebooks_loop(tmp_path, mon
         kernel.close()
 
 
+def test_an_interrupt_during_the_warm_start_stops_its_thread(tmp_path, monkeypatch):
+    """In a notebook the warm start's build thread trained on after the interrupt (holding the cache's lock, so the
+    next run waited for it); the run now stops it at its next step."""
+    from molt.train.sft import SftTrainer
+
+    step = SftTrainer.step
+
+    def interrupt_at_step_two(trainer, batches):
+        if trainer.version == 2:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        return step(trainer, batches)
+
+    monkeypatch.setattr(SftTrainer, "step", interrupt_at_step_two)
+    monkeypatch.setenv("MOLT_CACHE", str(tmp_path / "cache"))
+    earlier, kernel = set(threading.enumerate()), asyncio.new_event_loop()
+    cfg = molt.make_config(TINY, model={"warmstart_steps": 100000}, log={"run_dir": str(tmp_path / "run")})
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            kernel.run_until_complete(molt.train_async(cfg))
+    finally:
+        kernel.close()
+    for thread in set(threading.enumerate()) - earlier:
+        thread.join(60)
+        assert not thread.is_alive(), thread.name  # not the 100000 steps
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed (optional)")
 def test_wandb_offline_writes_its_run_files(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
