@@ -15,11 +15,11 @@ import torch
 
 from molt.cli.build import architecture, build_model, build_tokenizer
 from molt.cli.train import check_run_dir
-from molt.config import Config, check
+from molt.config import Config
 from molt.config.run import latest_checkpoint
 from molt.engine.interface import eos_ids
 from molt.log import RunDir, plot_metrics, read_metrics
-from molt.loop.accounting import LoopState
+from molt.loop.accounting import LoopState, check_same_rows
 from molt.loop.checkpoint import load_training_state, save_checkpoint
 from molt.train.lora import save_policy
 from molt.train.packing import pack
@@ -98,9 +98,7 @@ def _trainer(cfg: Config, tokenizer, digest: list) -> tuple[SftTrainer, int]:
     if folder is None:
         return trainer, 0
     state = load_training_state(folder, trainer)
-    check(not state.data or state.data == digest, "data.path" if cfg.data.path else "data.task", f"the training "
-          f"rows changed since {folder} ({state.data and state.data[0]} rows then, {digest[0]} now, or other rows); "
-          "resume on the run's data, or start a new run from its checkpoint with --model.path")  # fmt: skip
+    check_same_rows(state.data, digest, cfg.data)
     return trainer, state.step
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from molt import algo
-from molt.config import Config
+from molt.config import Config, ConfigError
 from molt.data.rows import row_location
 from molt.data.trajectory import Trajectory
 from molt.errors import RolloutDrop, UserError, describe_error, error_kind, error_traceback
@@ -36,6 +36,18 @@ class LoopState:
     elapsed_s: float = 0.0  # the loop's wall clock at the checkpoint (`time/elapsed_s` goes on from it)
     unlogged: list[list] = field(default_factory=list)  # [reward, numeric info] of rollouts no step has logged yet
     data: list = field(default_factory=list)  # [rows, digest] of the training rows the cursor walks (`rows_digest`)
+
+
+def check_same_rows(then: list, now: list, data) -> None:
+    """A resume (`molt train`'s or `molt sft`'s) walks the checkpoint's training rows (`then`, their `rows_digest`;
+    empty: not recorded) with its cursor; other rows (`now`) would put other prompts, held-out ones among them, where
+    it points, silently: a ConfigError naming the `data` key."""
+    if then and then != now:
+        key = "data.path" if data.path else "data.task"  # a task's: another Molt may generate others
+        raise ConfigError(f"{key}: the training rows changed since the checkpoint ({then[0]} rows then, "
+                          f"{now[0]} now, or other rows): its data cursor would pick other prompts, held-out ones "
+                          "among them; resume on the run's data, or start a new run from its checkpoint with "
+                          "--model.path")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,21 @@ from molt.agents.chat.agent import local_rollout
 from molt.agents.runner import EpisodeLimits, real_number
 from molt.agents.watchdog import SWALLOWED
 from molt.agents.workers import AgentWorkers
-from molt.config import Config, ConfigError
+from molt.config import Config
 from molt.data.dataset import rows_digest
 from molt.data.trajectory import Trajectory
 from molt.engine.interface import Engine, SamplingParams, work_since
 from molt.errors import RolloutDrop, RunFatalError
-from molt.loop.accounting import FAILURE_LOG, Accounting, Dropped, Failed, LoopState, RolloutOutcome, Sampled
+from molt.loop.accounting import (
+    FAILURE_LOG,
+    Accounting,
+    Dropped,
+    Failed,
+    LoopState,
+    RolloutOutcome,
+    Sampled,
+    check_same_rows,
+)
 from molt.loop.dump import ROLLOUTS, drop_shards_after, write_shard
 from molt.loop.evaluate import chat_runner, episode_limits, evaluate, named_reward_means, rollout_sampling
 from molt.train.interface import Trainer
@@ -366,13 +375,8 @@ class RLLoop(Accounting):
         among them) where the checkpoint's cursor points, silently. (A replay reads no rows.)"""
         if not self.train_rows:
             return
-        now, then = rows_digest(self.train_rows), self.state.data
-        if then and then != now:
-            key = "data.path" if self.cfg.data.path else "data.task"  # a task's: another Molt may generate others
-            raise ConfigError(f"{key}: the training rows changed since the checkpoint ({then[0]} rows then, "
-                              f"{now[0]} now, or other rows): its data cursor would pick other prompts, held-out ones "
-                              "among them; resume on the run's data, or start a new run from its checkpoint with "
-                              "--model.path")  # fmt: skip
+        now = rows_digest(self.train_rows)
+        check_same_rows(self.state.data, now, self.cfg.data)
         self.state.data = now
 
     def snapshot(self) -> LoopState:
