@@ -18,7 +18,7 @@ import torch
 from molt.agents.chat.agent import local_rollout
 from molt.cli.build import build_policy
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
-from molt.cli.main import interruptible, run_sync
+from molt.cli.signals import interruptible, run_sync
 from molt.config import Config, check
 from molt.data.dataset import rows_digest
 from molt.engine.torch_engine import on_fresh_thread

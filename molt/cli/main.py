@@ -6,11 +6,9 @@ traceback (`MOLT_TRACEBACK=1` adds it); anything else is a bug in Molt, printed 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import errno
-import functools
 import inspect
 import os
 import signal
@@ -19,19 +17,18 @@ import sys
 import threading
 import traceback
 import typing
-from collections.abc import Awaitable, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn, ParamSpec, TypeVar
+from typing import NoReturn
 
 import tyro
 
+from molt.cli.signals import TERMINATED, on_sigterm
 from molt.config import Config, ConfigError, check
 from molt.config.rl import check_rollout_algo
 from molt.config.training import check_rl_batch
 from molt.errors import RunFatalError, UserError, VariantFailure
 
-P, R = ParamSpec("P"), TypeVar("R")
 COMMANDS: dict[str, Callable[[Config], object]] = {}
 DEFAULTS: dict[str, dict] = {}
 UNUSED: dict[str, tuple[str, ...]] = {}  # command -> config groups (and keys) whose flags it refuses
@@ -430,105 +427,6 @@ def fail(prog: str, error: UserError) -> NoReturn:
     raise SystemExit(2)
 
 
-_TERMINATED: list[int] = []  # SIGTERM arrived (the interrupt that follows is reported as it)
-
-
-def _terminate(signum: int, frame) -> None:
-    """SIGTERM stops the command as Ctrl-C does: through SIGINT's handler (asyncio's cancels the run, so its
-    clean-up runs), or a KeyboardInterrupt where SIGINT is ignored (a background job's)."""
-    _TERMINATED.append(signum)
-    if not callable(signal.getsignal(signal.SIGINT)):
-        raise KeyboardInterrupt
-    signal.raise_signal(signal.SIGINT)
-
-
-def interruptible(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
-    """`fn` run so that SIGINT (Ctrl-C, a notebook's interrupt) and SIGTERM (`timeout`, Slurm) cancel it on its event
-    loop: its clean-up runs, then a KeyboardInterrupt is raised (SIGTERM noted in `_TERMINATED`); a signal while the
-    loop has not got to the previous one (code blocking it) raises at once, and a later one cancels the clean-up too.
-    On the main thread, for each signal not ignored (a background job ignores SIGINT). Raised from the first signal's
-    handler instead, the interrupt landed wherever the process was: in torch's threads' teardown (an abort), or in a
-    notebook cell awaiting the run (which then went on in the background)."""
-
-    @functools.wraps(fn)
-    async def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        loop, task, main = asyncio.get_running_loop(), asyncio.current_task(), threading.main_thread()
-        before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        caught = [s for s, handler in before.items() if threading.current_thread() is main and handler is not None
-                  and handler != signal.SIG_IGN]  # fmt: skip
-        arrived: list[int] = []
-        pending: list[bool] = []  # a cancel asked for that the loop has not run yet: it is blocked
-
-        def cancel() -> None:
-            pending.clear()
-            task.cancel()  # (a no-op once the run returned: a signal at its very end keeps its result)
-
-        def on_signal(signum: int, frame) -> None:
-            arrived.append(signum)
-            if pending or task.done():  # the loop never got to the first: out of the code blocking it
-                raise KeyboardInterrupt
-            pending.append(True)
-            loop.call_soon_threadsafe(cancel)  # on the loop, between two steps of the run
-
-        for each in caught:
-            signal.signal(each, on_signal)
-        try:
-            return await fn(*args, **kwargs)
-        except asyncio.CancelledError:
-            if not arrived:
-                raise
-            task.uncancel()
-            raise KeyboardInterrupt from None
-        finally:
-            _TERMINATED.extend(s for s in arrived[:1] if s == signal.SIGTERM)
-            for each in caught:
-                signal.signal(each, before[each])
-
-    return run
-
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
-def run_sync(fn: Callable[P, Awaitable[R]], *args: P.args, **kwargs: P.kwargs) -> R:
-    """`asyncio.run(fn(...))` from synchronous code: on this thread, or, when it already runs an event loop (a
-    notebook cell), on a worker thread with its own loop (asyncio.run refuses to nest), where an interrupt or SIGTERM
-    here cancels the run, waits for its clean-up (engines closed, rollouts cancelled), then re-raises."""
-    if not _loop_running():
-        return asyncio.run(fn(*args, **kwargs))
-    running: Future[tuple[asyncio.AbstractEventLoop, asyncio.Task]] = Future()
-
-    async def run() -> R:
-        running.set_result((asyncio.get_running_loop(), asyncio.current_task()))
-        return await fn(*args, **kwargs)
-
-    # Ctrl-C and SIGTERM raise here while this call blocks the host's loop (asyncio.run's handler only cancels a task)
-    main = threading.current_thread() is threading.main_thread()
-    signals = [s for s in (signal.SIGINT, signal.SIGTERM) if main and signal.getsignal(s) not in (signal.SIG_IGN, None)]
-    previous = {s: signal.signal(s, signal.default_int_handler) for s in signals}
-    pool, done = ThreadPoolExecutor(1, thread_name_prefix="molt-run"), None
-    try:
-        done = pool.submit(asyncio.run, run())
-        try:
-            return done.result()
-        except KeyboardInterrupt:
-            loop, task = running.result()
-            with contextlib.suppress(RuntimeError):  # its loop is closed: the run just ended
-                loop.call_soon_threadsafe(task.cancel)
-            with contextlib.suppress(Exception, asyncio.CancelledError):  # a second Ctrl-C stops the wait
-                done.result()
-            raise
-    finally:
-        pool.shutdown(wait=done is None or done.done())  # a second Ctrl-C: the clean-up goes on without this call
-        for each, handler in previous.items():
-            signal.signal(each, handler)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `molt` executable (commands' return values are for programmatic use)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -544,9 +442,9 @@ def main(argv: list[str] | None = None) -> None:
     if name not in COMMANDS:
         print(f"molt: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         raise SystemExit(2)
-    _TERMINATED.clear()
+    TERMINATED.clear()
     main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers may be set
-    on_term = signal.signal(signal.SIGTERM, _terminate) if main_thread else None  # `timeout`, Slurm, k8s: as Ctrl-C
+    on_term = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None  # `timeout`, Slurm, k8s: as Ctrl-C
     cfg = None
     try:
         cfg = parse_command(argv)
@@ -554,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         fail(f"molt {name}", e)
     except KeyboardInterrupt:
-        how, code = ("terminated (SIGTERM)", 143) if _TERMINATED else ("interrupted", 130)
+        how, code = ("terminated (SIGTERM)", 143) if TERMINATED else ("interrupted", 130)
         saves = name == "train" or (name == "sft" and cfg is not None and cfg.ckpt.every)
         kept = " (the run directory keeps the checkpoints saved so far)" if saves else ""
         print(f"molt {name}: {how}{kept}", file=sys.stderr)

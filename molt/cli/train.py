@@ -21,7 +21,7 @@ import yaml
 from molt.algo import ESTIMATORS
 from molt.cli.build import build_policy, build_tokenizer, check_same_tokenizer
 from molt.cli.inputs import RunInputs, agent_workers, load_inputs
-from molt.cli.main import interruptible, run_sync
+from molt.cli.signals import interruptible, run_sync
 from molt.cli.warm_start import may_warm_start, wants_warm_start, warm_start
 from molt.config import AlgoConfig, Config, ConfigError, check
 from molt.config.rl import check_rollout_algo

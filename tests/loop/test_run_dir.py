@@ -110,7 +110,7 @@ def test_a_second_ctrl_c_gets_out_of_code_blocking_the_loop():
     import threading
     import time
 
-    from molt.cli.main import interruptible
+    from molt.cli.signals import interruptible
 
     finished = []
 
@@ -132,7 +132,7 @@ def test_a_signal_after_the_runs_last_await_keeps_its_result():
     CancelledError; the cancel now waits for the loop, by when the run has returned."""
     import os
 
-    from molt.cli.main import interruptible
+    from molt.cli.signals import interruptible
 
     @interruptible
     async def finishing():
